@@ -1,0 +1,1 @@
+//! Checkpoint reading and writing (see issue #2).

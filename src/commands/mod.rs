@@ -1,0 +1,16 @@
+//! One module per subcommand. Each returns its exit code (0 clean, 1 findings) or an [`Error`]
+//! (exit 2).
+
+use crate::cli::{Cli, Command};
+use crate::Result;
+
+pub mod inspect;
+
+pub fn dispatch(cli: Cli) -> Result<i32> {
+    match cli.command {
+        Command::Inspect(a) => inspect::main(&a),
+        other => Err(crate::Error::usage(format!(
+            "command not available in this build: {other:?}"
+        ))),
+    }
+}

@@ -1,0 +1,21 @@
+//! Thin entry point: parse arguments, call the library, map results to exit codes
+//! (0 clean, 1 findings, 2 unusable input).
+
+use clap::Parser;
+use nvfp4_probe::cli::Cli;
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match std::panic::catch_unwind(|| nvfp4_probe::commands::dispatch(cli)) {
+        Ok(Ok(code)) => code,
+        Ok(Err(e)) => {
+            eprintln!("error: {e}");
+            e.exit_code()
+        }
+        Err(_) => {
+            eprintln!("error: internal failure (panic); this is a bug in nvfp4-probe");
+            nvfp4_probe::error::EXIT_UNUSABLE
+        }
+    };
+    std::process::exit(code);
+}

@@ -1,0 +1,1 @@
+//! The DeepSeek-V4 layer as data (see issue #3).
