@@ -1,1 +1,5 @@
-//! The DeepSeek-V4 layer as data (see issue #3).
+//! The DeepSeek-V4 layer as data: config, op graph with stable ids, and the math of each op.
+
+pub mod config;
+
+pub use config::ModelConfig;
