@@ -1,0 +1,287 @@
+//! The three numerics paths as `OpEnv`s over one checkpoint. Weights are read from the checkpoint
+//! when an op first needs them and dropped when the op is done (`WeightCache::clear`), so memory is
+//! bounded by one op's weights plus the activations still to be consumed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::model::exec::OpEnv;
+use crate::model::ModelConfig;
+use crate::numerics::nvfp4::QuantHealth;
+use crate::probe::faults::Fault;
+use crate::probe::served::{self, LinearObs, Override, Profile, ServedWeight};
+use crate::{Result, Tensor};
+
+/// Which forward a path computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathKind {
+    OracleFp32,
+    OracleBf16,
+    Served,
+}
+
+impl PathKind {
+    pub const ALL: [PathKind; 3] = [PathKind::OracleFp32, PathKind::OracleBf16, PathKind::Served];
+    pub fn name(self) -> &'static str {
+        match self {
+            PathKind::OracleFp32 => "oracle_fp32",
+            PathKind::OracleBf16 => "oracle_bf16",
+            PathKind::Served => "served",
+        }
+    }
+}
+
+struct Cached {
+    qw: QuantWeight,
+    f32: Arc<Vec<f32>>,
+    bf16: Option<Arc<Vec<f32>>>,
+    served: Option<Arc<ServedWeight>>,
+}
+
+/// Everything the paths share: the checkpoint, tokens, the per-op weight cache, served options.
+pub struct Shared<'a> {
+    pub ckpt: &'a Checkpoint,
+    pub cfg: ModelConfig,
+    pub tokens: Vec<u32>,
+    pub profile: Profile,
+    pub fuse_pairs: bool,
+    pub faults: Vec<Fault>,
+    /// Bisect's hypothesis, applied to one weight base.
+    pub overrides: Vec<(String, Override)>,
+    cache: HashMap<String, Cached>,
+    /// Served linears observed during the current op: sub id → observation.
+    pub observed: Vec<(String, LinearObs)>,
+    /// Weight bases touched during the current op (for reports and bisect).
+    pub touched: Vec<String>,
+    pub record_observations: bool,
+}
+
+impl<'a> Shared<'a> {
+    pub fn new(ckpt: &'a Checkpoint, cfg: ModelConfig, tokens: Vec<u32>, profile: Profile) -> Self {
+        Shared {
+            ckpt,
+            cfg,
+            tokens,
+            profile,
+            fuse_pairs: true,
+            faults: Vec::new(),
+            overrides: Vec::new(),
+            cache: HashMap::new(),
+            observed: Vec::new(),
+            touched: Vec::new(),
+            record_observations: false,
+        }
+    }
+
+    /// Drop every cached weight (called between ops).
+    pub fn clear(&mut self) {
+        self.cache.clear();
+        self.observed.clear();
+        self.touched.clear();
+    }
+
+    fn load(&mut self, base: &str) -> Result<&mut Cached> {
+        if !self.cache.contains_key(base) {
+            let qw = self.ckpt.weight(base)?;
+            let f32 = Arc::new(qw.dequantize()?.data);
+            self.cache.insert(
+                base.to_string(),
+                Cached {
+                    qw,
+                    f32,
+                    bf16: None,
+                    served: None,
+                },
+            );
+            self.touched.push(base.to_string());
+        }
+        Ok(self.cache.get_mut(base).expect("inserted above"))
+    }
+
+    fn weight_for(&mut self, kind: PathKind, base: &str) -> Result<(Arc<WeightView>, usize, usize)> {
+        let profile = self.profile;
+        let fuse = self.fuse_pairs;
+        let faults: Vec<Fault> = self.faults.iter().filter(|f| f.hits(base)).cloned().collect();
+        let overrides: Vec<Override> = self
+            .overrides
+            .iter()
+            .filter(|(b, _)| b == base)
+            .map(|(_, o)| o.clone())
+            .collect();
+        let ckpt = self.ckpt;
+        let c = self.load(base)?;
+        let (n, k) = (c.qw.out_features, c.qw.in_features);
+        let view = match kind {
+            PathKind::OracleFp32 => WeightView::F32(c.f32.clone()),
+            PathKind::OracleBf16 => {
+                if c.bf16.is_none() {
+                    c.bf16 = Some(Arc::new(
+                        c.f32.iter().map(|&v| crate::numerics::bf16::round(v)).collect(),
+                    ));
+                }
+                WeightView::F32(c.bf16.clone().expect("set above"))
+            }
+            PathKind::Served => {
+                if c.served.is_none() {
+                    let fr: Vec<&Fault> = faults.iter().collect();
+                    c.served = Some(Arc::new(served::prepare(
+                        ckpt, &c.qw, &c.f32, fuse, &fr, &overrides,
+                    )?));
+                }
+                WeightView::Served(c.served.clone().expect("set above"), profile)
+            }
+        };
+        Ok((Arc::new(view), n, k))
+    }
+
+    /// True when the weight is stored in a quantized format (its served numerics differ from the BF16 oracle).
+    pub fn is_quantized(&self, base: &str) -> bool {
+        self.ckpt
+            .weight_scheme(base)
+            .map(|s| s != "bf16" && s != "f16" && s != "f32")
+            .unwrap_or(false)
+    }
+}
+
+enum WeightView {
+    F32(Arc<Vec<f32>>),
+    Served(Arc<ServedWeight>, Profile),
+}
+
+/// One path's environment for `model::exec`.
+pub struct PathEnv<'s, 'a> {
+    pub kind: PathKind,
+    pub shared: &'s mut Shared<'a>,
+}
+
+impl PathEnv<'_, '_> {
+    fn gemm(&mut self, sub_id: &str, x: &[f32], m: usize, base: &str) -> Result<(Vec<f32>, usize)> {
+        let (view, n, k) = self.shared.weight_for(self.kind, base)?;
+        if x.len() != m * k {
+            return Err(crate::Error::bad(
+                self.shared.ckpt.location(),
+                Some(base),
+                format!(
+                    "weight has {k} input features but the activation has {} per row",
+                    x.len() / m.max(1)
+                ),
+            ));
+        }
+        let y = match &*view {
+            WeightView::F32(w) => served::matmul_nt(x, w, m, k, n),
+            WeightView::Served(sw, profile) => {
+                let (y, obs) = served::apply(sw, *profile, x, m, k, n);
+                if self.shared.record_observations {
+                    self.shared.observed.push((sub_id.to_string(), obs));
+                }
+                y
+            }
+        };
+        Ok((y, n))
+    }
+}
+
+impl OpEnv for PathEnv<'_, '_> {
+    fn cfg(&self) -> &ModelConfig {
+        &self.shared.cfg
+    }
+    fn token_ids(&self) -> &[u32] {
+        &self.shared.tokens
+    }
+    fn param(&mut self, canonical: &str) -> Result<Tensor> {
+        self.shared.ckpt.tensor_f32(canonical)
+    }
+    fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
+        self.shared.ckpt.embedding_rows(ids)
+    }
+    fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
+        let m = x.rows();
+        let (y, n) = self.gemm(sub_id, &x.data, m, base)?;
+        let mut shape = x.shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = n;
+        }
+        Ok(Tensor::new(shape, y))
+    }
+    fn linear_grouped(&mut self, sub_id: &str, x: &Tensor, base: &str, groups: usize) -> Result<Tensor> {
+        // x [rows, G, K]; weight [G·R, K]: group g uses rows g·R..(g+1)·R
+        let k = x.cols();
+        let rows = x.numel() / (groups * k).max(1);
+        let (view, n, wk) = self.shared.weight_for(self.kind, base)?;
+        if wk != k || n % groups != 0 {
+            return Err(crate::Error::bad(
+                self.shared.ckpt.location(),
+                Some(base),
+                format!("grouped projection: weight [{n}, {wk}] does not fit {groups} groups of {k} inputs"),
+            ));
+        }
+        let r = n / groups;
+        let mut out = vec![0f32; rows * groups * r];
+        for g in 0..groups {
+            let mut xg = Vec::with_capacity(rows * k);
+            for t in 0..rows {
+                xg.extend_from_slice(&x.data[(t * groups + g) * k..(t * groups + g + 1) * k]);
+            }
+            let yg = match &*view {
+                WeightView::F32(w) => served::matmul_nt(&xg, &w[g * r * k..(g + 1) * r * k], rows, k, r),
+                WeightView::Served(sw, profile) => {
+                    let sub = slice_served(sw, g * r, r, k);
+                    let (y, obs) = served::apply(&sub, *profile, &xg, rows, k, r);
+                    if self.shared.record_observations {
+                        self.shared.observed.push((format!("{sub_id}.g{g}"), obs));
+                    }
+                    y
+                }
+            };
+            for t in 0..rows {
+                out[(t * groups + g) * r..(t * groups + g + 1) * r].copy_from_slice(&yg[t * r..(t + 1) * r]);
+            }
+        }
+        Ok(Tensor::new(vec![rows, groups, r], out))
+    }
+    fn store(&self, t: &mut Tensor) {
+        if self.kind != PathKind::OracleFp32 {
+            t.round_bf16();
+        }
+    }
+}
+
+/// Rows `r0..r0+n` of a served weight (for grouped projections).
+fn slice_served(sw: &ServedWeight, r0: usize, n: usize, k: usize) -> ServedWeight {
+    let sl = |w: &Vec<f32>| w[r0 * k..(r0 + n) * k].to_vec();
+    match sw {
+        ServedWeight::Dense { w } => ServedWeight::Dense { w: sl(w) },
+        ServedWeight::Fp8Act { w, non_pow2_act } => ServedWeight::Fp8Act {
+            w: sl(w),
+            non_pow2_act: *non_pow2_act,
+        },
+        ServedWeight::Nvfp4 { wq, p } => ServedWeight::Nvfp4 { wq: sl(wq), p: *p },
+    }
+}
+
+/// Sum of the health counters of an op's served linears and the worst activation-over-calibration ratio.
+pub fn aggregate_health(obs: &[(String, LinearObs)]) -> (Option<QuantHealth>, Option<f64>) {
+    let mut h: Option<QuantHealth> = None;
+    let mut worst: Option<f64> = None;
+    for (_, o) in obs {
+        if let Some(x) = &o.health {
+            h.get_or_insert_with(QuantHealth::default).add(x);
+        }
+        if let Some(r) = o.act_amax_over_calib {
+            worst = Some(worst.map_or(r, |w: f64| w.max(r)));
+        }
+    }
+    (h, worst)
+}
+
+/// Helper for reports: the format name of a weight format.
+pub fn format_name(f: &WeightFormat) -> &'static str {
+    match f {
+        WeightFormat::Dense { .. } => "bf16",
+        WeightFormat::Fp8Block { .. } => "fp8-block",
+        WeightFormat::Mxfp4 { .. } => "mxfp4",
+        WeightFormat::Nvfp4 { .. } => "nvfp4",
+    }
+}

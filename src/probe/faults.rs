@@ -1,0 +1,219 @@
+//! The fault catalogue shared by `synth --fault` (planted in the checkpoint) and
+//! `run/bisect --loader-fault` (a correct checkpoint read the wrong way by the served path).
+//! Kinds are modelled on the field bugs of PRIOR-ART.md §2 and NVFP4.md §7.
+
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    InvertedInputScale,
+    InvertedWeightScale,
+    MissingAlpha,
+    InputAmaxX64,
+    ZeroInputScale,
+    MissingInputScale,
+    NanInputScale,
+    NanBlockScale,
+    W13ScaleMismatch,
+    NibbleSwap,
+    SwizzledScales,
+    ShiftedScaleRows,
+    NonPow2Ue8m0,
+    DoubleScale,
+}
+
+impl FaultKind {
+    pub const ALL: [FaultKind; 14] = [
+        FaultKind::InvertedInputScale,
+        FaultKind::InvertedWeightScale,
+        FaultKind::MissingAlpha,
+        FaultKind::InputAmaxX64,
+        FaultKind::ZeroInputScale,
+        FaultKind::MissingInputScale,
+        FaultKind::NanInputScale,
+        FaultKind::NanBlockScale,
+        FaultKind::W13ScaleMismatch,
+        FaultKind::NibbleSwap,
+        FaultKind::SwizzledScales,
+        FaultKind::ShiftedScaleRows,
+        FaultKind::NonPow2Ue8m0,
+        FaultKind::DoubleScale,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::InvertedInputScale => "inverted-input-scale",
+            FaultKind::InvertedWeightScale => "inverted-weight-scale",
+            FaultKind::MissingAlpha => "missing-alpha",
+            FaultKind::InputAmaxX64 => "input-amax-x64",
+            FaultKind::ZeroInputScale => "zero-input-scale",
+            FaultKind::MissingInputScale => "missing-input-scale",
+            FaultKind::NanInputScale => "nan-input-scale",
+            FaultKind::NanBlockScale => "nan-block-scale",
+            FaultKind::W13ScaleMismatch => "w13-scale-mismatch",
+            FaultKind::NibbleSwap => "nibble-swap",
+            FaultKind::SwizzledScales => "swizzled-scales",
+            FaultKind::ShiftedScaleRows => "shifted-scale-rows",
+            FaultKind::NonPow2Ue8m0 => "non-pow2-ue8m0",
+            FaultKind::DoubleScale => "double-scale",
+        }
+    }
+
+    /// One line for `synth --list-faults`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            FaultKind::InvertedInputScale => "activation global scale stored/read in the other producer's convention (reciprocal): vLLM #45212-style loader bug",
+            FaultKind::InvertedWeightScale => "weight global scale stored/read as its reciprocal (CT divisor used as ModelOpt multiplier): modular #6600",
+            FaultKind::MissingAlpha => "GEMM alpha (d_x·d_w) not applied (=1): output off by g_x·g_w",
+            FaultKind::InputAmaxX64 => "activation calibration amax 64× too small: block scales saturate at 448",
+            FaultKind::ZeroInputScale => "activation scale 0: 1/0 = inf encode scale, alpha 0 (vLLM #54189)",
+            FaultKind::MissingInputScale => "activation scale tensor absent (never calibrated expert): loaded as 0 (vLLM #45212)",
+            FaultKind::NanInputScale => "activation scale NaN/Inf (all-zero calibration, compressed-tensors #595)",
+            FaultKind::NanBlockScale => "E4M3 block-scale byte 0x7F (unclamped cast, ModelOpt #1633)",
+            FaultKind::W13ScaleMismatch => "w1/w3 global scales differ by 1.6×; a fused engine keeps one (vLLM #54974)",
+            FaultKind::NibbleSwap => "e2m1 nibbles swapped within each byte (high nibble = even element)",
+            FaultKind::SwizzledScales => "block scales stored in the 128×4 swizzled layout where linear belongs (modular #6600)",
+            FaultKind::ShiftedScaleRows => "block-scale rows shifted by one (wrong offset / TP slice)",
+            FaultKind::NonPow2Ue8m0 => "FP8 block scale not a power of two where UE8M0 is required (sglang #25704)",
+            FaultKind::DoubleScale => "a scale applied twice (global scale folded into weights and applied again, vLLM #39407)",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<FaultKind> {
+        FaultKind::ALL.iter().copied().find(|k| k.name() == s)
+    }
+}
+
+/// `KIND@TARGET`; TARGET is an op id (`L1.attn.q_b`, `L2.ffn.expert.3.w2`, `L1.ffn.experts` = every
+/// expert of the layer), or a canonical weight base (`layers.1.attn.wq_b`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Fault {
+    pub kind: FaultKind,
+    pub target: String,
+}
+
+impl Fault {
+    pub fn parse(spec: &str) -> Result<Fault> {
+        let (k, t) = spec
+            .split_once('@')
+            .ok_or_else(|| Error::usage(format!("fault `{spec}`: expected KIND@TARGET")))?;
+        let kind = FaultKind::parse(k).ok_or_else(|| {
+            Error::usage(format!(
+                "fault `{spec}`: unknown kind `{k}` (known: {})",
+                FaultKind::ALL.map(|k| k.name()).join(", ")
+            ))
+        })?;
+        if t.is_empty() {
+            return Err(Error::usage(format!("fault `{spec}`: empty target")));
+        }
+        Ok(Fault {
+            kind,
+            target: t.to_string(),
+        })
+    }
+
+    /// Does this fault's target cover the weight `base` (canonical, e.g. `layers.1.ffn.experts.3.w1`)?
+    pub fn hits(&self, base: &str) -> bool {
+        target_bases_match(&self.target, base)
+    }
+}
+
+/// Op id → canonical weight base prefix rules: `L1.attn.q_a` ↔ `layers.1.attn.wq_a`,
+/// `L1.ffn.expert.3.w1` ↔ `layers.1.ffn.experts.3.w1`, `L1.ffn.experts` ↔ every routed expert of
+/// layer 1, `L1.ffn.shared` ↔ the shared expert, `L1.attn.wo_a`, `L1.attn.compressor`, …
+pub fn target_bases_match(target: &str, base: &str) -> bool {
+    if target == base || base.starts_with(&format!("{target}.")) {
+        return true;
+    }
+    if let Some(b) = op_target_to_base_prefix(target) {
+        return base == b || base.starts_with(&format!("{b}."));
+    }
+    false
+}
+
+fn op_target_to_base_prefix(target: &str) -> Option<String> {
+    let rest = target.strip_prefix('L')?;
+    let (n, op) = rest.split_once('.')?;
+    let n: usize = n.parse().ok()?;
+    let mapped = match op {
+        "attn.q_a" => "attn.wq_a".to_string(),
+        "attn.kv" => "attn.wkv".to_string(),
+        "attn.q_b" => "attn.wq_b".to_string(),
+        "attn.wo_a" => "attn.wo_a".to_string(),
+        "attn.wo_b" => "attn.wo_b".to_string(),
+        "attn.compressor" => "attn.compressor".to_string(),
+        "attn.indexer" => "attn.indexer".to_string(),
+        "ffn.router" => "ffn.gate".to_string(),
+        "ffn.experts" => "ffn.experts".to_string(),
+        "ffn.shared" => "ffn.shared_experts".to_string(),
+        o => {
+            if let Some(e) = o.strip_prefix("ffn.expert.") {
+                format!("ffn.experts.{e}")
+            } else if let Some(s) = o.strip_prefix("ffn.shared.") {
+                format!("ffn.shared_experts.{s}")
+            } else {
+                return None;
+            }
+        }
+    };
+    Some(format!("layers.{n}.{mapped}"))
+}
+
+/// The op id whose output a weight base feeds (inverse of the mapping above), for reports.
+pub fn op_of_base(base: &str) -> Option<String> {
+    let rest = base.strip_prefix("layers.")?;
+    let (n, w) = rest.split_once('.')?;
+    let op = if let Some(e) = w.strip_prefix("ffn.experts.") {
+        return Some(format!("L{n}.ffn.experts")).filter(|_| !e.is_empty());
+    } else if w.starts_with("ffn.shared_experts") {
+        "ffn.shared"
+    } else if w.starts_with("attn.compressor") {
+        "attn.compressor"
+    } else if w.starts_with("attn.indexer") {
+        "attn.indexer"
+    } else {
+        match w {
+            "attn.wq_a" => "attn.q_a",
+            "attn.wkv" => "attn.kv",
+            "attn.wq_b" => "attn.q_b",
+            "attn.wo_a" => "attn.wo_a",
+            "attn.wo_b" => "attn.wo_b",
+            "ffn.gate" | "ffn.gate.weight" => "ffn.router",
+            _ => return None,
+        }
+    };
+    Some(format!("L{n}.{op}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_match() {
+        let f = Fault::parse("inverted-input-scale@L1.ffn.experts").unwrap();
+        assert_eq!(f.kind, FaultKind::InvertedInputScale);
+        assert!(f.hits("layers.1.ffn.experts.3.w1"));
+        assert!(!f.hits("layers.1.ffn.shared_experts.w1"));
+        assert!(!f.hits("layers.11.ffn.experts.3.w1"));
+        let g = Fault::parse("nibble-swap@L2.ffn.expert.5.w2").unwrap();
+        assert!(g.hits("layers.2.ffn.experts.5.w2"));
+        assert!(!g.hits("layers.2.ffn.experts.5.w1"));
+        assert!(Fault::parse("nope@L1.attn.q_a").is_err());
+        assert!(Fault::parse("nibble-swap").is_err());
+        let h = Fault::parse("missing-alpha@layers.0.attn.wq_a").unwrap();
+        assert!(h.hits("layers.0.attn.wq_a"));
+        assert!(Fault::parse("missing-alpha@L0.attn.q_a").unwrap().hits("layers.0.attn.wq_a"));
+        assert_eq!(op_of_base("layers.0.ffn.experts.3.w1").as_deref(), Some("L0.ffn.experts"));
+        assert_eq!(op_of_base("layers.4.attn.wq_b").as_deref(), Some("L4.attn.q_b"));
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        for k in FaultKind::ALL {
+            assert_eq!(FaultKind::parse(k.name()), Some(k));
+            assert!(!k.describe().is_empty());
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! The runner: executes the op graph on the three numerics paths in lockstep, op by op, and
+//! measures each op's output — propagated (each path fed its own inputs) and isolated (the served
+//! numerics fed the BF16 oracle's inputs) — against the oracles.
+
+pub mod env;
+pub mod faults;
+pub mod served;
+pub mod spec;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::checkpoint::Checkpoint;
+use crate::metrics::{Compare, Stats};
+use crate::model::exec::exec;
+use crate::model::graph::{build_graph, Op};
+use crate::numerics::nvfp4::QuantHealth;
+use crate::{Error, Result, Tensor};
+use env::{PathEnv, PathKind, Shared};
+use faults::Fault;
+use served::{Override, Profile};
+use spec::{ProbeSpec, Thresholds};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Inclusive layer range to report; layers before it run too (their outputs feed it) but are not reported.
+    pub layers: (usize, usize),
+    pub tokens: Vec<u32>,
+    pub profile: Profile,
+    pub loader_faults: Vec<Fault>,
+    pub spec: ProbeSpec,
+    /// Keep each reported op's outputs for `--dump`.
+    pub keep_outputs: bool,
+    /// Show a progress bar on stderr (hidden when stderr is not a terminal).
+    pub progress: bool,
+    /// Bisect's hypothesis: (weight base, override), applied to the served path.
+    pub overrides: Vec<(String, Override)>,
+    /// Stop after this op id (bisect re-runs).
+    pub stop_after: Option<String>,
+}
+
+/// Index-valued outputs (router expert ids, indexer selections): agreement instead of cosine.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Agreement {
+    pub served_isolated: f64,
+    pub served_propagated: f64,
+    pub oracle_bf16: f64,
+}
+
+/// One op's measurements. Field names are the run JSON's (docs/json-schema.md).
+#[derive(Clone, Debug, Serialize)]
+pub struct OpRecord {
+    pub step: usize,
+    pub id: String,
+    pub class: String,
+    pub layer: Option<usize>,
+    pub shape: Vec<usize>,
+    /// Weight bases this op read, with their formats.
+    pub weights: Vec<(String, String)>,
+    /// Statistics of each path's (propagated) output: oracle_fp32, oracle_bf16, served, served_isolated.
+    pub stats: BTreeMap<String, Stats>,
+    /// BF16 oracle vs FP32 oracle: the op's noise floor.
+    pub bf16_vs_fp32: Compare,
+    pub served_isolated_vs_bf16: Compare,
+    pub served_isolated_vs_fp32: Compare,
+    pub served_propagated_vs_bf16: Compare,
+    pub served_propagated_vs_fp32: Compare,
+    pub agreement: Option<Agreement>,
+    /// NVFP4 activation-quantization health of the served (propagated) op.
+    pub health: Option<QuantHealth>,
+    pub act_amax_over_calib: Option<f64>,
+    /// rel-L2 the isolated error is held to.
+    pub tolerance: f64,
+    /// The op's own numerics diverge (isolated).
+    pub divergent: bool,
+    pub reason: Option<String>,
+    /// The accumulated error is visible here (propagated).
+    pub shows: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct Summary {
+    pub ops: usize,
+    pub first_divergent: Option<String>,
+    pub first_divergent_reason: Option<String>,
+    pub first_shows: Option<String>,
+    pub first_non_finite: Option<(String, String)>,
+    pub divergent_ops: usize,
+    pub non_finite_ops: usize,
+}
+
+pub struct RunResult {
+    pub records: Vec<OpRecord>,
+    pub summary: Summary,
+    /// Kept outputs per path name ("oracle_fp32", "oracle_bf16", "served", "served_isolated"): (op id, tensor).
+    pub outputs: BTreeMap<String, Vec<(String, Tensor)>>,
+    pub seconds: f64,
+    /// Bytes of tensor data read from the checkpoint during the run.
+    pub bytes_read: u64,
+}
+
+fn is_index_output(op: &Op) -> bool {
+    op.id.ends_with(".attn.indexer")
+}
+
+fn agreement(a: &[f32], b: &[f32]) -> f64 {
+    if a.is_empty() {
+        return 1.0;
+    }
+    a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64
+}
+
+/// Expected rel-L2 of the served op in isolation, from the formats it uses.
+fn format_tolerance(th: &Thresholds, profile: Profile, formats: &[String], class: &str) -> f64 {
+    let mut t: f64 = 0.0;
+    for f in formats {
+        let x = match f.as_str() {
+            "nvfp4" => match profile {
+                Profile::BlackwellW4a4 | Profile::Emulation => th.nvfp4_w4a4_rel_l2,
+                Profile::HopperW4a16 => th.nvfp4_w4a16_rel_l2,
+            },
+            "fp8-block" => th.fp8_rel_l2,
+            "mxfp4" => th.mxfp4_rel_l2,
+            _ => 0.0,
+        };
+        t = t.max(x);
+    }
+    if class == "Moe" || class == "Attention" {
+        t *= th.chain_factor;
+    }
+    t
+}
+
+/// Run the probe.
+pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
+    let t0 = Instant::now();
+    let bytes0 = ckpt.bytes_read();
+    let cfg = ckpt.model_config()?.clone();
+    let (a, b) = opts.layers;
+    if b >= cfg.num_hidden_layers {
+        return Err(Error::usage(format!(
+            "--layers {a}..{b}: the model has {} layers (0..{})",
+            cfg.num_hidden_layers,
+            cfg.num_hidden_layers.saturating_sub(1)
+        )));
+    }
+    if opts.tokens.is_empty() {
+        return Err(Error::usage("no tokens to run"));
+    }
+    if let Some(&bad) = opts.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(Error::usage(format!(
+            "token id {bad} is outside the vocabulary (vocab_size {})",
+            cfg.vocab_size
+        )));
+    }
+    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+    let ops = build_graph(&cfg, b, with_head);
+    let th = &opts.spec.thresholds;
+
+    // last step at which each tensor id is consumed, so tensors can be dropped after it
+    let mut last_use: HashMap<&str, usize> = HashMap::new();
+    for (i, op) in ops.iter().enumerate() {
+        for inp in &op.inputs {
+            last_use.insert(inp.as_str(), i);
+        }
+    }
+
+    let mut shared = Shared::new(ckpt, cfg.clone(), opts.tokens.clone(), opts.profile);
+    shared.faults = opts.loader_faults.clone();
+    shared.overrides = opts.overrides.clone();
+    let mut maps: [HashMap<String, Tensor>; 3] = Default::default();
+    let mut records = Vec::new();
+    let mut outputs: BTreeMap<String, Vec<(String, Tensor)>> = BTreeMap::new();
+    let pb = if opts.progress {
+        let pb = indicatif::ProgressBar::new(ops.len() as u64);
+        pb.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {pos}/{len} ops {wide_bar} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        pb
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    for (step, op) in ops.iter().enumerate() {
+        pb.set_message(op.id.clone());
+        let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
+        let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
+        for (pi, kind) in PathKind::ALL.iter().enumerate() {
+            let inputs: Vec<&Tensor> = op
+                .inputs
+                .iter()
+                .map(|id| {
+                    maps[pi].get(id).ok_or_else(|| {
+                        Error::usage(format!("internal: op {} input {id} not computed", op.id))
+                    })
+                })
+                .collect::<Result<_>>()?;
+            shared.record_observations = *kind == PathKind::Served && report;
+            let mut env = PathEnv {
+                kind: *kind,
+                shared: &mut shared,
+            };
+            outs.push(exec(op, &inputs, &mut env)?);
+        }
+        shared.record_observations = false;
+        let observed = std::mem::take(&mut shared.observed);
+        let touched = shared.touched.clone();
+        if report {
+            let quantized = touched.iter().any(|t| shared.is_quantized(t));
+            let iso: Vec<Tensor> = if quantized {
+                let inputs: Vec<&Tensor> = op.inputs.iter().map(|id| &maps[1][id]).collect();
+                let mut env = PathEnv {
+                    kind: PathKind::Served,
+                    shared: &mut shared,
+                };
+                exec(op, &inputs, &mut env)?
+            } else {
+                outs[1].clone()
+            };
+            let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
+            let mut stats = BTreeMap::new();
+            stats.insert("oracle_fp32".to_string(), Stats::of(&fp.data));
+            stats.insert("oracle_bf16".to_string(), Stats::of(&bf.data));
+            stats.insert("served".to_string(), Stats::of(&sv.data));
+            stats.insert("served_isolated".to_string(), Stats::of(&is.data));
+            let weights: Vec<(String, String)> = touched
+                .iter()
+                .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
+                .collect();
+            let formats: Vec<String> = weights
+                .iter()
+                .map(|(_, s)| {
+                    if s.starts_with("nvfp4") {
+                        "nvfp4".to_string()
+                    } else {
+                        s.clone()
+                    }
+                })
+                .collect();
+            let class = format!("{:?}", op.class);
+            let noise = Compare::of(&bf.data, &fp.data);
+            let iso_bf = Compare::of(&is.data, &bf.data);
+            let prop_bf = Compare::of(&sv.data, &bf.data);
+            let (health, act_ratio) = env::aggregate_health(&observed);
+            let tol = (th.noise_multiplier * noise.rel_l2.unwrap_or(0.0))
+                .max(format_tolerance(th, opts.profile, &formats, &class))
+                .max(th.min_rel_l2);
+            let agreement = if is_index_output(op) {
+                Some(Agreement {
+                    served_isolated: agreement(&is.data, &bf.data),
+                    served_propagated: agreement(&sv.data, &bf.data),
+                    oracle_bf16: agreement(&bf.data, &fp.data),
+                })
+            } else {
+                None
+            };
+            let bf_nf = stats["oracle_bf16"].non_finite();
+            let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
+                (true, Some("non-finite values where the BF16 oracle has none".to_string()))
+            } else if agreement.is_some() {
+                (false, None)
+            } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
+                (true, Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")))
+            } else if let Some(q) = iso_bf
+                .amax_ratio
+                .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
+            {
+                (true, Some(format!("isolated amax ratio {q:.3e} outside [1/{0}, {0}]", th.amax_ratio)))
+            } else if iso_bf.rel_l2.is_none() && !bf_nf && stats["served_isolated"].non_finite() {
+                (true, Some("undefined error".into()))
+            } else {
+                (false, None)
+            };
+            let shows = agreement.is_none()
+                && ((stats["served"].non_finite() && !bf_nf)
+                    || prop_bf.rel_l2.is_none_or(|r| r > th.propagated_rel_l2));
+            records.push(OpRecord {
+                step,
+                id: op.id.clone(),
+                class,
+                layer: op.layer,
+                shape: sv.shape.clone(),
+                weights,
+                stats,
+                bf16_vs_fp32: noise,
+                served_isolated_vs_fp32: Compare::of(&is.data, &fp.data),
+                served_isolated_vs_bf16: iso_bf,
+                served_propagated_vs_fp32: Compare::of(&sv.data, &fp.data),
+                served_propagated_vs_bf16: prop_bf,
+                agreement,
+                health,
+                act_amax_over_calib: act_ratio,
+                tolerance: tol,
+                divergent,
+                reason,
+                shows,
+            });
+            if opts.keep_outputs {
+                for (name, t) in [
+                    ("oracle_fp32", fp),
+                    ("oracle_bf16", bf),
+                    ("served", sv),
+                    ("served_isolated", is),
+                ] {
+                    outputs
+                        .entry(name.to_string())
+                        .or_default()
+                        .push((op.id.clone(), t.clone()));
+                }
+            }
+        }
+        shared.clear();
+        for (pi, out) in outs.into_iter().enumerate() {
+            if out.len() != op.outputs.len() {
+                return Err(Error::usage(format!(
+                    "internal: op {} returned {} outputs for {} ids",
+                    op.id,
+                    out.len(),
+                    op.outputs.len()
+                )));
+            }
+            for (id, t) in op.outputs.iter().zip(out) {
+                maps[pi].insert(id.clone(), t);
+            }
+        }
+        // drop tensors nothing later consumes
+        for m in maps.iter_mut() {
+            m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
+        }
+        pb.inc(1);
+        if opts.stop_after.as_deref() == Some(op.id.as_str()) {
+            break;
+        }
+    }
+    pb.finish_and_clear();
+
+    let mut summary = Summary {
+        ops: records.len(),
+        ..Default::default()
+    };
+    for r in &records {
+        if r.divergent {
+            summary.divergent_ops += 1;
+            if summary.first_divergent.is_none() {
+                summary.first_divergent = Some(r.id.clone());
+                summary.first_divergent_reason = r.reason.clone();
+            }
+        }
+        if r.shows && summary.first_shows.is_none() {
+            summary.first_shows = Some(r.id.clone());
+        }
+        let nf: Vec<&str> = ["oracle_fp32", "oracle_bf16", "served"]
+            .into_iter()
+            .filter(|p| r.stats[*p].non_finite())
+            .collect();
+        if !nf.is_empty() {
+            summary.non_finite_ops += 1;
+            if summary.first_non_finite.is_none() {
+                summary.first_non_finite = Some((nf.join(","), r.id.clone()));
+            }
+        }
+    }
+    Ok(RunResult {
+        records,
+        summary,
+        outputs,
+        seconds: t0.elapsed().as_secs_f64(),
+        bytes_read: ckpt.bytes_read() - bytes0,
+    })
+}
+
+/// Deterministic synthetic token ids (splitmix64 over the vocabulary), the default token source.
+pub fn synthetic_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Where a run's tokens came from, for reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenSource {
+    pub kind: String,
+    pub detail: Option<PathBuf>,
+}

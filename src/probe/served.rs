@@ -1,0 +1,435 @@
+//! The served path: what a serving engine computes for one linear, given the checkpoint's bytes and
+//! the way its loader reads them. Profiles (NVFP4.md §4):
+//! - `blackwell-w4a4`: NVFP4 activations quantized at run time with the static encode scale g_x
+//!   (§3.2 op order), exact block partials, `bf16(alpha · acc)` epilogue (§4.2–4.3);
+//! - `hopper-w4a16`: Marlin, activations stay BF16, `bf16(f32(x · e2m1·s_w) · d_w)`;
+//! - `emulation`: vLLM's emulation backend, quantize-dequantize activation to BF16, weight to BF16,
+//!   BF16 matmul with f32 accumulation.
+//! FP8 block and MXFP4 weights use DeepSeek's FP8 1×128 activation quantization (power-of-two
+//! scales, DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
+
+use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::numerics::nvfp4::{self, Convention, QuantHealth};
+use crate::numerics::{e2m1, e4m3, fp8_block, swizzle};
+use crate::probe::faults::{Fault, FaultKind};
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Profile {
+    BlackwellW4a4,
+    HopperW4a16,
+    Emulation,
+}
+
+impl Profile {
+    pub fn parse(s: &str) -> Result<Profile> {
+        match s {
+            "blackwell-w4a4" | "w4a4" => Ok(Profile::BlackwellW4a4),
+            "hopper-w4a16" | "w4a16" | "marlin" => Ok(Profile::HopperW4a16),
+            "emulation" => Ok(Profile::Emulation),
+            _ => Err(Error::usage(format!(
+                "unknown served profile `{s}` (blackwell-w4a4, hopper-w4a16, emulation)"
+            ))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::BlackwellW4a4 => "blackwell-w4a4",
+            Profile::HopperW4a16 => "hopper-w4a16",
+            Profile::Emulation => "emulation",
+        }
+    }
+}
+
+/// A scale value forced by bisect's hypotheses (applied after the loader's reading).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub enum Override {
+    /// Encode multiplier of the activation (g_x); alpha follows consistently.
+    InputEncode(f32),
+    /// Weight decode multiplier (d_w); alpha follows consistently.
+    WeightDecode(f32),
+    /// GEMM alpha alone.
+    Alpha(f32),
+    /// Swap the nibbles back / re-read scales linear / unshift rows (layout repairs).
+    NibbleSwap,
+    Unswizzle,
+    UnshiftRows,
+}
+
+/// How the served path turned the stored NVFP4 fields into kernel parameters; reported by bisect.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Nvfp4Params {
+    /// activation encode scale the kernel multiplies by (vLLM `input_global_scale_inv`)
+    pub g_x: f32,
+    /// weight decode scale (vLLM `weight_global_scale` after loading)
+    pub d_w: f32,
+    /// GEMM epilogue alpha (vLLM `alpha`)
+    pub alpha: f32,
+}
+
+/// A weight prepared for the served GEMM.
+pub enum ServedWeight {
+    /// BF16/F16/F32 weight: BF16 GEMM, f32 output (no rounding inside the linear).
+    Dense { w: Vec<f32> },
+    /// FP8 block / MXFP4: exact dequantized weight, FP8 1×128 activation quantization, BF16 output.
+    Fp8Act { w: Vec<f32>, non_pow2_act: bool },
+    /// NVFP4: `wq = e2m1 · s_w` (no tensor scale) plus the loader's scalars.
+    Nvfp4 { wq: Vec<f32>, p: Nvfp4Params },
+}
+
+/// What one served linear observed (for the op's health counters).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct LinearObs {
+    pub health: Option<QuantHealth>,
+    /// amax of the activation over the amax the static scale was calibrated for (2688 / g_x).
+    pub act_amax_over_calib: Option<f64>,
+    pub params: Option<Nvfp4Params>,
+}
+
+fn sibling(base: &str) -> Option<String> {
+    if let Some(p) = base.strip_suffix(".w1") {
+        return Some(format!("{p}.w3"));
+    }
+    if let Some(p) = base.strip_suffix(".w3") {
+        return Some(format!("{p}.w1"));
+    }
+    if let Some(p) = base.strip_suffix(".attn.wq_a") {
+        return Some(format!("{p}.attn.wkv"));
+    }
+    if let Some(p) = base.strip_suffix(".attn.wkv") {
+        return Some(format!("{p}.attn.wq_a"));
+    }
+    None
+}
+
+/// Scalar NVFP4 scales of a weight without reading its packed data: (weight global, input global), as stored.
+fn scalar_scales(ckpt: &Checkpoint, base: &str) -> Option<(f32, Option<f32>)> {
+    let get = |suffix: &str| -> Option<f32> {
+        let raw = ckpt.resolve(&format!("{base}.{suffix}"))?;
+        let t = ckpt.tensor_f32_raw(&raw).ok()?;
+        t.data.iter().copied().fold(None, |m: Option<f32>, v| Some(m.map_or(v, |m| m.max(v))))
+    };
+    let w = get("weight_global_scale").or_else(|| get("weight_scale_2"))?;
+    let i = get("input_global_scale").or_else(|| get("input_scale"));
+    Some((w, i))
+}
+
+/// The loader's reading of the stored NVFP4 scalars (vLLM `process_weights_after_loading`, NVFP4.md §3.5),
+/// including the max() that fused engines take over a merged pair (§3.4), then loader faults.
+pub fn resolve_nvfp4(
+    ckpt: &Checkpoint,
+    qw: &QuantWeight,
+    conv: Convention,
+    weight_global: f32,
+    input_global: Option<f32>,
+    fuse_pairs: bool,
+    faults: &[&Fault],
+) -> Nvfp4Params {
+    let (mut wg, mut ig) = (weight_global, input_global.unwrap_or(0.0));
+    if fuse_pairs {
+        if let Some(sib) = sibling(&qw.canonical) {
+            if let Some((sw, si)) = scalar_scales(ckpt, &sib) {
+                // vLLM keeps one scale per merged layer: max over shards (max g for CT, max d for ModelOpt)
+                wg = wg.max(sw);
+                ig = ig.max(si.unwrap_or(0.0));
+            }
+        }
+    }
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    if has(FaultKind::ZeroInputScale) || has(FaultKind::MissingInputScale) {
+        ig = 0.0;
+    }
+    if has(FaultKind::NanInputScale) {
+        ig = f32::NAN;
+    }
+    let (mut g_x, mut d_w) = match conv {
+        Convention::CompressedTensors => (ig, 1.0 / wg),
+        Convention::ModelOpt => (1.0 / ig, wg),
+    };
+    if has(FaultKind::InvertedInputScale) {
+        g_x = 1.0 / g_x;
+    }
+    if has(FaultKind::InvertedWeightScale) {
+        d_w = 1.0 / d_w;
+    }
+    if has(FaultKind::InputAmaxX64) {
+        g_x *= 64.0;
+    }
+    if has(FaultKind::W13ScaleMismatch) && qw.canonical.ends_with(".w3") {
+        d_w *= 1.6;
+    }
+    let mut alpha = match conv {
+        // CT: alpha = input_global_scale (=1/g_x) · weight_global_scale (=1/g_w), fp32 product of reciprocals
+        Convention::CompressedTensors => (1.0 / g_x) * d_w,
+        Convention::ModelOpt => (1.0 / g_x) * d_w,
+    };
+    if has(FaultKind::DoubleScale) {
+        alpha *= d_w;
+    }
+    if has(FaultKind::MissingAlpha) {
+        alpha = 1.0;
+    }
+    Nvfp4Params { g_x, d_w, alpha }
+}
+
+/// Decode `e2m1 · s_w` for an NVFP4 weight with the loader's layout faults or bisect's repairs applied.
+fn nvfp4_wq(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    faults: &[&Fault],
+    overrides: &[Override],
+) -> Vec<f32> {
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    let ov = |o: &Override| overrides.contains(o);
+    let nb = cols / nvfp4::BLOCK;
+    let mut sc: Vec<u8> = scales.to_vec();
+    if has(FaultKind::SwizzledScales) {
+        // the engine believes the linear bytes are swizzled and unswizzles them
+        let padded_rows = rows.div_ceil(128) * 128;
+        let padded_cols = nb.div_ceil(4) * 4;
+        let mut buf = vec![0u8; padded_rows * padded_cols];
+        let n = buf.len().min(sc.len());
+        buf[..n].copy_from_slice(&sc[..n]);
+        sc = swizzle::unswizzle_128x4(&buf, rows, nb);
+    }
+    if ov(&Override::Unswizzle) {
+        // the stored bytes are swizzled: read them through the swizzled layout
+        let padded_rows = rows.div_ceil(128) * 128;
+        let padded_cols = nb.div_ceil(4) * 4;
+        let mut buf = vec![0u8; padded_rows * padded_cols];
+        let n = buf.len().min(sc.len());
+        buf[..n].copy_from_slice(&sc[..n]);
+        sc = swizzle::unswizzle_128x4(&buf, rows, nb);
+    }
+    if has(FaultKind::ShiftedScaleRows) && rows > 1 {
+        sc.copy_within(nb.., 0);
+    }
+    if ov(&Override::UnshiftRows) && rows > 1 {
+        sc.copy_within(..(rows - 1) * nb, nb);
+    }
+    if has(FaultKind::NanBlockScale) && !sc.is_empty() {
+        sc[0] = 0x7F;
+    }
+    let swap = has(FaultKind::NibbleSwap) ^ ov(&Override::NibbleSwap);
+    let mut out = vec![0f32; rows * cols];
+    for r in 0..rows {
+        for b in 0..nb {
+            let s = e4m3::decode(sc[r * nb + b]);
+            let base = r * cols + b * nvfp4::BLOCK;
+            for i in 0..nvfp4::BLOCK / 2 {
+                let (mut lo, mut hi) = e2m1::unpack(packed[base / 2 + i]);
+                if swap {
+                    std::mem::swap(&mut lo, &mut hi);
+                }
+                out[base + 2 * i] = e2m1::decode(lo) * s;
+                out[base + 2 * i + 1] = e2m1::decode(hi) * s;
+            }
+        }
+    }
+    out
+}
+
+/// Prepare a weight for the served GEMM.
+pub fn prepare(
+    ckpt: &Checkpoint,
+    qw: &QuantWeight,
+    dequant_f32: &[f32],
+    fuse_pairs: bool,
+    faults: &[&Fault],
+    overrides: &[Override],
+) -> Result<ServedWeight> {
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    Ok(match &qw.format {
+        WeightFormat::Dense { .. } => ServedWeight::Dense {
+            w: dequant_f32.iter().map(|&v| crate::numerics::bf16::round(v)).collect(),
+        },
+        WeightFormat::Fp8Block { .. } | WeightFormat::Mxfp4 { .. } => {
+            let mut w = dequant_f32.to_vec();
+            if has(FaultKind::DoubleScale) {
+                if let WeightFormat::Fp8Block { scales, block, .. } = &qw.format {
+                    let (rows, cols) = (qw.out_features, qw.in_features);
+                    let sc = cols.div_ceil(block[1]);
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            w[r * cols + c] *= scales[(r / block[0]) * sc + c / block[1]];
+                        }
+                    }
+                }
+            }
+            ServedWeight::Fp8Act {
+                w,
+                non_pow2_act: has(FaultKind::NonPow2Ue8m0),
+            }
+        }
+        WeightFormat::Nvfp4 {
+            packed,
+            scales,
+            convention,
+            weight_global,
+            input_global,
+        } => {
+            let mut p = resolve_nvfp4(
+                ckpt,
+                qw,
+                *convention,
+                *weight_global,
+                *input_global,
+                fuse_pairs,
+                faults,
+            );
+            for o in overrides {
+                match *o {
+                    Override::InputEncode(g) => {
+                        p.alpha = p.alpha * p.g_x / g;
+                        p.g_x = g;
+                    }
+                    Override::WeightDecode(d) => {
+                        p.alpha = p.alpha / p.d_w * d;
+                        p.d_w = d;
+                    }
+                    Override::Alpha(a) => p.alpha = a,
+                    _ => {}
+                }
+            }
+            let wq = nvfp4_wq(
+                packed,
+                scales,
+                qw.out_features,
+                qw.in_features,
+                faults,
+                overrides,
+            );
+            ServedWeight::Nvfp4 { wq, p }
+        }
+    })
+}
+
+/// y[m, n] = Σ_k x[m, k] · w[n, k] in f32 (matrixmultiply sgemm).
+pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut y = vec![0f32; m * n];
+    if m == 0 || n == 0 {
+        return y;
+    }
+    if k == 0 {
+        return y;
+    }
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            x.as_ptr(),
+            k as isize,
+            1,
+            w.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            y.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+    y
+}
+
+/// Run the served linear: x [m, k] (BF16 values) → y [m, n].
+pub fn apply(
+    sw: &ServedWeight,
+    profile: Profile,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> (Vec<f32>, LinearObs) {
+    let bf = crate::numerics::bf16::round;
+    match sw {
+        ServedWeight::Dense { w } => (matmul_nt(x, w, m, k, n), LinearObs::default()),
+        ServedWeight::Fp8Act { w, non_pow2_act } => {
+            let xq = if *non_pow2_act {
+                fake_quant_fp8_non_pow2(x, m, k)
+            } else {
+                fp8_block::fake_quant_act_1x128(x, m, k, fp8_block::ActScale::DeepSeekPow2)
+            };
+            let mut y = matmul_nt(&xq, w, m, k, n);
+            y.iter_mut().for_each(|v| *v = bf(*v));
+            (y, LinearObs::default())
+        }
+        ServedWeight::Nvfp4 { wq, p } => {
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+            let calib = 2688.0 / p.g_x as f64;
+            let ratio = if calib.is_finite() && calib > 0.0 {
+                Some(amax / calib)
+            } else {
+                None
+            };
+            let mut obs = LinearObs {
+                act_amax_over_calib: ratio,
+                params: Some(*p),
+                ..Default::default()
+            };
+            let y = match profile {
+                Profile::HopperW4a16 => {
+                    let mut y = matmul_nt(x, wq, m, k, n);
+                    y.iter_mut().for_each(|v| *v = bf(*v * p.d_w));
+                    y
+                }
+                Profile::Emulation => {
+                    let (xh, h) = nvfp4::fake_quant_activation(x, m, k, p.g_x);
+                    obs.health = Some(h);
+                    let xh: Vec<f32> = xh.into_iter().map(bf).collect();
+                    let wh: Vec<f32> = wq.iter().map(|&v| bf(v * p.d_w)).collect();
+                    let mut y = matmul_nt(&xh, &wh, m, k, n);
+                    y.iter_mut().for_each(|v| *v = bf(*v));
+                    y
+                }
+                Profile::BlackwellW4a4 => {
+                    let (_, h) = nvfp4::fake_quant_activation(x, m, k, p.g_x);
+                    obs.health = Some(h);
+                    let act = nvfp4::quantize_activation(x, m, k, p.g_x);
+                    let nb = k / nvfp4::BLOCK;
+                    let mut xq = vec![0f32; m * k];
+                    for r in 0..m {
+                        for b in 0..nb {
+                            let s = e4m3::decode(act.scales[r * nb + b]);
+                            let base = r * k + b * nvfp4::BLOCK;
+                            for i in 0..nvfp4::BLOCK / 2 {
+                                let (lo, hi) = e2m1::unpack(act.packed[base / 2 + i]);
+                                xq[base + 2 * i] = e2m1::decode(lo) * s;
+                                xq[base + 2 * i + 1] = e2m1::decode(hi) * s;
+                            }
+                        }
+                    }
+                    let mut y = matmul_nt(&xq, wq, m, k, n);
+                    y.iter_mut().for_each(|v| *v = bf(*v * p.alpha));
+                    y
+                }
+            };
+            (y, obs)
+        }
+    }
+}
+
+/// FP8 1×128 activation quantization whose power-of-two scale was packed from an f32 scale by keeping
+/// only its exponent bits while the values were divided by the full f32 scale (sglang #25704's class).
+fn fake_quant_fp8_non_pow2(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * k];
+    for r in 0..m {
+        for g0 in (0..k).step_by(128) {
+            let g1 = (g0 + 128).min(k);
+            let row = &x[r * k + g0..r * k + g1];
+            let amax = row.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-4);
+            let s = amax / 448.0;
+            let s_pow2 = f32::from_bits(s.to_bits() & 0xFF80_0000); // exponent bits only
+            for (i, &v) in row.iter().enumerate() {
+                let q = e4m3::decode(e4m3::encode_satfinite(v / s));
+                out[r * k + g0 + i] = q * s_pow2;
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,188 @@
+//! Probe specs (`probes/*.toml`): which layers and ops, which tokens, which served profile, and the
+//! thresholds that decide divergence. Tolerances are data; the default spec is built in.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+use crate::{Error, Result};
+
+/// The built-in default spec (`probes/default.toml`).
+pub const DEFAULT_SPEC: &str = include_str!("../../probes/default.toml");
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeSpec {
+    #[serde(default = "default_name")]
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// Inclusive layer range, e.g. "0..4".
+    #[serde(default)]
+    pub layers: Option<String>,
+    /// Op-id globs to report (`*` = all); ops outside still run.
+    #[serde(default = "all_ops")]
+    pub ops: Vec<String>,
+    #[serde(default)]
+    pub served: Option<String>,
+    #[serde(default)]
+    pub tokens: TokenSpec,
+    #[serde(default)]
+    pub thresholds: Thresholds,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TokenSpec {
+    /// Explicit ids.
+    #[serde(default)]
+    pub ids: Option<Vec<u32>>,
+    /// Synthetic sequence length (deterministic ids) when no ids are given.
+    #[serde(default)]
+    pub seq_len: Option<usize>,
+    #[serde(default)]
+    pub prompt: Option<String>,
+}
+
+/// Divergence thresholds. An op diverges (isolated) when its served output, fed the BF16 oracle's
+/// inputs, is further from the BF16 oracle than both `noise_multiplier ×` the op's own
+/// BF16-vs-FP32 spread and the expected quantization error of the formats it uses.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Thresholds {
+    pub noise_multiplier: f64,
+    /// Absolute floor for ops whose numerics are identical to the oracle's.
+    pub min_rel_l2: f64,
+    /// Expected rel-L2 of one linear per weight format, in the served profile's numerics.
+    pub nvfp4_w4a4_rel_l2: f64,
+    pub nvfp4_w4a16_rel_l2: f64,
+    pub fp8_rel_l2: f64,
+    pub mxfp4_rel_l2: f64,
+    /// Extra factor for ops that chain several quantized GEMMs (experts: w1/w3 then w2).
+    pub chain_factor: f64,
+    /// amax ratio outside [1/x, x] diverges.
+    pub amax_ratio: f64,
+    /// Propagated: the error "shows" once rel-L2 vs the BF16 oracle exceeds this.
+    pub propagated_rel_l2: f64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            noise_multiplier: 8.0,
+            min_rel_l2: 1e-3,
+            nvfp4_w4a4_rel_l2: 0.25,
+            nvfp4_w4a16_rel_l2: 0.15,
+            fp8_rel_l2: 0.08,
+            mxfp4_rel_l2: 0.15,
+            chain_factor: 1.6,
+            amax_ratio: 4.0,
+            propagated_rel_l2: 0.5,
+        }
+    }
+}
+
+fn default_name() -> String {
+    "custom".into()
+}
+fn all_ops() -> Vec<String> {
+    vec!["*".into()]
+}
+
+impl ProbeSpec {
+    pub fn builtin() -> ProbeSpec {
+        Self::parse(DEFAULT_SPEC, Path::new("<built-in default probe>")).expect("built-in spec parses")
+    }
+    pub fn parse(text: &str, origin: &Path) -> Result<ProbeSpec> {
+        toml::from_str(text).map_err(|e| Error::bad(origin, None, format!("probe spec: {e}")))
+    }
+    pub fn from_file(path: &Path) -> Result<ProbeSpec> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&text, path)
+    }
+    /// Does `op` match one of the spec's op globs?
+    pub fn selects(&self, op: &str) -> bool {
+        self.ops.iter().any(|g| glob_match(g, op))
+    }
+}
+
+/// `*` matches any run of characters (including dots); everything else is literal.
+pub fn glob_match(pattern: &str, s: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = s.chars().collect();
+    let (mut pi, mut ti, mut star, mut mark) = (0usize, 0usize, None::<usize>, 0usize);
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == t[ti] || p[pi] == '?') {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if let Some(sp) = star {
+            pi = sp + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    while pi < p.len() && p[pi] == '*' {
+        pi += 1;
+    }
+    pi == p.len()
+}
+
+/// Parse `A..B` (inclusive), `A..=B` or `N`.
+pub fn parse_layers(s: &str) -> Result<(usize, usize)> {
+    let s = s.trim();
+    let bad = || Error::usage(format!("--layers `{s}`: expected A..B (inclusive) or N"));
+    if let Some((a, b)) = s.split_once("..") {
+        let b = b.strip_prefix('=').unwrap_or(b);
+        let a: usize = a.trim().parse().map_err(|_| bad())?;
+        let b: usize = b.trim().parse().map_err(|_| bad())?;
+        if b < a {
+            return Err(bad());
+        }
+        Ok((a, b))
+    } else {
+        let n: usize = s.parse().map_err(|_| bad())?;
+        Ok((n, n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("L*.ffn.experts", "L12.ffn.experts"));
+        assert!(!glob_match("L*.ffn.experts", "L12.ffn.expert.3.w1"));
+        assert!(glob_match("*", "embed"));
+        assert!(glob_match("L1.attn.*", "L1.attn.q_a"));
+        assert!(!glob_match("L1.attn.*", "L11.attn.q_a"));
+    }
+
+    #[test]
+    fn layers() {
+        assert_eq!(parse_layers("0..4").unwrap(), (0, 4));
+        assert_eq!(parse_layers("2..=3").unwrap(), (2, 3));
+        assert_eq!(parse_layers("3").unwrap(), (3, 3));
+        assert!(parse_layers("4..1").is_err());
+        assert!(parse_layers("a..b").is_err());
+    }
+
+    #[test]
+    fn builtin_and_files_parse() {
+        let s = ProbeSpec::builtin();
+        assert_eq!(s.name, "default");
+        let chain = ProbeSpec::from_file(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/probes/attn-moe-chain.toml"
+        )))
+        .unwrap();
+        assert!(chain.selects("L0.attn.q_b"));
+        assert!(!chain.selects("L0.attn.wo_b"));
+        assert!(ProbeSpec::parse("bogus = 1", Path::new("x.toml")).is_err());
+    }
+}
