@@ -9,7 +9,12 @@ pub mod cli;
 pub mod commands;
 pub mod error;
 pub mod model;
+pub mod metrics;
 pub mod numerics;
+/// The runner (being wired up; only the fault catalogue is compiled so far).
+pub mod probe {
+    pub mod faults;
+}
 pub mod tensor;
 
 pub use error::{Error, Result};

@@ -1,0 +1,195 @@
+//! `run`: every op of the requested layers on the three numerics paths; table, markdown, JSON, dumps, plots.
+
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::Checkpoint;
+use crate::cli::{BackendChoice, RunArgs, TokenArgs};
+use crate::error::{EXIT_FINDINGS, EXIT_OK};
+use crate::probe::faults::Fault;
+use crate::probe::served::Profile;
+use crate::probe::spec::{parse_layers, ProbeSpec};
+use crate::probe::{self, RunOptions, RunResult};
+use crate::report::{self, RunMeta};
+use crate::{Error, Result};
+
+/// The checkpoint a command works on: `--model DIR` or the built-in tiny synthetic model.
+pub fn open_model(model: Option<&Path>, seed: u64) -> Result<Checkpoint> {
+    match model {
+        Some(dir) => Checkpoint::open(dir),
+        None => crate::synth::builtin(seed),
+    }
+}
+
+/// Tokens from the token options, else the probe spec, else a synthetic sequence.
+pub fn resolve_tokens(
+    t: &TokenArgs,
+    spec: &ProbeSpec,
+    ckpt: &Checkpoint,
+    vocab: usize,
+    seed: u64,
+) -> Result<(Vec<u32>, String)> {
+    if let Some(ids) = &t.token_ids {
+        return Ok((ids.clone(), "--token-ids".into()));
+    }
+    if let Some(f) = &t.tokens {
+        let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
+        let ids: Vec<u32> = serde_json::from_str(&text)
+            .map_err(|e| Error::bad(f, None, format!("expected a JSON array of token ids: {e}")))?;
+        return Ok((ids, format!("file {}", f.display())));
+    }
+    if let Some(p) = t.prompt.as_ref().or(spec.tokens.prompt.as_ref()) {
+        let ids = crate::tokenize::encode(ckpt, p)?;
+        return Ok((ids, "prompt".into()));
+    }
+    if let Some(ids) = &spec.tokens.ids {
+        return Ok((ids.clone(), format!("probe {}", spec.name)));
+    }
+    let n = t.seq_len.or(spec.tokens.seq_len).unwrap_or(64);
+    Ok((probe::synthetic_tokens(n, vocab, seed), format!("synthetic (seed {seed})")))
+}
+
+/// Pick the backend; `auto` falls back to the CPU with one line saying why.
+pub fn select_backend(choice: BackendChoice) -> Result<(String, String)> {
+    match choice {
+        BackendChoice::Cpu => Ok(("cpu".into(), cpu_device())),
+        BackendChoice::Cuda => Err(Error::Backend(
+            "--backend cuda: this build runs the probe on the CPU reference only (the CUDA backend is not built yet)"
+                .into(),
+        )),
+        BackendChoice::Auto => {
+            eprintln!("backend: cpu (the CUDA backend is not built yet)");
+            Ok(("cpu".into(), cpu_device()))
+        }
+    }
+}
+
+fn cpu_device() -> String {
+    format!(
+        "cpu ({} threads)",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    )
+}
+
+/// Everything `run` and `bisect` share: open, resolve options, run.
+pub struct Prepared {
+    pub ckpt: Checkpoint,
+    pub opts: RunOptions,
+    pub meta: RunMeta,
+    pub model_dir: Option<PathBuf>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn prepare(
+    model: Option<&Path>,
+    layers: Option<&str>,
+    tokens: &TokenArgs,
+    probe_file: Option<&Path>,
+    served: Option<&str>,
+    backend: BackendChoice,
+    loader_faults: &[String],
+    seed: u64,
+) -> Result<Prepared> {
+    let spec = match probe_file {
+        Some(p) => ProbeSpec::from_file(p)?,
+        None => ProbeSpec::builtin(),
+    };
+    let (backend, device) = select_backend(backend)?;
+    let ckpt = open_model(model, seed)?;
+    let cfg = ckpt.model_config()?.clone();
+    let layer_s = layers.map(str::to_string).or(spec.layers.clone());
+    let (a, b) = match layer_s {
+        Some(s) => parse_layers(&s)?,
+        None => (0, cfg.num_hidden_layers.saturating_sub(1).min(4)),
+    };
+    if b >= cfg.num_hidden_layers {
+        return Err(Error::usage(format!(
+            "--layers {a}..{b}: the model has {} layers (0..{})",
+            cfg.num_hidden_layers,
+            cfg.num_hidden_layers - 1
+        )));
+    }
+    let profile = Profile::parse(served.or(spec.served.as_deref()).unwrap_or("blackwell-w4a4"))?;
+    let faults = loader_faults.iter().map(|s| Fault::parse(s)).collect::<Result<Vec<_>>>()?;
+    let (toks, source) = resolve_tokens(tokens, &spec, &ckpt, cfg.vocab_size, seed)?;
+    let meta = RunMeta {
+        tool: "nvfp4-probe".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        backend,
+        device,
+        checkpoint: report::checkpoint_fingerprint(&ckpt),
+        tokens: report::token_fingerprint(&toks, &source),
+        probe: spec.clone(),
+        served_profile: profile.name().into(),
+        loader_faults: loader_faults.to_vec(),
+        layers: [a, b],
+        seconds: 0.0,
+        bytes_read: 0,
+    };
+    let opts = RunOptions {
+        layers: (a, b),
+        tokens: toks,
+        profile,
+        loader_faults: faults,
+        spec,
+        keep_outputs: false,
+        progress: true,
+        overrides: Vec::new(),
+        stop_after: None,
+    };
+    Ok(Prepared {
+        ckpt,
+        opts,
+        meta,
+        model_dir: model.map(Path::to_path_buf),
+    })
+}
+
+pub fn main(args: &RunArgs) -> Result<i32> {
+    let mut p = prepare(
+        args.model.as_deref(),
+        args.layers.as_deref(),
+        &args.tokens,
+        args.probe.as_deref(),
+        args.served.as_deref(),
+        args.backend,
+        &args.loader_faults,
+        args.seed,
+    )?;
+    for out in [&args.json, &args.markdown, &args.plot].into_iter().flatten() {
+        report::check_not_in_model_dir(out, p.model_dir.as_deref())?;
+    }
+    if let Some(d) = &args.dump {
+        report::check_not_in_model_dir(&d.join("x"), p.model_dir.as_deref())?;
+    }
+    p.opts.keep_outputs = args.dump.is_some();
+    let res: RunResult = probe::run(&p.ckpt, &p.opts)?;
+    p.meta.seconds = res.seconds;
+    p.meta.bytes_read = res.bytes_read;
+    if !args.quiet {
+        println!("{}", report::terminal_table(&res));
+    }
+    for l in report::summary_lines(&res) {
+        println!("{l}");
+    }
+    println!(
+        "{} ops, {:.2} s, {:.1} MB read from the checkpoint",
+        res.records.len(),
+        res.seconds,
+        res.bytes_read as f64 / 1e6
+    );
+    // outputs are written only after the run succeeded, each atomically
+    if let Some(j) = &args.json {
+        report::write_atomic(j, report::run_json(&p.meta, &res).as_bytes())?;
+    }
+    if let Some(md) = &args.markdown {
+        report::write_atomic(md, report::markdown(&p.meta, &res).as_bytes())?;
+    }
+    if let Some(d) = &args.dump {
+        report::dump(d, &res)?;
+    }
+    if let Some(pl) = &args.plot {
+        crate::plot::plot_run(&report::run_json(&p.meta, &res), pl)?;
+    }
+    let findings = res.summary.divergent_ops > 0 || res.summary.non_finite_ops > 0;
+    Ok(if findings { EXIT_FINDINGS } else { EXIT_OK })
+}

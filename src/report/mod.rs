@@ -1,0 +1,353 @@
+//! Reports read run results and nothing else: the terminal table, the markdown report, the run
+//! JSON (`nvfp4-probe.run/1`, documented in docs/json-schema.md) and `--dump` safetensors.
+
+use std::io::Write;
+use std::path::Path;
+
+use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::checkpoint::Checkpoint;
+use crate::metrics::Compare;
+use crate::probe::{OpRecord, RunResult, Summary};
+use crate::{Error, Result};
+
+pub const RUN_SCHEMA: &str = "nvfp4-probe.run/1";
+
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct CheckpointFingerprint {
+    pub location: String,
+    pub naming: String,
+    /// sha256 of config.json as parsed and re-serialized with sorted keys.
+    pub config_sha256: String,
+    /// sha256 over every tensor's (name, dtype, shape), sorted by name.
+    pub header_sha256: String,
+}
+
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct TokenFingerprint {
+    pub count: usize,
+    /// sha256 of the ids as little-endian u32.
+    pub sha256: String,
+    pub source: String,
+}
+
+/// Everything about a run that is not a per-op number.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunMeta {
+    pub tool: String,
+    pub version: String,
+    pub backend: String,
+    pub device: String,
+    pub checkpoint: CheckpointFingerprint,
+    pub tokens: TokenFingerprint,
+    pub probe: crate::probe::spec::ProbeSpec,
+    pub served_profile: String,
+    pub loader_faults: Vec<String>,
+    pub layers: [usize; 2],
+    pub seconds: f64,
+    pub bytes_read: u64,
+}
+
+#[derive(Serialize)]
+struct RunJson<'a> {
+    schema: &'static str,
+    #[serde(flatten)]
+    meta: &'a RunMeta,
+    summary: &'a Summary,
+    ops: &'a [OpRecord],
+}
+
+fn hex(d: impl AsRef<[u8]>) -> String {
+    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub fn checkpoint_fingerprint(ckpt: &Checkpoint) -> CheckpointFingerprint {
+    let cfg = serde_json::to_string(ckpt.config_json()).unwrap_or_default();
+    let mut names = ckpt.tensor_names();
+    names.sort();
+    let mut h = Sha256::new();
+    for n in &names {
+        if let Some(i) = ckpt.info(n) {
+            h.update(format!("{n}\t{:?}\t{:?}\n", i.dtype, i.shape).as_bytes());
+        }
+    }
+    CheckpointFingerprint {
+        location: ckpt.location().display().to_string(),
+        naming: format!("{:?}", ckpt.naming()),
+        config_sha256: hex(Sha256::digest(cfg.as_bytes())),
+        header_sha256: hex(h.finalize()),
+    }
+}
+
+pub fn token_fingerprint(tokens: &[u32], source: &str) -> TokenFingerprint {
+    let mut h = Sha256::new();
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    TokenFingerprint {
+        count: tokens.len(),
+        sha256: hex(h.finalize()),
+        source: source.to_string(),
+    }
+}
+
+pub fn run_json(meta: &RunMeta, res: &RunResult) -> String {
+    serde_json::to_string_pretty(&RunJson {
+        schema: RUN_SCHEMA,
+        meta,
+        summary: &res.summary,
+        ops: &res.records,
+    })
+    .expect("run JSON serializes")
+}
+
+fn fmt_g(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x.abs() >= 1e4 || x.abs() < 1e-3 {
+        format!("{x:.3e}")
+    } else {
+        format!("{x:.4}")
+    }
+}
+
+fn fmt_cos(c: &Compare) -> String {
+    match c.cos {
+        Some(v) if v >= 0.99995 && v < 1.0 => format!("{v:.6}"),
+        Some(v) => format!("{v:.4}"),
+        None => "NaN".into(),
+    }
+}
+
+fn nan_cell(r: &OpRecord) -> String {
+    let s = &r.stats["served"];
+    if s.nan + s.inf == 0 {
+        "0".into()
+    } else if s.inf == 0 {
+        format!("{}", s.nan)
+    } else {
+        format!("{}+{}inf", s.nan, s.inf)
+    }
+}
+
+fn verdict(r: &OpRecord) -> &'static str {
+    if r.divergent {
+        "DIVERGES"
+    } else if r.shows {
+        "shows"
+    } else {
+        ""
+    }
+}
+
+fn health_cell(r: &OpRecord) -> String {
+    match &r.health {
+        Some(h) if h.blocks > 0 => {
+            let pct = |x: usize, of: usize| 100.0 * x as f64 / of.max(1) as f64;
+            format!(
+                "0x00 {:.1}% 0x7E {:.1}% clip {:.2}% dead {:.1}%",
+                pct(h.scale_zero, h.blocks),
+                pct(h.scale_max, h.blocks),
+                pct(h.clipped, h.elements),
+                pct(h.dead_zone, h.elements)
+            )
+        }
+        _ => String::new(),
+    }
+}
+
+/// The terminal table (comfy-table; red marks NaN and divergence).
+pub fn terminal_table(res: &RunResult) -> String {
+    let mut t = Table::new();
+    t.load_preset(presets::UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(vec![
+            "step", "op", "amax fp32", "amax served", "NaN", "cos iso", "cos prop", "rel-L2 iso", "tol", "",
+        ]);
+    for r in &res.records {
+        let nan = nan_cell(r);
+        let v = verdict(r);
+        let mut row = vec![
+            Cell::new(r.step),
+            Cell::new(&r.id),
+            Cell::new(fmt_g(r.stats["oracle_fp32"].amax)),
+            Cell::new(fmt_g(r.stats["served"].amax)),
+            if nan != "0" {
+                Cell::new(nan).fg(Color::Red)
+            } else {
+                Cell::new(nan)
+            },
+        ];
+        if let Some(a) = &r.agreement {
+            row.push(Cell::new(format!("agree {:.3}", a.served_isolated)));
+            row.push(Cell::new(format!("agree {:.3}", a.served_propagated)));
+            row.push(Cell::new(""));
+        } else {
+            row.push(Cell::new(fmt_cos(&r.served_isolated_vs_bf16)));
+            row.push(Cell::new(fmt_cos(&r.served_propagated_vs_bf16)));
+            row.push(Cell::new(
+                r.served_isolated_vs_bf16.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+            ));
+        }
+        row.push(Cell::new(fmt_g(r.tolerance)));
+        row.push(match v {
+            "DIVERGES" => Cell::new(v).fg(Color::Red),
+            "shows" => Cell::new(v).fg(Color::Yellow),
+            _ => Cell::new(v),
+        });
+        t.add_row(row);
+    }
+    t.to_string()
+}
+
+/// One-paragraph summary for the terminal and the markdown report.
+pub fn summary_lines(res: &RunResult) -> Vec<String> {
+    let s = &res.summary;
+    let mut v = Vec::new();
+    match (&s.first_divergent, &s.first_divergent_reason) {
+        (Some(op), Some(why)) => v.push(format!(
+            "first divergent op (isolated): {op} — {why} ({} divergent ops)",
+            s.divergent_ops
+        )),
+        _ => v.push("no op diverges beyond its tolerance (isolated)".into()),
+    }
+    match &s.first_shows {
+        Some(op) => v.push(format!("error first visible (propagated): {op}")),
+        None => v.push("propagated error stays below the visibility threshold".into()),
+    }
+    match &s.first_non_finite {
+        Some((paths, op)) => v.push(format!(
+            "first NaN/Inf: {op} (path {paths}); {} ops with non-finite values",
+            s.non_finite_ops
+        )),
+        None => v.push("no NaN/Inf on any path".into()),
+    }
+    v
+}
+
+/// The markdown report. Its first table is the one people paste into issues.
+pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
+    let mut m = String::new();
+    m.push_str("# nvfp4-probe run\n\n");
+    m.push_str(&format!(
+        "checkpoint `{}` ({}), layers {}..{}, {} tokens, served profile `{}`{}, backend {}\n\n",
+        meta.checkpoint.location,
+        meta.checkpoint.naming,
+        meta.layers[0],
+        meta.layers[1],
+        meta.tokens.count,
+        meta.served_profile,
+        if meta.loader_faults.is_empty() {
+            String::new()
+        } else {
+            format!(", loader faults {}", meta.loader_faults.join(" "))
+        },
+        meta.backend
+    ));
+    for l in summary_lines(res) {
+        m.push_str(&format!("- {l}\n"));
+    }
+    m.push_str("\n| Step | Op | amax | NaN | cos vs BF16 oracle |\n|---:|---|---:|---:|---:|\n");
+    for r in &res.records {
+        let cos = match &r.agreement {
+            Some(a) => format!("agree {:.3}", a.served_propagated),
+            None => fmt_cos(&r.served_propagated_vs_bf16),
+        };
+        let flag = if r.divergent { " **diverges**" } else { "" };
+        m.push_str(&format!(
+            "| {} | `{}`{} | {} | {} | {} |\n",
+            r.step,
+            r.id,
+            flag,
+            fmt_g(r.stats["served"].amax),
+            nan_cell(r),
+            cos
+        ));
+    }
+    m.push_str("\namax and NaN are the served path's; cosine is served (propagated) against the BF16 oracle.\n");
+    m.push_str("\n## Details\n\n| Op | amax fp32 | amax bf16 | amax served | noise rel-L2 (bf16 vs fp32) | isolated rel-L2 | isolated cos | tolerance | NVFP4 activation health | act amax / calib | verdict |\n|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n");
+    for r in &res.records {
+        m.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.id,
+            fmt_g(r.stats["oracle_fp32"].amax),
+            fmt_g(r.stats["oracle_bf16"].amax),
+            fmt_g(r.stats["served"].amax),
+            r.bf16_vs_fp32.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+            r.served_isolated_vs_bf16.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+            fmt_cos(&r.served_isolated_vs_bf16),
+            fmt_g(r.tolerance),
+            health_cell(r),
+            r.act_amax_over_calib.map(fmt_g).unwrap_or_default(),
+            r.reason.clone().unwrap_or_else(|| verdict(r).to_string())
+        ));
+    }
+    m
+}
+
+/// Refuse to write a report inside the model directory; errors name both paths.
+pub fn check_not_in_model_dir(out: &Path, model_dir: Option<&Path>) -> Result<()> {
+    if let Some(md) = model_dir {
+        let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if abs(parent).starts_with(abs(md)) {
+            return Err(Error::usage(format!(
+                "refusing to write {} inside the model directory {}",
+                out.display(),
+                md.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Write a file atomically (temp file + rename) so a failure leaves no partial report.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        path.file_name().and_then(|s| s.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// `--dump DIR`: one safetensors file per path with each reported op's output as F32 under its op id.
+pub fn dump(dir: &Path, res: &RunResult) -> Result<Vec<std::path::PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut written = Vec::new();
+    for (path, outs) in &res.outputs {
+        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = outs
+            .iter()
+            .map(|(id, t)| {
+                (
+                    id.clone(),
+                    t.shape.clone(),
+                    t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
+            .iter()
+            .map(|(id, shape, b)| {
+                (
+                    id.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+                        .expect("shape matches data"),
+                )
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None)
+            .map_err(|e| Error::usage(format!("dump {path}: {e}")))?;
+        let p = dir.join(format!("{path}.safetensors"));
+        write_atomic(&p, &bytes)?;
+        written.push(p);
+    }
+    Ok(written)
+}
