@@ -109,8 +109,10 @@ impl Compare {
             c.amax_ratio = if ar > 0.0 { Some(ax / ar) } else { None };
             return c;
         }
-        c.cos = if nx > 0.0 && nr > 0.0 {
-            Some((dot / (nx.sqrt() * nr.sqrt())).clamp(-1.0, 1.0))
+        c.cos = if ne == 0.0 {
+            Some(1.0)
+        } else if nx > 0.0 && nr > 0.0 {
+            Some((dot / (nx * nr).sqrt()).clamp(-1.0, 1.0))
         } else if nx == 0.0 && nr == 0.0 {
             Some(1.0)
         } else {
