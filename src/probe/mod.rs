@@ -301,16 +301,16 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 shows,
             });
             if opts.keep_outputs {
-                for (name, t) in [
-                    ("oracle_fp32", fp),
-                    ("oracle_bf16", bf),
-                    ("served", sv),
-                    ("served_isolated", is),
+                for (name, ts) in [
+                    ("oracle_fp32", &outs[0]),
+                    ("oracle_bf16", &outs[1]),
+                    ("served", &outs[2]),
+                    ("served_isolated", &iso),
                 ] {
-                    outputs
-                        .entry(name.to_string())
-                        .or_default()
-                        .push((op.id.clone(), t.clone()));
+                    let e = outputs.entry(name.to_string()).or_default();
+                    for (id, t) in op.outputs.iter().zip(ts.iter()) {
+                        e.push((id.clone(), t.clone()));
+                    }
                 }
             }
         }

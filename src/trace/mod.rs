@@ -1,0 +1,3 @@
+//! Engine activation traces: name maps and readers (issue: `compare`).
+
+pub mod names;
