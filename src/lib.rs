@@ -8,14 +8,13 @@ pub mod checkpoint;
 pub mod cli;
 pub mod commands;
 pub mod error;
-pub mod model;
 pub mod metrics;
+pub mod model;
 pub mod numerics;
-/// The runner (being wired up; only the fault catalogue is compiled so far).
-pub mod probe {
-    pub mod faults;
-}
+pub mod probe;
+pub mod report;
 pub mod tensor;
+pub mod trace;
 
 pub use error::{Error, Result};
 pub use tensor::Tensor;

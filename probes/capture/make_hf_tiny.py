@@ -34,7 +34,7 @@ def main():
         num_attention_heads=2, head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=64,
         num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5,
         compress_ratios=[0, 128, 4, 128, 4, 0], num_hash_layers=2, qk_rope_head_dim=64,
-        index_n_heads=4, index_head_dim=128, index_topk=8, sliding_window=128,
+        index_n_heads=16, index_head_dim=128, index_topk=8, sliding_window=128,
         rope_theta=10000.0, compress_rope_theta=160000.0,
         rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                       "beta_fast": 32, "beta_slow": 1},

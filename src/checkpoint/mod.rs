@@ -5,6 +5,7 @@
 //! caller asks for them, so a probe of one layer touches one layer's bytes, and of the experts
 //! only those that were routed to.
 
+mod access;
 mod convert;
 pub mod naming;
 pub mod quant;

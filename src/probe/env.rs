@@ -100,10 +100,19 @@ impl<'a> Shared<'a> {
         Ok(self.cache.get_mut(base).expect("inserted above"))
     }
 
-    fn weight_for(&mut self, kind: PathKind, base: &str) -> Result<(Arc<WeightView>, usize, usize)> {
+    fn weight_for(
+        &mut self,
+        kind: PathKind,
+        base: &str,
+    ) -> Result<(Arc<WeightView>, usize, usize)> {
         let profile = self.profile;
         let fuse = self.fuse_pairs;
-        let faults: Vec<Fault> = self.faults.iter().filter(|f| f.hits(base)).cloned().collect();
+        let faults: Vec<Fault> = self
+            .faults
+            .iter()
+            .filter(|f| f.hits(base))
+            .cloned()
+            .collect();
         let overrides: Vec<Override> = self
             .overrides
             .iter()
@@ -118,7 +127,10 @@ impl<'a> Shared<'a> {
             PathKind::OracleBf16 => {
                 if c.bf16.is_none() {
                     c.bf16 = Some(Arc::new(
-                        c.f32.iter().map(|&v| crate::numerics::bf16::round(v)).collect(),
+                        c.f32
+                            .iter()
+                            .map(|&v| crate::numerics::bf16::round(v))
+                            .collect(),
                     ));
                 }
                 WeightView::F32(c.bf16.clone().expect("set above"))
@@ -205,7 +217,13 @@ impl OpEnv for PathEnv<'_, '_> {
         }
         Ok(Tensor::new(shape, y))
     }
-    fn linear_grouped(&mut self, sub_id: &str, x: &Tensor, base: &str, groups: usize) -> Result<Tensor> {
+    fn linear_grouped(
+        &mut self,
+        sub_id: &str,
+        x: &Tensor,
+        base: &str,
+        groups: usize,
+    ) -> Result<Tensor> {
         // x [rows, G, K]; weight [G·R, K]: group g uses rows g·R..(g+1)·R
         let k = x.cols();
         let rows = x.numel() / (groups * k).max(1);
@@ -225,7 +243,9 @@ impl OpEnv for PathEnv<'_, '_> {
                 xg.extend_from_slice(&x.data[(t * groups + g) * k..(t * groups + g + 1) * k]);
             }
             let yg = match &*view {
-                WeightView::F32(w) => served::matmul_nt(&xg, &w[g * r * k..(g + 1) * r * k], rows, k, r),
+                WeightView::F32(w) => {
+                    served::matmul_nt(&xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
+                }
                 WeightView::Served(sw, profile) => {
                     let sub = slice_served(sw, g * r, r, k);
                     let (y, obs) = served::apply(&sub, *profile, &xg, rows, k, r);
@@ -236,7 +256,8 @@ impl OpEnv for PathEnv<'_, '_> {
                 }
             };
             for t in 0..rows {
-                out[(t * groups + g) * r..(t * groups + g + 1) * r].copy_from_slice(&yg[t * r..(t + 1) * r]);
+                out[(t * groups + g) * r..(t * groups + g + 1) * r]
+                    .copy_from_slice(&yg[t * r..(t + 1) * r]);
             }
         }
         Ok(Tensor::new(vec![rows, groups, r], out))

@@ -261,16 +261,28 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
             };
             let bf_nf = stats["oracle_bf16"].non_finite();
             let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
-                (true, Some("non-finite values where the BF16 oracle has none".to_string()))
+                (
+                    true,
+                    Some("non-finite values where the BF16 oracle has none".to_string()),
+                )
             } else if agreement.is_some() {
                 (false, None)
             } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
-                (true, Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")))
+                (
+                    true,
+                    Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")),
+                )
             } else if let Some(q) = iso_bf
                 .amax_ratio
                 .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
             {
-                (true, Some(format!("isolated amax ratio {q:.3e} outside [1/{0}, {0}]", th.amax_ratio)))
+                (
+                    true,
+                    Some(format!(
+                        "isolated amax ratio {q:.3e} outside [1/{0}, {0}]",
+                        th.amax_ratio
+                    )),
+                )
             } else if iso_bf.rel_l2.is_none() && !bf_nf && stats["served_isolated"].non_finite() {
                 (true, Some("undefined error".into()))
             } else {

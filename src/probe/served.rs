@@ -103,18 +103,6 @@ fn sibling(base: &str) -> Option<String> {
     None
 }
 
-/// Scalar NVFP4 scales of a weight without reading its packed data: (weight global, input global), as stored.
-fn scalar_scales(ckpt: &Checkpoint, base: &str) -> Option<(f32, Option<f32>)> {
-    let get = |suffix: &str| -> Option<f32> {
-        let raw = ckpt.resolve(&format!("{base}.{suffix}"))?;
-        let t = ckpt.tensor_f32_raw(&raw).ok()?;
-        t.data.iter().copied().fold(None, |m: Option<f32>, v| Some(m.map_or(v, |m| m.max(v))))
-    };
-    let w = get("weight_global_scale").or_else(|| get("weight_scale_2"))?;
-    let i = get("input_global_scale").or_else(|| get("input_scale"));
-    Some((w, i))
-}
-
 /// The loader's reading of the stored NVFP4 scalars (vLLM `process_weights_after_loading`, NVFP4.md §3.5),
 /// including the max() that fused engines take over a merged pair (§3.4), then loader faults.
 pub fn resolve_nvfp4(
@@ -129,7 +117,7 @@ pub fn resolve_nvfp4(
     let (mut wg, mut ig) = (weight_global, input_global.unwrap_or(0.0));
     if fuse_pairs {
         if let Some(sib) = sibling(&qw.canonical) {
-            if let Some((sw, si)) = scalar_scales(ckpt, &sib) {
+            if let Some((sw, si)) = ckpt.nvfp4_scalars(&sib) {
                 // vLLM keeps one scale per merged layer: max over shards (max g for CT, max d for ModelOpt)
                 wg = wg.max(sw);
                 ig = ig.max(si.unwrap_or(0.0));
@@ -244,7 +232,10 @@ pub fn prepare(
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     Ok(match &qw.format {
         WeightFormat::Dense { .. } => ServedWeight::Dense {
-            w: dequant_f32.iter().map(|&v| crate::numerics::bf16::round(v)).collect(),
+            w: dequant_f32
+                .iter()
+                .map(|&v| crate::numerics::bf16::round(v))
+                .collect(),
         },
         WeightFormat::Fp8Block { .. } | WeightFormat::Mxfp4 { .. } => {
             let mut w = dequant_f32.to_vec();

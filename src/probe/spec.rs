@@ -90,7 +90,8 @@ fn all_ops() -> Vec<String> {
 
 impl ProbeSpec {
     pub fn builtin() -> ProbeSpec {
-        Self::parse(DEFAULT_SPEC, Path::new("<built-in default probe>")).expect("built-in spec parses")
+        Self::parse(DEFAULT_SPEC, Path::new("<built-in default probe>"))
+            .expect("built-in spec parses")
     }
     pub fn parse(text: &str, origin: &Path) -> Result<ProbeSpec> {
         toml::from_str(text).map_err(|e| Error::bad(origin, None, format!("probe spec: {e}")))

@@ -145,7 +145,7 @@ fn verdict(r: &OpRecord) -> &'static str {
 fn health_cell(r: &OpRecord) -> String {
     match &r.health {
         Some(h) if h.blocks > 0 => {
-            let pct = |x: usize, of: usize| 100.0 * x as f64 / of.max(1) as f64;
+            let pct = |x: u64, of: u64| 100.0 * x as f64 / of.max(1) as f64;
             format!(
                 "0x00 {:.1}% 0x7E {:.1}% clip {:.2}% dead {:.1}%",
                 pct(h.scale_zero, h.blocks),
@@ -161,10 +161,19 @@ fn health_cell(r: &OpRecord) -> String {
 /// The terminal table (comfy-table; red marks NaN and divergence).
 pub fn terminal_table(res: &RunResult) -> String {
     let mut t = Table::new();
-    t.load_preset(presets::UTF8_FULL_CONDENSED)
+    t.load_style(presets::UTF8_FULL_CONDENSED)
         .set_content_arrangement(ContentArrangement::Disabled)
         .set_header(vec![
-            "step", "op", "amax fp32", "amax served", "NaN", "cos iso", "cos prop", "rel-L2 iso", "tol", "",
+            "step",
+            "op",
+            "amax fp32",
+            "amax served",
+            "NaN",
+            "cos iso",
+            "cos prop",
+            "rel-L2 iso",
+            "tol",
+            "",
         ]);
     for r in &res.records {
         let nan = nan_cell(r);
@@ -188,7 +197,10 @@ pub fn terminal_table(res: &RunResult) -> String {
             row.push(Cell::new(fmt_cos(&r.served_isolated_vs_bf16)));
             row.push(Cell::new(fmt_cos(&r.served_propagated_vs_bf16)));
             row.push(Cell::new(
-                r.served_isolated_vs_bf16.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+                r.served_isolated_vs_bf16
+                    .rel_l2
+                    .map(fmt_g)
+                    .unwrap_or("NaN".into()),
             ));
         }
         row.push(Cell::new(fmt_g(r.tolerance)));
@@ -276,7 +288,10 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
             fmt_g(r.stats["oracle_bf16"].amax),
             fmt_g(r.stats["served"].amax),
             r.bf16_vs_fp32.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
-            r.served_isolated_vs_bf16.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+            r.served_isolated_vs_bf16
+                .rel_l2
+                .map(fmt_g)
+                .unwrap_or("NaN".into()),
             fmt_cos(&r.served_isolated_vs_bf16),
             fmt_g(r.tolerance),
             health_cell(r),
@@ -291,7 +306,10 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
 pub fn check_not_in_model_dir(out: &Path, model_dir: Option<&Path>) -> Result<()> {
     if let Some(md) = model_dir {
         let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-        let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let parent = out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         if abs(parent).starts_with(abs(md)) {
             return Err(Error::usage(format!(
                 "refusing to write {} inside the model directory {}",
@@ -305,7 +323,10 @@ pub fn check_not_in_model_dir(out: &Path, model_dir: Option<&Path>) -> Result<()
 
 /// Write a file atomically (temp file + rename) so a failure leaves no partial report.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let tmp = dir.join(format!(
         ".{}.tmp{}",

@@ -68,10 +68,20 @@ mod tests {
     use super::*;
     #[test]
     fn hf_names() {
-        assert_eq!(map_hf("model.layers.3.self_attn.q_b_proj").unwrap().op, "L3.attn.q_b");
+        assert_eq!(
+            map_hf("model.layers.3.self_attn.q_b_proj").unwrap().op,
+            "L3.attn.q_b"
+        );
         assert_eq!(map_hf("model.layers.0").unwrap().op, "L0.out");
-        assert_eq!(map_hf("model.layers.2.ffn_hc:input").unwrap().op, "L2.attn.hc_post");
-        assert!(!map_hf("model.layers.2.self_attn.compressor").unwrap().token_rows);
+        assert_eq!(
+            map_hf("model.layers.2.ffn_hc:input").unwrap().op,
+            "L2.attn.hc_post"
+        );
+        assert!(
+            !map_hf("model.layers.2.self_attn.compressor")
+                .unwrap()
+                .token_rows
+        );
         assert!(map_hf("model.layers.2.self_attn.rotary_emb").is_none());
         assert_eq!(map_hf("lm_head").unwrap().op, "head");
     }
