@@ -460,10 +460,16 @@ impl Checkpoint {
                 (Some(w), _) => w,
                 (None, Some(s)) => s,
                 (None, None) => {
+                    // I8 is the official MXFP4 layout (`.scale`); U8 is NVFP4/CT-MXFP4 (`.weight_scale`).
+                    let leaf = if wi.dtype == Dtype::I8 && packed.is_none() {
+                        "scale"
+                    } else {
+                        "weight_scale"
+                    };
                     return Err(need(
-                        "weight_scale",
+                        leaf,
                         "block scale (`weight_scale` for NVFP4, `scale`/`weight_scale` for MXFP4) missing",
-                    ))
+                    ));
                 }
             };
             let sraw = self.resolve(&sname).unwrap_or_default();
