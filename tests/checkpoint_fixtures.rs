@@ -100,7 +100,7 @@ fn fixture_global_scales_as_stored() {
     let g = ct.weight_meta("case.ties").unwrap().weight_global.unwrap();
     let d = mo.weight_meta("case.ties").unwrap().weight_global.unwrap();
     assert_eq!(g, 448.0);
-    assert_eq!(d, 0.00223214296);
+    assert_eq!(d, 0.002_232_143);
     assert_eq!(
         ct.weight_meta("case.tiny").unwrap().weight_global,
         Some(336.0)

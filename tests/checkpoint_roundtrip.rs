@@ -125,9 +125,9 @@ fn check_layer(ck: &Checkpoint, weights: &[(String, Built)], raw_base: impl Fn(&
         } => (weight_global, input_global),
         _ => panic!("{b} not nvfp4"),
     };
-    assert_eq!(g("layers.0.attn.wo_a"), (30927.1016, Some(448.0)));
-    assert_eq!(g("layers.0.attn.wo_b"), (3.2334101e-05, Some(0.25)));
-    assert_eq!(g("layers.0.ffn.experts.1.w1"), (3.2334101e-05, None));
+    assert_eq!(g("layers.0.attn.wo_a"), (30_927.102, Some(448.0)));
+    assert_eq!(g("layers.0.attn.wo_b"), (3.233_41e-5, Some(0.25)));
+    assert_eq!(g("layers.0.ffn.experts.1.w1"), (3.233_41e-5, None));
     let bases: BTreeSet<String> = ck.weight_bases().into_iter().collect();
     let want: BTreeSet<String> = SCHEMES.iter().map(|s| s.0.to_string()).collect();
     assert_eq!(bases, want);

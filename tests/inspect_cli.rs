@@ -97,7 +97,7 @@ fn json_report() {
     assert_eq!(ct["convention"], "ct");
     assert_eq!(ct["raw"], "layers.0.attn.wo_a.weight_packed");
     assert_eq!(ct["shape"], serde_json::json!([32, 64]));
-    let g = 30927.1016f32;
+    let g = 30_927.102_f32;
     assert_eq!(f(&ct["weight_global_scale"]), g);
     assert_eq!(f(&ct["weight_amax_implied"]), 2688.0 / g);
     assert_eq!(f(&ct["input_global_scale"]), 448.0);
@@ -105,7 +105,7 @@ fn json_report() {
 
     let mo = row("layers.0.attn.wo_b");
     assert_eq!(mo["convention"], "modelopt");
-    let dd = 3.2334101e-05f32;
+    let dd = 3.233_41e-5_f32;
     assert_eq!(f(&mo["weight_amax_implied"]), 2688.0 * dd);
     assert_eq!(f(&mo["input_amax_implied"]), 2688.0 * 0.25);
     let bs = &mo["block_scale"];

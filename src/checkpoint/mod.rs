@@ -293,7 +293,7 @@ impl Checkpoint {
                             ),
                         ));
                     }
-                    if gate_up && e.shape[1] % 2 != 0 {
+                    if gate_up && !e.shape[1].is_multiple_of(2) {
                         return Err(Error::bad(
                             file,
                             Some(name),

@@ -781,7 +781,7 @@ fn byte_stats(b: &[u8], e4m3_scale: bool) -> ByteStats {
         max_code: None,
     };
     let mut best: Option<u8> = None;
-    let mut one = |x: u8, st: &mut ByteStats, best: &mut Option<u8>| {
+    let one = |x: u8, st: &mut ByteStats, best: &mut Option<u8>| {
         let m = x & mask;
         st.zero += (x == 0) as usize;
         st.x7e += (x == 0x7E) as usize;

@@ -125,7 +125,7 @@ pub(crate) fn parse(shard_idx: usize, shard: &Shard) -> Result<Vec<(String, RawE
                     )
                 })
                 .collect();
-            out.sort_by(|a, b| a.1.start.cmp(&b.1.start));
+            out.sort_by_key(|a| a.1.start);
             Ok(out)
         }
         Err(e) => Err(diagnose(path, buf, e)),
