@@ -436,3 +436,31 @@ fn lazy_reads_are_counted() {
     }
     assert_eq!(ck.bytes_read() - before, scalars as u64);
 }
+
+#[test]
+fn writer_leaves_no_partial_shards_and_no_stale_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tensors(&official_layer([128, 128]), |b, s| format!("{b}.{s}"));
+    {
+        let mut w = ShardWriter::new(dir.path(), 1000).unwrap();
+        for (n, d, s, b) in &t {
+            w.add(n, *d, s, b.clone()).unwrap();
+        }
+        // Dropped without finish: an error path.
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    write(dir.path(), &t, CONFIG, 1000);
+    assert!(dir.path().join("model.safetensors.index.json").exists());
+    write(dir.path(), &t, CONFIG, usize::MAX);
+    assert!(!dir.path().join("model.safetensors.index.json").exists());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(
+        ck.info("head.weight").unwrap().file,
+        dir.path().join("model.safetensors")
+    );
+    // Adding a tensor whose bytes disagree with its shape is refused.
+    let mut w = ShardWriter::new(dir.path(), 1000).unwrap();
+    assert!(w.add("x", Dtype::F32, &[3], vec![0; 8]).is_err());
+    w.add("y", Dtype::F32, &[2], vec![0; 8]).unwrap();
+    assert!(w.add("y", Dtype::F32, &[2], vec![0; 8]).is_err());
+}
