@@ -464,3 +464,55 @@ fn writer_leaves_no_partial_shards_and_no_stale_index() {
     w.add("y", Dtype::F32, &[2], vec![0; 8]).unwrap();
     assert!(w.add("y", Dtype::F32, &[2], vec![0; 8]).is_err());
 }
+
+/// Less common layouts: F16/F32 dense weights and compressed-tensors MXFP4 (`weight_packed` +
+/// U8 `weight_scale` [out, in/32], no global scale).
+#[test]
+fn other_dense_dtypes_and_ct_mxfp4() {
+    let f16: Vec<f32> = (0..32 * D).map(|k| (k % 37) as f32 / 8.0 - 2.0).collect();
+    let f32v: Vec<f32> = (0..D * 32).map(|k| (k as f32 * 0.013).cos()).collect();
+    let mx = mxfp4(I, D, 11);
+    let mut t = vec![
+        (
+            "layers.0.attn.wq_a.weight".to_string(),
+            Dtype::F16,
+            vec![32, D],
+            f16.iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect(),
+        ),
+        (
+            "layers.0.attn.wo_b.weight".to_string(),
+            Dtype::F32,
+            vec![D, 32],
+            f32_bytes(&f32v),
+        ),
+    ];
+    t.push((
+        "layers.0.ffn.experts.2.w3.weight_packed".into(),
+        Dtype::U8,
+        mx.parts[0].2.clone(),
+        mx.parts[0].3.clone(),
+    ));
+    t.push((
+        "layers.0.ffn.experts.2.w3.weight_scale".into(),
+        Dtype::U8,
+        mx.parts[1].2.clone(),
+        mx.parts[1].3.clone(),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &t, CONFIG, usize::MAX);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let w = ck.weight("layers.0.attn.wq_a").unwrap();
+    assert_eq!(w.scheme(), "f16");
+    assert!(!w.is_quantized());
+    assert_f32_eq(&w.dequantize().unwrap().data, &f16, "f16");
+    let w = ck.weight("layers.0.attn.wo_b").unwrap();
+    assert_eq!(w.scheme(), "f32");
+    assert_f32_eq(&w.dequantize().unwrap().data, &f32v, "f32");
+    let w = ck.weight("layers.0.ffn.experts.2.w3").unwrap();
+    assert_eq!(w.scheme(), "mxfp4");
+    assert!(w.is_quantized());
+    assert_eq!((w.out_features, w.in_features), (I, D));
+    assert_f32_eq(&w.dequantize().unwrap().data, &mx.expected, "ct mxfp4");
+}
