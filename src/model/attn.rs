@@ -15,7 +15,7 @@ use super::ModelConfig;
 use crate::{Result, Tensor};
 
 /// Queries per parallel block.
-const QB: usize = 16;
+const QB: usize = 32;
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
 /// ascending (a set: its order carries no meaning, and sorted sets compare directly across paths).
@@ -207,13 +207,16 @@ pub(crate) fn attention(
     let scale = (dh as f64).powf(-0.5) as f32;
     let kk = cfg.index_topk;
 
-    let mut out = vec![0.0f32; t * hd];
-    out.par_chunks_mut(QB * hd)
-        .enumerate()
-        .for_each(|(cb, oc)| {
+    // One task per (query block, head): enough tasks for many cores even at small T.
+    let n_blocks = t.div_ceil(QB);
+    let parts: Vec<Vec<f32>> = (0..n_blocks * h)
+        .into_par_iter()
+        .map(|task| {
+            let (cb, head) = (task / h, task % h);
             let t0 = cb * QB;
-            let nb = oc.len() / hd;
-            let t1 = t0 + nb;
+            let t1 = (t0 + QB).min(t);
+            let nb = t1 - t0;
+            let mut oc = vec![0.0f32; nb * dh];
             let wlo = t0.saturating_sub(win.saturating_sub(1));
             let nw = t1 - wlo;
             let nvis = if ratio > 0 { (t1 / ratio).min(n_c) } else { 0 };
@@ -240,7 +243,7 @@ pub(crate) fn attention(
                 }
             }
             let mut p = vec![0.0f32; nb * ncol];
-            for head in 0..h {
+            {
                 let qa = &q.data[t0 * hd + head * dh..];
                 gemm(
                     nb,
@@ -290,7 +293,7 @@ pub(crate) fn attention(
                     }
                     row.iter_mut().for_each(|v| *v /= den);
                 }
-                let oh = &mut oc[head * dh..];
+                let oh = &mut oc[..];
                 gemm(
                     nb,
                     nw,
@@ -300,7 +303,7 @@ pub(crate) fn attention(
                     &kv.data[wlo * dh..],
                     (dh, 1),
                     oh,
-                    (hd, 1),
+                    (dh, 1),
                     false,
                 );
                 if nvis > 0 {
@@ -313,12 +316,22 @@ pub(crate) fn attention(
                         &cmp.data,
                         (dh, 1),
                         oh,
-                        (hd, 1),
+                        (dh, 1),
                         true,
                     );
                 }
             }
-        });
+            oc
+        })
+        .collect();
+    let mut out = vec![0.0f32; t * hd];
+    for (task, part) in parts.iter().enumerate() {
+        let (cb, head) = (task / h, task % h);
+        for (i, row) in part.chunks(dh).enumerate() {
+            let o = (cb * QB + i) * hd + head * dh;
+            out[o..o + dh].copy_from_slice(row);
+        }
+    }
     let mut out = Tensor::new(vec![t, hd], out);
     env.store(&mut out);
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
