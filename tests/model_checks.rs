@@ -353,3 +353,14 @@ fn five_tiny_layers_at_t300_are_fast() {
     eprintln!("one path, 5 tiny layers, T=300: {s:.3} s");
     assert!(s < 3.0, "{s:.2} s");
 }
+
+#[test]
+fn nan_input_propagates_without_panic() {
+    let mut e = env(40, 11);
+    let cfg = e.cfg.clone();
+    let tok = e.tokens[5] as usize;
+    e.params.get_mut("embed.weight").unwrap().data[tok * cfg.hidden_size + 3] = f32::NAN;
+    let out = run_graph(&build_graph(&cfg, cfg.num_hidden_layers - 1, true), &mut e).unwrap();
+    assert!(out["L0.attn.hc_pre"].data.iter().any(|v| v.is_nan()));
+    assert!(out["head"].data.iter().any(|v| v.is_nan()));
+}

@@ -10,7 +10,7 @@ use super::exec::{
     check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
 };
 use super::graph::Op;
-use super::ops::{gemm, RopeTable};
+use super::ops::{gemm, topk_order, RopeTable};
 use super::ModelConfig;
 use crate::{Result, Tensor};
 
@@ -139,14 +139,7 @@ pub(crate) fn indexer(
                 order.clear();
                 order.extend(0..m);
                 // Descending score, exact ties toward the lower index; NaN never wins.
-                let key = |j: usize| {
-                    if score[j].is_nan() {
-                        f32::NEG_INFINITY
-                    } else {
-                        score[j]
-                    }
-                };
-                order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+                order.sort_by(|&a, &b| topk_order(score[a], a, score[b], b));
                 let mut pick = order[..kk].to_vec();
                 pick.sort_unstable();
                 for (slot, p) in o.iter_mut().zip(pick) {
@@ -219,17 +212,13 @@ pub(crate) fn attention(
             let mut oc = vec![0.0f32; nb * dh];
             let wlo = t0.saturating_sub(win.saturating_sub(1));
             let nw = t1 - wlo;
-            let nvis = if ratio > 0 { (t1 / ratio).min(n_c) } else { 0 };
+            let nvis = t1.checked_div(ratio).unwrap_or(0).min(n_c);
             let ncol = nw + nvis;
             // Which compressed rows each query may use.
             let mut allowed = vec![false; nb * nvis];
             for i in 0..nb {
                 let ti = t0 + i;
-                let m = if ratio > 0 {
-                    ((ti + 1) / ratio).min(nvis)
-                } else {
-                    0
-                };
+                let m = (ti + 1).checked_div(ratio).unwrap_or(0).min(nvis);
                 let a = &mut allowed[i * nvis..(i + 1) * nvis];
                 match sel {
                     Some(s) => {
