@@ -10,7 +10,7 @@ use crate::{Error, Result};
 /// Bytes per element, or None for sub-byte and unsupported types.
 pub fn elem_size(d: Dtype) -> Option<usize> {
     let b = d.bitsize();
-    (b % 8 == 0).then_some(b / 8)
+    b.is_multiple_of(8).then_some(b / 8)
 }
 
 /// Whether `to_f32` handles this dtype.
@@ -49,7 +49,7 @@ pub fn to_f32(b: &[u8], dtype: Dtype, file: &Path, name: &str) -> Result<Vec<f32
                 format!("dtype {dtype:?} cannot be read as numbers"),
             )
         })?;
-    if b.len() % size != 0 {
+    if !b.len().is_multiple_of(size) {
         return Err(Error::bad(
             file,
             Some(name),

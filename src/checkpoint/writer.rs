@@ -231,7 +231,12 @@ impl ShardWriter {
         }
         if names.len() > 1 {
             write_file(&dir.join(INDEX_FILE), &self.index_json(&names)?)?;
+        } else if dir.join(INDEX_FILE).is_file() {
+            // A stale index from an earlier sharded write would shadow the new single file.
+            let p = dir.join(INDEX_FILE);
+            std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
         }
+        self.done.clear();
         write_file(&dir.join("config.json"), config_json.as_bytes())
     }
 
@@ -264,5 +269,16 @@ impl ShardWriter {
             out.push((INDEX_FILE.to_string(), ix));
         }
         Ok(out)
+    }
+}
+
+impl Drop for ShardWriter {
+    /// A writer dropped before `finish` (an error midway) leaves no partial shards behind.
+    fn drop(&mut self) {
+        if let Target::Dir(d) = &self.target {
+            for (tmp, _) in &self.done {
+                let _ = std::fs::remove_file(d.join(tmp));
+            }
+        }
     }
 }
