@@ -14,6 +14,7 @@ pub mod numerics;
 pub mod probe;
 pub mod report;
 pub mod tensor;
+pub mod tokenize;
 pub mod trace;
 
 pub use error::{Error, Result};
