@@ -1,1 +1,532 @@
-//! Checkpoint reading and writing (see issue #2).
+//! Checkpoint reading and writing.
+//!
+//! A checkpoint is opened once: config parsed, every shard header validated, every raw name
+//! mapped to its canonical (official DeepSeek) name. Tensor bytes stay in the mmap until a
+//! caller asks for them, so a probe of one layer touches one layer's bytes, and of the experts
+//! only those that were routed to.
+
+mod convert;
+pub mod naming;
+pub mod quant;
+mod shard;
+pub mod writer;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+pub use naming::{FusedPart, Naming};
+pub use quant::{
+    Fp8ScaleKind, QuantWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat, WeightMeta,
+    WeightTensors,
+};
+pub use safetensors::Dtype;
+pub use writer::ShardWriter;
+
+use crate::model::ModelConfig;
+use crate::{Error, Result, Tensor};
+use naming::Canon;
+use shard::{RawEntry, Shard};
+
+/// Label used as the location of an in-memory checkpoint.
+pub const BUILTIN: &str = "<built-in>";
+/// Name of the shard index file.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Header facts of one tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub file: PathBuf,
+}
+
+/// Where the bytes of a canonical tensor come from.
+#[derive(Clone, Debug)]
+enum Source {
+    Whole(String),
+    /// One expert's part of an HF fused expert tensor: a contiguous byte range of `raw`.
+    Slice {
+        raw: String,
+        expert: usize,
+        part: FusedPart,
+    },
+}
+
+pub struct Checkpoint {
+    location: PathBuf,
+    config_path: PathBuf,
+    config: serde_json::Value,
+    hf_quant: Option<serde_json::Value>,
+    model_config: OnceLock<std::result::Result<ModelConfig, String>>,
+    shards: Vec<Shard>,
+    raw: HashMap<String, RawEntry>,
+    canon: HashMap<String, Source>,
+    raw_to_canon: HashMap<String, String>,
+    naming: Naming,
+    bytes_read: AtomicU64,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("location", &self.location)
+            .field("naming", &self.naming)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.raw.len())
+            .finish()
+    }
+}
+
+fn parse_config(path: &Path, text: &str) -> Result<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| Error::bad(path, None, format!("config is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(Error::bad(path, None, "config is not a JSON object"));
+    }
+    Ok(v)
+}
+
+impl Checkpoint {
+    /// Open a checkpoint directory (see the module doc for what is read up front).
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if !dir.is_dir() {
+            return Err(Error::bad(dir, None, "checkpoint path is not a directory"));
+        }
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|e| Error::bad(&config_path, None, format!("cannot read config: {e}")))?;
+        let config = parse_config(&config_path, &text)?;
+        let hq_path = dir.join("hf_quant_config.json");
+        let hf_quant = if hq_path.exists() {
+            let t = std::fs::read_to_string(&hq_path)
+                .map_err(|e| Error::bad(&hq_path, None, format!("cannot read: {e}")))?;
+            Some(parse_config(&hq_path, &t)?)
+        } else {
+            None
+        };
+
+        let index_path = dir.join(INDEX_FILE);
+        let mut index = None;
+        let mut shards = Vec::new();
+        if index_path.exists() {
+            let t = std::fs::read_to_string(&index_path)
+                .map_err(|e| Error::bad(&index_path, None, format!("cannot read index: {e}")))?;
+            let v: serde_json::Value = serde_json::from_str(&t).map_err(|e| {
+                Error::bad(&index_path, None, format!("index is not valid JSON: {e}"))
+            })?;
+            let map = shard::index_map(&index_path, &v)?;
+            let mut files: Vec<(&String, &String)> = map.iter().map(|(t, f)| (f, t)).collect();
+            files.sort();
+            files.dedup_by(|a, b| a.0 == b.0);
+            for (f, t) in files {
+                let p = dir.join(f);
+                if !p.is_file() {
+                    return Err(Error::bad(
+                        &index_path,
+                        Some(t),
+                        format!(
+                            "index names shard `{f}`, which does not exist in {}",
+                            dir.display()
+                        ),
+                    ));
+                }
+                shards.push(shard::map_file(&p)?);
+            }
+            index = Some((index_path, map));
+        } else if dir.join("model.safetensors").is_file() {
+            shards.push(shard::map_file(&dir.join("model.safetensors"))?);
+        } else {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| Error::io(dir, e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            files.sort();
+            for p in files {
+                shards.push(shard::map_file(&p)?);
+            }
+        }
+        if shards.is_empty() {
+            return Err(Error::bad(
+                dir,
+                None,
+                "no model.safetensors, index or *.safetensors file",
+            ));
+        }
+        Self::assemble(
+            dir.to_path_buf(),
+            config_path,
+            config,
+            hf_quant,
+            shards,
+            index,
+        )
+    }
+
+    /// The same over in-memory safetensors buffers (`name → bytes`); an entry named
+    /// `model.safetensors.index.json` is read as the index. Location is `<built-in>`.
+    pub fn from_memory(config_json: &str, files: Vec<(String, Vec<u8>)>) -> Result<Checkpoint> {
+        let loc = PathBuf::from(BUILTIN);
+        let config_path = loc.join("config.json");
+        let config = parse_config(&config_path, config_json)?;
+        let mut shards = Vec::new();
+        let mut index = None;
+        for (name, bytes) in files {
+            let p = loc.join(&name);
+            if name == INDEX_FILE {
+                let v: serde_json::Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| Error::bad(&p, None, format!("index is not valid JSON: {e}")))?;
+                index = Some((p.clone(), shard::index_map(&p, &v)?));
+            } else {
+                if bytes.len() < 8 {
+                    return Err(Error::bad(
+                        &p,
+                        None,
+                        format!("{} bytes, too short for a safetensors header", bytes.len()),
+                    ));
+                }
+                shards.push(shard::mem_shard(p, bytes));
+            }
+        }
+        if let Some((ip, map)) = &index {
+            for (t, f) in map {
+                if !shards
+                    .iter()
+                    .any(|s| s.path.file_name().is_some_and(|n| n == f.as_str()))
+                {
+                    return Err(Error::bad(
+                        ip,
+                        Some(t),
+                        format!("index names shard `{f}`, which was not given"),
+                    ));
+                }
+            }
+        }
+        if shards.is_empty() {
+            return Err(Error::bad(&loc, None, "no safetensors buffers given"));
+        }
+        Self::assemble(loc, config_path, config, None, shards, index)
+    }
+
+    fn assemble(
+        location: PathBuf,
+        config_path: PathBuf,
+        config: serde_json::Value,
+        hf_quant: Option<serde_json::Value>,
+        shards: Vec<Shard>,
+        index: Option<(PathBuf, HashMap<String, String>)>,
+    ) -> Result<Checkpoint> {
+        let mut raw: HashMap<String, RawEntry> = HashMap::new();
+        for (i, s) in shards.iter().enumerate() {
+            for (name, e) in shard::parse(i, s)? {
+                if let Some(prev) = raw.get(&name) {
+                    return Err(Error::bad(
+                        &s.path,
+                        Some(&name),
+                        format!(
+                            "tensor also stored in {}",
+                            shards[prev.shard].path.display()
+                        ),
+                    ));
+                }
+                raw.insert(name, e);
+            }
+        }
+        if let Some((ip, map)) = &index {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort();
+            for (t, f) in entries {
+                let in_shard = raw.get(t).is_some_and(|e| {
+                    shards[e.shard]
+                        .path
+                        .file_name()
+                        .is_some_and(|n| n == f.as_str())
+                });
+                if !in_shard {
+                    return Err(Error::bad(
+                        ip,
+                        Some(t),
+                        format!("index places this tensor in shard `{f}`, whose header does not contain it"),
+                    ));
+                }
+            }
+        }
+        let naming = naming::detect(raw.keys().map(String::as_str));
+        let mut canon: HashMap<String, Source> = HashMap::new();
+        let mut raw_to_canon = HashMap::new();
+        let mut names: Vec<&String> = raw.keys().collect();
+        names.sort_by_key(|n| naming::natural_key(n));
+        let mut insert = |c: String, src: Source, raw_name: &str, file: &Path| -> Result<()> {
+            if let Some(prev) = canon.get(&c) {
+                let p = match prev {
+                    Source::Whole(r) | Source::Slice { raw: r, .. } => r.clone(),
+                };
+                return Err(Error::bad(
+                    file,
+                    Some(raw_name),
+                    format!("maps to canonical `{c}`, as does `{p}`: ambiguous naming"),
+                ));
+            }
+            canon.insert(c, src);
+            Ok(())
+        };
+        for name in names {
+            let e = &raw[name];
+            let file = &shards[e.shard].path;
+            match naming::canonical(name, naming) {
+                Canon::Plain(c) => {
+                    raw_to_canon.insert(name.clone(), c.clone());
+                    insert(c, Source::Whole(name.clone()), name, file)?;
+                }
+                Canon::Fused { prefix, gate_up } => {
+                    if e.shape.len() != 3
+                        || !matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+                    {
+                        return Err(Error::bad(
+                            file,
+                            Some(name),
+                            format!(
+                                "fused expert tensor must be a 3-D BF16/F16/F32 [E, out, in], found {:?} {:?}",
+                                e.dtype, e.shape
+                            ),
+                        ));
+                    }
+                    if gate_up && e.shape[1] % 2 != 0 {
+                        return Err(Error::bad(
+                            file,
+                            Some(name),
+                            format!("gate_up_proj rows {} are odd", e.shape[1]),
+                        ));
+                    }
+                    for ex in 0..e.shape[0] {
+                        let parts: &[(&str, FusedPart)] = if gate_up {
+                            &[("w1", FusedPart::Gate), ("w3", FusedPart::Up)]
+                        } else {
+                            &[("w2", FusedPart::Down)]
+                        };
+                        for (w, part) in parts {
+                            let src = Source::Slice {
+                                raw: name.clone(),
+                                expert: ex,
+                                part: *part,
+                            };
+                            insert(
+                                format!("{prefix}.ffn.experts.{ex}.{w}.weight"),
+                                src,
+                                name,
+                                file,
+                            )?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Checkpoint {
+            location,
+            config_path,
+            config,
+            hf_quant,
+            model_config: OnceLock::new(),
+            shards,
+            raw,
+            canon,
+            raw_to_canon,
+            naming,
+            bytes_read: AtomicU64::new(0),
+        })
+    }
+
+    pub fn config_json(&self) -> &serde_json::Value {
+        &self.config
+    }
+
+    /// `hf_quant_config.json` when the directory has one.
+    pub fn hf_quant_config(&self) -> Option<&serde_json::Value> {
+        self.hf_quant.as_ref()
+    }
+
+    /// The parsed model config (parsed on first use; errors name config.json).
+    pub fn model_config(&self) -> Result<&ModelConfig> {
+        let r = self.model_config.get_or_init(|| {
+            ModelConfig::from_json(&self.config).map_err(|e| match e {
+                Error::Usage(m) => m,
+                other => other.to_string(),
+            })
+        });
+        r.as_ref()
+            .map_err(|m| Error::bad(&self.config_path, None, m.clone()))
+    }
+
+    pub fn location(&self) -> &Path {
+        &self.location
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    pub fn naming(&self) -> Naming {
+        self.naming
+    }
+
+    /// Raw tensor names in natural order.
+    pub fn tensor_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.raw.keys().cloned().collect();
+        v.sort_by_key(|n| naming::natural_key(n));
+        v
+    }
+
+    /// Canonical tensor names in natural order (HF fused experts expanded per expert).
+    pub fn canonical_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.canon.keys().cloned().collect();
+        v.sort_by_key(|n| naming::natural_key(n));
+        v
+    }
+
+    pub fn info(&self, raw: &str) -> Option<TensorInfo> {
+        let e = self.raw.get(raw)?;
+        Some(TensorInfo {
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            file: self.shards[e.shard].path.clone(),
+        })
+    }
+
+    /// Header facts of a canonical tensor; for a fused-expert slice, the slice's own shape.
+    pub fn canonical_info(&self, canonical: &str) -> Option<TensorInfo> {
+        match self.canon.get(canonical)? {
+            Source::Whole(r) => self.info(r),
+            Source::Slice { raw, part, .. } => {
+                let mut i = self.info(raw)?;
+                let (rows, cols) = slice_dims(&i.shape, *part);
+                i.shape = vec![rows, cols];
+                Some(i)
+            }
+        }
+    }
+
+    /// Raw name of a canonical tensor. For an HF fused-expert slice this is the fused tensor.
+    pub fn resolve(&self, canonical: &str) -> Option<String> {
+        match self.canon.get(canonical)? {
+            Source::Whole(r) | Source::Slice { raw: r, .. } => Some(r.clone()),
+        }
+    }
+
+    /// Canonical name of a raw tensor (None for fused expert tensors, which have many).
+    pub fn canonical_of(&self, raw: &str) -> Option<&str> {
+        self.raw_to_canon.get(raw).map(String::as_str)
+    }
+
+    /// Human-readable raw location of a canonical tensor, e.g. `…gate_up_proj[5, 0..2048]`.
+    pub fn raw_label(&self, canonical: &str) -> Option<String> {
+        match self.canon.get(canonical)? {
+            Source::Whole(r) => Some(r.clone()),
+            Source::Slice { raw, expert, part } => {
+                let e = &self.raw[raw];
+                let h = e.shape[1] / if *part == FusedPart::Down { 1 } else { 2 };
+                let (a, b) = match part {
+                    FusedPart::Gate => (0, h),
+                    FusedPart::Up => (h, 2 * h),
+                    FusedPart::Down => (0, h),
+                };
+                Some(format!("{raw}[{expert}, {a}..{b}]"))
+            }
+        }
+    }
+
+    fn note_read(&self, n: usize) {
+        self.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes of a raw tensor, zero-copy from the mmap.
+    pub fn bytes(&self, raw: &str) -> Result<&[u8]> {
+        let e = self.raw.get(raw).ok_or_else(|| self.missing(raw, ""))?;
+        let b = &self.shards[e.shard].buf()[e.start..e.end];
+        self.note_read(b.len());
+        Ok(b)
+    }
+
+    /// Bytes of a canonical tensor; a fused-expert slice touches only that expert's rows.
+    pub fn canonical_bytes(&self, canonical: &str) -> Result<&[u8]> {
+        match self
+            .canon
+            .get(canonical)
+            .ok_or_else(|| self.missing(canonical, ""))?
+        {
+            Source::Whole(r) => self.bytes(r),
+            Source::Slice { raw, expert, part } => {
+                let e = &self.raw[raw];
+                let es = convert::elem_size(e.dtype).unwrap_or(1);
+                let (rows, cols) = slice_dims(&e.shape, *part);
+                let per_expert = e.shape[1] * e.shape[2] * es;
+                let off = match part {
+                    FusedPart::Up => rows * cols * es,
+                    _ => 0,
+                };
+                let start = e.start + expert * per_expert + off;
+                let b = &self.shards[e.shard].buf()[start..start + rows * cols * es];
+                self.note_read(b.len());
+                Ok(b)
+            }
+        }
+    }
+
+    /// A canonical tensor as f32 with its shape (any numeric dtype; see `convert`).
+    pub fn tensor_f32(&self, canonical: &str) -> Result<Tensor> {
+        let info = self
+            .canonical_info(canonical)
+            .ok_or_else(|| self.missing(canonical, ""))?;
+        let raw = self.resolve(canonical).unwrap_or_default();
+        if !convert::supported(info.dtype) {
+            return Err(Error::bad(
+                &info.file,
+                Some(&raw),
+                format!("dtype {:?} cannot be read as numbers", info.dtype),
+            ));
+        }
+        let data = convert::to_f32(
+            self.canonical_bytes(canonical)?,
+            info.dtype,
+            &info.file,
+            &raw,
+        )?;
+        Ok(Tensor::new(info.shape, data))
+    }
+
+    /// Total bytes of tensor data handed out since open.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn missing(&self, tensor: &str, hint: impl Into<String>) -> Error {
+        Error::MissingTensor {
+            dir: self.location.clone(),
+            tensor: tensor.to_string(),
+            hint: hint.into(),
+        }
+    }
+
+    /// The quantization config: `quantization_config` of config.json, else
+    /// `hf_quant_config.json`'s `quantization` object.
+    pub fn quantization_config(&self) -> Option<&serde_json::Value> {
+        self.config
+            .get("quantization_config")
+            .filter(|v| v.is_object())
+            .or_else(|| {
+                self.hf_quant
+                    .as_ref()
+                    .and_then(|h| h.get("quantization"))
+                    .filter(|v| v.is_object())
+            })
+    }
+}
+
+/// (rows, cols) of one expert's part of a fused tensor [E, R, C].
+fn slice_dims(shape: &[usize], part: FusedPart) -> (usize, usize) {
+    match part {
+        FusedPart::Gate | FusedPart::Up => (shape[1] / 2, shape[2]),
+        FusedPart::Down => (shape[1], shape[2]),
+    }
+}

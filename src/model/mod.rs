@@ -1,5 +1,13 @@
 //! The DeepSeek-V4 layer as data: config, op graph with stable ids, and the math of each op.
 
+mod attn;
 pub mod config;
+pub mod exec;
+pub mod graph;
+pub mod mem_env;
+pub mod ops;
 
 pub use config::ModelConfig;
+pub use exec::{exec, run_graph, OpEnv};
+pub use graph::{build_graph, Op, OpClass, OpKind};
+pub use mem_env::MemEnv;

@@ -26,3 +26,57 @@ pub fn from_bits(b: u16) -> f32 {
 pub fn to_bits(x: f32) -> u16 {
     bf16::from_f32(x).to_bits()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bits-level reference: RNE on the upper 16 bits of the f32, written independently of `half`.
+    fn rne_bits(x: f32) -> u16 {
+        let b = x.to_bits();
+        if x.is_nan() {
+            return ((b >> 16) as u16) | 0x0040;
+        }
+        let lsb = (b >> 16) & 1;
+        ((b + 0x7FFF + lsb) >> 16) as u16
+    }
+
+    #[test]
+    fn ties_go_to_even() {
+        // 1 + 2^-8 is exactly halfway between 1 and 1 + 2^-7: even is 1.
+        assert_eq!(round(1.0 + 2f32.powi(-8)), 1.0);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even).
+        assert_eq!(round(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
+        // Just above a tie rounds up.
+        assert_eq!(round(f32::from_bits(0x3F80_8001)), f32::from_bits(0x3F81_0000));
+        assert_eq!(round(-1.0 - 2f32.powi(-8)), -1.0);
+    }
+
+    #[test]
+    fn specials() {
+        assert!(round(f32::NAN).is_nan());
+        assert_eq!(round(f32::INFINITY), f32::INFINITY);
+        assert_eq!(round(f32::NEG_INFINITY), f32::NEG_INFINITY);
+        // Largest f32 rounds past the largest bf16 → inf.
+        assert_eq!(round(f32::MAX), f32::INFINITY);
+        assert_eq!(to_bits(-0.0), 0x8000);
+        // f32 subnormal: bf16 keeps subnormals (same exponent range as f32).
+        let sub = f32::from_bits(0x0001_8000); // halfway between bf16 0x0001 and 0x0002 → even 0x0002
+        assert_eq!(to_bits(sub), 0x0002);
+        let sub2 = f32::from_bits(0x0000_8000); // halfway between 0 and 0x0001 → 0
+        assert_eq!(to_bits(sub2), 0x0000);
+        assert_eq!(from_bits(0x3F80), 1.0);
+    }
+
+    #[test]
+    fn matches_bit_reference_on_a_sweep() {
+        let mut b: u32 = 1;
+        while b < 0x7F80_0000 {
+            for s in [0u32, 0x8000_0000] {
+                let x = f32::from_bits(b | s);
+                assert_eq!(to_bits(x), rne_bits(x), "bits {:#010x}", b | s);
+            }
+            b += 0x1357;
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! default). The scale is a dequant MULTIPLIER whether stored as f32 (`weight_scale_inv`) or as
 //! UE8M0 bytes (`.scale` in the official V4 checkpoints).
 
-use super::e4m3;
+use super::{e4m3, ue8m0};
 
 /// Dequantise `[rows, cols]` E4M3 bytes with a row-major `[ceil(rows/bm), ceil(cols/bn)]`
 /// grid of f32 multipliers (already decoded from f32 or UE8M0).
@@ -25,4 +25,168 @@ pub fn dequantize(
         }
     }
     out
+}
+
+/// How a block-FP8 weight's scale is stored and therefore rounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Fp8ScaleFmt {
+    /// f32 `weight_scale_inv` = amax/448 (DeepSeek-V3 style).
+    F32,
+    /// Power of two rounded up, `2^ceil(log2(amax/448))` (`scale_fmt: ue8m0`, and vLLM's
+    /// DeepGEMM re-quantisation at load time).
+    Ue8m0,
+}
+
+/// Which runtime activation quantiser (per token, per 128-element group) to emulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ActScale {
+    /// DeepSeek `act_quant(..., scale_fmt="ue8m0")`: a = max(amax, 1e-4),
+    /// s = 2^ceil(log2(a · fl(1/448))) (the kernel multiplies by `fp8_max_inv`; the ceil is the
+    /// same as for a/448 at every a, see the tests).
+    DeepSeekPow2,
+    /// vLLM `per_token_group_quant_fp8` (Triton): s = max(amax, 1e-10) / 448.
+    VllmF32,
+}
+
+/// 2^ceil(log2 v) for positive finite v, as f32 (exact bit-level ceil, not a libm log2).
+fn pow2_ceil(v: f32) -> f32 {
+    ue8m0::decode(ue8m0::encode(v, ue8m0::Ue8m0Rounding::Ceil))
+}
+
+/// Quantise a row-major `[rows, cols]` weight to block FP8: one scale per `bm × bn` block
+/// (partial edge blocks allowed), E4M3 elements `e4m3_satfinite(x / s)`. F32: s = amax/448;
+/// UE8M0: s = 2^ceil(log2(amax/448)); an all-zero block gets s = 1. Returns (E4M3 bytes
+/// `[rows, cols]`, scale multipliers `[ceil(rows/bm), ceil(cols/bn)]`), the inputs of
+/// [`dequantize`].
+///
+/// # Panics
+/// If `w.len() != rows·cols` or a block dimension is 0.
+pub fn quantize_weight(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    bm: usize,
+    bn: usize,
+    fmt: Fp8ScaleFmt,
+) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(w.len(), rows * cols, "data length vs [{rows}, {cols}]");
+    assert!(bm > 0 && bn > 0, "block dims must be positive");
+    let (sr, sc) = (rows.div_ceil(bm), cols.div_ceil(bn));
+    let mut scales = vec![1f32; sr * sc];
+    for br in 0..sr {
+        for bc in 0..sc {
+            let mut a = 0f32;
+            for r in br * bm..((br + 1) * bm).min(rows) {
+                for c in bc * bn..((bc + 1) * bn).min(cols) {
+                    a = a.max(w[r * cols + c].abs());
+                }
+            }
+            if a > 0.0 {
+                scales[br * sc + bc] = match fmt {
+                    Fp8ScaleFmt::F32 => a / e4m3::MAX,
+                    Fp8ScaleFmt::Ue8m0 => pow2_ceil(a / e4m3::MAX),
+                };
+            }
+        }
+    }
+    let mut q = vec![0u8; rows * cols];
+    for r in 0..rows {
+        let srow = &scales[(r / bm) * sc..(r / bm + 1) * sc];
+        for c in 0..cols {
+            q[r * cols + c] = e4m3::encode_satfinite(w[r * cols + c] / srow[c / bn]);
+        }
+    }
+    (q, scales)
+}
+
+/// Group size of the runtime activation quantisation.
+pub const ACT_GROUP: usize = 128;
+
+/// Quantise-dequantise a row-major `[rows, cols]` activation per token and per 128-element
+/// group (a shorter last group is allowed): `q = e4m3_satfinite(clamp(x/s, ±448))`,
+/// `x̂ = e4m3(q)·s` in f32, with s per [`ActScale`].
+///
+/// # Panics
+/// If `x.len() != rows·cols`.
+pub fn fake_quant_act_1x128(x: &[f32], rows: usize, cols: usize, which: ActScale) -> Vec<f32> {
+    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
+    let inv448 = 1.0f32 / e4m3::MAX;
+    let mut out = vec![0f32; x.len()];
+    if cols == 0 {
+        return out;
+    }
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        for (xg, og) in xr.chunks(ACT_GROUP).zip(or.chunks_mut(ACT_GROUP)) {
+            let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = match which {
+                ActScale::DeepSeekPow2 => pow2_ceil(a.max(1e-4) * inv448),
+                ActScale::VllmF32 => a.max(1e-10) / e4m3::MAX,
+            };
+            for (&xv, o) in xg.iter().zip(og.iter_mut()) {
+                let q = e4m3::encode_satfinite((xv / s).clamp(-e4m3::MAX, e4m3::MAX));
+                *o = e4m3::decode(q) * s;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deepseek_scale_multiply_equals_divide_for_ceil() {
+        // The kernel computes a·fl(1/448); the spec writes a/448. Their ceil(log2) agree on
+        // every f32 within a few thousand ulps of each power-of-two boundary 448·2^j.
+        let inv = 1.0f32 / 448.0;
+        for j in -20..20 {
+            let edge = 448.0f32 * 2f32.powi(j);
+            let mut b = edge.to_bits() - 2000;
+            while b < edge.to_bits() + 2000 {
+                let a = f32::from_bits(b);
+                assert_eq!(pow2_ceil(a * inv), pow2_ceil(a / 448.0), "a = {a:e}");
+                b += 1;
+            }
+        }
+    }
+
+    #[test]
+    fn weight_block_examples() {
+        // 2 × 3 weight, blocks 1 × 2: block amaxes 448·0.5 (F32 s = 0.5) and 3 (s = 3/448), etc.
+        let w = [224.0f32, -112.0, 3.0, 0.0, 0.0, -1.0];
+        let (q, s) = quantize_weight(&w, 2, 3, 1, 2, Fp8ScaleFmt::F32);
+        assert_eq!(s, vec![0.5, 3.0 / 448.0, 1.0, 1.0 / 448.0]);
+        assert_eq!(q[0], 0x7E); // 448
+        assert_eq!(q[1], 0xF6); // −224
+        assert_eq!(q[2], 0x7E);
+        assert_eq!(&q[3..5], &[0, 0]);
+        assert_eq!(q[5], 0xFE);
+        let d = dequantize(&q, &s, 2, 3, 1, 2);
+        assert_eq!(d[..2], [224.0, -112.0]);
+        // UE8M0: 224/448 = 0.5 exactly → s = 0.5; 3/448 → 2^-7 (3/448 = 0.0067 ≤ 0.0078125).
+        let (_, s) = quantize_weight(&w, 2, 3, 1, 2, Fp8ScaleFmt::Ue8m0);
+        assert_eq!(s, vec![0.5, 2f32.powi(-7), 1.0, 2f32.powi(-8)]);
+    }
+
+    #[test]
+    fn act_quant_groups_and_eps() {
+        // One row of 130: a full group with amax 448 (s = 1 both ways) and a partial group of 2.
+        let mut x = vec![0f32; 130];
+        x[0] = 448.0;
+        x[1] = 1.0 + 1.0 / 16.0; // tie between 1.0 and 1.125 at s = 1 → even (1.0)
+        x[128] = 0.0;
+        x[129] = 0.0;
+        let ds = fake_quant_act_1x128(&x, 1, 130, ActScale::DeepSeekPow2);
+        assert_eq!(ds[0], 448.0);
+        assert_eq!(ds[1], 1.0);
+        assert_eq!(&ds[128..], &[0.0, 0.0]);
+        let vl = fake_quant_act_1x128(&x, 1, 130, ActScale::VllmF32);
+        assert_eq!(vl[0], 448.0);
+        assert_eq!(vl[1], 1.0);
+        // Group amax 1e-5 < 1e-4 under DeepSeek: s = 2^ceil(log2(1e-4/448)) = 2^-22, so the
+        // value 1e-5 = 41.94·2^-22 → 40·2^-22 (E4M3 step 8 at 32..64? no: step 4) → 40·2^-22.
+        let y = fake_quant_act_1x128(&[1e-5], 1, 1, ActScale::DeepSeekPow2);
+        assert_eq!(y[0], 40.0 * 2f32.powi(-22));
+    }
 }

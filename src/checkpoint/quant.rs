@@ -1,0 +1,761 @@
+//! Quantisation scheme of each linear weight, decided from tensor names and dtypes (with the
+//! quantization config for block sizes), and the one `QuantWeight` type every consumer uses.
+//!
+//! Detection is done on headers alone (`weight_meta`), so `inspect` and `lint` can describe a
+//! 256-expert layer without reading one packed byte; `weight` then reads what the meta names.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use super::{convert, Checkpoint, Dtype, TensorInfo};
+use crate::model::ModelConfig;
+use crate::numerics::nvfp4::Convention;
+use crate::numerics::{e4m3, fp8_block, mxfp4, nvfp4, ue8m0};
+use crate::{Error, Result, Tensor};
+
+/// How an FP8 block weight stores its scale multipliers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Fp8ScaleKind {
+    /// `weight_scale_inv` as f32 (DeepSeek-V3 style).
+    F32,
+    /// `.scale` as UE8M0 power-of-two exponents (official V4).
+    Ue8m0,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Scheme {
+    Dense,
+    Fp8Block,
+    Mxfp4,
+    Nvfp4Ct,
+    Nvfp4ModelOpt,
+}
+
+/// Raw (checkpoint) names of the tensors a weight is made of.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WeightTensors {
+    pub weight: String,
+    pub block_scale: Option<String>,
+    pub global_scale: Option<String>,
+    pub input_scale: Option<String>,
+}
+
+/// Everything about a weight that the headers and the scalar scales say.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WeightMeta {
+    pub canonical: String,
+    pub out_features: usize,
+    pub in_features: usize,
+    pub scheme: Scheme,
+    pub weight_dtype: Dtype,
+    pub tensors: WeightTensors,
+    pub file: PathBuf,
+    /// NVFP4 only.
+    pub convention: Option<Convention>,
+    /// NVFP4 weight tensor scale as stored (CT g_w or ModelOpt d_w).
+    pub weight_global: Option<f32>,
+    /// NVFP4 activation tensor scale as stored (CT g_x or ModelOpt d_x); None when absent.
+    pub input_global: Option<f32>,
+    /// FP8 block size [rows, cols].
+    pub block: Option<[usize; 2]>,
+    pub block_scale_dtype: Option<Dtype>,
+    pub fp8_scale_kind: Option<Fp8ScaleKind>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum WeightFormat {
+    /// BF16/F16/F32, widened exactly.
+    Dense {
+        dtype: Dtype,
+        values: Vec<f32>,
+    },
+    Fp8Block {
+        bytes: Vec<u8>,
+        /// Decoded multipliers, row-major [ceil(out/bm), ceil(in/bn)].
+        scales: Vec<f32>,
+        scale_kind: Fp8ScaleKind,
+        /// Scale bytes as stored.
+        scale_raw: Vec<u8>,
+        block: [usize; 2],
+    },
+    Mxfp4 {
+        packed: Vec<u8>,
+        scales: Vec<u8>,
+    },
+    Nvfp4 {
+        packed: Vec<u8>,
+        /// E4M3 bytes, linear [out, in/16].
+        scales: Vec<u8>,
+        convention: Convention,
+        /// As stored: CT g_w or ModelOpt d_w.
+        weight_global: f32,
+        /// As stored: CT g_x or ModelOpt d_x.
+        input_global: Option<f32>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantWeight {
+    pub canonical: String,
+    pub out_features: usize,
+    pub in_features: usize,
+    pub format: WeightFormat,
+    pub tensors: WeightTensors,
+    pub file: PathBuf,
+}
+
+impl Scheme {
+    /// Stable scheme label. Dense weights are labelled by dtype: "bf16", "f16" or "f32".
+    pub fn label(self, weight_dtype: Dtype) -> &'static str {
+        match self {
+            Scheme::Dense => match weight_dtype {
+                Dtype::F16 => "f16",
+                Dtype::F32 => "f32",
+                _ => "bf16",
+            },
+            Scheme::Fp8Block => "fp8-block",
+            Scheme::Mxfp4 => "mxfp4",
+            Scheme::Nvfp4Ct => "nvfp4-ct",
+            Scheme::Nvfp4ModelOpt => "nvfp4-modelopt",
+        }
+    }
+}
+
+impl WeightMeta {
+    pub fn scheme_label(&self) -> &'static str {
+        self.scheme.label(self.weight_dtype)
+    }
+}
+
+fn len_err(w: &QuantWeight, what: &str, got: usize, want: usize) -> Error {
+    Error::bad(
+        &w.file,
+        Some(&w.tensors.weight),
+        format!(
+            "{what} holds {got} bytes/values, {want} expected for [{}, {}]",
+            w.out_features, w.in_features
+        ),
+    )
+}
+
+impl QuantWeight {
+    /// f32 [out, in], in the producer's own op order (bit-exact with its dequantisation).
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let (o, i) = (self.out_features, self.in_features);
+        let n = o * i;
+        let data = match &self.format {
+            WeightFormat::Dense { values, .. } => {
+                if values.len() != n {
+                    return Err(len_err(self, "weight", values.len(), n));
+                }
+                values.clone()
+            }
+            WeightFormat::Fp8Block {
+                bytes,
+                scales,
+                block,
+                ..
+            } => {
+                let ns = o.div_ceil(block[0]) * i.div_ceil(block[1]);
+                if bytes.len() != n {
+                    return Err(len_err(self, "weight", bytes.len(), n));
+                }
+                if scales.len() != ns || block[0] == 0 || block[1] == 0 {
+                    return Err(len_err(self, "block scale", scales.len(), ns));
+                }
+                fp8_block::dequantize(bytes, scales, o, i, block[0], block[1])
+            }
+            WeightFormat::Mxfp4 { packed, scales } => {
+                if i % mxfp4::BLOCK != 0 || packed.len() != n / 2 {
+                    return Err(len_err(self, "packed weight", packed.len(), n / 2));
+                }
+                if scales.len() != n / mxfp4::BLOCK {
+                    return Err(len_err(self, "block scale", scales.len(), n / mxfp4::BLOCK));
+                }
+                mxfp4::dequantize(packed, scales, o, i)
+            }
+            WeightFormat::Nvfp4 {
+                packed,
+                scales,
+                convention,
+                weight_global,
+                ..
+            } => {
+                if i % nvfp4::BLOCK != 0 || packed.len() != n / 2 {
+                    return Err(len_err(self, "packed weight", packed.len(), n / 2));
+                }
+                if scales.len() != n / nvfp4::BLOCK {
+                    return Err(len_err(self, "block scale", scales.len(), n / nvfp4::BLOCK));
+                }
+                nvfp4::dequantize(packed, scales, *weight_global, *convention, o, i)
+            }
+        };
+        Ok(Tensor::new(vec![o, i], data))
+    }
+
+    /// "bf16" (or "f16"/"f32" for other dense dtypes), "fp8-block", "mxfp4", "nvfp4-ct", "nvfp4-modelopt".
+    pub fn scheme(&self) -> &'static str {
+        match &self.format {
+            WeightFormat::Dense { dtype, .. } => Scheme::Dense.label(*dtype),
+            WeightFormat::Fp8Block { .. } => "fp8-block",
+            WeightFormat::Mxfp4 { .. } => "mxfp4",
+            WeightFormat::Nvfp4 {
+                convention: Convention::CompressedTensors,
+                ..
+            } => "nvfp4-ct",
+            WeightFormat::Nvfp4 {
+                convention: Convention::ModelOpt,
+                ..
+            } => "nvfp4-modelopt",
+        }
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        !matches!(self.format, WeightFormat::Dense { .. })
+    }
+}
+
+/// Which byte format block scales are in, for summaries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ScaleKind {
+    E4m3,
+    Ue8m0,
+    F32,
+}
+
+/// Health of a weight's block scales, from the scale bytes alone.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScaleSummary {
+    pub kind: ScaleKind,
+    pub count: usize,
+    /// Fraction of scale bytes equal to 0x00 (F32 scales: of values equal to 0).
+    pub frac_zero: f64,
+    /// Fraction at 0x7E, the largest E4M3 (448): saturated blocks.
+    pub frac_7e: f64,
+    /// Fraction of NaN scales (E4M3 0x7F/0xFF, UE8M0 0xFF, F32 NaN).
+    pub frac_nan: f64,
+    /// Fraction of bytes equal to 0xFF (UE8M0 NaN; for E4M3 the negative NaN).
+    pub frac_ff: f64,
+    /// Largest finite decoded scale (NaN when there is none).
+    pub max_scale: f32,
+}
+
+fn is_float(d: Dtype) -> bool {
+    matches!(d, Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F64)
+}
+
+/// Expected [out, in] of a canonical base from the config, with the config fields named.
+pub fn expected_shape(cfg: &ModelConfig, base: &str) -> Option<((usize, usize), &'static str)> {
+    let d = cfg.hidden_size;
+    let hd = cfg.num_attention_heads * cfg.head_dim;
+    let g = cfg.o_groups.max(1);
+    let ii = cfg.moe_intermediate_size;
+    let ish = ii * cfg.n_shared_experts.max(1);
+    if base == "head" {
+        return Some(((cfg.vocab_size, d), "vocab_size × hidden_size"));
+    }
+    let (layer, rest) = if let Some(r) = base.strip_prefix("layers.") {
+        let dot = r.find('.')?;
+        (r[..dot].parse::<usize>().ok(), &r[dot + 1..])
+    } else if let Some(r) = base.strip_prefix("mtp.") {
+        let dot = r.find('.')?;
+        (None, &r[dot + 1..])
+    } else {
+        return None;
+    };
+    let ratio = layer.and_then(|l| cfg.compress_ratios.get(l).copied());
+    let c = |r: usize| if r == 4 { 2 } else { 1 };
+    let s = match rest {
+        "attn.wq_a" => ((cfg.q_lora_rank, d), "q_lora_rank × hidden_size"),
+        "attn.wq_b" => (
+            (hd, cfg.q_lora_rank),
+            "num_attention_heads·head_dim × q_lora_rank",
+        ),
+        "attn.wkv" => ((cfg.head_dim, d), "head_dim × hidden_size"),
+        "attn.wo_a" => (
+            (g * cfg.o_lora_rank, hd / g),
+            "o_groups·o_lora_rank × num_attention_heads·head_dim/o_groups",
+        ),
+        "attn.wo_b" => (
+            (d, g * cfg.o_lora_rank),
+            "hidden_size × o_groups·o_lora_rank",
+        ),
+        "attn.compressor.wkv" | "attn.compressor.wgate" => (
+            (c(ratio?) * cfg.head_dim, d),
+            "c·head_dim × hidden_size (c = 2 when compress ratio is 4)",
+        ),
+        "attn.indexer.wq_b" => (
+            (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+            "index_n_heads·index_head_dim × q_lora_rank",
+        ),
+        "attn.indexer.weights_proj" => ((cfg.index_n_heads, d), "index_n_heads × hidden_size"),
+        "attn.indexer.compressor.wkv" | "attn.indexer.compressor.wgate" => (
+            (c(ratio?) * cfg.index_head_dim, d),
+            "c·index_head_dim × hidden_size",
+        ),
+        "ffn.gate" => ((cfg.n_routed_experts, d), "n_routed_experts × hidden_size"),
+        "ffn.shared_experts.w1" | "ffn.shared_experts.w3" => (
+            (ish, d),
+            "moe_intermediate_size·n_shared_experts × hidden_size",
+        ),
+        "ffn.shared_experts.w2" => (
+            (d, ish),
+            "hidden_size × moe_intermediate_size·n_shared_experts",
+        ),
+        "e_proj" | "h_proj" => ((d, d), "hidden_size × hidden_size"),
+        r if r.starts_with("ffn.experts.") => {
+            if r.ends_with(".w1") || r.ends_with(".w3") {
+                ((ii, d), "moe_intermediate_size × hidden_size")
+            } else if r.ends_with(".w2") {
+                ((d, ii), "hidden_size × moe_intermediate_size")
+            } else {
+                return None;
+            }
+        }
+        _ => return None,
+    };
+    Some(s)
+}
+
+/// FP8 block size from `quantization_config.weight_block_size` (default 128×128).
+fn fp8_block_size(ck: &Checkpoint) -> Result<[usize; 2]> {
+    let Some(v) = ck
+        .quantization_config()
+        .and_then(|q| q.get("weight_block_size"))
+    else {
+        return Ok([128, 128]);
+    };
+    let arr: Vec<usize> = v
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64().map(|n| n as usize))
+                .collect()
+        })
+        .unwrap_or_default();
+    if arr.len() != 2 || arr.contains(&0) {
+        return Err(Error::bad(
+            ck.config_path(),
+            None,
+            format!(
+                "quantization_config.weight_block_size must be two positive integers, found {v}"
+            ),
+        ));
+    }
+    Ok([arr[0], arr[1]])
+}
+
+impl Checkpoint {
+    fn cinfo(&self, base: &str, suffix: &str) -> Option<(String, TensorInfo)> {
+        let c = format!("{base}.{suffix}");
+        let i = self.canonical_info(&c)?;
+        Some((c, i))
+    }
+
+    /// Raw name a missing sibling would have: the weight's raw name with its leaf replaced.
+    fn sibling_raw(&self, weight_raw: &str, leaf: &str) -> String {
+        for s in [".weight_packed", ".weight"] {
+            if let Some(stem) = weight_raw.strip_suffix(s) {
+                return format!("{stem}.{leaf}");
+            }
+        }
+        format!("{weight_raw}.{leaf}")
+    }
+
+    /// A scalar tensor (shape [] or [1], float) as f32.
+    fn scalar(&self, canonical: &str, info: &TensorInfo) -> Result<f32> {
+        let raw = self.resolve(canonical).unwrap_or_default();
+        if info.shape.iter().product::<usize>() != 1
+            || info.shape.len() > 1
+            || !is_float(info.dtype)
+        {
+            return Err(Error::bad(
+                &info.file,
+                Some(&raw),
+                format!(
+                    "tensor scale must be a float scalar ([] or [1]), found {:?} {:?}",
+                    info.dtype, info.shape
+                ),
+            ));
+        }
+        Ok(self.tensor_f32(canonical)?.data[0])
+    }
+
+    fn check_shape(&self, raw: &str, info: &TensorInfo, want: &[usize], what: &str) -> Result<()> {
+        if info.shape != want {
+            return Err(Error::bad(
+                &info.file,
+                Some(raw),
+                format!("{what} has shape {:?}, expected {:?}", info.shape, want),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Scheme, shapes and scalar scales of a linear weight, reading no packed or dense bytes.
+    pub fn weight_meta(&self, base: &str) -> Result<WeightMeta> {
+        let packed = self.cinfo(base, "weight_packed");
+        let plain = self.cinfo(base, "weight");
+        let (wc, wi) = match packed.clone().or(plain) {
+            Some(x) => x,
+            None => {
+                return Err(self.missing(
+                    &format!("{base}.weight"),
+                    "no weight or weight_packed tensor under this name",
+                ))
+            }
+        };
+        let wraw = self.resolve(&wc).unwrap_or_default();
+        let label = self.raw_label(&wc).unwrap_or_else(|| wraw.clone());
+        let file = wi.file.clone();
+        if wi.shape.len() != 2 {
+            return Err(Error::bad(
+                &file,
+                Some(&label),
+                format!("linear weight must be 2-D, found shape {:?}", wi.shape),
+            ));
+        }
+        let (rows, cols) = (wi.shape[0], wi.shape[1]);
+        let mut meta = WeightMeta {
+            canonical: base.to_string(),
+            out_features: rows,
+            in_features: cols,
+            scheme: Scheme::Dense,
+            weight_dtype: wi.dtype,
+            tensors: WeightTensors {
+                weight: label.clone(),
+                block_scale: None,
+                global_scale: None,
+                input_scale: None,
+            },
+            file: file.clone(),
+            convention: None,
+            weight_global: None,
+            input_global: None,
+            block: None,
+            block_scale_dtype: None,
+            fp8_scale_kind: None,
+        };
+        let need = |leaf: &str, what: &str| -> Error {
+            self.missing(
+                &self.sibling_raw(&wraw, leaf),
+                format!("{what} for weight `{wraw}` in {}", file.display()),
+            )
+        };
+        let is_packed_dtype = matches!(wi.dtype, Dtype::U8 | Dtype::I8);
+        if packed.is_some() || is_packed_dtype {
+            if !is_packed_dtype {
+                return Err(Error::bad(
+                    &file,
+                    Some(&label),
+                    format!("packed 4-bit weight must be U8/I8, found {:?}", wi.dtype),
+                ));
+            }
+            let inf = cols * 2;
+            meta.in_features = inf;
+            let ws = self.cinfo(base, "weight_scale");
+            let sc = self.cinfo(base, "scale");
+            let (sname, si) = match (ws, sc) {
+                (Some(w), _) => w,
+                (None, Some(s)) => s,
+                (None, None) => {
+                    return Err(need(
+                        "weight_scale",
+                        "block scale (`weight_scale` for NVFP4, `scale`/`weight_scale` for MXFP4) missing",
+                    ))
+                }
+            };
+            let sraw = self.resolve(&sname).unwrap_or_default();
+            meta.tensors.block_scale = Some(sraw.clone());
+            meta.block_scale_dtype = Some(si.dtype);
+            match si.dtype {
+                Dtype::F8_E4M3 => {
+                    if inf % nvfp4::BLOCK != 0 {
+                        return Err(Error::bad(&file, Some(&label), format!("NVFP4 in_features {inf} not a multiple of 16")));
+                    }
+                    self.check_shape(&sraw, &si, &[rows, inf / nvfp4::BLOCK], "NVFP4 block scale [out, in/16]")?;
+                    let (gleaf, ileaf, conv, scheme) = if packed.is_some() {
+                        ("weight_global_scale", "input_global_scale", Convention::CompressedTensors, Scheme::Nvfp4Ct)
+                    } else {
+                        ("weight_scale_2", "input_scale", Convention::ModelOpt, Scheme::Nvfp4ModelOpt)
+                    };
+                    let (gc, gi) = self
+                        .cinfo(base, gleaf)
+                        .ok_or_else(|| need(gleaf, "NVFP4 weight tensor scale missing"))?;
+                    meta.weight_global = Some(self.scalar(&gc, &gi)?);
+                    meta.tensors.global_scale = self.resolve(&gc);
+                    if let Some((ic, ii)) = self.cinfo(base, ileaf) {
+                        meta.input_global = Some(self.scalar(&ic, &ii)?);
+                        meta.tensors.input_scale = self.resolve(&ic);
+                    }
+                    meta.scheme = scheme;
+                    meta.convention = Some(conv);
+                }
+                Dtype::F8_E8M0 | Dtype::U8 => {
+                    if inf % mxfp4::BLOCK != 0 {
+                        return Err(Error::bad(&file, Some(&label), format!("MXFP4 in_features {inf} not a multiple of 32")));
+                    }
+                    self.check_shape(&sraw, &si, &[rows, inf / mxfp4::BLOCK], "MXFP4 block scale [out, in/32]")?;
+                    meta.scheme = Scheme::Mxfp4;
+                }
+                other => {
+                    return Err(Error::bad(
+                        &si.file,
+                        Some(&sraw),
+                        format!("block scale of a packed 4-bit weight must be F8_E4M3 (NVFP4) or F8_E8M0/U8 (MXFP4), found {other:?}"),
+                    ))
+                }
+            }
+        } else if wi.dtype == Dtype::F8_E4M3 {
+            let (sname, si) = self
+                .cinfo(base, "scale")
+                .or_else(|| self.cinfo(base, "weight_scale_inv"))
+                .ok_or_else(|| {
+                    need(
+                        "scale",
+                        "FP8 block scale (`scale` or `weight_scale_inv`) missing",
+                    )
+                })?;
+            let sraw = self.resolve(&sname).unwrap_or_default();
+            let kind = match si.dtype {
+                Dtype::F8_E8M0 | Dtype::U8 => Fp8ScaleKind::Ue8m0,
+                Dtype::F32 | Dtype::BF16 => Fp8ScaleKind::F32,
+                other => {
+                    return Err(Error::bad(
+                        &si.file,
+                        Some(&sraw),
+                        format!("FP8 block scale must be F32 or F8_E8M0, found {other:?}"),
+                    ))
+                }
+            };
+            let block = fp8_block_size(self)?;
+            let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+            if si.shape != want {
+                return Err(Error::bad(
+                    &si.file,
+                    Some(&sraw),
+                    format!(
+                        "FP8 scale grid {:?} does not match weight [{rows}, {cols}] in {}×{} blocks (expected {want:?}; quantization_config.weight_block_size)",
+                        si.shape, block[0], block[1]
+                    ),
+                ));
+            }
+            meta.scheme = Scheme::Fp8Block;
+            meta.block = Some(block);
+            meta.block_scale_dtype = Some(si.dtype);
+            meta.fp8_scale_kind = Some(kind);
+            meta.tensors.block_scale = Some(sraw);
+        } else if !matches!(wi.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+            return Err(Error::bad(
+                &file,
+                Some(&label),
+                format!("dtype {:?} is not a weight format this tool reads (BF16/F16/F32, F8_E4M3 + scale, U8/I8 packed FP4)", wi.dtype),
+            ));
+        }
+        if let Ok(cfg) = self.model_config() {
+            if let Some(((o, i), fields)) = expected_shape(cfg, base) {
+                if (o, i) != (meta.out_features, meta.in_features) {
+                    return Err(Error::bad(
+                        &file,
+                        Some(&label),
+                        format!(
+                            "logical shape [{}, {}] contradicts config.json: expected [{o}, {i}] ({fields})",
+                            meta.out_features, meta.in_features
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(meta)
+    }
+
+    /// A linear weight with all its bytes and scales, ready to dequantise.
+    pub fn weight(&self, base: &str) -> Result<QuantWeight> {
+        let m = self.weight_meta(base)?;
+        let wc = if self
+            .canonical_info(&format!("{base}.weight_packed"))
+            .is_some()
+        {
+            format!("{base}.weight_packed")
+        } else {
+            format!("{base}.weight")
+        };
+        let scale_canon = |raw: &Option<String>| -> Option<String> {
+            let r = raw.as_ref()?;
+            self.canonical_of(r).map(str::to_string)
+        };
+        let format = match m.scheme {
+            Scheme::Dense => {
+                let t = self.tensor_f32(&wc)?;
+                WeightFormat::Dense {
+                    dtype: m.weight_dtype,
+                    values: t.data,
+                }
+            }
+            Scheme::Fp8Block => {
+                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
+                let scale_raw = self.canonical_bytes(&sc)?.to_vec();
+                let kind = m.fp8_scale_kind.unwrap_or(Fp8ScaleKind::F32);
+                let scales = match kind {
+                    Fp8ScaleKind::Ue8m0 => scale_raw.iter().map(|&b| ue8m0::decode(b)).collect(),
+                    Fp8ScaleKind::F32 => self.tensor_f32(&sc)?.data,
+                };
+                WeightFormat::Fp8Block {
+                    bytes: self.canonical_bytes(&wc)?.to_vec(),
+                    scales,
+                    scale_kind: kind,
+                    scale_raw,
+                    block: m.block.unwrap_or([128, 128]),
+                }
+            }
+            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
+                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
+                let scales = self.canonical_bytes(&sc)?.to_vec();
+                let packed = self.canonical_bytes(&wc)?.to_vec();
+                match m.convention {
+                    Some(convention) => WeightFormat::Nvfp4 {
+                        packed,
+                        scales,
+                        convention,
+                        weight_global: m.weight_global.unwrap_or(f32::NAN),
+                        input_global: m.input_global,
+                    },
+                    None => WeightFormat::Mxfp4 { packed, scales },
+                }
+            }
+        };
+        Ok(QuantWeight {
+            canonical: m.canonical,
+            out_features: m.out_features,
+            in_features: m.in_features,
+            format,
+            tensors: m.tensors,
+            file: m.file,
+        })
+    }
+
+    /// Canonical bases of every linear weight present, in natural order. Norms, the embedding
+    /// and non-2-D tensors are not linear weights.
+    pub fn weight_bases(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for c in self.canonical_names() {
+            let base = match c
+                .strip_suffix(".weight_packed")
+                .or_else(|| c.strip_suffix(".weight"))
+            {
+                Some(b) => b,
+                None => continue,
+            };
+            // A CT checkpoint has no `.weight`; a ModelOpt one has no `.weight_packed`: never both.
+            if c.ends_with(".weight") && self.canon.contains_key(&format!("{base}.weight_packed")) {
+                continue;
+            }
+            let leaf = base.rsplit('.').next().unwrap_or(base);
+            if base == "embed" || leaf.ends_with("norm") {
+                continue;
+            }
+            if self.canonical_info(&c).is_some_and(|i| i.shape.len() == 2) {
+                out.push(base.to_string());
+            }
+        }
+        out
+    }
+
+    /// Summarise a weight's block scales by reading only the scale tensor.
+    pub fn scale_summary(&self, meta: &WeightMeta) -> Result<Option<ScaleSummary>> {
+        let Some(sraw) = &meta.tensors.block_scale else {
+            return Ok(None);
+        };
+        let Some(dtype) = meta.block_scale_dtype else {
+            return Ok(None);
+        };
+        let b = self.bytes(sraw)?;
+        let file = self.info(sraw).map(|i| i.file).unwrap_or_default();
+        let count;
+        let (mut zero, mut x7e, mut nan, mut xff) = (0usize, 0usize, 0usize, 0usize);
+        let mut max = f32::NAN;
+        let kind;
+        if matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E8M0 | Dtype::U8) {
+            let mut hist = [0usize; 256];
+            for &x in b {
+                hist[x as usize] += 1;
+            }
+            count = b.len();
+            kind = if dtype == Dtype::F8_E4M3 {
+                ScaleKind::E4m3
+            } else {
+                ScaleKind::Ue8m0
+            };
+            zero = hist[0];
+            x7e = hist[0x7E];
+            xff = hist[0xFF];
+            for (byte, &n) in hist.iter().enumerate() {
+                if n == 0 {
+                    continue;
+                }
+                let v = match kind {
+                    ScaleKind::E4m3 => e4m3::decode(byte as u8),
+                    _ => ue8m0::decode(byte as u8),
+                };
+                if v.is_nan() {
+                    nan += n;
+                } else if max.is_nan() || v > max {
+                    max = v;
+                }
+            }
+        } else {
+            let v = convert::to_f32(b, dtype, &file, sraw)?;
+            count = v.len();
+            kind = ScaleKind::F32;
+            for &x in &v {
+                if x.is_nan() {
+                    nan += 1;
+                } else {
+                    if x == 0.0 {
+                        zero += 1;
+                    }
+                    if max.is_nan() || x > max {
+                        max = x;
+                    }
+                }
+            }
+        }
+        let f = |n: usize| {
+            if count == 0 {
+                0.0
+            } else {
+                n as f64 / count as f64
+            }
+        };
+        Ok(Some(ScaleSummary {
+            kind,
+            count,
+            frac_zero: f(zero),
+            frac_7e: f(x7e),
+            frac_nan: f(nan),
+            frac_ff: f(xff),
+            max_scale: max,
+        }))
+    }
+}
+
+/// The tensor amax a stored global scale implies: 2688/g (CT) or 2688·d (ModelOpt).
+pub fn implied_amax(conv: Convention, stored: f32) -> f32 {
+    match conv {
+        Convention::CompressedTensors => 2688.0 / stored,
+        Convention::ModelOpt => 2688.0 * stored,
+    }
+}
+
+/// Largest decodable weight magnitude given the scales alone: max block scale × max element ×
+/// tensor scale, in the producer's op order.
+pub fn amax_from_scales(meta: &WeightMeta, s: &ScaleSummary) -> Option<f32> {
+    match meta.scheme {
+        Scheme::Dense => None,
+        Scheme::Fp8Block => Some(s.max_scale * e4m3::MAX),
+        Scheme::Mxfp4 => Some(s.max_scale * 6.0),
+        Scheme::Nvfp4Ct => Some(6.0 * (s.max_scale / meta.weight_global?)),
+        Scheme::Nvfp4ModelOpt => Some(6.0 * (s.max_scale * meta.weight_global?)),
+    }
+}

@@ -1,0 +1,730 @@
+//! The math of every op (DSV4-LAYER.md §3), written against an [`OpEnv`] that supplies weights and
+//! decides numerics. `exec` holds no weights between ops: every linear goes through the env, which
+//! loads (and may quantise) per call, so memory stays bounded by one op and only routed experts are
+//! ever read.
+
+use std::collections::HashMap;
+
+use rayon::prelude::*;
+
+use super::graph::{Op, OpClass, OpKind};
+use super::ops::{self, matmul_nt, rmsnorm_rows, sigmoid, silu, softplus, RopeTable};
+use super::ModelConfig;
+use crate::{Error, Result, Tensor};
+
+/// What a numerics path provides to the op math.
+pub trait OpEnv {
+    fn cfg(&self) -> &ModelConfig;
+    fn token_ids(&self) -> &[u32];
+    /// A non-linear parameter (norm weights, hc fn/base/scale, attn_sink, compressor ape, gate.bias,
+    /// tid2eid, hc_head_*) as f32 values exactly as stored. Canonical official name, e.g.
+    /// "layers.0.hc_attn_fn".
+    fn param(&mut self, canonical: &str) -> Result<Tensor>;
+    /// Embedding rows for the given ids, [ids.len(), D], as stored.
+    fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor>;
+    /// y = x @ Wᵀ for the checkpoint weight `base` (e.g. "layers.0.attn.wq_a",
+    /// "layers.0.ffn.experts.3.w1", "layers.0.attn.compressor.wkv", "head"), x [rows, in] →
+    /// [rows, out] in f32. The env decides the numerics (dequant precision, activation
+    /// quantization). `sub_id` names this GEMM for the env's records, e.g. "L0.attn.q_a",
+    /// "L0.ffn.expert.3.w1", "L0.attn.compressor.wkv".
+    fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor>;
+    /// Grouped projection (wo_a): x [rows, G, K], weight [G·R, K] where group g uses rows
+    /// g·R..(g+1)·R → [rows, G, R].
+    fn linear_grouped(
+        &mut self,
+        sub_id: &str,
+        x: &Tensor,
+        base: &str,
+        groups: usize,
+    ) -> Result<Tensor>;
+    /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
+    /// identity for the FP32 oracle.
+    fn store(&self, t: &mut Tensor);
+    /// Hook for KV-cache fidelity simulation (DSV4-LAYER.md §3.4 step 5, §3.5): called on what a
+    /// serving stack writes to its caches, after rope and `store`. Sites: "Ln.attn.kv_rope"
+    /// [T, Dh], "Ln.attn.compressor" [n_c, Dh], "Ln.attn.indexer.kv" [n_c, Di],
+    /// "Ln.attn.indexer.q" [T, Hi·Di]. The L0 math leaves them alone (the default).
+    fn cache_store(&self, _site: &str, _t: &mut Tensor) {}
+}
+
+pub(crate) fn internal(op: &Op, msg: impl std::fmt::Display) -> Error {
+    Error::usage(format!("op {}: {msg}", op.id))
+}
+
+/// A weight or parameter with the wrong shape: the checkpoint is at fault.
+pub(crate) fn bad_weight(name: &str, msg: impl Into<String>) -> Error {
+    Error::bad("(checkpoint)", Some(name), msg)
+}
+
+pub(crate) fn check_shape(op: &Op, what: &str, t: &Tensor, want: &[usize]) -> Result<()> {
+    if t.shape != want {
+        return Err(internal(
+            op,
+            format!("{what} has shape {:?}, expected {want:?}", t.shape),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn param_n(env: &mut dyn OpEnv, name: &str, n: usize) -> Result<Tensor> {
+    let p = env.param(name)?;
+    if p.numel() != n {
+        return Err(bad_weight(
+            name,
+            format!(
+                "has {} elements (shape {:?}), expected {n}",
+                p.numel(),
+                p.shape
+            ),
+        ));
+    }
+    Ok(p)
+}
+
+pub(crate) fn linear_checked(
+    env: &mut dyn OpEnv,
+    sub: &str,
+    x: &Tensor,
+    base: &str,
+    out: usize,
+) -> Result<Tensor> {
+    let y = env.linear(sub, x, base)?;
+    if y.numel() != x.rows() * out {
+        return Err(bad_weight(
+            base,
+            format!(
+                "linear {sub}: output shape {:?}, expected [{}, {out}]",
+                y.shape,
+                x.rows()
+            ),
+        ));
+    }
+    Ok(Tensor::new(vec![x.rows(), out], y.data))
+}
+
+pub(crate) fn weight<'a>(op: &'a Op, i: usize) -> Result<&'a str> {
+    op.weights
+        .get(i)
+        .map(String::as_str)
+        .ok_or_else(|| internal(op, format!("weight #{i} missing from the op")))
+}
+
+pub(crate) fn layer_of(op: &Op) -> Result<usize> {
+    op.layer.ok_or_else(|| internal(op, "op has no layer"))
+}
+
+/// RoPE frequencies of a layer: `compress_rope_theta` with YaRN on compressed layers, `rope_theta`
+/// without YaRN on window-only layers (DSV4-LAYER.md §3.4).
+pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
+    if cfg.ratio(layer) > 0 {
+        ops::rope_freqs(
+            cfg.qk_rope_head_dim,
+            cfg.compress_rope_theta,
+            cfg.yarn.as_ref(),
+        )
+    } else {
+        ops::rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+    }
+}
+
+/// Execute one op; returns one tensor per `op.outputs`.
+pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tensor>> {
+    if inputs.len() != op.inputs.len() {
+        return Err(internal(
+            op,
+            format!("got {} inputs, expected {}", inputs.len(), op.inputs.len()),
+        ));
+    }
+    let cfg = env.cfg().clone();
+    let d = cfg.hidden_size;
+    let hc = cfg.hc_mult;
+    let out = match op.kind {
+        OpKind::Embed => {
+            let ids = env.token_ids().to_vec();
+            let mut e = env.embed_rows(&ids)?;
+            if e.numel() != ids.len() * d {
+                return Err(bad_weight(
+                    weight(op, 0)?,
+                    format!("embedding rows have shape {:?}", e.shape),
+                ));
+            }
+            e.shape = vec![ids.len(), d];
+            env.store(&mut e);
+            vec![e]
+        }
+        OpKind::HcExpand => {
+            let e = inputs[0];
+            let t = e.numel() / d.max(1);
+            check_shape(op, "embedding", e, &[t, d])?;
+            let mut data = Vec::with_capacity(t * hc * d);
+            for row in e.data.chunks(d) {
+                for _ in 0..hc {
+                    data.extend_from_slice(row);
+                }
+            }
+            vec![Tensor::new(vec![t, hc, d], data)]
+        }
+        OpKind::HcPre => hc_pre(op, inputs[0], env, &cfg)?,
+        OpKind::HcPost => vec![hc_post(op, inputs, env, &cfg)?],
+        OpKind::RmsNorm => {
+            let x = inputs[0];
+            let w = param_n(env, weight(op, 0)?, x.cols())?;
+            let mut y = x.clone();
+            rmsnorm_rows(
+                &mut y.data,
+                x.cols(),
+                Some(&w.data),
+                cfg.rms_norm_eps as f32,
+            );
+            env.store(&mut y);
+            vec![y]
+        }
+        OpKind::Linear => {
+            let x = inputs[0];
+            let base = weight(op, 0)?;
+            let mut y = env.linear(&op.id, x, base)?;
+            if y.rows() != x.rows() {
+                return Err(bad_weight(
+                    base,
+                    format!(
+                        "linear {}: output shape {:?} for input {:?}",
+                        op.id, y.shape, x.shape
+                    ),
+                ));
+            }
+            let mut shape = x.shape.clone();
+            shape.pop();
+            shape.push(y.cols());
+            y.shape = shape;
+            // Logits stay fp32 (REF computes the head in fp32); everything else is a stored activation.
+            if op.class != OpClass::Head {
+                env.store(&mut y);
+            }
+            vec![y]
+        }
+        OpKind::GroupedLinear => {
+            let x = inputs[0];
+            let g = cfg.o_groups;
+            let t = x.rows();
+            let hd = cfg.num_attention_heads * cfg.head_dim;
+            check_shape(op, "attention output", x, &[t, hd])?;
+            let x3 = Tensor::new(vec![t, g, hd / g], x.data.clone());
+            let base = weight(op, 0)?;
+            let mut y = env.linear_grouped(&op.id, &x3, base, g)?;
+            if y.numel() != t * g * cfg.o_lora_rank {
+                return Err(bad_weight(
+                    base,
+                    format!("grouped linear output shape {:?}", y.shape),
+                ));
+            }
+            y.shape = vec![t, g * cfg.o_lora_rank];
+            env.store(&mut y);
+            vec![y]
+        }
+        OpKind::QRope => vec![q_rope(op, inputs[0], env, &cfg)?],
+        OpKind::KvRope => {
+            let layer = layer_of(op)?;
+            let x = inputs[0];
+            let t = x.rows();
+            check_shape(op, "kv", x, &[t, cfg.head_dim])?;
+            let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), 0..t);
+            let mut y = x.clone();
+            let nope = cfg.nope_dim();
+            for (p, row) in y.data.chunks_mut(cfg.head_dim).enumerate() {
+                tab.apply(&mut row[nope..], p, false);
+            }
+            env.store(&mut y);
+            env.cache_store(&op.id, &mut y);
+            vec![y]
+        }
+        OpKind::Compressor => {
+            let layer = layer_of(op)?;
+            let names = [
+                weight(op, 0)?,
+                weight(op, 1)?,
+                weight(op, 2)?,
+                weight(op, 3)?,
+            ];
+            let mut ck = compress(
+                env,
+                &op.id,
+                inputs[0],
+                names,
+                cfg.ratio(layer),
+                cfg.head_dim,
+                layer,
+            )?;
+            env.cache_store(&op.id, &mut ck);
+            vec![ck]
+        }
+        OpKind::Indexer => vec![super::attn::indexer(op, inputs, env, &cfg)?],
+        OpKind::Attention => vec![super::attn::attention(op, inputs, env, &cfg)?],
+        OpKind::Router => router(op, inputs[0], env, &cfg)?,
+        OpKind::Experts => vec![experts(op, inputs, env, &cfg)?],
+        OpKind::SharedExpert => vec![shared(op, inputs[0], env, &cfg)?],
+        OpKind::Sum => {
+            let (a, b) = (inputs[0], inputs[1]);
+            if a.shape != b.shape {
+                return Err(internal(
+                    op,
+                    format!("shapes {:?} and {:?} differ", a.shape, b.shape),
+                ));
+            }
+            let mut y = Tensor::new(
+                a.shape.clone(),
+                a.data.iter().zip(&b.data).map(|(x, y)| x + y).collect(),
+            );
+            env.store(&mut y);
+            vec![y]
+        }
+        OpKind::HcHead => vec![hc_head(op, inputs[0], env, &cfg)?],
+    };
+    if out.len() != op.outputs.len() {
+        return Err(internal(
+            op,
+            format!(
+                "produced {} outputs for {} ids",
+                out.len(),
+                op.outputs.len()
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+/// Execute `ops` in order, feeding outputs forward; returns every output by id.
+pub fn run_graph(ops: &[Op], env: &mut dyn OpEnv) -> Result<HashMap<String, Tensor>> {
+    let mut vals: HashMap<String, Tensor> = HashMap::new();
+    for op in ops {
+        let outs = {
+            let mut ins = Vec::with_capacity(op.inputs.len());
+            for i in &op.inputs {
+                ins.push(
+                    vals.get(i)
+                        .ok_or_else(|| internal(op, format!("input `{i}` was not computed")))?,
+                );
+            }
+            exec(op, &ins, env)?
+        };
+        for (id, t) in op.outputs.iter().zip(outs) {
+            vals.insert(id.clone(), t);
+        }
+    }
+    Ok(vals)
+}
+
+/// (t, ρ) with ρ = rsqrt(mean(xf²) + eps) per token and m = (xf @ fnᵀ)·ρ, all fp32.
+fn hc_mix(x: &Tensor, f: &Tensor, rows_out: usize, eps: f32) -> Vec<f32> {
+    let t = x.shape[0];
+    let w = x.numel() / t.max(1);
+    let mut m = matmul_nt(&x.data, t, w, &f.data, rows_out);
+    for (xr, mr) in x.data.chunks(w).zip(m.chunks_mut(rows_out)) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum();
+        let rho = 1.0 / (ss / w as f32 + eps).sqrt();
+        mr.iter_mut().for_each(|v| *v *= rho);
+    }
+    m
+}
+
+fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Vec<Tensor>> {
+    let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
+    let t = x.shape.first().copied().unwrap_or(0);
+    check_shape(op, "residual", x, &[t, hc, d])?;
+    let mix = cfg.hc_mix();
+    let f = param_n(env, weight(op, 0)?, mix * hc * d)?;
+    let base = param_n(env, weight(op, 1)?, mix)?;
+    let scale = param_n(env, weight(op, 2)?, 3)?;
+    let eps = cfg.hc_eps as f32;
+    let m = hc_mix(x, &f, mix, cfg.rms_norm_eps as f32);
+    let mut pre = vec![0.0f32; hc];
+    let mut post = vec![0.0f32; t * hc];
+    let mut comb = vec![0.0f32; t * hc * hc];
+    let mut y = vec![0.0f32; t * d];
+    for ti in 0..t {
+        let mr = &m[ti * mix..(ti + 1) * mix];
+        for j in 0..hc {
+            pre[j] = sigmoid(mr[j] * scale.data[0] + base.data[j]) + eps;
+            post[ti * hc + j] = 2.0 * sigmoid(mr[hc + j] * scale.data[1] + base.data[hc + j]);
+        }
+        let c = &mut comb[ti * hc * hc..(ti + 1) * hc * hc];
+        for (i, cv) in c.iter_mut().enumerate() {
+            *cv = mr[2 * hc + i] * scale.data[2] + base.data[2 * hc + i];
+        }
+        ops::sinkhorn(c, hc, cfg.hc_sinkhorn_iters, eps);
+        let yr = &mut y[ti * d..(ti + 1) * d];
+        for (j, pj) in pre.iter().enumerate() {
+            let xr = &x.data[(ti * hc + j) * d..(ti * hc + j + 1) * d];
+            yr.iter_mut().zip(xr).for_each(|(a, b)| *a += pj * b);
+        }
+    }
+    let mut y = Tensor::new(vec![t, d], y);
+    env.store(&mut y);
+    Ok(vec![
+        y,
+        Tensor::new(vec![t, hc], post),
+        Tensor::new(vec![t, hc, hc], comb),
+    ])
+}
+
+fn hc_post(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
+    let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
+    let (y, x, post, comb) = (inputs[0], inputs[1], inputs[2], inputs[3]);
+    let t = y.rows();
+    check_shape(op, "block output", y, &[t, d])?;
+    check_shape(op, "residual", x, &[t, hc, d])?;
+    check_shape(op, "post", post, &[t, hc])?;
+    check_shape(op, "comb", comb, &[t, hc, hc])?;
+    let mut out = vec![0.0f32; t * hc * d];
+    out.par_chunks_mut(hc * d).enumerate().for_each(|(ti, o)| {
+        let yr = &y.data[ti * d..(ti + 1) * d];
+        let c = &comb.data[ti * hc * hc..(ti + 1) * hc * hc];
+        for k in 0..hc {
+            let ok = &mut o[k * d..(k + 1) * d];
+            let pk = post.data[ti * hc + k];
+            ok.iter_mut().zip(yr).for_each(|(a, b)| *a = pk * b);
+            for j in 0..hc {
+                let cjk = c[j * hc + k];
+                let xr = &x.data[(ti * hc + j) * d..(ti * hc + j + 1) * d];
+                ok.iter_mut().zip(xr).for_each(|(a, b)| *a += cjk * b);
+            }
+        }
+    });
+    let mut out = Tensor::new(vec![t, hc, d], out);
+    env.store(&mut out);
+    Ok(out)
+}
+
+fn hc_head(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
+    let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
+    let t = x.shape.first().copied().unwrap_or(0);
+    check_shape(op, "residual", x, &[t, hc, d])?;
+    let f = param_n(env, weight(op, 0)?, hc * hc * d)?;
+    let base = param_n(env, weight(op, 1)?, hc)?;
+    let scale = param_n(env, weight(op, 2)?, 1)?;
+    let m = hc_mix(x, &f, hc, cfg.rms_norm_eps as f32);
+    let eps = cfg.hc_eps as f32;
+    let mut y = vec![0.0f32; t * d];
+    for ti in 0..t {
+        let yr = &mut y[ti * d..(ti + 1) * d];
+        for j in 0..hc {
+            let a = sigmoid(m[ti * hc + j] * scale.data[0] + base.data[j]) + eps;
+            let xr = &x.data[(ti * hc + j) * d..(ti * hc + j + 1) * d];
+            yr.iter_mut().zip(xr).for_each(|(o, b)| *o += a * b);
+        }
+    }
+    let mut y = Tensor::new(vec![t, d], y);
+    env.store(&mut y);
+    Ok(y)
+}
+
+/// Per-head RMS normalisation without weight (fp32) then RoPE on each head's last dims at p_t.
+fn q_rope(op: &Op, q: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
+    let layer = layer_of(op)?;
+    let (h, dh) = (cfg.num_attention_heads, cfg.head_dim);
+    let t = q.rows();
+    check_shape(op, "q", q, &[t, h * dh])?;
+    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
+    let nope = cfg.nope_dim();
+    let eps = cfg.rms_norm_eps as f32;
+    let mut y = q.clone();
+    y.data
+        .par_chunks_mut(h * dh)
+        .enumerate()
+        .for_each(|(p, row)| {
+            for head in row.chunks_mut(dh) {
+                rmsnorm_rows(head, dh, None, eps);
+                tab.apply(&mut head[nope..], p, false);
+            }
+        });
+    env.store(&mut y);
+    Ok(y)
+}
+
+/// Compressed KV rows of a compressor (DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
+/// slots per channel (ratio 4: 8 overlapping slots, c = 2), then bf, RMSNorm with weight, RoPE at
+/// position b·ratio, bf. `names` = [wkv base, wgate base, ape, norm weight]. Returns [n_c, dc].
+pub(crate) fn compress(
+    env: &mut dyn OpEnv,
+    sub_prefix: &str,
+    x: &Tensor,
+    names: [&str; 4],
+    ratio: usize,
+    dc: usize,
+    layer: usize,
+) -> Result<Tensor> {
+    let cfg = env.cfg().clone();
+    if ratio == 0 {
+        return Err(Error::usage(format!(
+            "{sub_prefix}: compressor on a layer with ratio 0"
+        )));
+    }
+    let t = x.rows();
+    let n_c = t / ratio;
+    if n_c == 0 {
+        return Ok(Tensor::new(vec![0, dc], vec![]));
+    }
+    let c = if ratio == 4 { 2 } else { 1 };
+    let w = c * dc;
+    let n = n_c * ratio;
+    let xs = Tensor::new(vec![n, x.cols()], x.data[..n * x.cols()].to_vec());
+    let a = linear_checked(env, &format!("{sub_prefix}.wkv"), &xs, names[0], w)?;
+    let g = linear_checked(env, &format!("{sub_prefix}.wgate"), &xs, names[1], w)?;
+    let ape = param_n(env, names[2], ratio * w)?;
+    let norm = param_n(env, names[3], dc)?;
+
+    let mut ck = vec![0.0f32; n_c * dc];
+    let mut gates = Vec::with_capacity(2 * ratio);
+    let mut vals = Vec::with_capacity(2 * ratio);
+    for b in 0..n_c {
+        for ch in 0..dc {
+            gates.clear();
+            vals.clear();
+            if c == 2 {
+                // Slots 0..r: the previous block through channels [0, dc); empty for b = 0.
+                if b > 0 {
+                    for j in 0..ratio {
+                        let tok = (b - 1) * ratio + j;
+                        gates.push(g.data[tok * w + ch] + ape.data[j * w + ch]);
+                        vals.push(a.data[tok * w + ch]);
+                    }
+                }
+                for j in 0..ratio {
+                    let tok = b * ratio + j;
+                    gates.push(g.data[tok * w + dc + ch] + ape.data[j * w + dc + ch]);
+                    vals.push(a.data[tok * w + dc + ch]);
+                }
+            } else {
+                for j in 0..ratio {
+                    let tok = b * ratio + j;
+                    gates.push(g.data[tok * w + ch] + ape.data[j * w + ch]);
+                    vals.push(a.data[tok * w + ch]);
+                }
+            }
+            ops::softmax(&mut gates);
+            ck[b * dc + ch] = gates.iter().zip(&vals).map(|(p, v)| p * v).sum();
+        }
+    }
+    let mut ck = Tensor::new(vec![n_c, dc], ck);
+    env.store(&mut ck);
+    rmsnorm_rows(&mut ck.data, dc, Some(&norm.data), cfg.rms_norm_eps as f32);
+    env.store(&mut ck);
+    let rd = cfg.qk_rope_head_dim;
+    if rd > dc {
+        return Err(Error::usage(format!(
+            "{sub_prefix}: rope dim {rd} exceeds compressed width {dc}"
+        )));
+    }
+    let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), (0..n_c).map(|b| b * ratio));
+    for (b, row) in ck.data.chunks_mut(dc).enumerate() {
+        tab.apply(&mut row[dc - rd..], b, false);
+    }
+    env.store(&mut ck);
+    Ok(ck)
+}
+
+/// Read an integer id stored as f32; rejects non-integers and values outside 0..limit.
+fn as_index(v: f32, limit: usize) -> Option<usize> {
+    (v >= 0.0 && v.fract() == 0.0 && (v as usize) < limit).then_some(v as usize)
+}
+
+fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Vec<Tensor>> {
+    let layer = layer_of(op)?;
+    let (e, k) = (cfg.n_routed_experts, cfg.num_experts_per_tok);
+    let t = x.rows();
+    let gate = weight(op, 0)?;
+    let logits = linear_checked(env, &op.id, x, gate, e)?;
+    let scores: Vec<f32> = match cfg.scoring_func.as_str() {
+        "sqrtsoftplus" => logits.data.iter().map(|&l| softplus(l).sqrt()).collect(),
+        "sigmoid" => logits.data.iter().map(|&l| sigmoid(l)).collect(),
+        "softmax" => {
+            let mut s = logits.data.clone();
+            s.chunks_mut(e).for_each(ops::softmax);
+            s
+        }
+        other => {
+            return Err(Error::usage(format!(
+                "config: unsupported scoring_func `{other}`"
+            )))
+        }
+    };
+    let mut idx = vec![0usize; t * k];
+    if cfg.is_hash_layer(layer) {
+        let name = weight(op, 1)?;
+        let table = env.param(name)?;
+        if table.cols() != k || table.rows() == 0 {
+            return Err(bad_weight(
+                name,
+                format!("shape {:?}, expected [vocab, {k}]", table.shape),
+            ));
+        }
+        let ids = env.token_ids();
+        if ids.len() != t {
+            return Err(internal(
+                op,
+                format!("{} token ids for {t} rows", ids.len()),
+            ));
+        }
+        for (ti, &tok) in ids.iter().enumerate() {
+            if tok as usize >= table.rows() {
+                return Err(bad_weight(
+                    name,
+                    format!("token id {tok} outside the table of {} rows", table.rows()),
+                ));
+            }
+            for j in 0..k {
+                let v = table.data[tok as usize * k + j];
+                idx[ti * k + j] = as_index(v, e).ok_or_else(|| {
+                    bad_weight(
+                        name,
+                        format!("entry {v} for token {tok} is not an expert id < {e}"),
+                    )
+                })?;
+            }
+        }
+    } else {
+        let bias = param_n(env, weight(op, 1)?, e)?;
+        let mut order: Vec<usize> = Vec::with_capacity(e);
+        for ti in 0..t {
+            let s = &scores[ti * e..(ti + 1) * e];
+            order.clear();
+            order.extend(0..e);
+            let key = |i: usize| s[i] + bias.data[i];
+            // Descending biased score, ties toward the lower expert id; NaN sorts last.
+            order.sort_by(|&a, &b| {
+                key(b)
+                    .partial_cmp(&key(a))
+                    .unwrap_or_else(|| key(a).is_nan().cmp(&key(b).is_nan()))
+                    .then(a.cmp(&b))
+            });
+            idx[ti * k..(ti + 1) * k].copy_from_slice(&order[..k]);
+        }
+    }
+    let mut wts = vec![0.0f32; t * k];
+    for ti in 0..t {
+        let w = &mut wts[ti * k..(ti + 1) * k];
+        for j in 0..k {
+            w[j] = scores[ti * e + idx[ti * k + j]];
+        }
+        if cfg.norm_topk_prob {
+            let s: f32 = w.iter().sum();
+            w.iter_mut().for_each(|v| *v /= s);
+        }
+        let rs = cfg.routed_scaling_factor as f32;
+        w.iter_mut().for_each(|v| *v *= rs);
+    }
+    Ok(vec![
+        Tensor::new(vec![t, k], wts),
+        Tensor::new(vec![t, k], idx.iter().map(|&i| i as f32).collect()),
+    ])
+}
+
+/// SwiGLU with the clamp: gt = min(bf(x@w1ᵀ), L), up = clamp(bf(x@w3ᵀ), ±L), a = bf(silu(gt)·up).
+fn swiglu_hidden(
+    env: &mut dyn OpEnv,
+    sub: &str,
+    x: &Tensor,
+    w1: &str,
+    w3: &str,
+    limit: f32,
+) -> Result<Tensor> {
+    let mut gt = env.linear(&format!("{sub}.w1"), x, w1)?;
+    let mut up = env.linear(&format!("{sub}.w3"), x, w3)?;
+    if gt.shape != up.shape || gt.rows() != x.rows() {
+        return Err(bad_weight(
+            w1,
+            format!(
+                "w1 output {:?} and w3 output {:?} disagree",
+                gt.shape, up.shape
+            ),
+        ));
+    }
+    env.store(&mut gt);
+    env.store(&mut up);
+    let mut a = gt;
+    for (g, u) in a.data.iter_mut().zip(&up.data) {
+        let (mut g2, mut u2) = (*g, *u);
+        if limit > 0.0 {
+            g2 = g2.min(limit);
+            u2 = u2.clamp(-limit, limit);
+        }
+        *g = silu(g2) * u2;
+    }
+    env.store(&mut a);
+    Ok(a)
+}
+
+fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
+    let layer = layer_of(op)?;
+    let (x, wts, idx) = (inputs[0], inputs[1], inputs[2]);
+    let (d, e, k) = (
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+    );
+    let t = x.rows();
+    check_shape(op, "x", x, &[t, d])?;
+    check_shape(op, "routing weights", wts, &[t, k])?;
+    check_shape(op, "expert ids", idx, &[t, k])?;
+    let mut per: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+    for ti in 0..t {
+        for j in 0..k {
+            let v = idx.data[ti * k + j];
+            let ex = as_index(v, e)
+                .ok_or_else(|| internal(op, format!("expert id {v} is not an integer < {e}")))?;
+            per[ex].push((ti, wts.data[ti * k + j]));
+        }
+    }
+    let limit = cfg.swiglu_limit as f32;
+    let mut acc = vec![0.0f32; t * d];
+    for (ex, toks) in per.iter().enumerate() {
+        if toks.is_empty() {
+            continue;
+        }
+        let mut xs = Vec::with_capacity(toks.len() * d);
+        for &(ti, _) in toks {
+            xs.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
+        }
+        let xs = Tensor::new(vec![toks.len(), d], xs);
+        let sub = format!("L{layer}.ffn.expert.{ex}");
+        let a = swiglu_hidden(
+            env,
+            &sub,
+            &xs,
+            weight(op, 3 * ex)?,
+            weight(op, 3 * ex + 1)?,
+            limit,
+        )?;
+        let w2 = weight(op, 3 * ex + 2)?;
+        let y = linear_checked(env, &format!("{sub}.w2"), &a, w2, d)?;
+        // Routing weight applied after w2 (vLLM/HF order), accumulated in f32.
+        for (i, &(ti, w)) in toks.iter().enumerate() {
+            let yr = &y.data[i * d..(i + 1) * d];
+            acc[ti * d..(ti + 1) * d]
+                .iter_mut()
+                .zip(yr)
+                .for_each(|(o, v)| *o += w * v);
+        }
+    }
+    Ok(Tensor::new(vec![t, d], acc))
+}
+
+fn shared(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
+    let layer = layer_of(op)?;
+    let d = cfg.hidden_size;
+    let t = x.rows();
+    if cfg.n_shared_experts == 0 {
+        return Ok(Tensor::zeros(vec![t, d]));
+    }
+    let sub = format!("L{layer}.ffn.shared");
+    let a = swiglu_hidden(
+        env,
+        &sub,
+        x,
+        weight(op, 0)?,
+        weight(op, 1)?,
+        cfg.swiglu_limit as f32,
+    )?;
+    let mut y = linear_checked(env, &format!("{sub}.w2"), &a, weight(op, 2)?, d)?;
+    env.store(&mut y);
+    Ok(y)
+}

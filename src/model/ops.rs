@@ -1,0 +1,354 @@
+//! Small shared numeric primitives of the layer math: GEMMs on `matrixmultiply`, RMSNorm, softmax,
+//! the DeepSeek-V4 RoPE tables, SiLU.
+//!
+//! Everything is f32 with the op order the spec (DSV4-LAYER.md §3) prescribes; rounding to BF16 is
+//! the caller's business (`OpEnv::store`), so the same code serves the FP32 oracle and BF16 paths.
+
+use crate::model::config::Yarn;
+
+/// C[m, n] = A[m, k] · B[n, k]ᵀ for row-major contiguous A and B (the `x @ Wᵀ` of every linear).
+pub fn matmul_nt(a: &[f32], m: usize, k: usize, b: &[f32], n: usize) -> Vec<f32> {
+    let mut c = vec![0.0f32; m * n];
+    gemm(m, k, n, a, (k, 1), b, (1, k), &mut c, (n, 1), false);
+    c
+}
+
+/// C[m, n] = A[m, k] · B[k, n] for row-major contiguous A and B.
+pub fn matmul_nn(a: &[f32], m: usize, k: usize, b: &[f32], n: usize) -> Vec<f32> {
+    let mut c = vec![0.0f32; m * n];
+    gemm(m, k, n, a, (k, 1), b, (n, 1), &mut c, (n, 1), false);
+    c
+}
+
+/// Bounds-checked strided `sgemm`: C (+)= A·B with A [m,k], B [k,n], C [m,n] given as (row, col)
+/// strides into the slices. `accumulate` adds into C instead of overwriting it.
+///
+/// The bounds check makes the unsafe call sound: the largest index touched is
+/// (rows−1)·rs + (cols−1)·cs for each operand.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    c: &mut [f32],
+    (rsc, csc): (usize, usize),
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    c[i * rsc + j * csc] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let last = |r: usize, cc: usize, rs: usize, cs: usize| (r - 1) * rs + (cc - 1) * cs;
+    assert!(last(m, k, rsa, csa) < a.len(), "gemm: A out of bounds");
+    assert!(last(k, n, rsb, csb) < b.len(), "gemm: B out of bounds");
+    assert!(last(m, n, rsc, csc) < c.len(), "gemm: C out of bounds");
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    // SAFETY: all indices touched are within the slices (checked above); C does not alias A or B
+    // (distinct borrows).
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            beta,
+            c.as_mut_ptr(),
+            rsc as isize,
+            csc as isize,
+        );
+    }
+}
+
+/// In-place RMSNorm of each row of `x` (width `cols`): x · rsqrt(mean(x²) + eps) [· w], all f32.
+pub fn rmsnorm_rows(x: &mut [f32], cols: usize, w: Option<&[f32]>, eps: f32) {
+    if cols == 0 {
+        return;
+    }
+    for row in x.chunks_mut(cols) {
+        let ss: f32 = row.iter().map(|v| v * v).sum();
+        let r = 1.0 / (ss / cols as f32 + eps).sqrt();
+        match w {
+            Some(w) => row.iter_mut().zip(w).for_each(|(v, wi)| *v = *v * r * wi),
+            None => row.iter_mut().for_each(|v| *v *= r),
+        }
+    }
+}
+
+/// In-place softmax; −inf entries get 0. An all −inf row becomes all zeros (no NaN).
+pub fn softmax(row: &mut [f32]) {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY {
+        row.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    let mut s = 0.0f32;
+    for v in row.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    row.iter_mut().for_each(|v| *v /= s);
+}
+
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// softplus without overflow: max(x, 0) + ln(1 + e^−|x|).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// YaRN correction range (lo, hi) for a rope of `dim` dims (DSV4-LAYER.md §3.4):
+/// lo = floor(dim·ln(L/(β_fast·2π)) / (2 ln base)), hi = ceil(dim·ln(L/(β_slow·2π)) / (2 ln base)),
+/// clamped to [0, dim−1].
+pub fn yarn_range(dim: usize, base: f64, y: &Yarn) -> (usize, usize) {
+    let corr = |rot: f64| {
+        dim as f64 * (y.original_max_position_embeddings / (rot * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * base.ln())
+    };
+    let lo = corr(y.beta_fast).floor().max(0.0) as usize;
+    let hi = corr(y.beta_slow).ceil().max(0.0) as usize;
+    (lo.min(dim - 1), hi.min(dim - 1))
+}
+
+/// Inverse frequencies of an interleaved rope of `dim` dims, computed in f32 like DeepSeek's
+/// `precompute_freqs_cis` (f_i = 1 / base^(2i/dim)), with YaRN blending when given.
+pub fn rope_freqs(dim: usize, base: f64, yarn: Option<&Yarn>) -> Vec<f32> {
+    let half = dim / 2;
+    let mut f: Vec<f32> = (0..half)
+        .map(|i| 1.0f32 / (base as f32).powf((2 * i) as f32 / dim as f32))
+        .collect();
+    if let Some(y) = yarn {
+        let (lo, hi) = yarn_range(dim, base, y);
+        let (lo, mut hi) = (lo as f32, hi as f32);
+        if lo == hi {
+            hi += 0.001;
+        }
+        let factor = y.factor as f32;
+        for (i, fi) in f.iter_mut().enumerate() {
+            let ramp = ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
+            let smooth = 1.0 - ramp;
+            *fi = *fi / factor * (1.0 - smooth) + *fi * smooth;
+        }
+    }
+    f
+}
+
+/// cos/sin of the rope angles for positions 0..n_pos: the angle is fp32(p)·f_i rounded to f32
+/// (an f64 angle drifts visibly from DeepSeek/HF/vLLM at large positions).
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(freqs: &[f32], positions: impl Iterator<Item = usize>) -> Self {
+        let half = freqs.len();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in positions {
+            for f in freqs {
+                let theta = p as f32 * f;
+                cos.push(theta.cos());
+                sin.push(theta.sin());
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    /// Rotate the interleaved pairs of `v` (length 2·half) with row `row` of the table.
+    /// `inverse` uses −sin, undoing the forward rotation.
+    #[inline]
+    pub fn apply(&self, v: &mut [f32], row: usize, inverse: bool) {
+        let c = &self.cos[row * self.half..(row + 1) * self.half];
+        let s = &self.sin[row * self.half..(row + 1) * self.half];
+        for i in 0..self.half {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            let si = if inverse { -s[i] } else { s[i] };
+            v[2 * i] = a * c[i] - b * si;
+            v[2 * i + 1] = a * si + b * c[i];
+        }
+    }
+}
+
+/// mHC Sinkhorn normalisation of an `n`×`n` matrix of logits `c` (row j = source stream), in place
+/// (DSV4-LAYER.md §3.1 step 5): row softmax + eps, column normalisation, then `iters − 1` rounds
+/// of row then column normalisation, each dividing by (sum + eps).
+pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    for row in c.chunks_mut(n) {
+        softmax(row);
+        row.iter_mut().for_each(|v| *v += eps);
+    }
+    let colnorm = |c: &mut [f32]| {
+        for k in 0..n {
+            let s: f32 = (0..n).map(|j| c[j * n + k]).sum();
+            (0..n).for_each(|j| c[j * n + k] /= s + eps);
+        }
+    };
+    colnorm(c);
+    for _ in 1..iters.max(1) {
+        for row in c.chunks_mut(n) {
+            let s: f32 = row.iter().sum();
+            row.iter_mut().for_each(|v| *v /= s + eps);
+        }
+        colnorm(c);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matmul_nt_matches_naive_loop() {
+        let (m, k, n) = (5, 7, 3);
+        let a = lcg(1, m * k);
+        let b = lcg(2, n * k);
+        let c = matmul_nt(&a, m, k, &b, n);
+        for i in 0..m {
+            for j in 0..n {
+                let r: f64 = (0..k)
+                    .map(|t| a[i * k + t] as f64 * b[j * k + t] as f64)
+                    .sum();
+                assert!((c[i * n + j] as f64 - r).abs() < 1e-5);
+            }
+        }
+        let bt: Vec<f32> = (0..k * n).map(|idx| b[(idx % n) * k + idx / n]).collect();
+        assert_eq!(matmul_nn(&a, m, k, &bt, n).len(), m * n);
+        let c2 = matmul_nn(&a, m, k, &bt, n);
+        for (x, y) in c.iter().zip(&c2) {
+            assert!((x - y).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn rmsnorm_gives_unit_rms() {
+        let mut x = lcg(3, 64);
+        rmsnorm_rows(&mut x, 32, None, 0.0);
+        for row in x.chunks(32) {
+            let ms: f32 = row.iter().map(|v| v * v).sum::<f32>() / 32.0;
+            assert!((ms - 1.0).abs() < 1e-5);
+        }
+        // The weight multiplies after normalisation: [3, 4] → [0.6, 0.8]·rms 1/√(12.5)·… check exactly.
+        let mut y = vec![3.0f32, 4.0];
+        rmsnorm_rows(&mut y, 2, Some(&[2.0, 1.0]), 0.0);
+        let r = 1.0 / 12.5f32.sqrt();
+        assert!((y[0] - 6.0 * r).abs() < 1e-6 && (y[1] - 4.0 * r).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_handles_neg_inf() {
+        let mut r = vec![0.0, f32::NEG_INFINITY, (2.0f32).ln()];
+        softmax(&mut r);
+        assert!((r[0] - 1.0 / 3.0).abs() < 1e-6 && r[1] == 0.0 && (r[2] - 2.0 / 3.0).abs() < 1e-6);
+        let mut z = vec![f32::NEG_INFINITY; 3];
+        softmax(&mut z);
+        assert_eq!(z, vec![0.0; 3]);
+    }
+
+    #[test]
+    fn softplus_and_silu_values() {
+        assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-7);
+        assert!((softplus(100.0) - 100.0).abs() < 1e-5);
+        assert!(softplus(-100.0) > 0.0 && softplus(-100.0) < 1e-40);
+        assert!((silu(1.0) - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-7);
+    }
+
+    fn pro_yarn() -> Yarn {
+        Yarn {
+            factor: 16.0,
+            original_max_position_embeddings: 65536.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }
+    }
+
+    #[test]
+    fn yarn_range_for_base_160000_is_15_25() {
+        assert_eq!(yarn_range(64, 160000.0, &pro_yarn()), (15, 25));
+    }
+
+    #[test]
+    fn yarn_freqs_blend_between_plain_and_scaled() {
+        let plain = rope_freqs(64, 160000.0, None);
+        let y = rope_freqs(64, 160000.0, Some(&pro_yarn()));
+        // Below lo the frequency is untouched, above hi it is divided by the factor.
+        assert_eq!(y[0], plain[0]);
+        assert_eq!(y[15], plain[15]);
+        assert!((y[31] - plain[31] / 16.0).abs() <= f32::EPSILON * plain[31]);
+        // f_1 = 160000^(-1/32).
+        assert!((plain[1] as f64 - 160000f64.powf(-1.0 / 32.0)).abs() < 1e-7);
+        // ramp at i = 20 is 0.5.
+        let mid = plain[20] * 0.5 + plain[20] / 16.0 * 0.5;
+        assert!((y[20] - mid).abs() < 1e-6 * plain[20]);
+    }
+
+    #[test]
+    fn rope_then_inverse_is_identity_and_pairs_are_interleaved() {
+        let f = rope_freqs(8, 10000.0, None);
+        let t = RopeTable::new(&f, 0..50);
+        let v0 = lcg(4, 8);
+        let mut v = v0.clone();
+        t.apply(&mut v, 37, false);
+        assert!(v.iter().zip(&v0).any(|(a, b)| (a - b).abs() > 1e-3));
+        t.apply(&mut v, 37, true);
+        for (a, b) in v.iter().zip(&v0) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        // Pair 0 rotates by angle p (f_0 = 1): (1, 0) → (cos p, sin p).
+        let mut e = vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        t.apply(&mut e, 3, false);
+        assert!((e[0] - 3f32.cos()).abs() < 1e-6 && (e[1] - 3f32.sin()).abs() < 1e-6);
+    }
+    #[test]
+    fn sinkhorn_is_doubly_stochastic() {
+        let mut c = lcg(9, 16).iter().map(|v| v * 4.0).collect::<Vec<_>>();
+        sinkhorn(&mut c, 4, 20, 1e-6);
+        for j in 0..4 {
+            let r: f32 = c[j * 4..j * 4 + 4].iter().sum();
+            let col: f32 = (0..4).map(|i| c[i * 4 + j]).sum();
+            assert!((r - 1.0).abs() < 1e-3, "row {j} sums to {r}");
+            assert!((col - 1.0).abs() < 1e-5, "col {j} sums to {col}");
+        }
+        assert!(c.iter().all(|v| *v > 0.0));
+    }
+}
