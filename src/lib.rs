@@ -8,9 +8,10 @@ pub mod checkpoint;
 pub mod cli;
 pub mod commands;
 pub mod error;
-pub mod model;
 pub mod metrics;
+pub mod model;
 pub mod numerics;
+pub mod synth;
 /// The runner (being wired up; only the fault catalogue is compiled so far).
 pub mod probe {
     pub mod faults;
