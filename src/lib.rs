@@ -8,8 +8,8 @@ pub mod checkpoint;
 pub mod cli;
 pub mod commands;
 pub mod error;
-pub mod metrics;
 pub mod model;
+pub mod metrics;
 pub mod numerics;
 pub mod synth;
 /// The runner (being wired up; only the fault catalogue is compiled so far).
