@@ -36,24 +36,74 @@ impl Stream {
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
-    /// Fill with N(mean, std) (Box–Muller, both outputs used).
+    /// Fill with N(mean, std): inverse normal CDF of 32-bit uniforms, two per draw (about 10×
+    /// faster than Box–Muller in f64, which dominated the tiny model's build time).
     pub fn fill_normal(&mut self, out: &mut [f32], mean: f32, std: f32) {
         let mut chunks = out.chunks_exact_mut(2);
         for pair in &mut chunks {
-            let (a, b) = self.pair();
-            pair[0] = mean + std * a;
-            pair[1] = mean + std * b;
+            let r = self.next_u64();
+            pair[0] = mean + std * inv_norm_cdf(u32_unit(r as u32)) as f32;
+            pair[1] = mean + std * inv_norm_cdf(u32_unit((r >> 32) as u32)) as f32;
         }
         if let [last] = chunks.into_remainder() {
-            *last = mean + std * self.pair().0;
+            *last = mean + std * inv_norm_cdf(u32_unit(self.next_u64() as u32)) as f32;
         }
     }
-    fn pair(&mut self) -> (f32, f32) {
-        let u1 = self.uniform();
-        let u2 = self.uniform();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let (s, c) = (2.0 * std::f64::consts::PI * u2).sin_cos();
-        ((r * c) as f32, (r * s) as f32)
+}
+
+/// A 32-bit integer to (0, 1), never 0 or 1 (so tails stay finite: |x| ≤ 6.2).
+#[inline]
+fn u32_unit(x: u32) -> f64 {
+    (x as f64 + 0.5) * (1.0 / 4294967296.0)
+}
+
+/// Acklam's rational approximation of the standard normal quantile (relative error < 1.2e-9),
+/// far below the BF16 rounding every generated value gets.
+#[inline]
+pub fn inv_norm_cdf(p: f64) -> f64 {
+    const A: [f64; 6] = [
+        -3.969683028665376e+01,
+        2.209460984245205e+02,
+        -2.759285104469687e+02,
+        1.383577518672690e+02,
+        -3.066479806614716e+01,
+        2.506628277459239e+00,
+    ];
+    const B: [f64; 5] = [
+        -5.447609879822406e+01,
+        1.615858368580409e+02,
+        -1.556989798598866e+02,
+        6.680131188771972e+01,
+        -1.328068155288572e+01,
+    ];
+    const C: [f64; 6] = [
+        -7.784894002430293e-03,
+        -3.223964580411365e-01,
+        -2.400758277161838e+00,
+        -2.549732539343734e+00,
+        4.374664141464968e+00,
+        2.938163982698783e+00,
+    ];
+    const D: [f64; 4] = [
+        7.784695709041462e-03,
+        3.224671290700398e-01,
+        2.445134137142996e+00,
+        3.754408661907416e+00,
+    ];
+    const LOW: f64 = 0.02425;
+    let tail = |q: f64| {
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+    };
+    if p < LOW {
+        tail((-2.0 * p.ln()).sqrt())
+    } else if p > 1.0 - LOW {
+        -tail((-2.0 * (1.0 - p).ln()).sqrt())
+    } else {
+        let q = p - 0.5;
+        let r = q * q;
+        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
     }
 }
 
@@ -136,6 +186,24 @@ pub fn param(seed: u64, p: &ParamSpec, n_experts: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Reference quantiles from standard normal tables.
+    #[test]
+    fn quantiles() {
+        for (p, x) in [
+            (0.5, 0.0),
+            (0.975, 1.959963984540054),
+            (0.001, -3.090232306167814),
+            (0.8413447460685429, 1.0),
+            (1e-6, -4.753424308822899),
+        ] {
+            assert!(
+                (inv_norm_cdf(p) - x).abs() < 1e-8,
+                "{p}: {}",
+                inv_norm_cdf(p)
+            );
+        }
+    }
 
     #[test]
     fn streams_are_per_name_and_normal() {
