@@ -2,8 +2,8 @@
 //! compressed-tensors 0.20.0 and ModelOpt 0.47.0) and compare with the bytes those libraries
 //! wrote; decode their bytes and compare with their own f32 dequantisation.
 
-use nvfp4_probe::numerics::nvfp4::{self, Convention};
 use nvfp4_probe::numerics::e4m3;
+use nvfp4_probe::numerics::nvfp4::{self, Convention};
 use safetensors::{Dtype, SafeTensors};
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/producers/");
@@ -51,10 +51,20 @@ fn bf16_weight(st: &SafeTensors, m: &str) -> (Vec<f32>, usize, usize) {
 
 /// Counts nibble mismatches; panics on any that is not an allowed near-tie flip (one E2M1 step,
 /// same sign, where the exact scaled value x·2688/(amax·s) is a rounding tie).
-fn nibble_mismatches(w: &[f32], amax: f32, mine: &[u8], theirs: &[u8], scales: &[u8], what: &str) -> usize {
+fn nibble_mismatches(
+    w: &[f32],
+    amax: f32,
+    mine: &[u8],
+    theirs: &[u8],
+    scales: &[u8],
+    what: &str,
+) -> usize {
     let mut n = 0;
     for (i, (&a, &b)) in mine.iter().zip(theirs).enumerate() {
-        for (k, (ca, cb)) in [(a & 0xF, b & 0xF), (a >> 4, b >> 4)].into_iter().enumerate() {
+        for (k, (ca, cb)) in [(a & 0xF, b & 0xF), (a >> 4, b >> 4)]
+            .into_iter()
+            .enumerate()
+        {
             if ca == cb || (ca & 7 == 0 && cb & 7 == 0) {
                 continue;
             }
@@ -130,24 +140,41 @@ fn documented_producer_differences() {
     let wb = read("weights-bf16.safetensors");
     let ws = SafeTensors::deserialize(&wb).unwrap();
     let (w, r, c) = bf16_weight(&ws, "case.zero_blocks");
-    let (ct, mo) = (nvfp4::quantize_ct(&w, r, c), nvfp4::quantize_modelopt(&w, r, c));
+    let (ct, mo) = (
+        nvfp4::quantize_ct(&w, r, c),
+        nvfp4::quantize_modelopt(&w, r, c),
+    );
     let nb = c / 16;
     assert_eq!((ct.scales[9 * nb], mo.scales[9 * nb]), (0x20, 0x38)); // zero row 9
-    assert_eq!((ct.scales[30 * nb + 2], mo.scales[30 * nb + 2]), (0x20, 0x38)); // −0.0 block
-    assert!(ct.packed[30 * c / 2 + 16..30 * c / 2 + 24].iter().all(|&b| b == 0));
+    assert_eq!(
+        (ct.scales[30 * nb + 2], mo.scales[30 * nb + 2]),
+        (0x20, 0x38)
+    ); // −0.0 block
+    assert!(ct.packed[30 * c / 2 + 16..30 * c / 2 + 24]
+        .iter()
+        .all(|&b| b == 0));
     let zero_ct = ct.scales.iter().filter(|&&b| b == 0x20).count();
     assert_eq!(zero_ct, 64);
     let (w, r, c) = bf16_weight(&ws, "case.tiny");
-    let (ct, mo) = (nvfp4::quantize_ct(&w, r, c), nvfp4::quantize_modelopt(&w, r, c));
+    let (ct, mo) = (
+        nvfp4::quantize_ct(&w, r, c),
+        nvfp4::quantize_modelopt(&w, r, c),
+    );
     let nb = c / 16;
-    assert_eq!((ct.scales[62 * nb + 1], mo.scales[62 * nb + 1]), (0x04, 0x03));
+    assert_eq!(
+        (ct.scales[62 * nb + 1], mo.scales[62 * nb + 1]),
+        (0x04, 0x03)
+    );
     let underflow: Vec<_> = (0..r * nb)
         .filter(|&b| ct.scales[b] == 0x20 && mo.scales[b] == 0x01)
         .collect();
     assert_eq!(underflow.len(), 8);
     assert!(underflow.iter().all(|&b| b / nb == 1 || b / nb == 2));
     let (w, r, c) = bf16_weight(&ws, "case.ties");
-    let (ct, mo) = (nvfp4::quantize_ct(&w, r, c), nvfp4::quantize_modelopt(&w, r, c));
+    let (ct, mo) = (
+        nvfp4::quantize_ct(&w, r, c),
+        nvfp4::quantize_modelopt(&w, r, c),
+    );
     assert_eq!(ct.global, 448.0);
     let nb = c / 16;
     for b in [15 * nb + 2, 15 * nb + 3] {
@@ -169,11 +196,23 @@ fn decoders_match_producer_dequantisation() {
         let (packed, _) = bytes(&cs, &format!("{m}.weight_packed"), Dtype::U8);
         let (scales, _) = bytes(&cs, &format!("{m}.weight_scale"), Dtype::F8_E4M3);
         let (g, _) = f32s(&cs, &format!("{m}.weight_global_scale"));
-        let got = nvfp4::dequantize(&packed, &scales, g[0], Convention::CompressedTensors, rows, cols);
+        let got = nvfp4::dequantize(
+            &packed,
+            &scales,
+            g[0],
+            Convention::CompressedTensors,
+            rows,
+            cols,
+        );
         let bad = got.iter().zip(&want_ct).filter(|(a, b)| a != b).count();
         assert_eq!(bad, 0, "{m}: CT dequant");
         // compressed-tensors writes −0.0 for code 0x8, as our decoder does: bit-exact too.
-        assert!(got.iter().zip(&want_ct).all(|(a, b)| a.to_bits() == b.to_bits()), "{m}: CT bits");
+        assert!(
+            got.iter()
+                .zip(&want_ct)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{m}: CT bits"
+        );
 
         let (want_mo, _) = f32s(&ds, &format!("{m}:modelopt"));
         let (packed, _) = bytes(&ms, &format!("{m}.weight"), Dtype::U8);

@@ -1,8 +1,8 @@
 //! NVFP4.md §9 test vectors TV1–TV13, plus the exhaustive E4M3 checks of §2.1. Expected bytes
 //! and values are the spec's (measured on CUDA / the producer libraries), not this crate's.
 
-use nvfp4_probe::numerics::{bf16, e2m1, e4m3, nvfp4, swizzle};
 use nvfp4_probe::numerics::nvfp4::Convention;
+use nvfp4_probe::numerics::{bf16, e2m1, e4m3, nvfp4, swizzle};
 
 const IDENTITY: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
@@ -51,8 +51,18 @@ fn tv02_identity_block_g1() {
     assert_eq!(p, [0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe]);
     let ct = ct_block(&IDENTITY, 1.0);
     assert_eq!(ct.scales, vec![0x38]);
-    assert_eq!(ct.packed, vec![0x10, 0x32, 0x54, 0x76, 0x90, 0xba, 0xdc, 0xfe]);
-    let d = nvfp4::dequantize(&ct.packed, &ct.scales, 1.0, Convention::CompressedTensors, 1, 16);
+    assert_eq!(
+        ct.packed,
+        vec![0x10, 0x32, 0x54, 0x76, 0x90, 0xba, 0xdc, 0xfe]
+    );
+    let d = nvfp4::dequantize(
+        &ct.packed,
+        &ct.scales,
+        1.0,
+        Convention::CompressedTensors,
+        1,
+        16,
+    );
     assert_eq!(d, IDENTITY.to_vec());
 }
 
@@ -60,14 +70,21 @@ fn tv02_identity_block_g1() {
 fn tv03_identity_block_g448() {
     assert_eq!(nvfp4::global_scale_ct(6.0), 448.0);
     let d = nvfp4::global_scale_modelopt(6.0);
-    assert_eq!(d, 0.002_232_142_956_927_418_7f32);
+    assert_eq!(d as f64, 0.002_232_142_956_927_418_7);
     assert_eq!(448.0f32 * d, 1.0);
     let (s, p) = nvfp4::quantize_block_kernel(&IDENTITY, 448.0);
     assert_eq!(s, 0x7E);
     assert_eq!(p, [0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe]);
     let ct = ct_block(&IDENTITY, 448.0);
     assert_eq!(ct.scales, vec![0x7E]);
-    let deq = nvfp4::dequantize(&ct.packed, &ct.scales, 448.0, Convention::CompressedTensors, 1, 16);
+    let deq = nvfp4::dequantize(
+        &ct.packed,
+        &ct.scales,
+        448.0,
+        Convention::CompressedTensors,
+        1,
+        16,
+    );
     assert_eq!(deq, IDENTITY.to_vec());
     let mo = mo_block(&IDENTITY, d);
     assert_eq!(mo.scales, vec![0x7E]);
@@ -106,10 +123,17 @@ fn tv05_small_block_g448() {
     let (s, p) = nvfp4::quantize_block_kernel(&x, 448.0);
     assert_eq!(s, 0x5B);
     assert_eq!(p, [0x08, 0x4c, 0xf7, 0xe6, 0x80, 0xa2, 0xc4, 0xd5]);
-    let deq = nvfp4::dequantize(&ct.packed, &ct.scales, 448.0, Convention::CompressedTensors, 1, 16);
+    let deq = nvfp4::dequantize(
+        &ct.packed,
+        &ct.scales,
+        448.0,
+        Convention::CompressedTensors,
+        1,
+        16,
+    );
     // Element 4 (0.3) has code 7: 6·22/448.
     assert_eq!(deq[4], 6.0 * (22.0f32 / 448.0));
-    assert!((deq[4] - 0.294642857).abs() < 1e-8);
+    assert!((deq[4] as f64 - 0.294642857).abs() < 1e-8);
 }
 
 #[test]
@@ -206,11 +230,19 @@ fn tv12_gemm_hand_computable() {
     let w = [0.5f32; 16];
     let xa = nvfp4::quantize_activation(&x, 1, 16, 2688.0);
     let wa = nvfp4::quantize_activation(&w, 1, 16, 5376.0);
-    assert_eq!((xa.scales.as_slice(), xa.packed.as_slice()), (&[0x7E][..], &[0x77; 8][..]));
-    assert_eq!((wa.scales.as_slice(), wa.packed.as_slice()), (&[0x7E][..], &[0x77; 8][..]));
+    assert_eq!(
+        (xa.scales.as_slice(), xa.packed.as_slice()),
+        (&[0x7E][..], &[0x77; 8][..])
+    );
+    assert_eq!(
+        (wa.scales.as_slice(), wa.packed.as_slice()),
+        (&[0x7E][..], &[0x77; 8][..])
+    );
     let alpha = nvfp4::alpha_ct(2688.0, 5376.0);
     assert!((alpha as f64 - 6.920086e-8).abs() < 1e-13);
-    let y = nvfp4::gemm_w4a4_reference(&xa.packed, &xa.scales, &wa.packed, &wa.scales, 1, 1, 16, alpha);
+    let y = nvfp4::gemm_w4a4_reference(
+        &xa.packed, &xa.scales, &wa.packed, &wa.scales, 1, 1, 16, alpha,
+    );
     assert_eq!(y, vec![8.0]);
 }
 
@@ -258,7 +290,9 @@ fn tv13_gemm_two_blocks() {
     assert_eq!(ct.packed[0], 0x21);
     assert_eq!(&ct.packed[1..8], &wp[1..]);
     let alpha = nvfp4::alpha_ct(448.0, g_w);
-    let y = nvfp4::gemm_w4a4_reference(&xa.packed, &xa.scales, &wq.packed, &wq.scales, 1, 1, 32, alpha);
+    let y = nvfp4::gemm_w4a4_reference(
+        &xa.packed, &xa.scales, &wq.packed, &wq.scales, 1, 1, 32, alpha,
+    );
     assert_eq!(y, vec![1.3046875]);
     // Unrounded: exact acc · alpha = 1.3073022.
     let xd = nvfp4::dequantize(&xa.packed, &xa.scales, 1.0, Convention::ModelOpt, 1, 32);
@@ -303,7 +337,11 @@ fn e4m3_rne_matches_brute_force_and_is_monotone() {
     // Every midpoint between neighbours, and the f32 values right beside each midpoint.
     for b in 0u8..0x7E {
         let mid = (e4m3::decode(b) + e4m3::decode(b + 1)) / 2.0; // exact in f32
-        for x in [f32::from_bits(mid.to_bits() - 1), mid, f32::from_bits(mid.to_bits() + 1)] {
+        for x in [
+            f32::from_bits(mid.to_bits() - 1),
+            mid,
+            f32::from_bits(mid.to_bits() + 1),
+        ] {
             let want = nearest_even(x);
             assert_eq!(e4m3::encode_satfinite(x), want, "x = {x:e}");
             assert_eq!(e4m3::encode_satfinite(-x), want | 0x80, "x = -{x:e}");
@@ -319,7 +357,7 @@ fn e4m3_rne_matches_brute_force_and_is_monotone() {
         let v = e4m3::decode(e4m3::encode_satfinite(x));
         assert!(v >= prev, "not monotone at {x:e}");
         prev = v;
-        if k % 64 == 0 && x <= 448.0 {
+        if k.is_multiple_of(64) && x <= 448.0 {
             assert_eq!(e4m3::encode_satfinite(x), nearest_even(x), "x = {x:e}");
         }
         k += 1;
@@ -352,7 +390,15 @@ fn e4m3_boundaries() {
     assert_eq!(e4m3::encode_satfinite(15.5 * 2f32.powi(-10)), 0x08); // 7.75·2^-9 → 8·2^-9
     assert_eq!(e4m3::encode_satfinite(-0.0), 0x80);
     assert_eq!(e4m3::encode_satfinite(f32::from_bits(1)), 0x00);
-    for (v, b) in [(1.0, 0x38), (0.125, 0x20), (0.5, 0x30), (2.0, 0x40), (22.0, 0x5B), (240.0, 0x77), (256.0, 0x78)] {
+    for (v, b) in [
+        (1.0, 0x38),
+        (0.125, 0x20),
+        (0.5, 0x30),
+        (2.0, 0x40),
+        (22.0, 0x5B),
+        (240.0, 0x77),
+        (256.0, 0x78),
+    ] {
         assert_eq!(e4m3::encode_satfinite(v), b);
     }
 }
