@@ -365,18 +365,17 @@ fn fake_quant_rows(xs: &[f32], out: &mut [f32], g: f32, rcp_g: f32) -> QuantHeal
         for (m, l) in mags.iter_mut().zip(e2m1::LUT) {
             *m = (l * sfq) / g;
         }
+        let (mut clipped, mut dead) = (0u32, 0u32);
         for (&xv, o) in xb.iter().zip(ob.iter_mut()) {
             let y = xv * osc;
             let c = e2m1::encode(y);
-            if y.abs() > 6.0 {
-                h.clipped += 1;
-            }
-            if c & 7 == 0 && xv != 0.0 {
-                h.dead_zone += 1;
-            }
+            clipped += (y.abs() > 6.0) as u32;
+            dead += (c & 7 == 0 && xv != 0.0) as u32;
             let m = mags[(c & 7) as usize];
             *o = if c & 8 != 0 { -m } else { m };
         }
+        h.clipped += clipped as u64;
+        h.dead_zone += dead as u64;
     }
     h.elements = xs.len() as u64;
     h
