@@ -443,7 +443,9 @@ impl Checkpoint {
     /// Bytes of a raw tensor, zero-copy from the mmap.
     pub fn bytes(&self, raw: &str) -> Result<&[u8]> {
         let e = self.raw.get(raw).ok_or_else(|| self.missing(raw, ""))?;
-        let b = &self.shards[e.shard].buf()[e.start..e.end];
+        let shard = &self.shards[e.shard];
+        shard.prefetch(e.start, e.end - e.start);
+        let b = &shard.buf()[e.start..e.end];
         self.note_read(b.len());
         Ok(b)
     }
@@ -466,7 +468,9 @@ impl Checkpoint {
                     _ => 0,
                 };
                 let start = e.start + expert * per_expert + off;
-                let b = &self.shards[e.shard].buf()[start..start + rows * cols * es];
+                let shard = &self.shards[e.shard];
+                shard.prefetch(start, rows * cols * es);
+                let b = &shard.buf()[start..start + rows * cols * es];
                 self.note_read(b.len());
                 Ok(b)
             }

@@ -61,10 +61,38 @@ pub(crate) fn map_file(path: &Path) -> Result<Shard> {
     // outside what this tool supports (same contract as every mmap-based safetensors loader).
     let mmap = unsafe { memmap2::Mmap::map(&file) }
         .map_err(|e| Error::bad(path, None, format!("cannot map shard: {e}")))?;
+    // Reads are tensor-granular and often tiny (a 4-byte tensor scale next to megabytes of
+    // packed experts): default readahead around each fault would pull in the neighbours that
+    // laziness is meant to skip. Large reads ask for their own range (`prefetch`).
+    #[cfg(unix)]
+    let _ = mmap.advise(memmap2::Advice::Random);
     Ok(Shard {
         path: path.to_path_buf(),
         backing: Backing::Mmap(mmap),
     })
+}
+
+impl Shard {
+    /// Ask the kernel to read `start..start+len` ahead, for reads large enough to stream.
+    pub fn prefetch(&self, start: usize, len: usize) {
+        #[cfg(unix)]
+        if let Backing::Mmap(m) = &self.backing {
+            if len >= 1 << 16 {
+                // One call maps the whole range instead of a page fault per 4 KiB; kernels
+                // before 5.14 lack POPULATE_READ and get plain readahead instead.
+                #[cfg(target_os = "linux")]
+                let done = m
+                    .advise_range(memmap2::Advice::PopulateRead, start, len)
+                    .is_ok();
+                #[cfg(not(target_os = "linux"))]
+                let done = false;
+                if !done {
+                    let _ = m.advise_range(memmap2::Advice::WillNeed, start, len);
+                }
+            }
+        }
+        let _ = (start, len);
+    }
 }
 
 pub(crate) fn mem_shard(path: PathBuf, bytes: Vec<u8>) -> Shard {

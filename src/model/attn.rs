@@ -10,12 +10,12 @@ use super::exec::{
     check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
 };
 use super::graph::Op;
-use super::ops::{gemm, RopeTable};
+use super::ops::{gemm, topk_order, RopeTable};
 use super::ModelConfig;
 use crate::{Result, Tensor};
 
 /// Queries per parallel block.
-const QB: usize = 16;
+const QB: usize = 32;
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
 /// ascending (a set: its order carries no meaning, and sorted sets compare directly across paths).
@@ -139,14 +139,7 @@ pub(crate) fn indexer(
                 order.clear();
                 order.extend(0..m);
                 // Descending score, exact ties toward the lower index; NaN never wins.
-                let key = |j: usize| {
-                    if score[j].is_nan() {
-                        f32::NEG_INFINITY
-                    } else {
-                        score[j]
-                    }
-                };
-                order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+                order.sort_by(|&a, &b| topk_order(score[a], a, score[b], b));
                 let mut pick = order[..kk].to_vec();
                 pick.sort_unstable();
                 for (slot, p) in o.iter_mut().zip(pick) {
@@ -207,26 +200,25 @@ pub(crate) fn attention(
     let scale = (dh as f64).powf(-0.5) as f32;
     let kk = cfg.index_topk;
 
-    let mut out = vec![0.0f32; t * hd];
-    out.par_chunks_mut(QB * hd)
-        .enumerate()
-        .for_each(|(cb, oc)| {
+    // One task per (query block, head): enough tasks for many cores even at small T.
+    let n_blocks = t.div_ceil(QB);
+    let parts: Vec<Vec<f32>> = (0..n_blocks * h)
+        .into_par_iter()
+        .map(|task| {
+            let (cb, head) = (task / h, task % h);
             let t0 = cb * QB;
-            let nb = oc.len() / hd;
-            let t1 = t0 + nb;
+            let t1 = (t0 + QB).min(t);
+            let nb = t1 - t0;
+            let mut oc = vec![0.0f32; nb * dh];
             let wlo = t0.saturating_sub(win.saturating_sub(1));
             let nw = t1 - wlo;
-            let nvis = if ratio > 0 { (t1 / ratio).min(n_c) } else { 0 };
+            let nvis = t1.checked_div(ratio).unwrap_or(0).min(n_c);
             let ncol = nw + nvis;
             // Which compressed rows each query may use.
             let mut allowed = vec![false; nb * nvis];
             for i in 0..nb {
                 let ti = t0 + i;
-                let m = if ratio > 0 {
-                    ((ti + 1) / ratio).min(nvis)
-                } else {
-                    0
-                };
+                let m = (ti + 1).checked_div(ratio).unwrap_or(0).min(nvis);
                 let a = &mut allowed[i * nvis..(i + 1) * nvis];
                 match sel {
                     Some(s) => {
@@ -240,7 +232,7 @@ pub(crate) fn attention(
                 }
             }
             let mut p = vec![0.0f32; nb * ncol];
-            for head in 0..h {
+            {
                 let qa = &q.data[t0 * hd + head * dh..];
                 gemm(
                     nb,
@@ -290,7 +282,7 @@ pub(crate) fn attention(
                     }
                     row.iter_mut().for_each(|v| *v /= den);
                 }
-                let oh = &mut oc[head * dh..];
+                let oh = &mut oc[..];
                 gemm(
                     nb,
                     nw,
@@ -300,7 +292,7 @@ pub(crate) fn attention(
                     &kv.data[wlo * dh..],
                     (dh, 1),
                     oh,
-                    (hd, 1),
+                    (dh, 1),
                     false,
                 );
                 if nvis > 0 {
@@ -313,12 +305,22 @@ pub(crate) fn attention(
                         &cmp.data,
                         (dh, 1),
                         oh,
-                        (hd, 1),
+                        (dh, 1),
                         true,
                     );
                 }
             }
-        });
+            oc
+        })
+        .collect();
+    let mut out = vec![0.0f32; t * hd];
+    for (task, part) in parts.iter().enumerate() {
+        let (cb, head) = (task / h, task % h);
+        for (i, row) in part.chunks(dh).enumerate() {
+            let o = (cb * QB + i) * hd + head * dh;
+            out[o..o + dh].copy_from_slice(row);
+        }
+    }
     let mut out = Tensor::new(vec![t, hd], out);
     env.store(&mut out);
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);

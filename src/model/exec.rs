@@ -102,7 +102,7 @@ pub(crate) fn linear_checked(
     Ok(Tensor::new(vec![x.rows(), out], y.data))
 }
 
-pub(crate) fn weight<'a>(op: &'a Op, i: usize) -> Result<&'a str> {
+pub(crate) fn weight(op: &Op, i: usize) -> Result<&str> {
     op.weights
         .get(i)
         .map(String::as_str)
@@ -589,13 +589,8 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
             order.clear();
             order.extend(0..e);
             let key = |i: usize| s[i] + bias.data[i];
-            // Descending biased score, ties toward the lower expert id; NaN sorts last.
-            order.sort_by(|&a, &b| {
-                key(b)
-                    .partial_cmp(&key(a))
-                    .unwrap_or_else(|| key(a).is_nan().cmp(&key(b).is_nan()))
-                    .then(a.cmp(&b))
-            });
+            // Descending biased score, ties toward the lower expert id.
+            order.sort_by(|&a, &b| ops::topk_order(key(a), a, key(b), b));
             idx[ti * k..(ti + 1) * k].copy_from_slice(&order[..k]);
         }
     }

@@ -458,4 +458,71 @@ mod tests {
         assert_eq!(ops.last().unwrap().id, "L1.out");
         assert!(!ops.iter().any(|o| o.layer == Some(2)));
     }
+
+    #[test]
+    fn csa_layer_ids_in_order() {
+        let ops = build_graph(&cfg(), 2, false);
+        let ids: Vec<String> = ops
+            .iter()
+            .filter(|o| o.layer == Some(2))
+            .flat_map(|o| o.outputs.clone())
+            .collect();
+        let want: Vec<String> = [
+            "attn.hc_pre",
+            "attn.hc_pre.post",
+            "attn.hc_pre.comb",
+            "attn.norm",
+            "attn.q_a",
+            "attn.kv",
+            "attn.q_norm",
+            "attn.kv_norm",
+            "attn.q_b",
+            "attn.q_rope",
+            "attn.kv_rope",
+            "attn.compressor",
+            "attn.indexer",
+            "attn.core",
+            "attn.wo_a",
+            "attn.wo_b",
+            "attn.hc_post",
+            "ffn.hc_pre",
+            "ffn.hc_pre.post",
+            "ffn.hc_pre.comb",
+            "ffn.norm",
+            "ffn.router",
+            "ffn.router.idx",
+            "ffn.experts",
+            "ffn.shared",
+            "ffn.out",
+            "out",
+        ]
+        .iter()
+        .map(|s| format!("L2.{s}"))
+        .collect();
+        assert_eq!(ids, want);
+        let first: Vec<&str> = ops.iter().take(2).map(|o| o.id.as_str()).collect();
+        assert_eq!(first, ["embed", "hc_expand"]);
+        let core = ops.iter().find(|o| o.id == "L2.attn.core").unwrap();
+        assert_eq!(
+            core.inputs,
+            [
+                "L2.attn.q_rope",
+                "L2.attn.kv_rope",
+                "L2.attn.compressor",
+                "L2.attn.indexer"
+            ]
+        );
+        let post = ops.iter().find(|o| o.id == "L2.out").unwrap();
+        assert_eq!(
+            post.inputs,
+            [
+                "L2.ffn.out",
+                "L2.attn.hc_post",
+                "L2.ffn.hc_pre.post",
+                "L2.ffn.hc_pre.comb"
+            ]
+        );
+        let hp = ops.iter().find(|o| o.id == "L2.attn.hc_pre").unwrap();
+        assert_eq!(hp.inputs, ["L1.out"]);
+    }
 }

@@ -48,7 +48,10 @@ mod tests {
         // 1 + 3·2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even).
         assert_eq!(round(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
         // Just above a tie rounds up.
-        assert_eq!(round(f32::from_bits(0x3F80_8001)), f32::from_bits(0x3F81_0000));
+        assert_eq!(
+            round(f32::from_bits(0x3F80_8001)),
+            f32::from_bits(0x3F81_0000)
+        );
         assert_eq!(round(-1.0 - 2f32.powi(-8)), -1.0);
     }
 

@@ -133,7 +133,10 @@ mod tests {
                 s * (1.0 + m / 8.0) * 2f64.powi(e - 7)
             };
             let got = decode(b) as f64;
-            assert!(got == want || (got.is_nan() && want.is_nan()), "byte {b:#04x}");
+            assert!(
+                got == want || (got.is_nan() && want.is_nan()),
+                "byte {b:#04x}"
+            );
         }
         assert_eq!(decode(0x38), 1.0);
         assert_eq!(decode(0x20), 0.125);

@@ -152,7 +152,12 @@ mod tests {
         // Trunc: floor(log2(11.9/6)) = 0 → amax/1 = 11.9 clips to 6.
         assert_eq!(scale_exponent(11.9, Mxfp4Rule::TruncDiv6), 127);
         assert_eq!(scale_exponent(12.0, Mxfp4Rule::TruncDiv6), 128);
-        for r in [Mxfp4Rule::Ocp, Mxfp4Rule::Even, Mxfp4Rule::Ceil, Mxfp4Rule::TruncDiv6] {
+        for r in [
+            Mxfp4Rule::Ocp,
+            Mxfp4Rule::Even,
+            Mxfp4Rule::Ceil,
+            Mxfp4Rule::TruncDiv6,
+        ] {
             assert_eq!(scale_exponent(0.0, r), 0);
             assert_eq!(scale_exponent(f32::NAN, r), 0xFF);
         }

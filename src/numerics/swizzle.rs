@@ -37,7 +37,11 @@ fn swizzle_with(
     padded: (usize, usize),
     off: fn(usize, usize, usize) -> usize,
 ) -> Vec<u8> {
-    assert_eq!(linear.len(), rows * cols, "scale length vs [{rows}, {cols}]");
+    assert_eq!(
+        linear.len(),
+        rows * cols,
+        "scale length vs [{rows}, {cols}]"
+    );
     let mut out = vec![0u8; padded.0 * padded.1];
     for r in 0..rows {
         for c in 0..cols {
