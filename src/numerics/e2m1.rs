@@ -41,25 +41,17 @@ pub fn pack(even: u8, odd: u8) -> u8 {
 /// (`<=` vs `<`) at each midpoint picks the neighbour with the even mantissa bit.
 /// NaN maps to 7 (what the CUDA conversion does); +inf saturates to 7.
 #[inline]
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub fn encode_magnitude(a: f32) -> u8 {
-    if a <= 0.25 {
-        0
-    } else if a < 0.75 {
-        1
-    } else if a <= 1.25 {
-        2
-    } else if a < 1.75 {
-        3
-    } else if a <= 2.5 {
-        4
-    } else if a < 3.5 {
-        5
-    } else if a <= 5.0 {
-        6
-    } else {
-        // (5, inf] and NaN (every comparison above is false for NaN).
-        7
-    }
+    // Branch-free: count the midpoints that `a` lies beyond. Negated comparisons make every
+    // term 1 for NaN, so NaN lands on 7 without a separate test.
+    (!(a <= 0.25)) as u8
+        + (!(a < 0.75)) as u8
+        + (!(a <= 1.25)) as u8
+        + (!(a < 1.75)) as u8
+        + (!(a <= 2.5)) as u8
+        + (!(a < 3.5)) as u8
+        + (!(a <= 5.0)) as u8
 }
 
 /// Serving-kernel encoder (`cvt.rn.satfinite.e2m1x2.f32` / `__nv_cvt_float_to_fp4`): the sign

@@ -184,8 +184,8 @@ mod tests {
         let vl = fake_quant_act_1x128(&x, 1, 130, ActScale::VllmF32);
         assert_eq!(vl[0], 448.0);
         assert_eq!(vl[1], 1.0);
-        // Group amax 1e-5 < 1e-4 under DeepSeek: s = 2^ceil(log2(1e-4/448)) = 2^-22, so the
-        // value 1e-5 = 41.94·2^-22 → 40·2^-22 (E4M3 step 8 at 32..64? no: step 4) → 40·2^-22.
+        // Group amax 1e-5 < 1e-4 under DeepSeek: s = 2^ceil(log2(1e-4/448)) = 2^-22, so
+        // 1e-5 = 41.94·2^-22, and E4M3 steps by 4 in [32, 64): nearest is 40·2^-22.
         let y = fake_quant_act_1x128(&[1e-5], 1, 1, ActScale::DeepSeekPow2);
         assert_eq!(y[0], 40.0 * 2f32.powi(-22));
     }

@@ -106,7 +106,7 @@ pub struct NvFp4Quant {
 
 fn check_shape(len: usize, rows: usize, cols: usize) {
     assert!(
-        cols % BLOCK == 0,
+        cols.is_multiple_of(BLOCK),
         "NVFP4 needs cols ({cols}) to be a multiple of {BLOCK}"
     );
     assert_eq!(len, rows * cols, "data length vs [{rows}, {cols}]");
@@ -365,18 +365,17 @@ fn fake_quant_rows(xs: &[f32], out: &mut [f32], g: f32, rcp_g: f32) -> QuantHeal
         for (m, l) in mags.iter_mut().zip(e2m1::LUT) {
             *m = (l * sfq) / g;
         }
+        let (mut clipped, mut dead) = (0u32, 0u32);
         for (&xv, o) in xb.iter().zip(ob.iter_mut()) {
             let y = xv * osc;
             let c = e2m1::encode(y);
-            if y.abs() > 6.0 {
-                h.clipped += 1;
-            }
-            if c & 7 == 0 && xv != 0.0 {
-                h.dead_zone += 1;
-            }
+            clipped += (y.abs() > 6.0) as u32;
+            dead += (c & 7 == 0 && xv != 0.0) as u32;
             let m = mags[(c & 7) as usize];
             *o = if c & 8 != 0 { -m } else { m };
         }
+        h.clipped += clipped as u64;
+        h.dead_zone += dead as u64;
     }
     h.elements = xs.len() as u64;
     h
@@ -461,7 +460,10 @@ pub fn gemm_w4a4_reference(
     k: usize,
     alpha: f32,
 ) -> Vec<f32> {
-    assert!(k % BLOCK == 0, "k ({k}) must be a multiple of {BLOCK}");
+    assert!(
+        k.is_multiple_of(BLOCK),
+        "k ({k}) must be a multiple of {BLOCK}"
+    );
     let kb = k / BLOCK;
     assert_eq!(x_packed.len(), m * k / 2, "x packed length");
     assert_eq!(w_packed.len(), n * k / 2, "w packed length");
@@ -518,7 +520,10 @@ pub fn gemm_w4a16_reference(
     k: usize,
     d_w: f32,
 ) -> Vec<f32> {
-    assert!(k % BLOCK == 0, "k ({k}) must be a multiple of {BLOCK}");
+    assert!(
+        k.is_multiple_of(BLOCK),
+        "k ({k}) must be a multiple of {BLOCK}"
+    );
     let kb = k / BLOCK;
     assert_eq!(x.len(), m * k, "x length");
     assert_eq!(w_packed.len(), n * k / 2, "w packed length");
@@ -540,4 +545,80 @@ pub fn gemm_w4a16_reference(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rcp6_is_correctly_rounded_sixth() {
+        assert_eq!(RCP6, 1.0f32 / 6.0);
+        assert_eq!(RCP6.to_bits(), 0x3E2A_AAAB);
+    }
+
+    #[test]
+    fn rcp_approx_flushes_subnormals() {
+        assert_eq!(rcp_approx(2.0), 0.5);
+        assert_eq!(rcp_approx(f32::from_bits(1)), f32::INFINITY); // input flushed to +0
+        assert_eq!(rcp_approx(-f32::from_bits(1)), f32::NEG_INFINITY);
+        assert_eq!(rcp_approx(f32::MAX), 0.0); // 1/MAX is subnormal → flushed
+        assert_eq!(rcp_approx(f32::INFINITY), 0.0);
+        assert!(rcp_approx(f32::NAN).is_nan());
+        assert_eq!(rcp_approx(2f32.powi(126)), 2f32.powi(-126)); // smallest normal survives
+    }
+
+    /// Fixture README: for amax 2.5 the torch form fl(fl(1/amax)·2688) is 1075.2001, one ulp
+    /// above fl(2688/amax) = 1075.2.
+    #[test]
+    fn ct_global_scale_uses_reciprocal_form() {
+        let g = global_scale_ct(2.5);
+        assert_eq!(2688.0f32 / 2.5, 1075.2);
+        assert_eq!(g.to_bits(), 1075.2f32.to_bits() + 1);
+        assert_eq!(global_scale_modelopt(6.0), 6.0 / 2688.0);
+    }
+
+    #[test]
+    fn gemm_matches_dequantised_f64_dot() {
+        // Two rows × three cols, k = 48: compare with an f64 dot of the dequantised operands.
+        let x: Vec<f32> = (0..96)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.13)
+            .collect();
+        let w: Vec<f32> = (0..144)
+            .map(|i| ((i * 53 % 29) as f32 - 14.0) * 0.01)
+            .collect();
+        let gx = global_scale_ct(amax(&x));
+        let xq = quantize_activation(&x, 2, 48, gx);
+        let wq = quantize_ct(&w, 3, 48);
+        let alpha = alpha_ct(gx, wq.global);
+        let y = gemm_w4a4_reference(
+            &xq.packed, &xq.scales, &wq.packed, &wq.scales, 2, 3, 48, alpha,
+        );
+        let xd = dequantize(&xq.packed, &xq.scales, 1.0, Convention::ModelOpt, 2, 48);
+        let wd = dequantize(&wq.packed, &wq.scales, 1.0, Convention::ModelOpt, 3, 48);
+        for i in 0..2 {
+            for j in 0..3 {
+                let acc: f64 = (0..48)
+                    .map(|t| xd[i * 48 + t] as f64 * wd[j * 48 + t] as f64)
+                    .sum();
+                let want = bf16::round((acc as f32) * alpha);
+                assert_eq!(y[i * 3 + j], want, "({i},{j})");
+                assert!(want != 0.0);
+            }
+        }
+        // W4A16 with bf16-exact x: same structure, d_w = 1/g_w.
+        let xb: Vec<f32> = x.iter().map(|&v| bf16::round(v)).collect();
+        let y16 = gemm_w4a16_reference(&xb, &wq.packed, &wq.scales, 2, 3, 48, 1.0 / wq.global);
+        for i in 0..2 {
+            for j in 0..3 {
+                let acc: f64 = (0..48)
+                    .map(|t| xb[i * 48 + t] as f64 * wd[j * 48 + t] as f64)
+                    .sum();
+                assert_eq!(
+                    y16[i * 3 + j],
+                    bf16::round((acc as f32) * (1.0 / wq.global))
+                );
+            }
+        }
+    }
 }

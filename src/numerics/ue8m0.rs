@@ -91,7 +91,7 @@ pub fn encode(x: f32, rule: Ue8m0Rounding) -> u8 {
 
 /// True when `x` is a power of two a UE8M0 byte can hold exactly (2^-127 ..= 2^127).
 pub fn is_pow2(x: f32) -> bool {
-    if !(x > 0.0) || !x.is_finite() {
+    if x.is_nan() || x <= 0.0 || !x.is_finite() {
         return false;
     }
     let bits = x.to_bits();
