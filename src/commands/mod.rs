@@ -4,11 +4,15 @@
 use crate::cli::{Cli, Command};
 use crate::Result;
 
+pub mod gate;
 pub mod inspect;
+pub mod plot;
 
 pub fn dispatch(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Inspect(a) => inspect::main(&a),
+        Command::Gate(a) => gate::main(&a),
+        Command::Plot(a) => plot::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"
         ))),
