@@ -469,6 +469,37 @@ pub fn fmt_num(x: f64) -> String {
     }
 }
 
+/// Four significant digits, rounded away from failing: a suggested tolerance copied from the log
+/// into a rule file must pass, so `≥` bounds round up and `≤` bounds round down.
+pub fn fmt_round(x: f64, up: bool) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return fmt_num(x);
+    }
+    let e = x.abs().log10().floor() as i32;
+    let scale = 10f64.powi(e - 3);
+    let m = x / scale;
+    let mut units = if up { m.ceil() } else { m.floor() };
+    let show = |units: f64| {
+        let v = units * scale;
+        if (-3..5).contains(&e) {
+            let decimals = (3 - e).max(0) as usize;
+            format!("{v:.decimals$}")
+        } else {
+            format!("{v:.3e}")
+        }
+    };
+    // the division and the decimal printing each round; step one unit until the text is safe
+    for _ in 0..3 {
+        let text = show(units);
+        let back: f64 = text.parse().unwrap_or(if up { f64::INFINITY } else { f64::NEG_INFINITY });
+        if (up && back >= x) || (!up && back <= x) {
+            return text;
+        }
+        units += if up { 1.0 } else { -1.0 };
+    }
+    show(units)
+}
+
 pub fn fmt_val(v: Val) -> String {
     match v {
         Val::Num(x) => fmt_num(x),
@@ -559,12 +590,12 @@ fn evaluate(
     let (passed, needed, severity) = match &bound {
         Bound::Min(x) => (
             cur >= *x,
-            format!("min ≤ {}", fmt_num(cur)),
+            format!("min ≤ {}", fmt_round(cur, false)),
             1.0 + (x - cur) / x.abs().max(1e-12),
         ),
         Bound::Max(x) => (
             cur <= *x,
-            format!("max ≥ {}", fmt_num(cur)),
+            format!("max ≥ {}", fmt_round(cur, true)),
             1.0 + (cur - x) / x.abs().max(1e-12),
         ),
         Bound::Present => (false, String::new(), f64::INFINITY),
@@ -577,12 +608,12 @@ fn evaluate(
                 Relative::Drop { d, noise_multiplier } => {
                     let (eff, _) = allowance(*d, *noise_multiplier);
                     let need = (base - cur).max(0.0);
-                    (need <= eff, format!("max_drop ≥ {}", fmt_num(need)), ratio_used(need, eff))
+                    (need <= eff, format!("max_drop ≥ {}", fmt_round(need, true)), ratio_used(need, eff))
                 }
                 Relative::Increase { d, noise_multiplier } => {
                     let (eff, _) = allowance(*d, *noise_multiplier);
                     let need = (cur - base).max(0.0);
-                    (need <= eff, format!("max_increase ≥ {}", fmt_num(need)), ratio_used(need, eff))
+                    (need <= eff, format!("max_increase ≥ {}", fmt_round(need, true)), ratio_used(need, eff))
                 }
                 Relative::Ratio { r, slack } => {
                     let up = if base > 0.0 {
@@ -605,7 +636,7 @@ fn evaluate(
                         Direction::NearBaseline => up.max(down),
                     };
                     let txt = if need.is_finite() {
-                        format!("max_ratio ≥ {}", fmt_num(need))
+                        format!("max_ratio ≥ {}", fmt_round(need, true))
                     } else {
                         String::new() // no ratio of a zero baseline reaches a non-zero value
                     };
@@ -627,5 +658,25 @@ fn ratio_used(need: f64, allowed: f64) -> f64 {
         f64::INFINITY
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_away_from_failing() {
+        assert_eq!(fmt_round(0.0123456, true), "0.01235");
+        assert_eq!(fmt_round(0.0123456, false), "0.01234");
+        assert_eq!(fmt_round(0.01, true), "0.01000");
+        assert_eq!(fmt_round(0.010000000000000009, true), "0.01001");
+        assert_eq!(fmt_round(0.9876543, false), "0.9876");
+        assert_eq!(fmt_round(2.5e-7, true), "2.500e-7");
+        assert_eq!(fmt_round(123456.0, true), "1.235e5");
+        for x in [0.0123456f64, 0.98765432, 3.3e-6, 17.25, 1.0000001] {
+            assert!(fmt_round(x, true).parse::<f64>().unwrap() >= x);
+            assert!(fmt_round(x, false).parse::<f64>().unwrap() <= x);
+        }
     }
 }
