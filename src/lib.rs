@@ -9,8 +9,8 @@ pub mod cli;
 pub mod commands;
 pub mod error;
 pub mod gate;
-pub mod model;
 pub mod metrics;
+pub mod model;
 pub mod numerics;
 pub mod plot;
 /// The runner (being wired up; only the fault catalogue is compiled so far).

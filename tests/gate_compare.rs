@@ -74,8 +74,14 @@ fn cos_drop_at_one_op_fails_naming_it() {
     assert!((0.01..=0.01001).contains(&shown), "{hint}");
     let t = r.terminal();
     assert!(t.contains("FAIL L1.ffn.experts"), "{t}");
-    assert!(t.contains(&format!("smallest passing tolerance: {hint}")), "{t}");
-    assert!(t.contains(&format!("baseline {}", gate::fmt_num(cb))), "{t}");
+    assert!(
+        t.contains(&format!("smallest passing tolerance: {hint}")),
+        "{t}"
+    );
+    assert!(
+        t.contains(&format!("baseline {}", gate::fmt_num(cb))),
+        "{t}"
+    );
 }
 
 #[test]
@@ -119,7 +125,13 @@ fn rel_l2_and_amax_ratio_defaults() {
     assert_eq!((f.op.as_str(), f.metric.as_str()), (id, "rel_l2"));
     // needed ratio (cur − 1e-3)/base, rounded up to 4 digits
     let need = (limit + 1e-4 - 1e-3) / rb;
-    let shown: f64 = f.min_passing.as_deref().unwrap().trim_start_matches("max_ratio ≥ ").parse().unwrap();
+    let shown: f64 = f
+        .min_passing
+        .as_deref()
+        .unwrap()
+        .trim_start_matches("max_ratio ≥ ")
+        .parse()
+        .unwrap();
     assert!(shown >= need && shown < need * 1.001, "{shown} vs {need}");
 
     assert!(with("amax_ratio", ab * 1.9).passed());
@@ -174,7 +186,10 @@ fn divergent_false_to_true_fails() {
     let r = gate_default(&b, &c);
     let f: Vec<_> = r.failures().collect();
     assert_eq!(f.len(), 1);
-    assert_eq!((f[0].op.as_str(), f[0].metric.as_str()), ("L1.attn.kv", "divergent"));
+    assert_eq!(
+        (f[0].op.as_str(), f[0].metric.as_str()),
+        ("L1.attn.kv", "divergent")
+    );
     // true → false is a fix
     assert!(gate_default(&c, &b).passed());
 }
@@ -192,10 +207,19 @@ fn missing_op_fails_and_new_op_is_reported() {
     assert!(!r.passed());
     assert_eq!(r.missing_ops, vec!["L0.attn.kv".to_string()]);
     assert_eq!(r.new_ops, vec!["L0.attn.extra".to_string()]);
-    assert_eq!(r.failing_ops().into_iter().collect::<Vec<_>>(), vec!["L0.attn.kv"]);
+    assert_eq!(
+        r.failing_ops().into_iter().collect::<Vec<_>>(),
+        vec!["L0.attn.kv"]
+    );
     let t = r.terminal();
-    assert!(t.contains("FAIL L0.attn.kv: in the baseline, missing from the current run"), "{t}");
-    assert!(t.contains("new op (not in the baseline): L0.attn.extra"), "{t}");
+    assert!(
+        t.contains("FAIL L0.attn.kv: in the baseline, missing from the current run"),
+        "{t}"
+    );
+    assert!(
+        t.contains("new op (not in the baseline): L0.attn.extra"),
+        "{t}"
+    );
 
     // a new op alone is not a failure
     let mut c2 = b.clone();
@@ -274,7 +298,15 @@ fn a_tolerance_file_changes_the_verdict() {
     // hand count: layer-0 isolated rel-L2 above 0.04 are q_b 0.05, wo_b 0.05, experts 0.12, shared 0.09
     let mut failing: Vec<&str> = r.failing_ops().into_iter().collect();
     failing.sort();
-    assert_eq!(failing, vec!["L0.attn.q_b", "L0.attn.wo_b", "L0.ffn.experts", "L0.ffn.shared"]);
+    assert_eq!(
+        failing,
+        vec![
+            "L0.attn.q_b",
+            "L0.attn.wo_b",
+            "L0.ffn.experts",
+            "L0.ffn.shared"
+        ]
+    );
     let skip = Tolerances::from_toml(
         "[[rule]]\nops = \"L1.ffn.experts\"\nmetric = \"cos\"\nskip = true\n",
         "skip.toml",
@@ -286,7 +318,11 @@ fn a_tolerance_file_changes_the_verdict() {
 #[test]
 fn fingerprint_mismatch_is_refused_unless_forced() {
     let b = base();
-    for (obj, key) in [("checkpoint", "config_sha256"), ("checkpoint", "header_sha256"), ("tokens", "sha256")] {
+    for (obj, key) in [
+        ("checkpoint", "config_sha256"),
+        ("checkpoint", "header_sha256"),
+        ("tokens", "sha256"),
+    ] {
         let mut c = b.clone();
         c[obj][key] = json!("ffff");
         let e = gate::compare(&b, &c, &Tolerances::default(), false).unwrap_err();
@@ -302,7 +338,12 @@ fn fingerprint_mismatch_is_refused_unless_forced() {
 
 #[test]
 fn not_a_run_json_is_unusable_naming_the_file() {
-    for text in ["{\"schema\": \"something-else/1\", \"ops\": []}", "[1,2]", "not json", "{\"schema\": \"nvfp4-probe.run/1\"}"] {
+    for text in [
+        "{\"schema\": \"something-else/1\", \"ops\": []}",
+        "[1,2]",
+        "not json",
+        "{\"schema\": \"nvfp4-probe.run/1\"}",
+    ] {
         let e = gate::parse_run(text, "weird.json").unwrap_err();
         assert_eq!(e.exit_code(), 2);
         assert!(e.to_string().contains("weird.json"), "{e}");

@@ -180,7 +180,14 @@ pub fn check_run(v: &Value, name: &Path) -> Result<()> {
 
 /// Compares two parsed run JSONs, naming them `baseline` and `current` in errors.
 pub fn compare(base: &Value, cur: &Value, tol: &Tolerances, force: bool) -> Result<GateReport> {
-    compare_named(base, Path::new("baseline"), cur, Path::new("current"), tol, force)
+    compare_named(
+        base,
+        Path::new("baseline"),
+        cur,
+        Path::new("current"),
+        tol,
+        force,
+    )
 }
 
 const FINGERPRINTS: [(&str, &str, &str); 3] = [
@@ -206,8 +213,14 @@ pub fn compare_named(
         ..Default::default()
     };
     for (obj, key, what) in FINGERPRINTS {
-        let b = base.get(obj).and_then(|o| o.get(key)).and_then(Value::as_str);
-        let c = cur.get(obj).and_then(|o| o.get(key)).and_then(Value::as_str);
+        let b = base
+            .get(obj)
+            .and_then(|o| o.get(key))
+            .and_then(Value::as_str);
+        let c = cur
+            .get(obj)
+            .and_then(|o| o.get(key))
+            .and_then(Value::as_str);
         if b != c {
             let msg = format!(
                 "{what} fingerprint `{obj}.{key}` differs: baseline {} vs current {}",
@@ -286,7 +299,12 @@ struct OpIndex<'a> {
 fn ops_by_id(run: &Value) -> OpIndex<'_> {
     let mut order = Vec::new();
     let mut map = HashMap::new();
-    for op in run.get("ops").and_then(Value::as_array).into_iter().flatten() {
+    for op in run
+        .get("ops")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         if let Some(id) = op.get("id").and_then(Value::as_str) {
             order.push((id.to_string(), op));
             map.insert(id, op);
@@ -348,12 +366,19 @@ fn read_val(op: &Value, metric: Metric, source: &str, file: &Path, id: &str) -> 
         Some(Value::Null) => Ok(Val::Null),
         Some(Value::Bool(b)) => Ok(Val::Num(if *b { 1.0 } else { 0.0 })),
         Some(Value::Number(n)) => n.as_f64().map(Val::Num).ok_or_else(|| {
-            Error::bad(file, Some(id), format!("`{source}.{}` is not a number", metric.name()))
+            Error::bad(
+                file,
+                Some(id),
+                format!("`{source}.{}` is not a number", metric.name()),
+            )
         }),
         Some(other) => Err(Error::bad(
             file,
             Some(id),
-            format!("`{source}.{}` should be a number, found {other}", metric.name()),
+            format!(
+                "`{source}.{}` should be a number, found {other}",
+                metric.name()
+            ),
         )),
     }
 }
@@ -418,7 +443,11 @@ fn check_op(
             continue; // neither run has this value: the rule does not apply to this op
         }
         let (mut have_min, mut have_max, mut have_rel) = (false, false, false);
-        for r in tol.rules.iter().filter(|r| r.matches(id, class, metric, &source)) {
+        for r in tol
+            .rules
+            .iter()
+            .filter(|r| r.matches(id, class, metric, &source))
+        {
             if r.skip {
                 have_min = true;
                 have_max = true;
@@ -442,7 +471,9 @@ fn check_op(
                     continue; // a new op has no baseline to be relative to
                 }
                 let noise = noise_of(metric, base, cur);
-                out.push(evaluate(id, layer, metric, &source, b, c, bound, noise, &r.origin));
+                out.push(evaluate(
+                    id, layer, metric, &source, b, c, bound, noise, &r.origin,
+                ));
             }
             if have_min && have_max && have_rel {
                 break;
@@ -472,7 +503,7 @@ pub fn fmt_num(x: f64) -> String {
 /// Four significant digits, rounded away from failing: a suggested tolerance copied from the log
 /// into a rule file must pass, so `≥` bounds round up and `≤` bounds round down.
 pub fn fmt_round(x: f64, up: bool) -> String {
-    if x == 0.0 || !x.is_finite() {
+    if x == 0.0 || !x.is_finite() || (x.fract() == 0.0 && x.abs() < 1e9) {
         return fmt_num(x);
     }
     let e = x.abs().log10().floor() as i32;
@@ -491,7 +522,9 @@ pub fn fmt_round(x: f64, up: bool) -> String {
     // the division and the decimal printing each round; step one unit until the text is safe
     for _ in 0..3 {
         let text = show(units);
-        let back: f64 = text.parse().unwrap_or(if up { f64::INFINITY } else { f64::NEG_INFINITY });
+        let back: f64 = text
+            .parse()
+            .unwrap_or(if up { f64::INFINITY } else { f64::NEG_INFINITY });
         if (up && back >= x) || (!up && back <= x) {
             return text;
         }
@@ -535,13 +568,24 @@ fn evaluate(
         severity: 0.0,
     };
     let allowance = |d: f64, k: Option<f64>| match k {
-        Some(k) => (d.max(k * noise), format!("max({}, {}×noise {})", fmt_num(d), fmt_num(k), fmt_num(noise))),
+        Some(k) => (
+            d.max(k * noise),
+            format!(
+                "max({}, {}×noise {})",
+                fmt_num(d),
+                fmt_num(k),
+                fmt_num(noise)
+            ),
+        ),
         None => (d, fmt_num(d)),
     };
     check.rule = match &bound {
         Bound::Min(x) => format!("{m} ≥ {}", fmt_num(*x)),
         Bound::Max(x) => format!("{m} ≤ {}", fmt_num(*x)),
-        Bound::Relative(Relative::Drop { d, noise_multiplier }) => {
+        Bound::Relative(Relative::Drop {
+            d,
+            noise_multiplier,
+        }) => {
             let (eff, txt) = allowance(*d, *noise_multiplier);
             if noise_multiplier.is_some() {
                 format!("{m} ≥ baseline − {txt} = baseline − {}", fmt_num(eff))
@@ -549,7 +593,10 @@ fn evaluate(
                 format!("{m} ≥ baseline − {txt}")
             }
         }
-        Bound::Relative(Relative::Increase { d, noise_multiplier }) => {
+        Bound::Relative(Relative::Increase {
+            d,
+            noise_multiplier,
+        }) => {
             let (eff, txt) = allowance(*d, *noise_multiplier);
             if noise_multiplier.is_some() {
                 format!("{m} ≤ baseline + {txt} = baseline + {}", fmt_num(eff))
@@ -560,10 +607,16 @@ fn evaluate(
             }
         }
         Bound::Relative(Relative::Ratio { r, slack }) => {
-            let s = if *slack > 0.0 { format!(" + {}", fmt_num(*slack)) } else { String::new() };
+            let s = if *slack > 0.0 {
+                format!(" + {}", fmt_num(*slack))
+            } else {
+                String::new()
+            };
             match metric.direction() {
                 Direction::LowerBetter => format!("{m} ≤ {}×baseline{s}", fmt_num(*r)),
-                Direction::HigherBetter => format!("{m} ≥ baseline/{}{}", fmt_num(*r), s.replace('+', "−")),
+                Direction::HigherBetter => {
+                    format!("{m} ≥ baseline/{}{}", fmt_num(*r), s.replace('+', "−"))
+                }
                 Direction::NearBaseline => format!("{m} within ×{} of baseline{s}", fmt_num(*r)),
             }
         }
@@ -605,15 +658,29 @@ fn evaluate(
                 return check;
             };
             match rel {
-                Relative::Drop { d, noise_multiplier } => {
+                Relative::Drop {
+                    d,
+                    noise_multiplier,
+                } => {
                     let (eff, _) = allowance(*d, *noise_multiplier);
                     let need = (base - cur).max(0.0);
-                    (need <= eff, format!("max_drop ≥ {}", fmt_round(need, true)), ratio_used(need, eff))
+                    (
+                        need <= eff,
+                        format!("max_drop ≥ {}", fmt_round(need, true)),
+                        ratio_used(need, eff),
+                    )
                 }
-                Relative::Increase { d, noise_multiplier } => {
+                Relative::Increase {
+                    d,
+                    noise_multiplier,
+                } => {
                     let (eff, _) = allowance(*d, *noise_multiplier);
                     let need = (cur - base).max(0.0);
-                    (need <= eff, format!("max_increase ≥ {}", fmt_round(need, true)), ratio_used(need, eff))
+                    (
+                        need <= eff,
+                        format!("max_increase ≥ {}", fmt_round(need, true)),
+                        ratio_used(need, eff),
+                    )
                 }
                 Relative::Ratio { r, slack } => {
                     let up = if base > 0.0 {
@@ -673,7 +740,8 @@ mod tests {
         assert_eq!(fmt_round(0.010000000000000009, true), "0.01001");
         assert_eq!(fmt_round(0.9876543, false), "0.9876");
         assert_eq!(fmt_round(2.5e-7, true), "2.500e-7");
-        assert_eq!(fmt_round(123456.0, true), "1.235e5");
+        assert_eq!(fmt_round(123456.5, true), "1.235e5");
+        assert_eq!(fmt_round(4.0, true), "4");
         for x in [0.0123456f64, 0.98765432, 3.3e-6, 17.25, 1.0000001] {
             assert!(fmt_round(x, true).parse::<f64>().unwrap() >= x);
             assert!(fmt_round(x, false).parse::<f64>().unwrap() <= x);

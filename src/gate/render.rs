@@ -30,9 +30,15 @@ impl Check {
     /// One line for logs and JUnit messages.
     pub fn one_line(&self) -> String {
         if matches!(self.bound, Bound::Present) {
-            return format!("{}: op is in the baseline but missing from the current run", self.op);
+            return format!(
+                "{}: op is in the baseline but missing from the current run",
+                self.op
+            );
         }
-        let delta = self.delta().map(|d| format!(" (Δ {})", signed(d))).unwrap_or_default();
+        let delta = self
+            .delta()
+            .map(|d| format!(" (Δ {})", signed(d)))
+            .unwrap_or_default();
         format!(
             "{} {}: current {} vs baseline {}{delta}; rule {}; would pass with {}",
             self.op,
@@ -82,11 +88,18 @@ impl GateReport {
         }
         for c in self.moved_worst_first().into_iter().filter(|c| !c.passed) {
             if matches!(c.bound, Bound::Present) {
-                let _ = writeln!(s, "FAIL {}: in the baseline, missing from the current run", c.op);
+                let _ = writeln!(
+                    s,
+                    "FAIL {}: in the baseline, missing from the current run",
+                    c.op
+                );
                 continue;
             }
             let _ = writeln!(s, "FAIL {}  {}", c.op, c.metric_label());
-            let delta = c.delta().map(|d| format!("  Δ {}", signed(d))).unwrap_or_default();
+            let delta = c
+                .delta()
+                .map(|d| format!("  Δ {}", signed(d)))
+                .unwrap_or_default();
             let _ = writeln!(
                 s,
                 "     current {}  baseline {}{delta}",
@@ -117,8 +130,17 @@ impl GateReport {
                 "**{failing} failing check{} in {} op{}** (first: `{}`).\n",
                 if failing == 1 { "" } else { "s" },
                 self.failing_ops().len(),
-                if self.failing_ops().len() == 1 { "" } else { "s" },
-                md_code(self.moved_worst_first().first().map(|c| c.op.as_str()).unwrap_or(""))
+                if self.failing_ops().len() == 1 {
+                    ""
+                } else {
+                    "s"
+                },
+                md_code(
+                    self.moved_worst_first()
+                        .first()
+                        .map(|c| c.op.as_str())
+                        .unwrap_or("")
+                )
             );
         }
         let _ = writeln!(
@@ -134,7 +156,10 @@ impl GateReport {
         if moved.is_empty() {
             let _ = writeln!(s, "No op moved.\n");
         } else {
-            let _ = writeln!(s, "| | op | metric | baseline | current | Δ | rule | min passing tol |");
+            let _ = writeln!(
+                s,
+                "| | op | metric | baseline | current | Δ | rule | min passing tol |"
+            );
             let _ = writeln!(s, "|---|---|---|---|---|---:|---|---|");
             for c in moved.iter().take(MARKDOWN_ROWS) {
                 let mark = if c.passed { "" } else { "❌" };
@@ -169,7 +194,11 @@ impl GateReport {
             let _ = writeln!(s, "**Missing ops:** {}\n", code_list(&self.missing_ops));
         }
         if !self.new_ops.is_empty() {
-            let _ = writeln!(s, "**New ops (not gated against a baseline):** {}\n", code_list(&self.new_ops));
+            let _ = writeln!(
+                s,
+                "**New ops (not gated against a baseline):** {}\n",
+                code_list(&self.new_ops)
+            );
         }
         let _ = writeln!(s, "**Counts:** {}.", self.counts_line());
         s
@@ -195,15 +224,28 @@ impl GateReport {
             "  <testsuite name=\"nvfp4-probe gate\" tests=\"{tests}\" failures=\"{failures}\" errors=\"0\" skipped=\"0\">"
         );
         let _ = writeln!(s, "    <properties>");
-        for (k, v) in [("baseline", &self.baseline_name), ("current", &self.current_name)] {
-            let _ = writeln!(s, "      <property name=\"{k}\" value=\"{}\"/>", xml_escape(v));
+        for (k, v) in [
+            ("baseline", &self.baseline_name),
+            ("current", &self.current_name),
+        ] {
+            let _ = writeln!(
+                s,
+                "      <property name=\"{k}\" value=\"{}\"/>",
+                xml_escape(v)
+            );
         }
         for n in &self.notes {
-            let _ = writeln!(s, "      <property name=\"note\" value=\"{}\"/>", xml_escape(n));
+            let _ = writeln!(
+                s,
+                "      <property name=\"note\" value=\"{}\"/>",
+                xml_escape(n)
+            );
         }
         let _ = writeln!(s, "    </properties>");
         for (op, layer) in &self.ops {
-            let classname = layer.map(|l| format!("L{l}")).unwrap_or_else(|| "model".into());
+            let classname = layer
+                .map(|l| format!("L{l}"))
+                .unwrap_or_else(|| "model".into());
             let open = format!(
                 "    <testcase name=\"{}\" classname=\"{}\" time=\"0\"",
                 xml_escape(op),
@@ -212,7 +254,10 @@ impl GateReport {
             match by_op.get(op.as_str()) {
                 None if self.new_ops.contains(op) => {
                     let _ = writeln!(s, "{open}>");
-                    let _ = writeln!(s, "      <system-out>new op: not in the baseline</system-out>");
+                    let _ = writeln!(
+                        s,
+                        "      <system-out>new op: not in the baseline</system-out>"
+                    );
                     let _ = writeln!(s, "    </testcase>");
                 }
                 None => {
@@ -258,7 +303,9 @@ pub fn xml_escape(s: &str) -> String {
 
 /// A table cell: pipes would split the cell, newlines the row, `<` could open HTML.
 fn md_cell(s: &str) -> String {
-    s.replace('|', "\\|").replace('\n', " ").replace('<', "&lt;")
+    s.replace('|', "\\|")
+        .replace('\n', " ")
+        .replace('<', "&lt;")
 }
 
 /// Content of an inline code span: backticks cannot be escaped inside one, so they are replaced.
@@ -267,5 +314,8 @@ fn md_code(s: &str) -> String {
 }
 
 fn code_list(v: &[String]) -> String {
-    v.iter().map(|s| format!("`{}`", md_code(s))).collect::<Vec<_>>().join(", ")
+    v.iter()
+        .map(|s| format!("`{}`", md_code(s)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -95,9 +95,15 @@ pub enum SourceKind {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Relative {
     /// `c ≥ b − max(d, k·noise)`.
-    Drop { d: f64, noise_multiplier: Option<f64> },
+    Drop {
+        d: f64,
+        noise_multiplier: Option<f64>,
+    },
     /// `c ≤ b + max(d, k·noise)`.
-    Increase { d: f64, noise_multiplier: Option<f64> },
+    Increase {
+        d: f64,
+        noise_multiplier: Option<f64>,
+    },
     /// Lower-better: `c ≤ r·b + slack`; higher-better: `c ≥ b/r − slack`; near-baseline: both.
     Ratio { r: f64, slack: f64 },
 }
@@ -274,7 +280,10 @@ impl Tolerances {
         let mut rules = Vec::with_capacity(raw.rule.len() + 6);
         for (i, r) in raw.rule.into_iter().enumerate() {
             let label = format!("{} rule #{}", origin.display(), i + 1);
-            rules.push(convert(r, &label).map_err(|m| Error::bad(origin, None, format!("rule #{}: {m}", i + 1)))?);
+            rules.push(
+                convert(r, &label)
+                    .map_err(|m| Error::bad(origin, None, format!("rule #{}: {m}", i + 1)))?,
+            );
         }
         if raw.defaults {
             rules.extend(builtin_rules());
@@ -322,29 +331,48 @@ fn convert(r: RawRule, origin: &str) -> std::result::Result<Rule, String> {
     let source = match metric.source_kind() {
         SourceKind::Comparison => {
             if r.path.is_some() {
-                return Err(format!("`path` applies to nan/inf only; `{}` uses `compare`", metric.name()));
+                return Err(format!(
+                    "`path` applies to nan/inf only; `{}` uses `compare`",
+                    metric.name()
+                ));
             }
-            r.compare.clone().unwrap_or_else(|| DEFAULT_COMPARE.to_string())
+            r.compare
+                .clone()
+                .unwrap_or_else(|| DEFAULT_COMPARE.to_string())
         }
         SourceKind::Path => match (&r.path, &r.compare) {
             (Some(_), Some(_)) => return Err("give `path` or `compare`, not both".into()),
             (Some(p), None) => p.clone(),
             (None, Some(c)) => comparison_path(c)
-                .ok_or_else(|| format!("comparison `{c}` has no single path for `{}`", metric.name()))?
+                .ok_or_else(|| {
+                    format!(
+                        "comparison `{c}` has no single path for `{}`",
+                        metric.name()
+                    )
+                })?
                 .to_string(),
-            (None, None) => comparison_path(DEFAULT_COMPARE).unwrap_or("served").to_string(),
+            (None, None) => comparison_path(DEFAULT_COMPARE)
+                .unwrap_or("served")
+                .to_string(),
         },
         SourceKind::Op => {
             if r.path.is_some() || r.compare.is_some() {
-                return Err(format!("`{}` takes neither `path` nor `compare`", metric.name()));
+                return Err(format!(
+                    "`{}` takes neither `path` nor `compare`",
+                    metric.name()
+                ));
             }
             "*".to_string()
         }
     };
-    let relatives = [r.max_drop.is_some(), r.max_increase.is_some(), r.max_ratio.is_some()]
-        .iter()
-        .filter(|b| **b)
-        .count();
+    let relatives = [
+        r.max_drop.is_some(),
+        r.max_increase.is_some(),
+        r.max_ratio.is_some(),
+    ]
+    .iter()
+    .filter(|b| **b)
+    .count();
     if relatives > 1 {
         return Err("at most one of `max_drop`, `max_increase`, `max_ratio` per rule".into());
     }
@@ -381,7 +409,10 @@ fn convert(r: RawRule, origin: &str) -> std::result::Result<Rule, String> {
         None
     };
     if !r.skip && r.min.is_none() && r.max.is_none() && relative.is_none() {
-        return Err("a rule needs a bound (min, max, max_drop, max_increase, max_ratio) or `skip = true`".into());
+        return Err(
+            "a rule needs a bound (min, max, max_drop, max_increase, max_ratio) or `skip = true`"
+                .into(),
+        );
     }
     if r.skip && (r.min.is_some() || r.max.is_some() || relative.is_some()) {
         return Err("`skip = true` cannot carry bounds".into());
@@ -476,7 +507,11 @@ mod tests {
 
     #[test]
     fn defaults_can_be_dropped() {
-        let t = Tolerances::from_toml("defaults = false\n[[rule]]\nmetric = \"rel_l2\"\nmax = 0.1\n", "t.toml").unwrap();
+        let t = Tolerances::from_toml(
+            "defaults = false\n[[rule]]\nmetric = \"rel_l2\"\nmax = 0.1\n",
+            "t.toml",
+        )
+        .unwrap();
         assert_eq!(t.rules.len(), 1);
     }
 

@@ -76,19 +76,23 @@ impl ModelConfig {
         }
         let us = |keys: &[&str], default: Option<usize>| -> Result<usize> {
             match get(v, keys) {
-                Some(x) => x
-                    .as_u64()
-                    .map(|n| n as usize)
-                    .ok_or_else(|| Error::usage(format!("config field `{}` is not a non-negative integer: {x}", keys[0]))),
-                None => default.ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0]))),
+                Some(x) => x.as_u64().map(|n| n as usize).ok_or_else(|| {
+                    Error::usage(format!(
+                        "config field `{}` is not a non-negative integer: {x}",
+                        keys[0]
+                    ))
+                }),
+                None => default
+                    .ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0]))),
             }
         };
         let fl = |keys: &[&str], default: Option<f64>| -> Result<f64> {
             match get(v, keys) {
-                Some(x) => x
-                    .as_f64()
-                    .ok_or_else(|| Error::usage(format!("config field `{}` is not a number: {x}", keys[0]))),
-                None => default.ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0]))),
+                Some(x) => x.as_f64().ok_or_else(|| {
+                    Error::usage(format!("config field `{}` is not a number: {x}", keys[0]))
+                }),
+                None => default
+                    .ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0]))),
             }
         };
         let hidden_size = us(&["hidden_size", "dim"], None)?;
@@ -109,11 +113,9 @@ impl ModelConfig {
                 .ok_or_else(|| Error::usage("config field `compress_ratios` is not an array"))?;
             let mut out = Vec::new();
             for x in arr {
-                out.push(
-                    x.as_u64()
-                        .ok_or_else(|| Error::usage(format!("`compress_ratios` entry is not an integer: {x}")))?
-                        as usize,
-                );
+                out.push(x.as_u64().ok_or_else(|| {
+                    Error::usage(format!("`compress_ratios` entry is not an integer: {x}"))
+                })? as usize);
             }
             if out.len() < num_hidden_layers {
                 return Err(Error::usage(format!(
@@ -141,7 +143,9 @@ impl ModelConfig {
                 out.push(match t.as_str() {
                     Some("sliding_attention") => 0,
                     Some("compressed_sparse_attention") => rate("compressed_sparse_attention", 4),
-                    Some("heavily_compressed_attention") => rate("heavily_compressed_attention", 128),
+                    Some("heavily_compressed_attention") => {
+                        rate("heavily_compressed_attention", 128)
+                    }
                     _ => return Err(Error::usage(format!("unknown layer type {t}"))),
                 });
             }
@@ -156,18 +160,32 @@ impl ModelConfig {
         } else {
             // transformers' default schedule: 2× HCA, then CSA/HCA interleaved.
             (0..num_hidden_layers)
-                .map(|i| if i < 2 { 128 } else if i % 2 == 0 { 4 } else { 128 })
+                .map(|i| {
+                    if i < 2 {
+                        128
+                    } else if i % 2 == 0 {
+                        4
+                    } else {
+                        128
+                    }
+                })
                 .collect()
         };
 
-        let num_hash_layers = if let Some(m) = get(v, &["mlp_layer_types"]).and_then(Value::as_array) {
-            m.iter().take_while(|t| t.as_str() == Some("hash_moe")).count()
-        } else {
-            us(&["num_hash_layers"], Some(3))?
-        };
+        let num_hash_layers =
+            if let Some(m) = get(v, &["mlp_layer_types"]).and_then(Value::as_array) {
+                m.iter()
+                    .take_while(|t| t.as_str() == Some("hash_moe"))
+                    .count()
+            } else {
+                us(&["num_hash_layers"], Some(3))?
+            };
 
         // RoPE: flat rope_scaling (official) or nested rope_parameters.compress (HF).
-        let rope_theta = match get(v, &["rope_parameters"]).and_then(|r| r.get("main")).and_then(|m| m.get("rope_theta")) {
+        let rope_theta = match get(v, &["rope_parameters"])
+            .and_then(|r| r.get("main"))
+            .and_then(|m| m.get("rope_theta"))
+        {
             Some(x) => x.as_f64().unwrap_or(10000.0),
             None => fl(&["rope_theta"], Some(10000.0))?,
         };
@@ -177,7 +195,9 @@ impl ModelConfig {
             None => fl(&["compress_rope_theta"], Some(160000.0))?,
         };
         let yarn_src = compress
-            .filter(|c| c.get("rope_type").or(c.get("type")).and_then(Value::as_str) == Some("yarn"))
+            .filter(|c| {
+                c.get("rope_type").or(c.get("type")).and_then(Value::as_str) == Some("yarn")
+            })
             .or_else(|| {
                 get(v, &["rope_scaling"]).filter(|c| {
                     c.get("rope_type").or(c.get("type")).and_then(Value::as_str) == Some("yarn")
@@ -218,7 +238,9 @@ impl ModelConfig {
             moe_intermediate_size: us(&["moe_intermediate_size", "moe_inter_dim"], None)?,
             num_hash_layers,
             routed_scaling_factor: fl(&["routed_scaling_factor", "route_scale"], Some(1.0))?,
-            norm_topk_prob: get(v, &["norm_topk_prob"]).and_then(Value::as_bool).unwrap_or(true),
+            norm_topk_prob: get(v, &["norm_topk_prob"])
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
             scoring_func: get(v, &["scoring_func", "score_func"])
                 .and_then(Value::as_str)
                 .unwrap_or("sqrtsoftplus")
@@ -236,7 +258,9 @@ impl ModelConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::usage(m));
         if self.hidden_size == 0 || self.num_attention_heads == 0 || self.head_dim == 0 {
-            return bad("config: hidden_size, num_attention_heads and head_dim must be positive".into());
+            return bad(
+                "config: hidden_size, num_attention_heads and head_dim must be positive".into(),
+            );
         }
         if self.qk_rope_head_dim % 2 != 0 || self.qk_rope_head_dim > self.head_dim {
             return bad(format!(
@@ -258,7 +282,9 @@ impl ModelConfig {
         }
         for (i, r) in self.compress_ratios.iter().enumerate() {
             if ![0, 4, 128].contains(r) && *r != 0 && (*r < 2) {
-                return bad(format!("config: compress ratio {r} of layer {i} unsupported"));
+                return bad(format!(
+                    "config: compress ratio {r} of layer {i} unsupported"
+                ));
             }
         }
         if self.hc_mult == 0 {

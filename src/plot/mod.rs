@@ -1,2 +1,5 @@
 //! placeholder
-use std::path::{Path,PathBuf}; pub fn plot_run(_t:&str,_o:&Path)->crate::Result<Vec<PathBuf>>{Ok(vec![])}
+use std::path::{Path, PathBuf};
+pub fn plot_run(_t: &str, _o: &Path) -> crate::Result<Vec<PathBuf>> {
+    Ok(vec![])
+}

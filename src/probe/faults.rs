@@ -204,9 +204,17 @@ mod tests {
         assert!(Fault::parse("nibble-swap").is_err());
         let h = Fault::parse("missing-alpha@layers.0.attn.wq_a").unwrap();
         assert!(h.hits("layers.0.attn.wq_a"));
-        assert!(Fault::parse("missing-alpha@L0.attn.q_a").unwrap().hits("layers.0.attn.wq_a"));
-        assert_eq!(op_of_base("layers.0.ffn.experts.3.w1").as_deref(), Some("L0.ffn.experts"));
-        assert_eq!(op_of_base("layers.4.attn.wq_b").as_deref(), Some("L4.attn.q_b"));
+        assert!(Fault::parse("missing-alpha@L0.attn.q_a")
+            .unwrap()
+            .hits("layers.0.attn.wq_a"));
+        assert_eq!(
+            op_of_base("layers.0.ffn.experts.3.w1").as_deref(),
+            Some("L0.ffn.experts")
+        );
+        assert_eq!(
+            op_of_base("layers.4.attn.wq_b").as_deref(),
+            Some("L4.attn.q_b")
+        );
     }
 
     #[test]
