@@ -365,3 +365,26 @@ fn unknown_fields_are_ignored() {
     op_mut(&mut c, "head")["new_block"] = json!([1, 2, 3]);
     assert!(gate_default(&b, &c).passed());
 }
+
+#[test]
+fn rules_can_target_an_op_class() {
+    let b = base();
+    let t = Tolerances::from_toml(
+        "[[rule]]\nclass = \"Moe\"\nmetric = \"cos\"\nmin = 0.99\n",
+        "class.toml",
+    )
+    .unwrap();
+    let r = gate::compare(&b, &b, &t, false).unwrap();
+    let mut failing: Vec<&str> = r.failing_ops().into_iter().collect();
+    failing.sort();
+    // propagated cos of the fixture's MoE ops: 0.9885, 0.9651, 0.9288, all below 0.99;
+    // no other class is touched
+    assert_eq!(
+        failing,
+        vec!["L0.ffn.experts", "L1.ffn.experts", "L2.ffn.experts"]
+    );
+    assert_eq!(r.first_failing_op(), Some("L0.ffn.experts"));
+    assert!(r
+        .summary_markdown()
+        .contains("first in execution order: `L0.ffn.experts`"));
+}

@@ -60,6 +60,15 @@ fn signed(d: f64) -> String {
 }
 
 impl GateReport {
+    /// The earliest failing op in baseline execution order: where a reviewer starts reading.
+    pub fn first_failing_op(&self) -> Option<&str> {
+        let failing = self.failing_ops();
+        self.ops
+            .iter()
+            .map(|(id, _)| id.as_str())
+            .find(|id| failing.contains(id))
+    }
+
     fn counts_line(&self) -> String {
         let failing_ops = self.failing_ops().len();
         format!(
@@ -127,7 +136,7 @@ impl GateReport {
             let _ = writeln!(s, "### nvfp4-probe gate: ❌ FAIL\n");
             let _ = writeln!(
                 s,
-                "**{failing} failing check{} in {} op{}** (first: `{}`).\n",
+                "**{failing} failing check{} in {} op{}** ; first in execution order: `{}`.\n",
                 if failing == 1 { "" } else { "s" },
                 self.failing_ops().len(),
                 if self.failing_ops().len() == 1 {
@@ -135,12 +144,7 @@ impl GateReport {
                 } else {
                     "s"
                 },
-                md_code(
-                    self.moved_worst_first()
-                        .first()
-                        .map(|c| c.op.as_str())
-                        .unwrap_or("")
-                )
+                md_code(self.first_failing_op().unwrap_or(""))
             );
         }
         let _ = writeln!(
