@@ -256,6 +256,28 @@ struct RawRule {
     skip: bool,
 }
 
+/// Comparisons and paths of `nvfp4-probe.run/1`. A literal name in a rule must be one of these
+/// (a typo would otherwise silently check nothing); a glob may match names added later.
+pub const COMPARISONS: [&str; 5] = [
+    "bf16_vs_fp32",
+    "served_isolated_vs_bf16",
+    "served_isolated_vs_fp32",
+    "served_propagated_vs_bf16",
+    "served_propagated_vs_fp32",
+];
+pub const PATHS: [&str; 4] = ["oracle_fp32", "oracle_bf16", "served", "served_isolated"];
+
+fn known(name: &str, list: &[&str], what: &str) -> std::result::Result<(), String> {
+    if name.contains('*') || name.contains('?') || list.contains(&name) {
+        Ok(())
+    } else {
+        Err(format!(
+            "unknown {what} `{name}` (known: {}; globs allowed)",
+            list.join(", ")
+        ))
+    }
+}
+
 /// The path whose stats a comparison's first operand comes from, so `metric = "nan"` with
 /// `compare = "served_isolated_vs_bf16"` counts NaN in the isolated served output.
 pub fn comparison_path(compare: &str) -> Option<&'static str> {
@@ -365,6 +387,11 @@ fn convert(r: RawRule, origin: &str) -> std::result::Result<Rule, String> {
             "*".to_string()
         }
     };
+    match metric.source_kind() {
+        SourceKind::Comparison => known(&source, &COMPARISONS, "comparison")?,
+        SourceKind::Path => known(&source, &PATHS, "path")?,
+        SourceKind::Op => {}
+    }
     let relatives = [
         r.max_drop.is_some(),
         r.max_increase.is_some(),
@@ -526,6 +553,8 @@ mod tests {
             "[[rule]]\nmetric = \"sqnr_db\"\nmax_drop = 1\nnoise_multiplier = 2\n",
             "[[rule]]\nmetric = \"cos\"\nmin = 0.99\nmax = 0.9\n",
             "[[rule]]\nmetric = \"cos\"\nmin = nan\n",
+            "[[rule]]\nmetric = \"cos\"\ncompare = \"served_isolated_vs_bf61\"\nmin = 0.9\n",
+            "[[rule]]\nmetric = \"nan\"\npath = \"serverd\"\nmax = 0\n",
             "not toml at all [",
         ] {
             let e = Tolerances::from_toml(bad, "bad.toml").unwrap_err();
