@@ -4,7 +4,9 @@
 use crate::cli::{Cli, Command};
 use crate::Result;
 
+pub mod gate;
 pub mod inspect;
+pub mod plot;
 pub mod run;
 pub mod synth;
 
@@ -13,6 +15,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Inspect(a) => inspect::main(&a),
         Command::Synth(a) => synth::main(&a),
         Command::Run(a) => run::main(&a),
+        Command::Gate(a) => gate::main(&a),
+        Command::Plot(a) => plot::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"
         ))),

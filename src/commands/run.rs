@@ -187,8 +187,8 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     if let Some(d) = &args.dump {
         report::dump(d, &res)?;
     }
-    if args.plot.is_some() {
-        return Err(Error::usage("--plot: plotting is not in this build yet"));
+    if let Some(pl) = &args.plot {
+        crate::plot::plot_run(&report::run_json(&p.meta, &res), pl)?;
     }
     let findings = res.summary.divergent_ops > 0 || res.summary.non_finite_ops > 0;
     Ok(if findings { EXIT_FINDINGS } else { EXIT_OK })

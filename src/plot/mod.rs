@@ -1,0 +1,870 @@
+//! Plots of a run JSON, for issues and PR comments: amax per op, 1 − cos per op against the BF16
+//! oracle, and a layer × op-kind heatmap of the isolated rel-L2.
+//!
+//! Text is drawn with the DejaVu Sans font embedded in the binary (assets/fonts), registered with
+//! plotters under the `sans-serif` family, so the plots look the same on a bare CI runner with no
+//! system fonts. PNG or SVG follows the output extension.
+
+use crate::gate::layer_of;
+use crate::{Error, Result};
+use plotters::coord::ranged1d::SegmentValue;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use plotters::style::{FontStyle, FontTransform};
+use serde_json::Value;
+use std::fmt::Display;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+static DEJAVU: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
+const FONT: &str = "sans-serif";
+
+/// Registers the embedded font once per process; plotters' ab_glyph backend has no other fonts.
+fn ensure_font() -> Result<()> {
+    static DONE: OnceLock<bool> = OnceLock::new();
+    let ok = *DONE
+        .get_or_init(|| plotters::style::register_font(FONT, FontStyle::Normal, DEJAVU).is_ok());
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Backend(
+            "embedded DejaVu Sans font could not be parsed".into(),
+        ))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Png,
+    Svg,
+}
+
+/// One op's numbers the plots use; `None` where the run JSON has null (non-finite) or nothing.
+#[derive(Clone, Debug, Default)]
+struct OpRow {
+    id: String,
+    layer: Option<i64>,
+    /// oracle_fp32, oracle_bf16, served (propagated)
+    amax: [Option<f64>; 3],
+    served_non_finite: bool,
+    iso_cos: Option<f64>,
+    prop_cos: Option<f64>,
+    floor_cos: Option<f64>,
+    iso_non_finite: bool,
+    iso_rel_l2: Option<f64>,
+}
+
+const PATHS: [&str; 3] = ["oracle_fp32", "oracle_bf16", "served"];
+
+fn num(v: &Value, path: &[&str]) -> Option<f64> {
+    let mut v = v;
+    for p in path {
+        v = v.get(*p)?;
+    }
+    v.as_f64().filter(|x| x.is_finite())
+}
+
+fn count(v: &Value, path: &str, what: &str) -> u64 {
+    v.get("stats")
+        .and_then(|s| s.get(path))
+        .and_then(|p| p.get(what))
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+fn rows(run: &Value) -> Vec<OpRow> {
+    let mut ops: Vec<(f64, usize, &Value)> = run
+        .get("ops")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(i, o)| (num(o, &["step"]).unwrap_or(i as f64), i, o))
+        .collect();
+    // execution order is the step; array order breaks ties and covers a missing step
+    ops.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    ops.into_iter()
+        .filter_map(|(_, _, o)| {
+            let id = o.get("id")?.as_str()?.to_string();
+            let nf = |p: &str| count(o, p, "nan") + count(o, p, "inf") > 0;
+            Some(OpRow {
+                layer: layer_of(&id, o),
+                amax: PATHS.map(|p| num(o, &["stats", p, "amax"])),
+                served_non_finite: nf("served"),
+                iso_cos: num(o, &["served_isolated_vs_bf16", "cos"]),
+                prop_cos: num(o, &["served_propagated_vs_bf16", "cos"]),
+                floor_cos: num(o, &["bf16_vs_fp32", "cos"]),
+                iso_non_finite: nf("served_isolated"),
+                iso_rel_l2: num(o, &["served_isolated_vs_bf16", "rel_l2"]),
+                id,
+            })
+        })
+        .collect()
+}
+
+/// Writes `STEM-amax.EXT`, `STEM-cos.EXT` and `STEM-heatmap.EXT` next to `out` (`STEM.EXT`, EXT
+/// `png` or `svg`) and returns their paths.
+pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
+    let run = crate::gate::parse_run(run_json_text, "run JSON")?;
+    let ext = out
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .unwrap_or_default();
+    let format = match ext.as_str() {
+        "png" => Format::Png,
+        "svg" => Format::Svg,
+        _ => {
+            return Err(Error::usage(format!(
+                "{}: plot output must end in .png or .svg",
+                out.display()
+            )))
+        }
+    };
+    let stem = out
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .ok_or_else(|| Error::usage(format!("{}: no file name", out.display())))?;
+    let dir = out.parent().unwrap_or(Path::new(""));
+    ensure_font()?;
+    let ops = rows(&run);
+    let title_suffix = describe(&run);
+    let name = |k: &str| dir.join(format!("{stem}-{k}.{ext}"));
+
+    let amax = AmaxPlot {
+        ops: &ops,
+        suffix: &title_suffix,
+    };
+    let cos = CosPlot {
+        ops: &ops,
+        suffix: &title_suffix,
+    };
+    let heat = Heatmap::new(&ops, &title_suffix);
+    let mut written = Vec::new();
+    for (plot, kind) in [
+        (&amax as &dyn Sized2, "amax"),
+        (&cos, "cos"),
+        (&heat, "heatmap"),
+    ] {
+        let p = name(kind);
+        plot.write(&p, format)?;
+        written.push(p);
+    }
+    Ok(written)
+}
+
+/// `checkpoint · profile · layers` for titles, so a pasted plot says what it shows.
+fn describe(run: &Value) -> String {
+    let mut parts = Vec::new();
+    if let Some(l) = run.pointer("/checkpoint/location").and_then(Value::as_str) {
+        let short = Path::new(l)
+            .file_name()
+            .and_then(|f| f.to_str())
+            .unwrap_or(l);
+        parts.push(short.to_string());
+    }
+    if let Some(p) = run.get("served_profile").and_then(Value::as_str) {
+        parts.push(p.to_string());
+    }
+    if let Some(l) = run.get("layers").and_then(Value::as_array) {
+        if let [a, b] = l.as_slice() {
+            parts.push(format!("layers {a}–{b}"));
+        }
+    }
+    parts.join(" · ")
+}
+
+type PResult = std::result::Result<(), String>;
+
+trait Ctx<T> {
+    fn ctx(self) -> std::result::Result<T, String>;
+}
+impl<T, E: Display> Ctx<T> for std::result::Result<T, E> {
+    fn ctx(self) -> std::result::Result<T, String> {
+        self.map_err(|e| e.to_string())
+    }
+}
+
+/// A plot drawable on any plotters backend.
+trait Plot {
+    fn size(&self) -> (u32, u32);
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult;
+}
+
+/// Object-safe face of [`Plot`], so the three plots go through one loop.
+trait Sized2 {
+    fn write(&self, path: &Path, format: Format) -> Result<()>;
+}
+
+impl<P: Plot> Sized2 for P {
+    fn write(&self, path: &Path, format: Format) -> Result<()> {
+        let size = self.size();
+        let fail = |e: String| Error::io(path, std::io::Error::other(format!("plot: {e}")));
+        match format {
+            Format::Png => {
+                let root = BitMapBackend::new(path, size).into_drawing_area();
+                root.fill(&WHITE).ctx().map_err(fail)?;
+                self.draw(&root).map_err(fail)?;
+                root.present().ctx().map_err(fail)?;
+            }
+            Format::Svg => {
+                let root = SVGBackend::new(path, size).into_drawing_area();
+                root.fill(&WHITE).ctx().map_err(fail)?;
+                self.draw(&root).map_err(fail)?;
+                root.present().ctx().map_err(fail)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn title_style() -> TextStyle<'static> {
+    (FONT, 24).into_font().color(&BLACK)
+}
+
+fn font(size: u32) -> FontDesc<'static> {
+    (FONT, size).into_font()
+}
+
+/// Y-axis descriptions are rotated a quarter turn counter-clockwise.
+fn y_desc_style() -> TextStyle<'static> {
+    font(17).transform(FontTransform::Rotate270).color(&BLACK)
+}
+
+const SERIES_COLOURS: [RGBColor; 3] = [
+    RGBColor(31, 119, 180),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+];
+
+/// Width that leaves room for one rotated label per op up to a cap; labels are thinned beyond it.
+fn width_for(n: usize) -> u32 {
+    (260 + 16 * n as u32).clamp(1100, 3600)
+}
+
+/// Label area for rotated op ids: room for the longest id shown.
+fn label_area(ops: &[OpRow]) -> u32 {
+    let longest = ops.iter().map(|o| o.id.chars().count()).max().unwrap_or(4) as u32;
+    (16 + 7 * longest).min(260)
+}
+
+/// Draws op ids under the x axis, reading downwards from just below it. plotters centres rotated
+/// tick labels on the tick, which pushes half of each label into the plot where it is clipped;
+/// drawing them here keeps them whole. Labels closer than 15 px are thinned to every k-th.
+fn draw_x_labels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    at: &[((i32, i32), String)],
+    size: u32,
+) -> PResult {
+    let spacing = if at.len() > 1 {
+        ((at[at.len() - 1].0 .0 - at[0].0 .0) as f64 / (at.len() - 1) as f64).abs()
+    } else {
+        f64::INFINITY
+    };
+    let step = (15.0 / spacing).ceil().max(1.0) as usize;
+    let style = font(size)
+        .transform(FontTransform::Rotate90)
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Left, VPos::Center));
+    for ((x, y), text) in at.iter().step_by(step) {
+        root.draw(&Text::new(text.clone(), (*x, *y + 8), style.clone()))
+            .ctx()?;
+    }
+    Ok(())
+}
+
+/// Pixel positions of op ticks on the x axis of a line chart.
+fn op_label_positions<DB: DrawingBackend>(
+    chart: &ChartContext<'_, DB, LogChart>,
+    ops: &[OpRow],
+    y_bottom: f64,
+) -> Vec<((i32, i32), String)> {
+    ops.iter()
+        .enumerate()
+        .map(|(i, o)| (chart.backend_coord(&(i as i32, y_bottom)), o.id.clone()))
+        .collect()
+}
+
+type LogChart = Cartesian2d<
+    plotters::coord::types::RangedCoordi32,
+    plotters::coord::combinators::LogCoord<f64>,
+>;
+
+/// Splits a series where values are missing, so a NaN op shows as a gap, not as a bridge.
+fn segments(vals: impl Iterator<Item = Option<f64>>) -> Vec<Vec<(i32, f64)>> {
+    let mut out: Vec<Vec<(i32, f64)>> = vec![Vec::new()];
+    for (i, v) in vals.enumerate() {
+        match v {
+            Some(y) => out
+                .last_mut()
+                .unwrap_or(&mut Vec::new())
+                .push((i as i32, y)),
+            None => {
+                if out.last().is_some_and(|s| !s.is_empty()) {
+                    out.push(Vec::new());
+                }
+            }
+        }
+    }
+    out.retain(|s| !s.is_empty());
+    out
+}
+
+/// Log-axis range over the positive values, padded; a fixed decade when there are none.
+fn log_range(vals: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (mut lo, mut hi) = (f64::INFINITY, 0f64);
+    for v in vals.filter(|v| *v > 0.0 && v.is_finite()) {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    if !lo.is_finite() {
+        return (1e-3, 1.0);
+    }
+    if hi / lo < 10.0 {
+        let mid = (hi * lo).sqrt();
+        (mid / 4.0, mid * 4.0)
+    } else {
+        (lo / 2.0, hi * 2.0)
+    }
+}
+
+/// Tick labels of a log axis: plain decimals between 0.001 and 10⁴, `2e-5` style outside.
+fn fmt_log_tick(v: &f64) -> String {
+    let v = *v;
+    if v <= 0.0 || !v.is_finite() {
+        return String::new();
+    }
+    let e = v.log10().floor() as i32;
+    let m = v / 10f64.powi(e);
+    let m = (m * 10.0).round() / 10.0;
+    if (-3..4).contains(&e) {
+        let decimals = if m.fract() == 0.0 {
+            (-e).max(0)
+        } else {
+            (1 - e).max(0)
+        } as usize;
+        format!("{v:.decimals$}")
+    } else if m.fract() == 0.0 {
+        format!("{}e{e}", m as i64)
+    } else {
+        format!("{m:.1}e{e}")
+    }
+}
+
+struct AmaxPlot<'a> {
+    ops: &'a [OpRow],
+    suffix: &'a str,
+}
+
+impl Plot for AmaxPlot<'_> {
+    fn size(&self) -> (u32, u32) {
+        (width_for(self.ops.len()), 820)
+    }
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult {
+        let n = self.ops.len();
+        let (lo, hi) = log_range(
+            self.ops
+                .iter()
+                .flat_map(|o| o.amax.iter().flatten().copied()),
+        );
+        let mut chart = ChartBuilder::on(root)
+            .caption(
+                format!("amax per op, execution order — {}", self.suffix),
+                title_style(),
+            )
+            .margin(16)
+            .x_label_area_size(label_area(self.ops))
+            .y_label_area_size(90)
+            .build_cartesian_2d(-1i32..n as i32, (lo..hi).log_scale())
+            .ctx()?;
+        chart
+            .configure_mesh()
+            .x_labels(n + 2)
+            .x_label_formatter(&|_| String::new())
+            .y_labels(12)
+            .y_label_formatter(&fmt_log_tick)
+            .y_label_style(font(14))
+            .y_desc("amax = max |x| (log scale)")
+            .x_desc("")
+            .axis_desc_style(y_desc_style())
+            .light_line_style(RGBColor(235, 235, 235))
+            .draw()
+            .ctx()?;
+        for (k, path) in PATHS.iter().enumerate() {
+            let colour = SERIES_COLOURS[k];
+            let segs = segments(self.ops.iter().map(|o| o.amax[k]));
+            // the oracles usually coincide: the FP32 one is drawn wide underneath so both show
+            let width = if k == 0 { 6 } else { 2 };
+            for (si, seg) in segs.iter().enumerate() {
+                let s = chart
+                    .draw_series(LineSeries::new(
+                        seg.iter().copied(),
+                        colour.stroke_width(width),
+                    ))
+                    .ctx()?;
+                if si == 0 {
+                    s.label(*path).legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(3))
+                    });
+                }
+                chart
+                    .draw_series(seg.iter().map(|p| Circle::new(*p, 3, colour.filled())))
+                    .ctx()?;
+            }
+        }
+        draw_non_finite_marks(
+            &mut chart,
+            self.ops.iter().map(|o| o.served_non_finite),
+            hi,
+            "served has NaN/Inf",
+        )?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font(font(15))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .ctx()?;
+        draw_x_labels(root, &op_label_positions(&chart, self.ops, lo), 12)?;
+        Ok(())
+    }
+}
+
+/// Red crosses along the top edge at ops whose values are non-finite (nothing to plot there).
+fn draw_non_finite_marks<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, LogChart>,
+    flags: impl Iterator<Item = bool>,
+    top: f64,
+    label: &str,
+) -> PResult {
+    let y = top / 1.25;
+    let pts: Vec<(i32, f64)> = flags
+        .enumerate()
+        .filter(|(_, f)| *f)
+        .map(|(i, _)| (i as i32, y))
+        .collect();
+    if pts.is_empty() {
+        return Ok(());
+    }
+    let red = RGBColor(200, 0, 0);
+    chart
+        .draw_series(
+            pts.into_iter()
+                .map(|p| Cross::new(p, 7, red.stroke_width(3))),
+        )
+        .ctx()?
+        .label(label)
+        .legend(move |(x, y)| Cross::new((x + 10, y), 6, red.stroke_width(3)));
+    Ok(())
+}
+
+struct CosPlot<'a> {
+    ops: &'a [OpRow],
+    suffix: &'a str,
+}
+
+/// 1 − cos below this is shown at this value: a log axis cannot reach an exact match.
+const COS_FLOOR: f64 = 1e-9;
+
+fn one_minus(c: Option<f64>) -> Option<f64> {
+    c.map(|c| (1.0 - c).max(COS_FLOOR))
+}
+
+impl Plot for CosPlot<'_> {
+    fn size(&self) -> (u32, u32) {
+        (width_for(self.ops.len()), 820)
+    }
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult {
+        let n = self.ops.len();
+        let series: [(&str, Vec<Option<f64>>, RGBColor); 3] = [
+            (
+                "served isolated vs BF16 oracle",
+                self.ops.iter().map(|o| one_minus(o.iso_cos)).collect(),
+                RGBColor(255, 127, 14),
+            ),
+            (
+                "served propagated vs BF16 oracle",
+                self.ops.iter().map(|o| one_minus(o.prop_cos)).collect(),
+                RGBColor(214, 39, 40),
+            ),
+            (
+                "noise floor: BF16 vs FP32 oracle",
+                self.ops.iter().map(|o| one_minus(o.floor_cos)).collect(),
+                RGBColor(110, 110, 110),
+            ),
+        ];
+        // exact matches sit at the floor; they should not stretch the axis over decades of nothing
+        let (lo, hi) = log_range(
+            series
+                .iter()
+                .flat_map(|s| s.1.iter().flatten().copied())
+                .filter(|v| *v > COS_FLOOR),
+        );
+        let hi = hi.min(2.5).max(lo * 10.0);
+        let series = series.map(|(l, v, c)| {
+            (
+                l,
+                v.into_iter()
+                    .map(|x| x.map(|x| x.max(lo)))
+                    .collect::<Vec<_>>(),
+                c,
+            )
+        });
+        let mut chart = ChartBuilder::on(root)
+            .caption(
+                format!("1 − cos vs the BF16 oracle per op — {}", self.suffix),
+                title_style(),
+            )
+            .margin(16)
+            .x_label_area_size(label_area(self.ops))
+            .y_label_area_size(90)
+            .build_cartesian_2d(-1i32..n as i32, (lo..hi).log_scale())
+            .ctx()?;
+        chart
+            .configure_mesh()
+            .x_labels(n + 2)
+            .x_label_formatter(&|_| String::new())
+            .y_labels(12)
+            .y_label_formatter(&fmt_log_tick)
+            .y_label_style(font(14))
+            .y_desc("1 − cosine similarity (log scale)")
+            .axis_desc_style(y_desc_style())
+            .light_line_style(RGBColor(235, 235, 235))
+            .draw()
+            .ctx()?;
+        for (k, (label, vals, colour)) in series.iter().enumerate() {
+            let colour = *colour;
+            for (si, seg) in segments(vals.iter().copied()).iter().enumerate() {
+                let s = if k == 2 {
+                    chart
+                        .draw_series(DashedLineSeries::new(
+                            seg.iter().copied(),
+                            6,
+                            4,
+                            colour.stroke_width(2),
+                        ))
+                        .ctx()?
+                } else {
+                    chart
+                        .draw_series(LineSeries::new(seg.iter().copied(), colour.stroke_width(2)))
+                        .ctx()?
+                };
+                if si == 0 {
+                    s.label(*label).legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(3))
+                    });
+                }
+                if k < 2 {
+                    chart
+                        .draw_series(seg.iter().map(|p| Circle::new(*p, 3, colour.filled())))
+                        .ctx()?;
+                }
+            }
+        }
+        let undefined = self.ops.iter().map(|o| {
+            o.iso_cos.is_none() || o.prop_cos.is_none() || o.served_non_finite || o.iso_non_finite
+        });
+        draw_non_finite_marks(&mut chart, undefined, hi, "cosine undefined (NaN/Inf)")?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font(font(15))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .ctx()?;
+        draw_x_labels(root, &op_label_positions(&chart, self.ops, lo), 12)?;
+        Ok(())
+    }
+}
+
+/// Worst isolated rel-L2 per (layer, op kind); the kind is the id without its `L{n}.` prefix.
+struct Heatmap<'a> {
+    layers: Vec<i64>,
+    kinds: Vec<String>,
+    /// [layer index][kind index]
+    cells: Vec<Vec<Cell>>,
+    suffix: &'a str,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Cell {
+    Empty,
+    Value(f64),
+    NonFinite,
+}
+
+fn op_kind(id: &str) -> &str {
+    match id.strip_prefix('L').and_then(|r| r.split_once('.')) {
+        Some((n, rest)) if n.chars().all(|c| c.is_ascii_digit()) && !n.is_empty() => rest,
+        _ => id,
+    }
+}
+
+impl<'a> Heatmap<'a> {
+    fn new(ops: &[OpRow], suffix: &'a str) -> Self {
+        let mut layers: Vec<i64> = ops.iter().filter_map(|o| o.layer).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        let mut kinds: Vec<String> = Vec::new();
+        for o in ops.iter().filter(|o| o.layer.is_some()) {
+            let k = op_kind(&o.id);
+            if !kinds.iter().any(|x| x == k) {
+                kinds.push(k.to_string());
+            }
+        }
+        let mut cells = vec![vec![Cell::Empty; kinds.len()]; layers.len()];
+        for o in ops {
+            let Some(l) = o.layer else { continue };
+            let (Ok(li), Some(ki)) = (
+                layers.binary_search(&l),
+                kinds.iter().position(|k| k == op_kind(&o.id)),
+            ) else {
+                continue;
+            };
+            let new = if o.iso_non_finite
+                || o.iso_rel_l2.is_none() && o.iso_cos.is_none() && o.amax[2].is_some()
+            {
+                Cell::NonFinite
+            } else if let Some(v) = o.iso_rel_l2 {
+                Cell::Value(v)
+            } else {
+                Cell::Empty
+            };
+            let c = &mut cells[li][ki];
+            *c = match (*c, new) {
+                (Cell::NonFinite, _) | (_, Cell::NonFinite) => Cell::NonFinite,
+                (Cell::Value(a), Cell::Value(b)) => Cell::Value(a.max(b)),
+                (Cell::Empty, x) | (x, Cell::Empty) => x,
+            };
+        }
+        Heatmap {
+            layers,
+            kinds,
+            cells,
+            suffix,
+        }
+    }
+
+    fn cell_px(&self) -> (u32, u32) {
+        let w = (1500 / self.kinds.len().max(1) as u32).clamp(26, 90);
+        let h = (1100 / self.layers.len().max(1) as u32).clamp(14, 44);
+        (w, h)
+    }
+}
+
+/// Viridis, sampled at five stops: perceptually ordered and readable in grey.
+fn viridis(t: f64) -> RGBColor {
+    const STOPS: [(f64, f64, f64); 5] = [
+        (68.0, 1.0, 84.0),
+        (59.0, 82.0, 139.0),
+        (33.0, 145.0, 140.0),
+        (94.0, 201.0, 98.0),
+        (253.0, 231.0, 37.0),
+    ];
+    let t = if t.is_finite() {
+        t.clamp(0.0, 1.0)
+    } else {
+        0.0
+    } * 4.0;
+    let i = (t.floor() as usize).min(3);
+    let f = t - i as f64;
+    let (a, b) = (STOPS[i], STOPS[i + 1]);
+    let mix = |x: f64, y: f64| (x + (y - x) * f).round() as u8;
+    RGBColor(mix(a.0, b.0), mix(a.1, b.1), mix(a.2, b.2))
+}
+
+const NON_FINITE: RGBColor = RGBColor(255, 0, 200);
+const EMPTY: RGBColor = RGBColor(225, 225, 225);
+
+impl Plot for Heatmap<'_> {
+    fn size(&self) -> (u32, u32) {
+        let (cw, ch) = self.cell_px();
+        let longest = self
+            .kinds
+            .iter()
+            .map(|k| k.chars().count())
+            .max()
+            .unwrap_or(4) as u32;
+        let w = 120 + cw * self.kinds.len() as u32 + 260;
+        let h = 110 + ch * self.layers.len() as u32 + (16 + 7 * longest).min(220);
+        (w.max(900), h.max(480))
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult {
+        let (w, _) = self.size();
+        let (main, side) = root.split_horizontally(w - 230);
+        let nk = self.kinds.len().max(1) as i32;
+        let nl = self.layers.len().max(1) as i32;
+        let vals: Vec<f64> = self
+            .cells
+            .iter()
+            .flatten()
+            .filter_map(|c| match c {
+                Cell::Value(v) if *v > 0.0 => Some(*v),
+                _ => None,
+            })
+            .collect();
+        let (lo, hi) = {
+            let (a, b) = vals
+                .iter()
+                .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(*v), b.max(*v)));
+            if !a.is_finite() {
+                (1e-3, 1.0)
+            } else if b / a < 10.0 {
+                let m = (a * b).sqrt();
+                (m / 3.2, m * 3.2)
+            } else {
+                (a, b)
+            }
+        };
+        let t_of = |v: f64| ((v.max(lo)).ln() - lo.ln()) / (hi.ln() - lo.ln());
+        let kinds = &self.kinds;
+        let layers = &self.layers;
+        // row 0 at the bottom of the chart is the last layer, so L0 reads at the top
+        let fmt_y = |v: &SegmentValue<i32>| match v {
+            SegmentValue::CenterOf(r) => {
+                let li = layers.len() as i64 - 1 - *r as i64;
+                usize::try_from(li)
+                    .ok()
+                    .and_then(|i| layers.get(i))
+                    .map(|l| format!("L{l}"))
+                    .unwrap_or_default()
+            }
+            _ => String::new(),
+        };
+        let longest = self
+            .kinds
+            .iter()
+            .map(|k| k.chars().count())
+            .max()
+            .unwrap_or(4) as u32;
+        let mut chart = ChartBuilder::on(&main)
+            .caption(
+                format!(
+                    "worst isolated rel-L2 per layer × op kind — {}",
+                    self.suffix
+                ),
+                title_style(),
+            )
+            .margin(16)
+            .x_label_area_size((16 + 7 * longest).min(220))
+            .y_label_area_size(80)
+            // an i32 range is inclusive in plotters: 0..n−1 gives n segments
+            .build_cartesian_2d((0..nk - 1).into_segmented(), (0..nl - 1).into_segmented())
+            .ctx()?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_labels(nk as usize)
+            .y_labels(nl as usize)
+            .x_label_formatter(&|_| String::new())
+            .y_label_formatter(&fmt_y)
+            .y_label_style(font(14))
+            .y_desc("layer")
+            .axis_desc_style(y_desc_style())
+            .draw()
+            .ctx()?;
+        let (cw, ch) = self.cell_px();
+        let show_text = cw >= 52 && ch >= 18;
+        for (li, row) in self.cells.iter().enumerate() {
+            let r = nl - 1 - li as i32;
+            for (ki, cell) in row.iter().enumerate() {
+                let k = ki as i32;
+                let colour = match cell {
+                    Cell::Empty => EMPTY,
+                    Cell::NonFinite => NON_FINITE,
+                    Cell::Value(v) => viridis(t_of(*v)),
+                };
+                let rect = Rectangle::new(
+                    [
+                        (SegmentValue::Exact(k), SegmentValue::Exact(r)),
+                        (SegmentValue::Exact(k + 1), SegmentValue::Exact(r + 1)),
+                    ],
+                    colour.filled(),
+                );
+                chart.draw_series(std::iter::once(rect)).ctx()?;
+                if show_text {
+                    let text = match cell {
+                        Cell::Value(v) => format!("{v:.1e}"),
+                        Cell::NonFinite => "NaN/Inf".into(),
+                        Cell::Empty => String::new(),
+                    };
+                    if !text.is_empty() {
+                        let dark = match cell {
+                            Cell::Value(v) => t_of(*v) < 0.6,
+                            _ => false,
+                        };
+                        let style = font(12)
+                            .color(if dark { &WHITE } else { &BLACK })
+                            .pos(Pos::new(HPos::Center, VPos::Center));
+                        chart
+                            .draw_series(std::iter::once(Text::new(
+                                text,
+                                (SegmentValue::CenterOf(k), SegmentValue::CenterOf(r)),
+                                style,
+                            )))
+                            .ctx()?;
+                    }
+                }
+            }
+        }
+        let at: Vec<((i32, i32), String)> = kinds
+            .iter()
+            .enumerate()
+            .map(|(k, name)| {
+                (
+                    chart
+                        .backend_coord(&(SegmentValue::CenterOf(k as i32), SegmentValue::Exact(0))),
+                    name.clone(),
+                )
+            })
+            .collect();
+        draw_x_labels(root, &at, 13)?;
+        // colour scale: a log axis with the ramp drawn in thin bands
+        let (bar, keys) = side.split_vertically(side.dim_in_pixel().1.saturating_sub(150));
+        let mut scale = ChartBuilder::on(&bar)
+            .margin_top(60)
+            .margin_bottom(10)
+            .margin_right(20)
+            .y_label_area_size(70)
+            .caption("rel-L2", (FONT, 16))
+            .build_cartesian_2d(0f64..1f64, (lo..hi).log_scale())
+            .ctx()?;
+        scale
+            .configure_mesh()
+            .disable_mesh()
+            .disable_x_axis()
+            .y_labels(10)
+            .y_label_formatter(&fmt_log_tick)
+            .y_label_style(font(13))
+            .draw()
+            .ctx()?;
+        let steps = 120;
+        let ratio = (hi / lo).powf(1.0 / steps as f64);
+        scale
+            .draw_series((0..steps).map(|i| {
+                let a = lo * ratio.powi(i);
+                let b = a * ratio;
+                Rectangle::new([(0.0, a), (1.0, b)], viridis(t_of((a * b).sqrt())).filled())
+            }))
+            .ctx()?;
+        let key = |y: i32, colour: RGBColor, text: &str| -> PResult {
+            keys.draw(&Rectangle::new([(20, y), (40, y + 16)], colour.filled()))
+                .ctx()?;
+            keys.draw(&Rectangle::new(
+                [(20, y), (40, y + 16)],
+                BLACK.stroke_width(1),
+            ))
+            .ctx()?;
+            keys.draw(&Text::new(text.to_string(), (48, y), font(14)))
+                .ctx()?;
+            Ok(())
+        };
+        key(20, NON_FINITE, "NaN/Inf in served")?;
+        key(46, EMPTY, "no such op")?;
+        Ok(())
+    }
+}
