@@ -63,8 +63,10 @@ pub struct OpRecord {
     pub weights: Vec<(String, String)>,
     /// Statistics of each path's (propagated) output: oracle_fp32, oracle_bf16, served, served_isolated.
     pub stats: BTreeMap<String, Stats>,
-    /// BF16 oracle vs FP32 oracle: the op's noise floor.
+    /// BF16 oracle vs FP32 oracle, each on its own inputs (propagated spread).
     pub bf16_vs_fp32: Compare,
+    /// BF16 numerics vs FP32 numerics of this op alone, fed the same inputs: the op's noise floor.
+    pub bf16_vs_fp32_isolated: Compare,
     pub served_isolated_vs_bf16: Compare,
     pub served_isolated_vs_fp32: Compare,
     pub served_propagated_vs_bf16: Compare,
@@ -222,6 +224,15 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
             } else {
                 outs[1].clone()
             };
+            // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
+            let fp_on_bf: Vec<Tensor> = {
+                let inputs: Vec<&Tensor> = op.inputs.iter().map(|id| &maps[1][id]).collect();
+                let mut env = PathEnv {
+                    kind: PathKind::OracleFp32,
+                    shared: &mut shared,
+                };
+                exec(op, &inputs, &mut env)?
+            };
             let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
             let mut stats = BTreeMap::new();
             stats.insert("oracle_fp32".to_string(), Stats::of(&fp.data));
@@ -244,10 +255,11 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 .collect();
             let class = format!("{:?}", op.class);
             let noise = Compare::of(&bf.data, &fp.data);
+            let noise_iso = Compare::of(&bf.data, &fp_on_bf[0].data);
             let iso_bf = Compare::of(&is.data, &bf.data);
             let prop_bf = Compare::of(&sv.data, &bf.data);
             let (health, act_ratio) = env::aggregate_health(&observed);
-            let tol = (th.noise_multiplier * noise.rel_l2.unwrap_or(0.0))
+            let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
                 .max(format_tolerance(th, opts.profile, &formats, &class))
                 .max(th.min_rel_l2);
             let agreement = if is_index_output(op) {
@@ -300,6 +312,7 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 weights,
                 stats,
                 bf16_vs_fp32: noise,
+                bf16_vs_fp32_isolated: noise_iso,
                 served_isolated_vs_fp32: Compare::of(&is.data, &fp.data),
                 served_isolated_vs_bf16: iso_bf,
                 served_propagated_vs_fp32: Compare::of(&sv.data, &fp.data),

@@ -279,7 +279,7 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
         ));
     }
     m.push_str("\namax and NaN are the served path's; cosine is served (propagated) against the BF16 oracle.\n");
-    m.push_str("\n## Details\n\n| Op | amax fp32 | amax bf16 | amax served | noise rel-L2 (bf16 vs fp32) | isolated rel-L2 | isolated cos | tolerance | NVFP4 activation health | act amax / calib | verdict |\n|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n");
+    m.push_str("\n## Details\n\n| Op | amax fp32 | amax bf16 | amax served | noise rel-L2 (bf16 vs fp32, isolated) | isolated rel-L2 | isolated cos | tolerance | NVFP4 activation health | act amax / calib | verdict |\n|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n");
     for r in &res.records {
         m.push_str(&format!(
             "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
@@ -287,7 +287,7 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
             fmt_g(r.stats["oracle_fp32"].amax),
             fmt_g(r.stats["oracle_bf16"].amax),
             fmt_g(r.stats["served"].amax),
-            r.bf16_vs_fp32.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+            r.bf16_vs_fp32_isolated.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
             r.served_isolated_vs_bf16
                 .rel_l2
                 .map(fmt_g)
