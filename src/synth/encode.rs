@@ -5,7 +5,9 @@ use crate::checkpoint::{Dtype, Naming};
 use crate::numerics::fp8_block::{self, Fp8ScaleFmt};
 use crate::numerics::mxfp4::{self, Mxfp4Rule};
 use crate::numerics::nvfp4::{self, NvFp4Quant};
-use crate::numerics::{bf16, swizzle, ue8m0};
+use rayon::prelude::*;
+
+use crate::numerics::{swizzle, ue8m0};
 use crate::probe::faults::{Fault, FaultKind};
 use crate::{Error, Result};
 
@@ -31,10 +33,17 @@ pub struct LinIn<'a> {
     pub act_amax: f32,
 }
 
+/// BF16 bytes of finite values (every value synth writes is finite).
 pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|&x| bf16::to_bits(x).to_le_bytes())
-        .collect()
+    let mut out = vec![0u8; v.len() * 2];
+    out.par_chunks_mut(1 << 20)
+        .zip(v.par_chunks(1 << 19))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&super::gen::bf16_bits(x).to_le_bytes());
+            }
+        });
+    out
 }
 
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
