@@ -13,6 +13,7 @@ pub mod model;
 pub mod numerics;
 pub mod probe;
 pub mod report;
+pub mod synth;
 pub mod tensor;
 pub mod trace;
 

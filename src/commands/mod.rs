@@ -5,10 +5,12 @@ use crate::cli::{Cli, Command};
 use crate::Result;
 
 pub mod inspect;
+pub mod synth;
 
 pub fn dispatch(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Inspect(a) => inspect::main(&a),
+        Command::Synth(a) => synth::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"
         ))),

@@ -1,0 +1,43 @@
+//! `synth`: write a synthetic DeepSeek-V4 checkpoint (see `crate::synth`).
+
+use crate::cli::SynthArgs;
+use crate::synth::{self, SynthOptions};
+use crate::{Error, Result};
+
+pub fn main(a: &SynthArgs) -> Result<i32> {
+    if a.list_faults {
+        print!("{}", synth::fault_catalogue());
+        return Ok(0);
+    }
+    let out = a
+        .out
+        .as_ref()
+        .ok_or_else(|| Error::usage("synth: --out DIR is required"))?;
+    let opts = SynthOptions::from_args(a)?;
+    let st = synth::synth_to_dir_with_stats(&opts, out)?;
+    eprintln!(
+        "synth: {} {} ({} naming, seed {}) → {}: {} tensors, {:.1} MB in {:.2} s ({:.0} MB/s){}",
+        a.preset,
+        opts.format.name(),
+        a.naming,
+        opts.seed,
+        out.display(),
+        st.tensors,
+        st.bytes as f64 / 1e6,
+        st.seconds,
+        st.mb_per_s(),
+        if opts.faults.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; faults: {}",
+                opts.faults
+                    .iter()
+                    .map(|f| format!("{}@{}", f.kind.name(), f.target))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    );
+    Ok(0)
+}

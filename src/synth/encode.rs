@@ -1,0 +1,339 @@
+//! Linear weights into checkpoint tensors, per scheme, with the producer-exact encoders of
+//! `numerics`, and the planted faults of `probe::faults` applied to the bytes and scales.
+
+use crate::checkpoint::{Dtype, Naming};
+use crate::numerics::fp8_block::{self, Fp8ScaleFmt};
+use crate::numerics::mxfp4::{self, Mxfp4Rule};
+use crate::numerics::nvfp4::{self, NvFp4Quant};
+use crate::numerics::{bf16, swizzle, ue8m0};
+use crate::probe::faults::{Fault, FaultKind};
+use crate::{Error, Result};
+
+use super::plan::{role, Role, WScheme};
+
+/// One tensor to write, under its canonical name (leaf included).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawT {
+    /// Canonical name, or the raw name itself when `raw` (HF fused expert tensors).
+    pub name: String,
+    pub raw: bool,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+/// A linear weight with its generated values and its calibrated input amax.
+pub struct LinIn<'a> {
+    pub base: &'a str,
+    pub w: &'a [f32],
+    pub out: usize,
+    pub inp: usize,
+    pub act_amax: f32,
+}
+
+pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| bf16::to_bits(x).to_le_bytes())
+        .collect()
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn i64_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect()
+}
+
+fn usage(f: FaultKind, base: &str, scheme: WScheme, why: &str) -> Error {
+    Error::usage(format!(
+        "fault {}@…: does not apply to `{base}` ({} weight): {why}",
+        f.name(),
+        scheme.name()
+    ))
+}
+
+/// Is `kind` plantable into weight `base` stored as `scheme`? `Ok(false)` means the target
+/// covers the weight but the fault leaves it alone (w13-scale-mismatch on w1/w2).
+pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
+    use FaultKind::*;
+    let nv = scheme.is_nvfp4();
+    let ok = match kind {
+        MissingAlpha => {
+            return Err(Error::usage(
+                "fault missing-alpha is a loader-only fault: a checkpoint has no alpha tensor \
+                 (alpha = d_x·d_w is computed at load time); use `run --loader-fault missing-alpha@TARGET`",
+            ))
+        }
+        InvertedInputScale | InputAmaxX64 | ZeroInputScale | MissingInputScale | NanInputScale
+        | DoubleScale => nv,
+        InvertedWeightScale => nv || scheme == WScheme::Fp8,
+        NanBlockScale | ShiftedScaleRows => scheme != WScheme::Bf16,
+        NibbleSwap | SwizzledScales => nv || scheme == WScheme::Mxfp4,
+        NonPow2Ue8m0 => scheme == WScheme::Fp8,
+        W13ScaleMismatch => {
+            let r = role(base);
+            if !matches!(r, Role::Expert(_) | Role::Shared(_)) || !nv {
+                return Err(usage(
+                    kind,
+                    base,
+                    scheme,
+                    "needs the NVFP4 w1/w3 pair of an expert",
+                ));
+            }
+            return Ok(matches!(r, Role::Expert(3) | Role::Shared(3)));
+        }
+    };
+    if ok {
+        Ok(true)
+    } else {
+        let why = match kind {
+            NonPow2Ue8m0 => "needs an FP8 block weight with UE8M0 scales",
+            NibbleSwap | SwizzledScales => "needs a packed FP4 weight (NVFP4 or MXFP4)",
+            InvertedWeightScale => "needs an NVFP4 tensor scale or FP8 block scales",
+            NanBlockScale | ShiftedScaleRows => "a BF16 weight has no block scales",
+            _ => "needs an NVFP4 weight with a static activation scale",
+        };
+        Err(usage(kind, base, scheme, why))
+    }
+}
+
+fn has(kinds: &[FaultKind], k: FaultKind) -> bool {
+    kinds.contains(&k)
+}
+
+/// Rotate the rows of a row-major [rows, cols] byte matrix by one of `elem` bytes each.
+fn shift_rows(b: &mut [u8], rows: usize, row_bytes: usize) {
+    if rows > 1 {
+        b[..rows * row_bytes].rotate_right(row_bytes);
+    }
+}
+
+fn swap_nibbles(b: &mut [u8]) {
+    for x in b {
+        *x = x.rotate_left(4);
+    }
+}
+
+/// Scale bytes [rows, cols] stored swizzled; the padded buffer keeps its padded shape.
+fn swizzled(scales: &[u8], rows: usize, cols: usize) -> (Vec<u8>, Vec<usize>) {
+    let (rp, cp) = swizzle::padded_128x4(rows, cols);
+    (swizzle::swizzle_128x4(scales, rows, cols), vec![rp, cp])
+}
+
+/// Encode one group (members share an NVFP4 tensor scale). `faults` are those of the run; each
+/// member takes the ones that hit it.
+pub fn encode_group(
+    members: &[LinIn],
+    scheme: WScheme,
+    naming: Naming,
+    faults: &[Fault],
+) -> Result<Vec<RawT>> {
+    let mut out = Vec::new();
+    let group_amax = members
+        .iter()
+        .map(|m| nvfp4::amax(m.w))
+        .fold(0f32, f32::max);
+    for m in members {
+        let mut kinds = Vec::new();
+        for f in faults.iter().filter(|f| f.hits(m.base)) {
+            if applies(f.kind, m.base, scheme)? {
+                kinds.push(f.kind);
+            }
+        }
+        out.extend(encode_one(m, scheme, naming, group_amax, &kinds)?);
+    }
+    Ok(out)
+}
+
+fn encode_one(
+    m: &LinIn,
+    scheme: WScheme,
+    naming: Naming,
+    group_amax: f32,
+    kinds: &[FaultKind],
+) -> Result<Vec<RawT>> {
+    use FaultKind::*;
+    let (o, i, b) = (m.out, m.inp, m.base);
+    let t = |leaf: &str, dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8>| RawT {
+        name: format!("{b}.{leaf}"),
+        raw: false,
+        dtype,
+        shape,
+        bytes,
+    };
+    Ok(match scheme {
+        WScheme::Bf16 => vec![t("weight", Dtype::BF16, vec![o, i], bf16_bytes(m.w))],
+        WScheme::Nvfp4Ct | WScheme::Nvfp4ModelOpt => {
+            let ct = scheme == WScheme::Nvfp4Ct;
+            let mut global = if ct {
+                nvfp4::global_scale_ct(group_amax)
+            } else {
+                nvfp4::global_scale_modelopt(group_amax)
+            };
+            if has(kinds, W13ScaleMismatch) {
+                global *= 1.6;
+            }
+            // double-scale: nibbles and block scales made with the tensor scale applied twice.
+            let q_global = if has(kinds, DoubleScale) {
+                global * global
+            } else {
+                global
+            };
+            let NvFp4Quant {
+                mut packed,
+                mut scales,
+                ..
+            } = if ct {
+                nvfp4::quantize_ct_with_global(m.w, o, i, q_global)
+            } else {
+                nvfp4::quantize_modelopt_with_global(m.w, o, i, q_global)
+            };
+            let stored_global = if has(kinds, InvertedWeightScale) {
+                1.0 / global
+            } else {
+                global
+            };
+            let nb = i / nvfp4::BLOCK;
+            let mut sshape = vec![o, nb];
+            if has(kinds, NanBlockScale) {
+                scales[0] = 0x7F;
+            }
+            if has(kinds, ShiftedScaleRows) {
+                shift_rows(&mut scales, o, nb);
+            }
+            if has(kinds, SwizzledScales) {
+                let (s, sh) = swizzled(&scales, o, nb);
+                scales = s;
+                sshape = sh;
+            }
+            if has(kinds, NibbleSwap) {
+                swap_nibbles(&mut packed);
+            }
+            let mut amax_x = m.act_amax;
+            if has(kinds, InputAmaxX64) {
+                amax_x /= 64.0;
+            }
+            let mut act = if ct {
+                nvfp4::global_scale_ct(amax_x)
+            } else {
+                nvfp4::global_scale_modelopt(amax_x)
+            };
+            if has(kinds, InvertedInputScale) {
+                act = 1.0 / act;
+            }
+            if has(kinds, ZeroInputScale) {
+                act = 0.0;
+            }
+            if has(kinds, NanInputScale) {
+                act = f32::NAN;
+            }
+            let (wl, gl, il, sc_shape) = if ct {
+                (
+                    "weight_packed",
+                    "weight_global_scale",
+                    "input_global_scale",
+                    vec![1],
+                )
+            } else {
+                ("weight", "weight_scale_2", "input_scale", vec![])
+            };
+            let mut v = vec![
+                t(wl, Dtype::U8, vec![o, i / 2], packed),
+                t("weight_scale", Dtype::F8_E4M3, sshape, scales),
+                t(
+                    gl,
+                    Dtype::F32,
+                    sc_shape.clone(),
+                    stored_global.to_le_bytes().to_vec(),
+                ),
+            ];
+            if !has(kinds, MissingInputScale) {
+                v.push(t(il, Dtype::F32, sc_shape, act.to_le_bytes().to_vec()));
+            }
+            v
+        }
+        WScheme::Fp8 => {
+            let (bm, bn) = (128, 128);
+            let fmt = if has(kinds, NonPow2Ue8m0) {
+                Fp8ScaleFmt::F32
+            } else {
+                Fp8ScaleFmt::Ue8m0
+            };
+            let (q, mut s) = fp8_block::quantize_weight(m.w, o, i, bm, bn, fmt);
+            let grid = vec![o.div_ceil(bm), i.div_ceil(bn)];
+            if has(kinds, InvertedWeightScale) {
+                s.iter_mut().for_each(|x| *x = 1.0 / *x);
+            }
+            // The official release stores `.scale` as E8M0 bytes; a transformers-named export
+            // keeps FP8's `weight_scale_inv` as F32 (values still powers of two).
+            let f32_scales = fmt == Fp8ScaleFmt::F32 || naming == Naming::Hf;
+            let (mut sb, sdt) = if f32_scales {
+                (f32_bytes(&s), Dtype::F32)
+            } else {
+                let b: Vec<u8> = s
+                    .iter()
+                    .map(|&x| ue8m0::encode(x, ue8m0::Ue8m0Rounding::Floor))
+                    .collect();
+                (b, Dtype::F8_E8M0)
+            };
+            let es = if f32_scales { 4 } else { 1 };
+            if has(kinds, NanBlockScale) {
+                if f32_scales {
+                    sb[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+                } else {
+                    sb[0] = 0xFF;
+                }
+            }
+            if has(kinds, ShiftedScaleRows) {
+                if grid[0] < 2 {
+                    return Err(usage(
+                        ShiftedScaleRows,
+                        b,
+                        WScheme::Fp8,
+                        "the scale grid has a single row",
+                    ));
+                }
+                shift_rows(&mut sb, grid[0], grid[1] * es);
+            }
+            let leaf = if naming == Naming::Hf {
+                "weight_scale_inv"
+            } else {
+                "scale"
+            };
+            vec![
+                t("weight", Dtype::F8_E4M3, vec![o, i], q),
+                t(leaf, sdt, grid, sb),
+            ]
+        }
+        WScheme::Mxfp4 => {
+            // DeepSeek's FP4 quantisation rounds the block scale up (never clips): 2^ceil(log2(amax/6)).
+            let (mut packed, mut scales) = mxfp4::quantize(m.w, o, i, Mxfp4Rule::Ceil);
+            let nb = i / mxfp4::BLOCK;
+            let mut sshape = vec![o, nb];
+            if has(kinds, NanBlockScale) {
+                scales[0] = 0xFF;
+            }
+            if has(kinds, ShiftedScaleRows) {
+                shift_rows(&mut scales, o, nb);
+            }
+            if has(kinds, SwizzledScales) {
+                let (s, sh) = swizzled(&scales, o, nb);
+                scales = s;
+                sshape = sh;
+            }
+            if has(kinds, NibbleSwap) {
+                swap_nibbles(&mut packed);
+            }
+            let leaf = if naming == Naming::Hf {
+                "weight_scale"
+            } else {
+                "scale"
+            };
+            vec![
+                t("weight", Dtype::I8, vec![o, i / 2], packed),
+                t(leaf, Dtype::F8_E8M0, sshape, scales),
+            ]
+        }
+    })
+}

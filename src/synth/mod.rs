@@ -1,0 +1,559 @@
+//! Synthetic DeepSeek-V4 checkpoints in the real on-disk formats (DSV4-LAYER.md §2, NVFP4.md
+//! §3.3–3.4, §6), with faults of `probe::faults` planted into the written bytes.
+//!
+//! Two writers share one plan (`plan`), one generator (`gen`) and one encoder (`encode`):
+//! - `tiny` is generated whole in memory, calibrated by a real FP32 forward (`calib`) and
+//!   written at once;
+//! - `flash-layer` streams: tensors are generated, quantised and handed to the `ShardWriter`
+//!   one group (one expert set) at a time, with a cheap calibration stand-in
+//!   ([`standin_amax`]) because a 256-expert forward needs the whole layer in memory.
+
+pub mod calib;
+pub mod encode;
+pub mod gen;
+pub mod plan;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::checkpoint::writer::write_file;
+use crate::checkpoint::{Checkpoint, Dtype, Naming, ShardWriter};
+use crate::cli::SynthArgs;
+use crate::model::ModelConfig;
+use crate::probe::faults::{Fault, FaultKind};
+use crate::{Error, Result, Tensor};
+
+use encode::{bf16_bytes, encode_group, f32_bytes, i64_bytes, LinIn, RawT};
+use plan::{Block, Dims, Group, PDtype, ParamSpec};
+pub use plan::{Format, Preset};
+
+/// Calibration tokens of the tiny forward.
+pub const CALIB_TOKENS: usize = 64;
+/// Rows of the flash-layer calibration stand-in.
+pub const STANDIN_ROWS: usize = 8;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthOptions {
+    pub preset: Preset,
+    pub format: Format,
+    /// `Official` or `Hf` (the hybrid naming is read, never written).
+    pub naming: Naming,
+    pub seed: u64,
+    pub layers: Option<usize>,
+    pub faults: Vec<Fault>,
+}
+
+impl SynthOptions {
+    pub fn new(preset: Preset, format: Format, naming: Naming, seed: u64) -> SynthOptions {
+        SynthOptions {
+            preset,
+            format,
+            naming,
+            seed,
+            layers: None,
+            faults: Vec::new(),
+        }
+    }
+
+    pub fn from_args(a: &SynthArgs) -> Result<SynthOptions> {
+        Ok(SynthOptions {
+            preset: Preset::parse(&a.preset)?,
+            format: Format::parse(&a.format)?,
+            naming: plan::parse_naming(&a.naming)?,
+            seed: a.seed,
+            layers: a.layers,
+            faults: a
+                .faults
+                .iter()
+                .map(|f| Fault::parse(f))
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
+/// What a run wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthStats {
+    pub tensors: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+impl SynthStats {
+    pub fn mb_per_s(&self) -> f64 {
+        self.bytes as f64 / 1e6 / self.seconds.max(1e-9)
+    }
+}
+
+/// The built-in default model: tiny, official-mixed, official naming, in memory.
+pub fn builtin(seed: u64) -> Result<Checkpoint> {
+    synth_to_memory(&SynthOptions::new(
+        Preset::Tiny,
+        Format::OfficialMixed,
+        Naming::Official,
+        seed,
+    ))
+}
+
+pub fn synth_to_dir(opts: &SynthOptions, dir: &Path) -> Result<()> {
+    synth_to_dir_with_stats(opts, dir).map(|_| ())
+}
+
+/// As [`synth_to_dir`], returning size and speed.
+pub fn synth_to_dir_with_stats(opts: &SynthOptions, dir: &Path) -> Result<SynthStats> {
+    let t0 = Instant::now();
+    let ctx = Ctx::new(opts)?;
+    let mut w = ShardWriter::new(dir, ctx.shard_bytes())?;
+    let (tensors, bytes) = ctx.write_all(&mut w)?;
+    w.finish(&ctx.config)?;
+    if let Some(hq) = &ctx.hf_quant {
+        write_file(&dir.join("hf_quant_config.json"), hq.as_bytes())?;
+    }
+    Ok(SynthStats {
+        tensors,
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The same checkpoint built in memory (`Checkpoint::from_memory`; no hf_quant_config.json).
+pub fn synth_to_memory(opts: &SynthOptions) -> Result<Checkpoint> {
+    let ctx = Ctx::new(opts)?;
+    let mut w = ShardWriter::in_memory(ctx.shard_bytes());
+    ctx.write_all(&mut w)?;
+    Checkpoint::from_memory(&ctx.config, w.to_memory()?)
+}
+
+/// The generated f32 value of any canonical tensor of a synth run (linear base, or parameter
+/// name), before quantisation: the reference tests compare dequantised weights against.
+pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
+    let dims = Dims::new(opts.preset, opts.layers)?;
+    for b in plan::blocks(&dims) {
+        if let Some(p) = b.params.iter().find(|p| p.name == name) {
+            return Ok(Tensor::new(
+                p.shape.clone(),
+                gen::param(opts.seed, p, dims.experts),
+            ));
+        }
+        let lin = b
+            .groups
+            .iter()
+            .chain(b.experts.iter().flatten())
+            .flat_map(|g| g.members.iter())
+            .find(|l| l.base == name);
+        if let Some(l) = lin {
+            return Ok(Tensor::new(
+                vec![l.out, l.inp],
+                gen::linear(opts.seed, &l.base, l.out, l.inp),
+            ));
+        }
+    }
+    Err(Error::usage(format!(
+        "`{name}` is not a tensor of this synthetic model"
+    )))
+}
+
+/// Print the fault catalogue (`--list-faults`).
+pub fn fault_catalogue() -> String {
+    let mut s = String::new();
+    for k in FaultKind::ALL {
+        s.push_str(&format!("{:<22} {}\n", k.name(), k.describe()));
+    }
+    s
+}
+
+struct Ctx<'a> {
+    opts: &'a SynthOptions,
+    dims: Dims,
+    blocks: Vec<Block>,
+    config: String,
+    hf_quant: Option<String>,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(opts: &'a SynthOptions) -> Result<Ctx<'a>> {
+        if opts.naming == Naming::HfHybrid {
+            return Err(Error::usage(
+                "synth writes the official or the hf naming, not the hybrid",
+            ));
+        }
+        let dims = Dims::new(opts.preset, opts.layers)?;
+        let blocks = plan::blocks(&dims);
+        validate_faults(opts, &blocks)?;
+        let (config, hf_quant) = plan::config_files(&dims, opts.format, opts.naming, &blocks);
+        Ok(Ctx {
+            opts,
+            dims,
+            blocks,
+            config,
+            hf_quant,
+        })
+    }
+
+    fn shard_bytes(&self) -> usize {
+        match self.opts.preset {
+            // Small shards so the tiny model exercises the sharded layout and its index.
+            Preset::Tiny => 8 << 20,
+            Preset::FlashLayer => 2 << 30,
+        }
+    }
+
+    fn model_config(&self) -> Result<ModelConfig> {
+        let v: serde_json::Value = serde_json::from_str(&self.config)
+            .map_err(|e| Error::usage(format!("synth config: {e}")))?;
+        ModelConfig::from_json(&v)
+    }
+
+    fn param_tensor(&self, p: &ParamSpec, v: &[f32]) -> RawT {
+        let (dtype, bytes) = match p.dtype {
+            PDtype::Bf16 => (Dtype::BF16, bf16_bytes(v)),
+            PDtype::F32 => (Dtype::F32, f32_bytes(v)),
+            PDtype::I64 => (Dtype::I64, i64_bytes(v)),
+        };
+        RawT {
+            name: p.name.clone(),
+            raw: false,
+            dtype,
+            shape: p.shape.clone(),
+            bytes,
+        }
+    }
+
+    fn put(&self, w: &mut ShardWriter, t: RawT, n: &mut usize, bytes: &mut u64) -> Result<()> {
+        let name = if t.raw {
+            t.name
+        } else {
+            plan::raw_name(&t.name, self.opts.naming)
+        };
+        *n += 1;
+        *bytes += t.bytes.len() as u64;
+        w.add(&name, t.dtype, &t.shape, t.bytes)
+    }
+
+    fn encode(&self, g: &Group, ws: &[&[f32]], amax: &[f32]) -> Result<Vec<RawT>> {
+        let members: Vec<LinIn> = g
+            .members
+            .iter()
+            .zip(ws)
+            .zip(amax)
+            .map(|((l, w), &a)| LinIn {
+                base: &l.base,
+                w,
+                out: l.out,
+                inp: l.inp,
+                act_amax: a,
+            })
+            .collect();
+        let scheme = plan::scheme(self.opts.format, &g.members[0].base);
+        encode_group(&members, scheme, self.opts.naming, &self.opts.faults)
+    }
+
+    fn write_all(&self, w: &mut ShardWriter) -> Result<(usize, u64)> {
+        match self.opts.preset {
+            Preset::Tiny => self.write_in_memory(w),
+            Preset::FlashLayer => self.write_streaming(w),
+        }
+    }
+
+    /// Tiny: everything generated up front, calibrated by the FP32 forward, then encoded.
+    fn write_in_memory(&self, w: &mut ShardWriter) -> Result<(usize, u64)> {
+        let seed = self.opts.seed;
+        let params: Vec<&ParamSpec> = self.blocks.iter().flat_map(|b| &b.params).collect();
+        let pvals: Vec<Vec<f32>> = params
+            .par_iter()
+            .map(|p| gen::param(seed, p, self.dims.experts))
+            .collect();
+        let lins = plan::all_linears(&self.blocks);
+        let lvals: Vec<Vec<f32>> = lins
+            .par_iter()
+            .map(|l| gen::linear(seed, &l.base, l.out, l.inp))
+            .collect();
+        let ptensors: Vec<RawT> = params
+            .iter()
+            .zip(&pvals)
+            .map(|(p, v)| self.param_tensor(p, v))
+            .collect();
+        let mut linears: HashMap<String, Tensor> = lins
+            .iter()
+            .zip(lvals)
+            .map(|(l, v)| (l.base.clone(), Tensor::new(vec![l.out, l.inp], v)))
+            .collect();
+        let amax = if self.opts.format.has_act_scales() {
+            let cfg = self.model_config()?;
+            let pmap: HashMap<String, Tensor> = params
+                .iter()
+                .zip(pvals)
+                .map(|(p, v)| (p.name.clone(), Tensor::new(p.shape.clone(), v)))
+                .collect();
+            let tokens = calib::sample_tokens(seed, self.dims.vocab, CALIB_TOKENS);
+            let (a, back) = calib::calibrate(&cfg, pmap, linears, tokens)?;
+            linears = back;
+            a
+        } else {
+            HashMap::new()
+        };
+        let groups: Vec<&Group> = self
+            .blocks
+            .iter()
+            .flat_map(|b| b.groups.iter().chain(b.experts.iter().flatten()))
+            .collect();
+        let encoded: Vec<Vec<RawT>> = groups
+            .par_iter()
+            .map(|g| {
+                let ws: Vec<&[f32]> = g
+                    .members
+                    .iter()
+                    .map(|l| linears[&l.base].data.as_slice())
+                    .collect();
+                let am: Vec<f32> = g
+                    .members
+                    .iter()
+                    .map(|l| calib::amax_for(&amax, &l.base))
+                    .collect();
+                self.encode(g, &ws, &am)
+            })
+            .collect::<Result<_>>()?;
+        let mut encoded = encoded.into_iter();
+        let mut ptensors = ptensors.into_iter();
+        let (mut n, mut bytes) = (0usize, 0u64);
+        let fuse = self.opts.format == Format::Bf16 && self.opts.naming == Naming::Hf;
+        for b in &self.blocks {
+            for _ in &b.params {
+                let t = ptensors.next().ok_or_else(|| Error::usage("synth: plan"))?;
+                self.put(w, t, &mut n, &mut bytes)?;
+            }
+            for _ in &b.groups {
+                for t in encoded.next().into_iter().flatten() {
+                    self.put(w, t, &mut n, &mut bytes)?;
+                }
+            }
+            let mut expert_ts = Vec::new();
+            for _ in b.experts.iter().flatten() {
+                expert_ts.extend(encoded.next().into_iter().flatten());
+            }
+            if fuse && !b.experts.is_empty() {
+                expert_ts = self.fuse_experts(b, &linears);
+            }
+            for t in expert_ts {
+                self.put(w, t, &mut n, &mut bytes)?;
+            }
+        }
+        Ok((n, bytes))
+    }
+
+    /// transformers' own layout of BF16 routed experts: `gate_up_proj` [E, 2I, D] = cat(w1, w3)
+    /// along rows, `down_proj` [E, D, I].
+    fn fuse_experts(&self, b: &Block, linears: &HashMap<String, Tensor>) -> Vec<RawT> {
+        let layer = b.layer.unwrap_or(0);
+        let (e, i, d) = (self.dims.experts, self.dims.inter, self.dims.hidden);
+        let mut gu = Vec::with_capacity(e * 2 * i * d);
+        let mut dn = Vec::with_capacity(e * d * i);
+        for ex in &b.experts {
+            for l in &ex[0].members {
+                gu.extend_from_slice(&linears[&l.base].data);
+            }
+            dn.extend_from_slice(&linears[&ex[1].members[0].base].data);
+        }
+        let p = format!("model.layers.{layer}.mlp.experts");
+        vec![
+            RawT {
+                name: format!("{p}.gate_up_proj"),
+                raw: true,
+                dtype: Dtype::BF16,
+                shape: vec![e, 2 * i, d],
+                bytes: bf16_bytes(&gu),
+            },
+            RawT {
+                name: format!("{p}.down_proj"),
+                raw: true,
+                dtype: Dtype::BF16,
+                shape: vec![e, d, i],
+                bytes: bf16_bytes(&dn),
+            },
+        ]
+    }
+
+    /// flash-layer: one group at a time, experts in parallel batches, written in plan order.
+    fn write_streaming(&self, w: &mut ShardWriter) -> Result<(usize, u64)> {
+        let seed = self.opts.seed;
+        let (mut n, mut bytes) = (0usize, 0u64);
+        let need_act = self.opts.format.has_act_scales();
+        for b in &self.blocks {
+            for p in &b.params {
+                let v = gen::param(seed, p, self.dims.experts);
+                self.put(w, self.param_tensor(p, &v), &mut n, &mut bytes)?;
+            }
+            for g in &b.groups {
+                let ws: Vec<Vec<f32>> = g
+                    .members
+                    .iter()
+                    .map(|l| gen::linear(seed, &l.base, l.out, l.inp))
+                    .collect();
+                let refs: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
+                let am = if need_act {
+                    standin_amax(seed, b, g)
+                } else {
+                    vec![1.0; g.members.len()]
+                };
+                for t in self.encode(g, &refs, &am)? {
+                    self.put(w, t, &mut n, &mut bytes)?;
+                }
+            }
+            let batch = (2 * rayon::current_num_threads()).max(2);
+            for chunk in b.experts.chunks(batch) {
+                let done: Vec<Vec<RawT>> = chunk
+                    .par_iter()
+                    .map(|ex| self.expert_set(b, ex, need_act))
+                    .collect::<Result<_>>()?;
+                for t in done.into_iter().flatten() {
+                    self.put(w, t, &mut n, &mut bytes)?;
+                }
+            }
+        }
+        Ok((n, bytes))
+    }
+
+    fn expert_set(&self, b: &Block, ex: &[Group; 2], need_act: bool) -> Result<Vec<RawT>> {
+        let seed = self.opts.seed;
+        let gen = |g: &Group| -> Vec<Vec<f32>> {
+            g.members
+                .iter()
+                .map(|l| gen::linear(seed, &l.base, l.out, l.inp))
+                .collect()
+        };
+        let (w13, w2) = (gen(&ex[0]), gen(&ex[1]));
+        let r13: Vec<&[f32]> = w13.iter().map(Vec::as_slice).collect();
+        let r2: Vec<&[f32]> = w2.iter().map(Vec::as_slice).collect();
+        let (a13, a2) = if need_act {
+            let x = standin_input(seed, b, "ffn_norm.weight", ex[0].members[0].inp);
+            let h = swiglu_amax(&x, r13[0], r13[1], ex[0].members[0].out);
+            (nvfp4_amax(&x.data), h)
+        } else {
+            (1.0, 1.0)
+        };
+        let mut v = self.encode(&ex[0], &r13, &[a13, a13])?;
+        v.extend(self.encode(&ex[1], &r2, &[a2])?);
+        Ok(v)
+    }
+}
+
+fn nvfp4_amax(x: &[f32]) -> f32 {
+    crate::numerics::nvfp4::amax(x)
+}
+
+/// Stand-in calibration input: [`STANDIN_ROWS`] unit-Gaussian rows times the RMSNorm weight
+/// that precedes the linear (RMSNorm output has unit RMS before its weight).
+fn standin_input(seed: u64, b: &Block, norm: &str, width: usize) -> Tensor {
+    let mut x = vec![0f32; STANDIN_ROWS * width];
+    let name = match b.layer {
+        Some(l) => format!("layers.{l}.{norm}"),
+        None => norm.to_string(),
+    };
+    gen::normals(
+        seed,
+        &format!("calibration-standin:{name}"),
+        &mut x,
+        0.0,
+        1.0,
+    );
+    if let Some(p) = b.params.iter().find(|p| p.name == name) {
+        let nw = gen::param(seed, p, 1);
+        if nw.len() == width {
+            for row in x.chunks_exact_mut(width) {
+                row.iter_mut().zip(&nw).for_each(|(a, w)| *a *= w);
+            }
+        }
+    }
+    Tensor::new(vec![STANDIN_ROWS, width], x)
+}
+
+/// max |silu(min(x·w1ᵀ, 10)) · clamp(x·w3ᵀ, ±10)|: the w2 input a forward would produce.
+fn swiglu_amax(x: &Tensor, w1: &[f32], w3: &[f32], out: usize) -> f32 {
+    use crate::model::ops::{matmul_nt, silu};
+    let g = matmul_nt(&x.data, x.rows(), x.cols(), w1, out);
+    let u = matmul_nt(&x.data, x.rows(), x.cols(), w3, out);
+    g.iter()
+        .zip(&u)
+        .map(|(&g, &u)| (silu(g.min(10.0)) * u.clamp(-10.0, 10.0)).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The flash-layer calibration stand-in (a full forward would need the 256-expert layer in
+/// memory): each linear's input is modelled as unit-Gaussian rows times the RMSNorm weight in
+/// front of it (attn_norm for q_a/kv/compressor/indexer projections, q_norm for q_b and the
+/// indexer's wq_b, ffn_norm for the router and experts; unit Gaussian for wo_a/wo_b), and the
+/// w2 input as the SwiGLU of that sample through the set's own w1/w3.
+pub fn standin_amax(seed: u64, b: &Block, g: &Group) -> Vec<f32> {
+    use plan::Role;
+    g.members
+        .iter()
+        .map(|l| {
+            let (norm, w2) = match plan::role(&l.base) {
+                Role::QA | Role::Kv | Role::Compressor | Role::IndexerOther => {
+                    ("attn_norm.weight", false)
+                }
+                Role::QB | Role::IndexerWqB => ("attn.q_norm.weight", false),
+                Role::Router
+                | Role::Shared(1)
+                | Role::Shared(3)
+                | Role::Expert(1)
+                | Role::Expert(3) => ("ffn_norm.weight", false),
+                Role::Shared(_) | Role::Expert(_) => ("ffn_norm.weight", true),
+                _ => ("", false),
+            };
+            if !w2 {
+                let x = standin_input(seed, b, norm, l.inp);
+                return nvfp4_amax(&x.data);
+            }
+            let stem = l.base.strip_suffix(".w2").unwrap_or(&l.base);
+            let d = l.out;
+            let x = standin_input(seed, b, norm, d);
+            let w1 = gen::linear(seed, &format!("{stem}.w1"), l.inp, d);
+            let w3 = gen::linear(seed, &format!("{stem}.w3"), l.inp, d);
+            swiglu_amax(&x, &w1, &w3, l.inp)
+        })
+        .collect()
+}
+
+/// Refuse, before anything is written, faults that hit no weight or do not apply to what they hit.
+fn validate_faults(opts: &SynthOptions, blocks: &[Block]) -> Result<()> {
+    let lins = plan::all_linears(blocks);
+    for f in &opts.faults {
+        if f.kind == FaultKind::MissingAlpha {
+            encode::applies(f.kind, &f.target, plan::WScheme::Bf16)?;
+        }
+        let mut planted = 0usize;
+        let mut hit_any = false;
+        for l in lins.iter().filter(|l| f.hits(&l.base)) {
+            hit_any = true;
+            let s = plan::scheme(opts.format, &l.base);
+            if encode::applies(f.kind, &l.base, s)? {
+                planted += 1;
+            }
+        }
+        if !hit_any {
+            return Err(Error::usage(format!(
+                "fault {}@{}: the target matches no weight of this {} {} checkpoint \
+                 (targets: op ids like L1.attn.q_b, L1.ffn.experts, L2.ffn.expert.3.w2, or bases like layers.1.attn.wq_b)",
+                f.kind.name(),
+                f.target,
+                opts.format.name(),
+                match opts.preset {
+                    Preset::Tiny => "tiny",
+                    Preset::FlashLayer => "flash-layer",
+                }
+            )));
+        }
+        if planted == 0 {
+            return Err(Error::usage(format!(
+                "fault {}@{}: the target covers no weight the fault changes",
+                f.kind.name(),
+                f.target
+            )));
+        }
+    }
+    Ok(())
+}
