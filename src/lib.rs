@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod commands;
 pub mod error;
+pub mod lint;
 pub mod metrics;
 pub mod model;
 pub mod numerics;

@@ -5,12 +5,14 @@ use crate::cli::{Cli, Command};
 use crate::Result;
 
 pub mod inspect;
+pub mod lint;
 pub mod synth;
 
 pub fn dispatch(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Inspect(a) => inspect::main(&a),
         Command::Synth(a) => synth::main(&a),
+        Command::Lint(a) => lint::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"
         ))),

@@ -1,0 +1,114 @@
+//! Is a block-scale buffer linear, or the 128×4 swizzled layout stored as if it were linear?
+//!
+//! Real weights give their block scales structure along both axes: some input channels carry
+//! outliers (a column effect) and rows differ in magnitude (a row effect). In log domain that
+//! structure is additive, so a two-way (row + column) fit of the scales explains a good share of
+//! their variance — when they are read in the layout they were written in. A 128×4-swizzled
+//! buffer read linearly scatters each true column over every fourth byte of a 32-row band, and
+//! the fit collapses; unswizzling it brings the structure back. The statistic is therefore the
+//! fit (R²) of the linear reading against that of the unswizzled reading: whichever explains the
+//! data better is the layout. Scales without structure (i.i.d. data) give neither reading an
+//! edge, and nothing is reported — such corruption needs `--reference`.
+//! Shifted scale rows keep the structure intact (every row has the same outlier columns), so
+//! they are invisible here too and are left to `--reference`.
+
+use crate::numerics::swizzle;
+
+/// R² of the additive model x[r][c] ≈ μ + a_r + b_c.
+pub fn additive_r2(x: &[f64], rows: usize, cols: usize) -> f64 {
+    if rows < 2 || cols < 2 || x.len() < rows * cols {
+        return 0.0;
+    }
+    let n = (rows * cols) as f64;
+    let mu = x[..rows * cols].iter().sum::<f64>() / n;
+    let mut rm = vec![0f64; rows];
+    let mut cm = vec![0f64; cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            let v = x[r * cols + c];
+            rm[r] += v;
+            cm[c] += v;
+        }
+    }
+    rm.iter_mut().for_each(|v| *v /= cols as f64);
+    cm.iter_mut().for_each(|v| *v /= rows as f64);
+    let (mut tot, mut res) = (0f64, 0f64);
+    for r in 0..rows {
+        for c in 0..cols {
+            let v = x[r * cols + c];
+            tot += (v - mu).powi(2);
+            res += (v - rm[r] - cm[c] + mu).powi(2);
+        }
+    }
+    if tot <= 0.0 {
+        0.0
+    } else {
+        1.0 - res / tot
+    }
+}
+
+/// Scale magnitude on a log-like axis. E4M3 and UE8M0 bytes of non-negative scales are
+/// monotone in the value and (nearly) linear in its log2, so the byte is used directly.
+fn level(b: u8) -> f64 {
+    (b & 0x7F) as f64
+}
+
+/// The two fits of a scale buffer `[rows, cols]` (bytes, row-major as stored), over its first
+/// `tiles` complete 128-row tiles. None when the shape cannot hold a swizzled buffer of the
+/// same shape (fewer than 128 rows, or columns not a multiple of 4).
+pub fn swizzle_fits(buf: &[u8], rows: usize, cols: usize, tiles: usize) -> Option<(f64, f64)> {
+    if rows < 128 || cols < 4 || cols % 4 != 0 || buf.len() < rows * cols {
+        return None;
+    }
+    let r = (rows / 128).min(tiles.max(1)) * 128;
+    let sample = &buf[..r * cols];
+    let lin: Vec<f64> = sample.iter().map(|&b| level(b)).collect();
+    let un = swizzle::unswizzle_128x4(sample, r, cols);
+    let unl: Vec<f64> = un.iter().map(|&b| level(b)).collect();
+    Some((additive_r2(&lin, r, cols), additive_r2(&unl, r, cols)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scales with an outlier-column and a row-magnitude effect plus deterministic noise,
+    /// built here independently of any quantiser.
+    fn structured(rows: usize, cols: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(rows * cols);
+        let mut s: u64 = 0x1234_5678;
+        for r in 0..rows {
+            for c in 0..cols {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let noise = ((s >> 33) % 5) as i32 - 2;
+                let col = if c == 3 || c == 10 { 20 } else { 0 };
+                let row = ((r * 7) % 9) as i32;
+                v.push((48 + col + row + noise) as u8);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn r2_of_pure_additive_is_one_and_of_constant_zero() {
+        let x: Vec<f64> = (0..6)
+            .flat_map(|r| (0..5).map(move |c| r as f64 * 2.0 + c as f64))
+            .collect();
+        assert!((additive_r2(&x, 6, 5) - 1.0).abs() < 1e-12);
+        assert_eq!(additive_r2(&[3.0; 30], 6, 5), 0.0);
+    }
+
+    #[test]
+    fn linear_reads_linear_and_swizzled_reads_swizzled() {
+        let (rows, cols) = (256, 16);
+        let lin = structured(rows, cols);
+        let (a, b) = swizzle_fits(&lin, rows, cols, 2).unwrap();
+        assert!(a > 0.8 && a > b + 0.3, "linear {a} vs unswizzled {b}");
+        let sw = swizzle::swizzle_128x4(&lin, rows, cols);
+        let (a, b) = swizzle_fits(&sw, rows, cols, 2).unwrap();
+        assert!(b > 0.8 && b > a + 0.3, "linear {a} vs unswizzled {b}");
+        assert!(swizzle_fits(&lin[..64 * 16], 64, 16, 1).is_none());
+    }
+}
