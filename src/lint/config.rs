@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use serde_json::Value;
 
 use super::checks::raw_stem;
-use super::rules::Severity::{Error as E, Warning as W};
+use super::rules::Severity::{Error as E, Info as I, Warning as W};
 use super::{Cx, Finding};
 use crate::checkpoint::{Scheme, WeightMeta};
 
@@ -316,7 +316,14 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
                 "Write ignore entries in the checkpoint's own module naming; a stale entry usually means another entry is missing.",
             )
         };
-        out.extend(cx.finding("config.ignore", W, e, &cfg_file, "", ev, fix));
+        // An exact name that matches nothing is a mistake; a pattern may legitimately cover
+        // modules this model does not have (`mtp.*` in a model without MTP).
+        let sev = if e.contains('*') || e.starts_with("re:") {
+            I
+        } else {
+            W
+        };
+        out.extend(cx.finding("config.ignore", sev, e, &cfg_file, "", ev, fix));
     }
     out
 }

@@ -14,7 +14,8 @@
 
 use crate::numerics::swizzle;
 
-/// R² of the additive model x[r][c] ≈ μ + a_r + b_c.
+/// Chance-adjusted R² of the additive model x[r][c] ≈ μ + a_r + b_c (0 for noise, 1 for a
+/// perfect fit).
 pub fn additive_r2(x: &[f64], rows: usize, cols: usize) -> f64 {
     if rows < 2 || cols < 2 || x.len() < rows * cols {
         return 0.0;
@@ -41,10 +42,12 @@ pub fn additive_r2(x: &[f64], rows: usize, cols: usize) -> f64 {
         }
     }
     if tot <= 0.0 {
-        0.0
-    } else {
-        1.0 - res / tot
+        return 0.0;
     }
+    // Adjusted for the R² a row + column fit reaches on structureless data, (R+C−2)/(RC−1),
+    // so that narrow tensors (few columns) do not look structured by chance.
+    let null = (rows + cols - 2) as f64 / (n - 1.0);
+    ((1.0 - res / tot) - null) / (1.0 - null)
 }
 
 /// Scale magnitude on a log-like axis. E4M3 and UE8M0 bytes of non-negative scales are
@@ -97,6 +100,17 @@ mod tests {
             .flat_map(|r| (0..5).map(move |c| r as f64 * 2.0 + c as f64))
             .collect();
         assert!((additive_r2(&x, 6, 5) - 1.0).abs() < 1e-12);
+        // Structureless data: adjusted R² near 0.
+        let mut s: u64 = 7;
+        let noise: Vec<f64> = (0..256 * 8)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) % 1000) as f64
+            })
+            .collect();
+        assert!(additive_r2(&noise, 256, 8).abs() < 0.05);
         assert_eq!(additive_r2(&[3.0; 30], 6, 5), 0.0);
     }
 

@@ -99,7 +99,8 @@ pub struct Thresholds {
     pub fused_error: f64,
     /// Fraction of block scales at 448 that makes a tensor saturated.
     pub saturated_fraction: f64,
-    /// Swizzle statistic: minimum R² gain of the unswizzled reading, and its minimum R².
+    /// Swizzle statistic: minimum gain in chance-adjusted R² of the unswizzled reading over the
+    /// linear one, and the minimum adjusted R² of the unswizzled reading.
     pub swizzle_margin: f64,
     pub swizzle_min_r2: f64,
     /// --reference: cosine and norm-ratio tolerance below which a tensor matches.
@@ -120,8 +121,8 @@ impl Default for Thresholds {
             fused_warning: 1.0 + 1e-6,
             fused_error: 1.25,
             saturated_fraction: 0.5,
-            swizzle_margin: 0.15,
-            swizzle_min_r2: 0.2,
+            swizzle_margin: 0.1,
+            swizzle_min_r2: 0.15,
             reference_cos: 0.97,
             reference_norm_tol: 0.05,
         }
