@@ -738,7 +738,14 @@ fn sentinels(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
     // (layer, which) → (count of scales, those exactly 1.0)
     let mut groups: BTreeMap<(String, &str), (usize, Vec<(&WeightMeta, String)>)> = BTreeMap::new();
     for m in nv {
-        let l = layer_prefix(&m.canonical);
+        // A whole layer's routed experts set to 1.0 is a default; attention and shared
+        // experts are their own group.
+        let fam = if m.canonical.contains(".ffn.experts.") {
+            "routed experts"
+        } else {
+            "other weights"
+        };
+        let l = format!("{} {fam}", layer_prefix(&m.canonical));
         for (which, v, t) in [
             ("weight", m.weight_global, &m.tensors.global_scale),
             ("activation", m.input_global, &m.tensors.input_scale),

@@ -158,12 +158,10 @@ impl Rules {
     /// fused_error = 2.0
     /// ```
     pub fn from_toml(text: &str) -> std::result::Result<Rules, String> {
-        let v: toml::Value = text
-            .parse()
-            .map_err(|e| format!("rules file is not TOML: {e}"))?;
-        let t = v.as_table().ok_or("rules file must be a TOML table")?;
+        let t: toml::Table =
+            toml::from_str(text).map_err(|e| format!("rules file is not TOML: {e}"))?;
         let mut rules = Rules::default();
-        for (k, val) in t {
+        for (k, val) in &t {
             match k.as_str() {
                 "severity" => {
                     let tab = val.as_table().ok_or("[severity] must be a table")?;
