@@ -517,13 +517,13 @@ fn convention(
     let th = cx.th();
     let ok = |a: f64| a.is_finite() && a >= th.weight_amax_min && a <= th.weight_amax_max;
     let base = meta.canonical.as_str();
-    if !(max_s > 0.0) || !max_s.is_finite() {
+    if max_s <= 0.0 || !max_s.is_finite() {
         return;
     }
     let range = format!("[{}, {}]", g(th.weight_amax_min), g(th.weight_amax_max));
     match (meta.scheme, meta.convention, meta.weight_global) {
         (Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt, Some(conv), Some(gs)) => {
-            if !(gs > 0.0) || !gs.is_finite() || gs.is_subnormal() {
+            if gs.is_nan() || gs <= 0.0 || !gs.is_finite() || gs.is_subnormal() {
                 return; // reported by the scalar rules
             }
             let tensor = meta.tensors.global_scale.clone().unwrap_or_default();
@@ -736,7 +736,8 @@ fn missing_inputs(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
 
 fn sentinels(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
     // (layer, which) → (count of scales, those exactly 1.0)
-    let mut groups: BTreeMap<(String, &str), (usize, Vec<(&WeightMeta, String)>)> = BTreeMap::new();
+    type Ones<'m> = Vec<(&'m WeightMeta, String)>;
+    let mut groups: BTreeMap<(String, &str), (usize, Ones)> = BTreeMap::new();
     for m in nv {
         // A whole layer's routed experts set to 1.0 is a default; attention and shared
         // experts are their own group.
@@ -791,7 +792,7 @@ fn activations(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
         else {
             continue;
         };
-        if !(v > 0.0) || !v.is_finite() || v.is_subnormal() || v == 1.0 {
+        if v.is_nan() || v <= 0.0 || !v.is_finite() || v.is_subnormal() || v == 1.0 {
             continue; // the scalar and sentinel rules speak for these
         }
         let a = implied_amax(conv, v) as f64;

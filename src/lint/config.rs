@@ -53,7 +53,10 @@ impl Atom {
     }
 }
 
-fn parse(re: &str) -> Option<(Vec<(Atom, char)>, bool, bool)> {
+/// Atoms with their quantifier ('1', '*', '+', '?'), and the `^` / `$` anchors.
+type Parsed = (Vec<(Atom, char)>, bool, bool);
+
+fn parse(re: &str) -> Option<Parsed> {
     let mut cs: Vec<char> = re.chars().collect();
     let start = cs.first() == Some(&'^');
     if start {

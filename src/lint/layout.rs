@@ -60,7 +60,7 @@ fn level(b: u8) -> f64 {
 /// `tiles` complete 128-row tiles. None when the shape cannot hold a swizzled buffer of the
 /// same shape (fewer than 128 rows, or columns not a multiple of 4).
 pub fn swizzle_fits(buf: &[u8], rows: usize, cols: usize, tiles: usize) -> Option<(f64, f64)> {
-    if rows < 128 || cols < 4 || cols % 4 != 0 || buf.len() < rows * cols {
+    if rows < 128 || cols < 4 || !cols.is_multiple_of(4) || buf.len() < rows * cols {
         return None;
     }
     let r = (rows / 128).min(tiles.max(1)) * 128;

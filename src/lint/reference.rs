@@ -99,7 +99,7 @@ fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
     };
     let rot = |s: &[u8], rows: usize, left: bool| -> Vec<u8> {
         let mut s = s.to_vec();
-        if rows > 1 && s.len() % rows == 0 {
+        if rows > 1 && s.len().is_multiple_of(rows) {
             let rb = s.len() / rows;
             if left {
                 s.rotate_left(rb)
@@ -129,8 +129,8 @@ fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
             };
             let swapped: Vec<u8> = packed.iter().map(|b| b.rotate_left(4)).collect();
             v.push(("reference.packing", "the e2m1 nibbles of each byte are swapped (high nibble holds the even element; NVFP4.md §1.2)", with(set(Some(swapped), None))));
-            let cols = if o > 0 { scales.len() / o } else { 0 };
-            if o >= 128 && cols % 4 == 0 && cols > 0 && o % 128 == 0 {
+            let cols = scales.len().checked_div(o).unwrap_or(0);
+            if o >= 128 && cols.is_multiple_of(4) && cols > 0 && o.is_multiple_of(128) {
                 let un = swizzle::unswizzle_128x4(scales, o, cols);
                 v.push(("reference.block-scales", "the block scales are stored in the 128×4 swizzled layout (NVFP4.md §5.1), not linear", with(set(None, Some(un)))));
             }
@@ -145,7 +145,7 @@ fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
             let rows = o.div_ceil(block[0]);
             let f32rot = |left: bool| -> Vec<f32> {
                 let mut s = scales.clone();
-                if rows > 1 && s.len() % rows == 0 {
+                if rows > 1 && s.len().is_multiple_of(rows) {
                     let rb = s.len() / rows;
                     if left {
                         s.rotate_left(rb)
