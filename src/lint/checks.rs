@@ -280,70 +280,109 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
         Scheme::Dense => return Ok(()),
     };
     let n = rows * cols;
-    let bytes: Option<&[u8]>;
-    let vals: Vec<f32> = if kind == "F32" {
-        bytes = None;
-        let c = cx.ck.canonical_of(sraw).unwrap_or(sraw).to_string();
-        cx.ck.tensor_f32(&c)?.data
-    } else {
-        let b = cx.ck.bytes(sraw)?;
-        bytes = Some(b);
-        let mut lut = [0f32; 256];
-        for (k, l) in lut.iter_mut().enumerate() {
-            *l = if kind == "E4M3" {
-                e4m3::decode(k as u8)
-            } else if k == 0 {
-                0.0 // UE8M0 0x00 = 2^-127: a zero scale for every practical purpose
-            } else {
-                ue8m0::decode(k as u8)
-            };
-        }
-        b.iter().map(|&x| lut[x as usize]).collect()
-    };
-    if vals.len() != n {
-        return Err(Error::bad(
-            &sfile,
-            Some(sraw),
-            format!(
-                "{} block scales, {n} expected for [{rows}, {cols}]",
-                vals.len()
-            ),
-        ));
-    }
     let (mut nan, mut neg, mut sat, mut nonpow2) = (0usize, 0usize, 0usize, 0usize);
     let mut first_nan = None;
     let mut first_neg = None;
     let mut zero_rows = Vec::new();
     let (mut max_s, mut min_s) = (0f32, f32::INFINITY);
-    for r in 0..rows {
-        let row = &vals[r * cols..(r + 1) * cols];
-        let mut all_zero = true;
-        for (c, &v) in row.iter().enumerate() {
-            if !v.is_finite() {
-                nan += 1;
-                first_nan.get_or_insert((r, c));
-                all_zero = false;
+    let bytes: Option<&[u8]> = if kind == "F32" {
+        None
+    } else {
+        Some(cx.ck.bytes(sraw)?)
+    };
+    let len_err = |got: usize| {
+        Error::bad(
+            &sfile,
+            Some(sraw),
+            format!("{got} block scales, {n} expected for [{rows}, {cols}]"),
+        )
+    };
+    if let Some(b) = bytes {
+        // Byte formats: a histogram decides counts and extremes with 256 decodes, and only
+        // the rare rows that start with a zero byte are scanned further.
+        if b.len() != n {
+            return Err(len_err(b.len()));
+        }
+        let e4 = kind == "E4M3";
+        let decode = |x: u8| -> f32 {
+            if e4 {
+                e4m3::decode(x)
+            } else if x == 0 {
+                0.0 // UE8M0 0x00 = 2^-127: a zero scale for every practical purpose
+            } else {
+                ue8m0::decode(x)
+            }
+        };
+        let mut hist = [0usize; 256];
+        for &x in b {
+            hist[x as usize] += 1;
+        }
+        for (x, &k) in hist.iter().enumerate() {
+            if k == 0 {
                 continue;
             }
-            if v != 0.0 {
-                all_zero = false;
-            }
-            if v < 0.0 {
-                neg += 1;
-                first_neg.get_or_insert((r, c, v));
+            let v = decode(x as u8);
+            if !v.is_finite() {
+                nan += k;
+            } else if v < 0.0 {
+                neg += k;
             } else if v > 0.0 {
                 max_s = max_s.max(v);
                 min_s = min_s.min(v);
-                if kind == "F32" && !ue8m0::is_pow2(v) {
-                    nonpow2 += 1;
-                }
             }
-            if kind == "E4M3" && v == 448.0 {
-                sat += 1;
+            if e4 && v == 448.0 {
+                sat += k;
             }
         }
-        if all_zero && cols > 0 {
-            zero_rows.push(r);
+        let zero_mask = if e4 { 0x7F } else { 0xFF };
+        for (r, row) in b.chunks_exact(cols.max(1)).enumerate() {
+            if row.iter().all(|&x| x & zero_mask == 0) {
+                zero_rows.push(r);
+            }
+        }
+        if nan + neg > 0 {
+            for (k, &x) in b.iter().enumerate() {
+                let v = decode(x);
+                if !v.is_finite() {
+                    first_nan.get_or_insert((k / cols, k % cols));
+                } else if v < 0.0 {
+                    first_neg.get_or_insert((k / cols, k % cols, v));
+                }
+            }
+        }
+    } else {
+        let c = cx.ck.canonical_of(sraw).unwrap_or(sraw).to_string();
+        let vals = cx.ck.tensor_f32(&c)?.data;
+        if vals.len() != n {
+            return Err(len_err(vals.len()));
+        }
+        for r in 0..rows {
+            let row = &vals[r * cols..(r + 1) * cols];
+            let mut all_zero = true;
+            for (c, &v) in row.iter().enumerate() {
+                if !v.is_finite() {
+                    nan += 1;
+                    first_nan.get_or_insert((r, c));
+                    all_zero = false;
+                    continue;
+                }
+                if v != 0.0 {
+                    all_zero = false;
+                }
+                if v < 0.0 {
+                    neg += 1;
+                    first_neg.get_or_insert((r, c, v));
+                } else if v > 0.0 {
+                    max_s = max_s.max(v);
+                    min_s = min_s.min(v);
+                    if !ue8m0::is_pow2(v) {
+                        nonpow2 += 1;
+                    }
+                }
+            }
+            if all_zero && cols > 0 {
+                zero_rows.push(r);
+            }
         }
     }
     if nan > 0 {

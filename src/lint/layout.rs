@@ -17,37 +17,51 @@ use crate::numerics::swizzle;
 /// Chance-adjusted R² of the additive model x[r][c] ≈ μ + a_r + b_c (0 for noise, 1 for a
 /// perfect fit).
 pub fn additive_r2(x: &[f64], rows: usize, cols: usize) -> f64 {
-    if rows < 2 || cols < 2 || x.len() < rows * cols {
+    if x.len() < rows * cols {
+        return 0.0;
+    }
+    r2_by(rows, cols, |k| x[k])
+}
+
+/// One pass: for a complete two-way table the residual sum of squares of the additive fit is
+/// SS_total − SS_rows − SS_cols (balanced ANOVA identity), so no second pass is needed.
+fn r2_by(rows: usize, cols: usize, get: impl Fn(usize) -> f64) -> f64 {
+    if rows < 2 || cols < 2 {
         return 0.0;
     }
     let n = (rows * cols) as f64;
-    let mu = x[..rows * cols].iter().sum::<f64>() / n;
-    let mut rm = vec![0f64; rows];
-    let mut cm = vec![0f64; cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            let v = x[r * cols + c];
-            rm[r] += v;
-            cm[c] += v;
+    let mut rs = vec![0f64; rows];
+    let mut cs = vec![0f64; cols];
+    let (mut sum, mut sq) = (0f64, 0f64);
+    for (r, rsum) in rs.iter_mut().enumerate() {
+        for (c, csum) in cs.iter_mut().enumerate() {
+            let v = get(r * cols + c);
+            *rsum += v;
+            *csum += v;
+            sq += v * v;
         }
+        sum += *rsum;
     }
-    rm.iter_mut().for_each(|v| *v /= cols as f64);
-    cm.iter_mut().for_each(|v| *v /= rows as f64);
-    let (mut tot, mut res) = (0f64, 0f64);
-    for r in 0..rows {
-        for c in 0..cols {
-            let v = x[r * cols + c];
-            tot += (v - mu).powi(2);
-            res += (v - rm[r] - cm[c] + mu).powi(2);
-        }
-    }
-    if tot <= 0.0 {
+    let mu = sum / n;
+    let tot = sq - n * mu * mu;
+    if tot <= 1e-12 * sq.max(1.0) {
         return 0.0;
     }
+    let ss_rows: f64 = rs
+        .iter()
+        .map(|s| (s / cols as f64 - mu).powi(2))
+        .sum::<f64>()
+        * cols as f64;
+    let ss_cols: f64 = cs
+        .iter()
+        .map(|s| (s / rows as f64 - mu).powi(2))
+        .sum::<f64>()
+        * rows as f64;
+    let r2 = ((ss_rows + ss_cols) / tot).min(1.0);
     // Adjusted for the R² a row + column fit reaches on structureless data, (R+C−2)/(RC−1),
     // so that narrow tensors (few columns) do not look structured by chance.
     let null = (rows + cols - 2) as f64 / (n - 1.0);
-    ((1.0 - res / tot) - null) / (1.0 - null)
+    (r2 - null) / (1.0 - null)
 }
 
 /// Scale magnitude on a log-like axis. E4M3 and UE8M0 bytes of non-negative scales are
@@ -65,10 +79,11 @@ pub fn swizzle_fits(buf: &[u8], rows: usize, cols: usize, tiles: usize) -> Optio
     }
     let r = (rows / 128).min(tiles.max(1)) * 128;
     let sample = &buf[..r * cols];
-    let lin: Vec<f64> = sample.iter().map(|&b| level(b)).collect();
     let un = swizzle::unswizzle_128x4(sample, r, cols);
-    let unl: Vec<f64> = un.iter().map(|&b| level(b)).collect();
-    Some((additive_r2(&lin, r, cols), additive_r2(&unl, r, cols)))
+    Some((
+        r2_by(r, cols, |k| level(sample[k])),
+        r2_by(r, cols, |k| level(un[k])),
+    ))
 }
 
 #[cfg(test)]
