@@ -994,7 +994,7 @@ fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
                 tb,
                 &file,
                 &p.canonical,
-                format!("{which} tensor scales of a fused pair differ: `{ta}` = {}, `{tb}` = {} (ratio {}); an engine that fuses them keeps one (vLLM: the max, {}) and `{mis}` then decodes ×{}", g(a as f64), g(bv as f64), g(ratio), g(kept as f64), g(factor)),
+                format!("{which} tensor scales of a fused pair differ: `{ta}` = {}, `{tb}` = {} (ratio {}); an engine that fuses them keeps one (vLLM: the max, {}) and `{mis}` then {} ×{}", g(a as f64), g(bv as f64), g(ratio), g(kept as f64), if which == "weight" { "decodes" } else { "has its activations scaled" }, g(factor)),
                 "Re-export with linked observers so both members share one tensor scale (max amax of the pair, NVFP4.md §3.4); vLLM #54974.",
             ));
         }
