@@ -6,6 +6,7 @@ use crate::Result;
 
 pub mod gate;
 pub mod inspect;
+pub mod lint;
 pub mod plot;
 pub mod run;
 pub mod synth;
@@ -17,6 +18,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Run(a) => run::main(&a),
         Command::Gate(a) => gate::main(&a),
         Command::Plot(a) => plot::main(&a),
+        Command::Lint(a) => lint::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"
         ))),
