@@ -119,6 +119,48 @@ impl Fault {
     }
 }
 
+/// Whether the served path can emulate `kind` as a loader fault on a weight of `scheme`
+/// (a scheme label of `Checkpoint::weight_scheme`).
+pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
+    match scheme {
+        s if s.starts_with("nvfp4") => kind != FaultKind::NonPow2Ue8m0,
+        "fp8-block" => matches!(kind, FaultKind::DoubleScale | FaultKind::NonPow2Ue8m0),
+        "mxfp4" => kind == FaultKind::NonPow2Ue8m0,
+        _ => false,
+    }
+}
+
+/// Refuse loader faults whose target matches no weight, or no weight the fault can apply to.
+pub fn check_loader_faults(
+    ckpt: &crate::checkpoint::Checkpoint,
+    faults: &[Fault],
+) -> crate::Result<()> {
+    let bases = ckpt.weight_bases();
+    for f in faults {
+        let hits: Vec<&String> = bases.iter().filter(|b| f.hits(b)).collect();
+        if hits.is_empty() {
+            return Err(Error::usage(format!(
+                "loader fault {}@{}: the target matches no weight of the checkpoint",
+                f.kind.name(),
+                f.target
+            )));
+        }
+        let schemes: Vec<&str> = hits.iter().filter_map(|b| ckpt.weight_scheme(b)).collect();
+        if !schemes.iter().any(|s| loader_fault_applies(f.kind, s)) {
+            let mut uniq = schemes.clone();
+            uniq.sort();
+            uniq.dedup();
+            return Err(Error::usage(format!(
+                "loader fault {}@{}: does not apply to the target's format ({})",
+                f.kind.name(),
+                f.target,
+                uniq.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Op id → canonical weight base prefix rules: `L1.attn.q_a` ↔ `layers.1.attn.wq_a`,
 /// `L1.ffn.expert.3.w1` ↔ `layers.1.ffn.experts.3.w1`, `L1.ffn.experts` ↔ every routed expert of
 /// layer 1, `L1.ffn.shared` ↔ the shared expert, `L1.attn.wo_a`, `L1.attn.compressor`, …
