@@ -51,6 +51,10 @@ pub struct Shared<'a> {
     /// Bisect's hypothesis, applied to one weight base.
     pub overrides: Vec<(String, Override)>,
     cache: HashMap<String, Cached>,
+    /// Approximate bytes held by `cache`; past `cache_budget` the cache is emptied before the next load,
+    /// so an op over hundreds of experts stays bounded (each path then re-reads what it needs).
+    cache_bytes: usize,
+    pub cache_budget: usize,
     /// Served linears observed during the current op: sub id → observation.
     pub observed: Vec<(String, LinearObs)>,
     /// Weight bases touched during the current op (for reports and bisect).
@@ -69,6 +73,8 @@ impl<'a> Shared<'a> {
             faults: Vec::new(),
             overrides: Vec::new(),
             cache: HashMap::new(),
+            cache_bytes: 0,
+            cache_budget: 4 << 30,
             observed: Vec::new(),
             touched: Vec::new(),
             record_observations: false,
@@ -78,6 +84,7 @@ impl<'a> Shared<'a> {
     /// Drop every cached weight (called between ops).
     pub fn clear(&mut self) {
         self.cache.clear();
+        self.cache_bytes = 0;
         self.observed.clear();
         self.touched.clear();
     }
@@ -86,6 +93,13 @@ impl<'a> Shared<'a> {
         if !self.cache.contains_key(base) {
             let qw = self.ckpt.weight(base)?;
             let f32 = Arc::new(qw.dequantize()?.data);
+            // f32 dequant + BF16 or served copy + the stored bytes, roughly
+            let size = f32.len() * 4 * 3;
+            if self.cache_bytes + size > self.cache_budget && !self.cache.is_empty() {
+                self.cache.clear();
+                self.cache_bytes = 0;
+            }
+            self.cache_bytes += size;
             self.cache.insert(
                 base.to_string(),
                 Cached {
@@ -95,7 +109,9 @@ impl<'a> Shared<'a> {
                     served: None,
                 },
             );
-            self.touched.push(base.to_string());
+            if !self.touched.iter().any(|t| t == base) {
+                self.touched.push(base.to_string());
+            }
         }
         Ok(self.cache.get_mut(base).expect("inserted above"))
     }
