@@ -9,6 +9,7 @@ pub mod cli;
 pub mod commands;
 pub mod error;
 pub mod gate;
+pub mod lint;
 pub mod metrics;
 pub mod model;
 pub mod numerics;

@@ -7,6 +7,7 @@ use crate::Result;
 pub mod compare;
 pub mod gate;
 pub mod inspect;
+pub mod lint;
 pub mod plot;
 pub mod run;
 pub mod synth;
@@ -19,6 +20,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Gate(a) => gate::main(&a),
         Command::Plot(a) => plot::main(&a),
         Command::Compare(a) => compare::main(&a),
+        Command::Lint(a) => lint::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"
         ))),

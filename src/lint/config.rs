@@ -1,0 +1,371 @@
+//! Rule 8: what `quantization_config` (or `hf_quant_config.json`) claims against what the
+//! tensors are. Engines build their modules from the config, so a claim the tensors do not back
+//! is a load failure at best and a silent mis-read at worst.
+
+use std::collections::HashSet;
+
+use serde_json::Value;
+
+use super::checks::raw_stem;
+use super::rules::Severity::{Error as E, Info as I, Warning as W};
+use super::{Cx, Finding};
+use crate::checkpoint::{Scheme, WeightMeta};
+
+/// Does an ignore/exclude entry match a module name? `re:` entries are Python `re.match`
+/// patterns (anchored at the start; a subset: `.`, `\d`, `\.`-escapes, `[…]`, `* + ?`, `^ $`,
+/// top-level `|`); other entries are fnmatch globs (`*`, `?`) or exact names.
+/// Returns None for a pattern outside that subset.
+pub fn matches(entry: &str, name: &str) -> Option<bool> {
+    if let Some(re) = entry.strip_prefix("re:") {
+        if re.contains('(') || re.contains('{') {
+            return None;
+        }
+        return Some(re.split('|').any(|alt| regex_match(alt, name)));
+    }
+    Some(glob(entry.as_bytes(), name.as_bytes()))
+}
+
+fn glob(p: &[u8], s: &[u8]) -> bool {
+    match p.first() {
+        None => s.is_empty(),
+        Some(b'*') => (0..=s.len()).any(|i| glob(&p[1..], &s[i..])),
+        Some(b'?') => !s.is_empty() && glob(&p[1..], &s[1..]),
+        Some(&c) => s.first() == Some(&c) && glob(&p[1..], &s[1..]),
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Atom {
+    Any,
+    Lit(char),
+    Digit,
+    Class(Vec<(char, char)>, bool),
+}
+
+impl Atom {
+    fn hit(&self, c: char) -> bool {
+        match self {
+            Atom::Any => true,
+            Atom::Lit(x) => *x == c,
+            Atom::Digit => c.is_ascii_digit(),
+            Atom::Class(r, neg) => r.iter().any(|&(a, b)| a <= c && c <= b) != *neg,
+        }
+    }
+}
+
+/// Atoms with their quantifier ('1', '*', '+', '?'), and the `^` / `$` anchors.
+type Parsed = (Vec<(Atom, char)>, bool, bool);
+
+fn parse(re: &str) -> Option<Parsed> {
+    let mut cs: Vec<char> = re.chars().collect();
+    let start = cs.first() == Some(&'^');
+    if start {
+        cs.remove(0);
+    }
+    let end = cs.last() == Some(&'$') && (cs.len() < 2 || cs[cs.len() - 2] != '\\');
+    if end {
+        cs.pop();
+    }
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < cs.len() {
+        let atom = match cs[i] {
+            '.' => Atom::Any,
+            '\\' => {
+                i += 1;
+                match cs.get(i)? {
+                    'd' => Atom::Digit,
+                    c => Atom::Lit(*c),
+                }
+            }
+            '[' => {
+                let mut j = i + 1;
+                let neg = cs.get(j) == Some(&'^');
+                if neg {
+                    j += 1;
+                }
+                let mut ranges = Vec::new();
+                while j < cs.len() && cs[j] != ']' {
+                    if j + 2 < cs.len() && cs[j + 1] == '-' && cs[j + 2] != ']' {
+                        ranges.push((cs[j], cs[j + 2]));
+                        j += 3;
+                    } else {
+                        ranges.push((cs[j], cs[j]));
+                        j += 1;
+                    }
+                }
+                if j >= cs.len() {
+                    return None;
+                }
+                i = j;
+                Atom::Class(ranges, neg)
+            }
+            '*' | '+' | '?' => return None,
+            c => Atom::Lit(c),
+        };
+        i += 1;
+        let q = match cs.get(i) {
+            Some(&q @ ('*' | '+' | '?')) => {
+                i += 1;
+                q
+            }
+            _ => '1',
+        };
+        out.push((atom, q));
+    }
+    Some((out, start, end))
+}
+
+fn regex_match(re: &str, name: &str) -> bool {
+    let Some((atoms, _start, end)) = parse(re) else {
+        return false;
+    };
+    let s: Vec<char> = name.chars().collect();
+    fn go(a: &[(Atom, char)], s: &[char], end: bool) -> bool {
+        let Some(((atom, q), rest)) = a.split_first() else {
+            return !end || s.is_empty();
+        };
+        match q {
+            '1' => !s.is_empty() && atom.hit(s[0]) && go(rest, &s[1..], end),
+            '?' => go(rest, s, end) || (!s.is_empty() && atom.hit(s[0]) && go(rest, &s[1..], end)),
+            _ => {
+                let min = if *q == '+' { 1 } else { 0 };
+                let mut n = 0;
+                while n < s.len() && atom.hit(s[n]) {
+                    n += 1;
+                }
+                (min..=n).rev().any(|k| go(rest, &s[k..], end))
+            }
+        }
+    }
+    go(&atoms, &s, end)
+}
+
+fn str_list(v: Option<&Value>) -> Vec<String> {
+    v.and_then(|x| x.as_array())
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn is_expert(base: &str) -> bool {
+    base.contains(".ffn.experts.")
+}
+
+pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let cfg_file = cx.ck.config_path().to_path_buf();
+    let quantized: Vec<&WeightMeta> = metas.iter().filter(|m| m.scheme != Scheme::Dense).collect();
+    let Some(q) = cx.ck.quantization_config() else {
+        if let Some(m) = quantized.first() {
+            let mut schemes: Vec<&str> = quantized.iter().map(|m| m.scheme_label()).collect();
+            schemes.sort();
+            schemes.dedup();
+            out.extend(cx.finding(
+                "config.scheme",
+                E,
+                &m.tensors.weight,
+                &cfg_file,
+                &m.canonical,
+                format!("config.json declares no quantization_config, but {} weights are quantized ({})", quantized.len(), schemes.join(", ")),
+                "Add the quantization_config of the producer that wrote the tensors; engines load them as BF16 otherwise.",
+            ));
+        }
+        return out;
+    };
+    let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("");
+    let hq = cx.ck.hf_quant_config().and_then(|h| h.get("quantization"));
+    // (scheme every non-ignored weight must have, ignore entries, what "ignored" means)
+    let (expected, ignore, label): (Option<Scheme>, Vec<String>, &str) = match method {
+        "compressed-tensors" => {
+            let fmt = q
+                .get("format")
+                .and_then(|v| v.as_str())
+                .map(str::to_string)
+                .or_else(|| {
+                    q.get("config_groups")
+                        .and_then(|g| g.as_object())
+                        .and_then(|g| {
+                            g.values()
+                                .find_map(|x| x.get("format")?.as_str().map(str::to_string))
+                        })
+                })
+                .unwrap_or_default();
+            let exp = if fmt.contains("nvfp4") {
+                Some(Scheme::Nvfp4Ct)
+            } else if fmt.contains("mxfp4") {
+                Some(Scheme::Mxfp4)
+            } else {
+                None
+            };
+            (exp, str_list(q.get("ignore")), "ignore")
+        }
+        "modelopt" => {
+            let algo = q.get("quant_algo").and_then(|v| v.as_str()).unwrap_or("");
+            let mut ex = str_list(q.get("exclude_modules"));
+            if ex.is_empty() {
+                ex = str_list(hq.and_then(|h| h.get("exclude_modules")));
+            }
+            let exp = if algo == "NVFP4" {
+                Some(Scheme::Nvfp4ModelOpt)
+            } else {
+                None
+            };
+            (exp, ex, "exclude_modules")
+        }
+        "fp8" => {
+            let mut ex = str_list(q.get("ignore"));
+            if ex.is_empty() {
+                ex = str_list(q.get("exclude_modules"));
+            }
+            (None, ex, "ignore")
+        }
+        _ => return out,
+    };
+    let names = |m: &WeightMeta| [raw_stem(m), m.canonical.clone()];
+    let mut used: HashSet<usize> = HashSet::new();
+    let mut unsupported: HashSet<usize> = HashSet::new();
+    let mut ignored = |m: &WeightMeta| -> bool {
+        let mut hit = false;
+        for (k, e) in ignore.iter().enumerate() {
+            for n in names(m) {
+                match matches(e, &n) {
+                    Some(true) => {
+                        used.insert(k);
+                        hit = true;
+                    }
+                    Some(false) => {}
+                    None => {
+                        unsupported.insert(k);
+                    }
+                }
+            }
+        }
+        hit
+    };
+    let moe_nvfp4 = q.get("moe_quant_algo").and_then(|v| v.as_str()) == Some("NVFP4");
+    let fp4_experts = q.get("expert_dtype").and_then(|v| v.as_str()) == Some("fp4")
+        || cx
+            .ck
+            .config_json()
+            .get("expert_dtype")
+            .and_then(|v| v.as_str())
+            == Some("fp4");
+    let listed: Option<HashSet<String>> = hq
+        .and_then(|h| h.get("quantized_layers"))
+        .and_then(|l| l.as_object())
+        .map(|o| o.keys().cloned().collect());
+    for m in metas {
+        let ign = ignored(m);
+        let stem = raw_stem(m);
+        let label_s = m.scheme_label();
+        let mut emit = |rule: &str, ev: String, fix: &str| {
+            out.extend(cx.finding(rule, E, &m.tensors.weight, &m.file, &m.canonical, ev, fix));
+        };
+        match method {
+            "compressed-tensors" | "modelopt" => {
+                let Some(exp) = expected else { continue };
+                let exp_l = exp.label(m.weight_dtype);
+                if ign && m.scheme != Scheme::Dense {
+                    emit("config.ignore", format!("`{stem}` matches quantization_config.{label} but is stored {label_s}: an engine builds it as an unquantized layer"), "Remove the entry from the ignore list, or store the weight unquantized.");
+                } else if !ign && m.scheme == Scheme::Dense {
+                    emit("config.ignore", format!("`{stem}` is stored {label_s} but not in quantization_config.{label}: an engine expects {exp_l} tensors for it"), "Add the module to the ignore list (in the checkpoint's own naming), or quantize it.");
+                } else if !ign && m.scheme != exp {
+                    emit("config.scheme", format!("quantization_config ({method}) implies {exp_l}, the tensors of `{stem}` are {label_s}"), "Write the config of the producer that made the tensors (or convert the tensors, NVFP4.md §3.4).");
+                }
+            }
+            _ => {
+                // fp8 (DeepSeek style), optionally with NVFP4 or MXFP4 experts.
+                let ok = match m.scheme {
+                    Scheme::Dense | Scheme::Fp8Block => true,
+                    Scheme::Nvfp4ModelOpt => moe_nvfp4 && is_expert(&m.canonical),
+                    Scheme::Mxfp4 => fp4_experts && is_expert(&m.canonical),
+                    Scheme::Nvfp4Ct => false,
+                };
+                if !ok {
+                    emit("config.scheme", format!("quantization_config (fp8{}) does not provide for {label_s} `{stem}`", if moe_nvfp4 { ", moe_quant_algo NVFP4" } else { "" }), "Declare the scheme (moe_quant_algo / expert_dtype / a quantization config of the producer) or re-export the weight.");
+                    continue;
+                }
+                let nv = matches!(m.scheme, Scheme::Nvfp4ModelOpt);
+                if ign && nv {
+                    emit("config.ignore", format!("`{stem}` matches quantization_config.{label} but is stored {label_s}"), "Remove the entry from the ignore list, or re-export the weight in FP8/BF16.");
+                } else if moe_nvfp4 && is_expert(&m.canonical) && !ign && !nv {
+                    emit(
+                        "config.scheme",
+                        format!("moe_quant_algo is NVFP4 but expert `{stem}` is {label_s}"),
+                        "Re-export the expert as NVFP4 or fix moe_quant_algo.",
+                    );
+                }
+                if let Some(l) = &listed {
+                    if nv != l.contains(&stem) {
+                        emit("config.scheme", format!("hf_quant_config.json quantized_layers {} `{stem}`, whose tensors are {label_s}", if nv { "omits" } else { "lists as NVFP4" }), "Regenerate hf_quant_config.json from the exported tensors.");
+                    }
+                }
+            }
+        }
+    }
+    for (k, e) in ignore.iter().enumerate() {
+        if used.contains(&k) {
+            continue;
+        }
+        let (ev, fix) = if unsupported.contains(&k) {
+            continue; // a regex lint cannot evaluate: say nothing rather than something wrong
+        } else {
+            (
+                format!("quantization_config.{label} entry `{e}` matches no linear weight of the checkpoint (naming {})", cx.ck.naming().as_str()),
+                "Write ignore entries in the checkpoint's own module naming; a stale entry usually means another entry is missing.",
+            )
+        };
+        // An exact name that matches nothing is a mistake; a pattern may legitimately cover
+        // modules this model does not have (`mtp.*` in a model without MTP).
+        let sev = if e.contains('*') || e.starts_with("re:") {
+            I
+        } else {
+            W
+        };
+        out.extend(cx.finding("config.ignore", sev, e, &cfg_file, "", ev, fix));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matches;
+
+    #[test]
+    fn globs_and_regexes() {
+        assert_eq!(matches("*.attn.*", "layers.3.attn.wq_a"), Some(true));
+        assert_eq!(matches("*.attn.*", "layers.3.ffn.gate"), Some(false));
+        assert_eq!(matches("head", "head"), Some(true));
+        assert_eq!(matches("head", "lm_head"), Some(false));
+        assert_eq!(matches("re:.*lm_head", "lm_head"), Some(true));
+        assert_eq!(
+            matches("re:.*mlp\\.gate$", "model.layers.1.mlp.gate"),
+            Some(true)
+        );
+        assert_eq!(
+            matches("re:.*mlp\\.gate$", "model.layers.1.mlp.gate_proj"),
+            Some(false)
+        );
+        assert_eq!(
+            matches(
+                "re:model\\.layers\\.\\d+\\.self_attn\\.o_a_proj",
+                "model.layers.12.self_attn.o_a_proj"
+            ),
+            Some(true)
+        );
+        assert_eq!(matches("re:^mtp.*|.*head", "lm_head"), Some(true));
+        assert_eq!(matches("re:(a|b)", "a"), None);
+        assert_eq!(
+            matches("re:layers\\.[0-2]\\.attn", "layers.1.attn.wkv"),
+            Some(true)
+        );
+        assert_eq!(
+            matches("re:layers\\.[0-2]\\.attn", "layers.5.attn.wkv"),
+            Some(false)
+        );
+    }
+}

@@ -1,0 +1,179 @@
+//! `lint`: find broken scales before anything runs.
+//!
+//! Lint reads headers, scalar scales, block-scale bytes and, for rows whose scales are all zero,
+//! that one row of packed data — never a whole packed weight — because its point is to be run
+//! on a 256-expert layer in seconds, before a GPU is ever allocated. Faults that the
+//! checkpoint's own scales hide (nibble order, shifted scale rows, a consistently rescaled
+//! tensor) need a second opinion: `--reference` dequantises both checkpoints one tensor pair at
+//! a time and names the cause from the ratio pattern.
+
+mod checks;
+mod config;
+pub mod layout;
+mod output;
+pub mod reference;
+pub mod rules;
+mod sample;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::checkpoint::{Checkpoint, WeightMeta};
+use crate::error::{EXIT_FINDINGS, EXIT_OK};
+use crate::probe::faults::op_of_base;
+use crate::Result;
+
+pub use rules::{RuleInfo, Rules, Severity, Thresholds, RULES};
+
+/// JSON schema tag of `--json`.
+pub const SCHEMA: &str = "nvfp4-probe.lint/1";
+
+/// One finding. `tensor` is the raw (checkpoint) name; `op` the op id the weight feeds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    pub rule: String,
+    pub severity: Severity,
+    pub tensor: String,
+    pub file: String,
+    pub op: Option<String>,
+    pub evidence: String,
+    pub fix: String,
+}
+
+/// Everything one lint run found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub model: PathBuf,
+    pub reference: Option<PathBuf>,
+    pub weights: usize,
+    /// Bytes of tensor data read (scales, scalars, sampled rows; both checkpoints with --reference).
+    pub bytes_read: u64,
+    pub seconds: f64,
+    pub findings: Vec<Finding>,
+}
+
+impl Report {
+    pub fn count(&self, s: Severity) -> usize {
+        self.findings.iter().filter(|f| f.severity == s).count()
+    }
+
+    /// 0 clean (warnings allowed), 1 when any error was found.
+    pub fn exit_code(&self) -> i32 {
+        if self.count(Severity::Error) > 0 {
+            EXIT_FINDINGS
+        } else {
+            EXIT_OK
+        }
+    }
+
+    /// Findings of one rule.
+    pub fn of_rule<'a>(&'a self, rule: &'a str) -> impl Iterator<Item = &'a Finding> + 'a {
+        self.findings.iter().filter(move |f| f.rule == rule)
+    }
+}
+
+/// What the checks share: the checkpoint, the rules and a finding factory that applies the
+/// severity overrides.
+pub(crate) struct Cx<'a> {
+    pub ck: &'a Checkpoint,
+    pub rules: &'a Rules,
+    pub sampler: sample::Sampler,
+}
+
+impl<'a> Cx<'a> {
+    pub fn new(ck: &'a Checkpoint, rules: &'a Rules) -> Cx<'a> {
+        Cx {
+            ck,
+            rules,
+            sampler: sample::Sampler::default(),
+        }
+    }
+
+    pub fn th(&self) -> &Thresholds {
+        &self.rules.thresholds
+    }
+
+    /// A finding for weight `base` (None when the rule is switched off).
+    #[allow(clippy::too_many_arguments)]
+    pub fn finding(
+        &self,
+        rule: &str,
+        default: Severity,
+        tensor: &str,
+        file: &Path,
+        base: &str,
+        evidence: String,
+        fix: &str,
+    ) -> Option<Finding> {
+        let severity = self.rules.severity(rule, default)?;
+        Some(Finding {
+            rule: rule.to_string(),
+            severity,
+            tensor: tensor.to_string(),
+            file: file.display().to_string(),
+            op: op_of_base(base),
+            evidence,
+            fix: fix.to_string(),
+        })
+    }
+}
+
+/// Lint an open checkpoint (no reference).
+pub fn lint(ck: &Checkpoint, rules: &Rules) -> Result<Report> {
+    let t0 = Instant::now();
+    let cx = Cx::new(ck, rules);
+    let bases = ck.weight_bases();
+    let per: Vec<(Vec<Finding>, Option<WeightMeta>)> = bases
+        .par_iter()
+        .map(|b| checks::check_weight(&cx, b))
+        .collect();
+    let mut findings = Vec::new();
+    let mut metas = Vec::new();
+    for (f, m) in per {
+        findings.extend(f);
+        metas.extend(m);
+    }
+    findings.extend(checks::cross_checks(&cx, &metas));
+    findings.extend(config::check_config(&cx, &metas));
+    sort(&mut findings);
+    Ok(Report {
+        model: ck.location().to_path_buf(),
+        reference: None,
+        weights: bases.len(),
+        bytes_read: ck.bytes_read() + cx.sampler.bytes(),
+        seconds: t0.elapsed().as_secs_f64(),
+        findings,
+    })
+}
+
+/// Lint `model`, and with a reference also compare tensor by tensor.
+pub fn lint_dir(model: &Path, reference: Option<&Path>, rules: &Rules) -> Result<Report> {
+    let t0 = Instant::now();
+    let ck = Checkpoint::open(model)?;
+    let mut rep = lint(&ck, rules)?;
+    if let Some(rdir) = reference {
+        let rck = Checkpoint::open(rdir)?;
+        let f = reference::compare(&ck, &rck, rules)?;
+        rep.findings.extend(f);
+        sort(&mut rep.findings);
+        rep.reference = Some(rdir.to_path_buf());
+        rep.bytes_read = ck.bytes_read() + rck.bytes_read();
+    }
+    rep.seconds = t0.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+fn sort(v: &mut [Finding]) {
+    use crate::checkpoint::naming::natural_key;
+    v.sort_by(|a, b| {
+        b.severity
+            .cmp(&a.severity)
+            .then_with(|| natural_key(&a.tensor).cmp(&natural_key(&b.tensor)))
+            .then_with(|| a.rule.cmp(&b.rule))
+    });
+}
+
+pub use output::{to_json, to_markdown, to_text};

@@ -1,0 +1,346 @@
+//! `--reference`: dequantise the checkpoint and a reference (the BF16 original, or the same
+//! model in another format) tensor by tensor and name the cause of any difference.
+//!
+//! The checkpoint's own scales cannot reveal a nibble swap, shifted or swizzled scale rows or a
+//! consistently rescaled tensor: every decoder reads the same bytes the same way. Against a
+//! reference the pattern of the difference tells the cause apart — a constant ratio is a
+//! tensor scale, a per-row ratio pattern is the block scales, right norm with cosine ≈ 0 is the
+//! packing — and each suspected cause is then confirmed by undoing it on the checkpoint's bytes
+//! and checking the reference is matched. Pairs are streamed: one tensor of each checkpoint in
+//! memory at a time.
+
+use super::rules::Severity::{Error as E, Info as I};
+use super::{Cx, Finding, Rules};
+use crate::checkpoint::{Checkpoint, QuantWeight, Scheme, WeightFormat};
+use crate::numerics::nvfp4::Convention;
+use crate::numerics::swizzle;
+use crate::Result;
+
+fn g(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        format!("{x}")
+    } else if (1e-3..1e5).contains(&x.abs()) {
+        let s = format!("{x:.4}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        format!("{x:.4e}")
+    }
+}
+
+/// Cosine, norm ratio ‖a‖/‖r‖, and the spread (std of log) of the per-row norm ratios.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PairStats {
+    pub cos: f64,
+    pub norm_ratio: f64,
+    pub row_log_std: f64,
+    pub non_finite: usize,
+}
+
+pub fn pair_stats(a: &[f32], r: &[f32], cols: usize) -> PairStats {
+    let (mut dot, mut na, mut nr, mut bad) = (0f64, 0f64, 0f64, 0usize);
+    let mut logs = Vec::new();
+    for (ra, rr) in a.chunks(cols.max(1)).zip(r.chunks(cols.max(1))) {
+        let (mut x, mut y) = (0f64, 0f64);
+        for (&p, &q) in ra.iter().zip(rr) {
+            if !p.is_finite() || !q.is_finite() {
+                bad += 1;
+                continue;
+            }
+            let (p, q) = (p as f64, q as f64);
+            dot += p * q;
+            x += p * p;
+            y += q * q;
+        }
+        na += x;
+        nr += y;
+        if x > 0.0 && y > 0.0 {
+            logs.push(0.5 * (x / y).ln());
+        }
+    }
+    let cos = if na > 0.0 && nr > 0.0 {
+        dot / (na * nr).sqrt()
+    } else if na == nr {
+        1.0
+    } else {
+        0.0
+    };
+    let norm_ratio = if nr > 0.0 {
+        (na / nr).sqrt()
+    } else if na == 0.0 {
+        1.0
+    } else {
+        f64::INFINITY
+    };
+    let row_log_std = if logs.len() > 1 {
+        let m = logs.iter().sum::<f64>() / logs.len() as f64;
+        (logs.iter().map(|l| (l - m).powi(2)).sum::<f64>() / logs.len() as f64).sqrt()
+    } else {
+        0.0
+    };
+    PairStats {
+        cos,
+        norm_ratio,
+        row_log_std,
+        non_finite: bad,
+    }
+}
+
+fn close(x: f64, y: f64, tol: f64) -> bool {
+    x > 0.0 && y > 0.0 && (x.ln() - y.ln()).abs() <= tol
+}
+
+/// Candidate repairs of a quantised weight's bytes, each named by the fault it undoes.
+fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
+    let mut v = Vec::new();
+    let (o, _i) = (w.out_features, w.in_features);
+    let with = |f: WeightFormat| QuantWeight {
+        format: f,
+        ..w.clone()
+    };
+    let rot = |s: &[u8], rows: usize, left: bool| -> Vec<u8> {
+        let mut s = s.to_vec();
+        if rows > 1 && s.len().is_multiple_of(rows) {
+            let rb = s.len() / rows;
+            if left {
+                s.rotate_left(rb)
+            } else {
+                s.rotate_right(rb)
+            }
+        }
+        s
+    };
+    match &w.format {
+        WeightFormat::Nvfp4 { packed, scales, .. } | WeightFormat::Mxfp4 { packed, scales } => {
+            let set = |p: Option<Vec<u8>>, s: Option<Vec<u8>>| -> WeightFormat {
+                let mut f = w.format.clone();
+                match &mut f {
+                    WeightFormat::Nvfp4 { packed, scales, .. }
+                    | WeightFormat::Mxfp4 { packed, scales } => {
+                        if let Some(p) = p {
+                            *packed = p;
+                        }
+                        if let Some(s) = s {
+                            *scales = s;
+                        }
+                    }
+                    _ => {}
+                }
+                f
+            };
+            let swapped: Vec<u8> = packed.iter().map(|b| b.rotate_left(4)).collect();
+            v.push(("reference.packing", "the e2m1 nibbles of each byte are swapped (high nibble holds the even element; NVFP4.md §1.2)", with(set(Some(swapped), None))));
+            let cols = scales.len().checked_div(o).unwrap_or(0);
+            if o >= 128 && cols.is_multiple_of(4) && cols > 0 && o.is_multiple_of(128) {
+                let un = swizzle::unswizzle_128x4(scales, o, cols);
+                v.push(("reference.block-scales", "the block scales are stored in the 128×4 swizzled layout (NVFP4.md §5.1), not linear", with(set(None, Some(un)))));
+            }
+            v.push(("reference.block-scales", "the block-scale rows are shifted down by one (row r holds row r−1's scales: a wrong offset or TP slice)", with(set(None, Some(rot(scales, o, true))))));
+            v.push((
+                "reference.block-scales",
+                "the block-scale rows are shifted up by one (row r holds row r+1's scales)",
+                with(set(None, Some(rot(scales, o, false)))),
+            ));
+        }
+        WeightFormat::Fp8Block { scales, block, .. } => {
+            let rows = o.div_ceil(block[0]);
+            let f32rot = |left: bool| -> Vec<f32> {
+                let mut s = scales.clone();
+                if rows > 1 && s.len().is_multiple_of(rows) {
+                    let rb = s.len() / rows;
+                    if left {
+                        s.rotate_left(rb)
+                    } else {
+                        s.rotate_right(rb)
+                    }
+                }
+                s
+            };
+            let set = |s: Vec<f32>| -> WeightFormat {
+                let mut f = w.format.clone();
+                if let WeightFormat::Fp8Block { scales, .. } = &mut f {
+                    *scales = s;
+                }
+                f
+            };
+            v.push((
+                "reference.block-scales",
+                "the FP8 scale-grid rows are shifted down by one (wrong offset / TP slice)",
+                with(set(f32rot(true))),
+            ));
+            v.push((
+                "reference.block-scales",
+                "the FP8 scale-grid rows are shifted up by one",
+                with(set(f32rot(false))),
+            ));
+            v.push((
+                "reference.block-scales",
+                "the FP8 block scales are inverted (stored as divisors 1/s)",
+                with(set(scales.iter().map(|s| 1.0 / s).collect())),
+            ));
+        }
+        WeightFormat::Dense { .. } => {}
+    }
+    v
+}
+
+/// The diagnosis of one pair: (rule, evidence, fix), or None when the tensor matches.
+pub fn diagnose(
+    w: &QuantWeight,
+    a: &[f32],
+    r: &[f32],
+    rules: &Rules,
+) -> Result<Option<(&'static str, String, String)>> {
+    let th = &rules.thresholds;
+    let cols = w.in_features;
+    let s = pair_stats(a, r, cols);
+    let tol = (1.0 + th.reference_norm_tol).ln();
+    let good = |p: &PairStats| {
+        p.non_finite == 0 && p.cos >= th.reference_cos && close(p.norm_ratio, 1.0, tol)
+    };
+    if good(&s) {
+        return Ok(None);
+    }
+    let head = format!(
+        "vs reference: cosine {}, norm ratio {}, per-row log-ratio std {}{}",
+        g(s.cos),
+        g(s.norm_ratio),
+        g(s.row_log_std),
+        if s.non_finite > 0 {
+            format!(", {} non-finite values", s.non_finite)
+        } else {
+            String::new()
+        }
+    );
+    if s.non_finite == 0 && s.cos >= th.reference_cos && s.row_log_std < 0.05 {
+        let n = s.norm_ratio;
+        let mut reading = format!("a constant factor {}", g(n));
+        if let WeightFormat::Nvfp4 {
+            weight_global,
+            convention,
+            ..
+        } = &w.format
+        {
+            let gs = *weight_global as f64;
+            let name = match convention {
+                Convention::CompressedTensors => "weight_global_scale",
+                Convention::ModelOpt => "weight_scale_2",
+            };
+            if close(n, gs * gs, 0.05) || close(n, 1.0 / (gs * gs), 0.05) {
+                reading = format!("{} = {}²: the stored {name} is the reciprocal of the right one (the other producer's convention); reading it as 1/x reproduces the reference", g(n), g(gs));
+            } else if close(n, 2688.0, 0.05) || close(n, 1.0 / 2688.0, 0.05) {
+                reading = format!(
+                    "{} ≈ 2688^{}: the {name} is off by 2688 = 6·448",
+                    g(n),
+                    if n > 1.0 { "1" } else { "−1" }
+                );
+            }
+        } else if close(n, 2688.0, 0.05) || close(n, 1.0 / 2688.0, 0.05) {
+            reading = format!("{} ≈ 2688^±1: a scale is off by 6·448", g(n));
+        }
+        return Ok(Some((
+            "reference.global-scale",
+            format!("{head}: the whole tensor is off by {reading}"),
+            "Fix the tensor scale (NVFP4.md §3.4): the direction of every weight is right, only the magnitude is not.".into(),
+        )));
+    }
+    for (rule, cause, fixed) in repairs(w) {
+        let d = fixed.dequantize()?;
+        let p = pair_stats(&d.data, r, cols);
+        if good(&p) {
+            return Ok(Some((
+                rule,
+                format!("{head}; {cause} — undoing that gives cosine {} and norm ratio {}", g(p.cos), g(p.norm_ratio)),
+                match rule {
+                    "reference.packing" => "Re-pack with the low nibble holding the even element (DSV4-LAYER.md §2.3).".into(),
+                    _ => "Re-export the block scales linear, row-aligned with the weight rows (NVFP4.md §3.4, §5).".into(),
+                },
+            )));
+        }
+    }
+    let (rule, cause) = if s.non_finite == 0
+        && s.cos.abs() < 0.3
+        && close(s.norm_ratio, 1.0, (1.5f64).ln())
+    {
+        ("reference.packing", "the magnitude is right but the direction is not: the packing (nibble or K order) differs from the reference's")
+    } else if s.non_finite == 0 && s.row_log_std >= 0.05 {
+        ("reference.block-scales", "the per-row norm ratio varies: the block scales do not belong to their rows (layout, transposition or offset)")
+    } else {
+        (
+            "reference.mismatch",
+            "no single cause (tensor scale, block-scale layout, packing) explains the difference",
+        )
+    };
+    Ok(Some((rule, format!("{head}; {cause}"), "Compare the export path of this tensor with the reference's; lint could not pin one cause.".into())))
+}
+
+/// Compare every quantised weight of `ck` with the same weight of `reference`.
+pub fn compare(ck: &Checkpoint, reference: &Checkpoint, rules: &Rules) -> Result<Vec<Finding>> {
+    let cx = Cx::new(ck, rules);
+    let mut out = Vec::new();
+    for base in ck.weight_bases() {
+        let Ok(meta) = ck.weight_meta(&base) else {
+            continue;
+        };
+        if meta.scheme == Scheme::Dense {
+            continue;
+        }
+        let tensor = meta.tensors.weight.clone();
+        let Ok(w) = ck.weight(&base) else { continue };
+        let Ok(a) = w.dequantize() else { continue };
+        let r = match reference.weight(&base).and_then(|x| x.dequantize()) {
+            Ok(r) => r,
+            Err(e) => {
+                out.extend(cx.finding("reference.absent", I, &tensor, &meta.file, &base, format!("no comparable weight in the reference: {e}"), "Nothing to fix; point --reference at a checkpoint of the same model to cover it."));
+                continue;
+            }
+        };
+        if r.shape != a.shape {
+            let t = r.shape.len() == 2
+                && a.shape.len() == 2
+                && r.shape[0] == a.shape[1]
+                && r.shape[1] == a.shape[0];
+            out.extend(cx.finding(
+                "reference.mismatch",
+                E,
+                &tensor,
+                &meta.file,
+                &base,
+                format!(
+                    "shape {:?} vs reference {:?}{}",
+                    a.shape,
+                    r.shape,
+                    if t { " (transposed)" } else { "" }
+                ),
+                "Store linear weights as [out, in] like the reference.",
+            ));
+            continue;
+        }
+        if let Some((rule, ev, fix)) = diagnose(&w, &a.data, &r.data, rules)? {
+            out.extend(cx.finding(rule, E, &tensor, &meta.file, &base, ev, &fix));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_of_scaled_and_orthogonal() {
+        let r: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1)
+            .collect();
+        let a: Vec<f32> = r.iter().map(|x| x * 4.0).collect();
+        let s = pair_stats(&a, &r, 16);
+        assert!(
+            (s.cos - 1.0).abs() < 1e-12
+                && (s.norm_ratio - 4.0).abs() < 1e-9
+                && s.row_log_std < 1e-9
+        );
+        // [1, 0, 1, 0] vs [0, 1, 0, 1]: orthogonal, same norm.
+        let s = pair_stats(&[1.0, 0.0, 1.0, 0.0], &[0.0, 1.0, 0.0, 1.0], 2);
+        assert_eq!(s.cos, 0.0);
+        assert!((s.norm_ratio - 1.0).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,105 @@
+//! The served path's W4A4 linear reproduces the serving kernel's numerics: NVFP4.md §4.3 reference GEMM
+//! (exact per-block partials, f64 across blocks, bf16(alpha·acc)) on the §9 vectors and on random data.
+
+use nvfp4_probe::numerics::{bf16, e2m1, e4m3, nvfp4};
+use nvfp4_probe::probe::served::{apply, Nvfp4Params, Profile, ServedWeight};
+
+fn wq_of(packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    // e2m1 · s_w, straight from the format definition (NVFP4.md §1, §3.1)
+    let nb = cols / 16;
+    (0..rows * cols)
+        .map(|i| {
+            let (r, c) = (i / cols, i % cols);
+            let byte = packed[i / 2];
+            let code = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+            e2m1::decode(code) * e4m3::decode(scales[r * nb + c / 16])
+        })
+        .collect()
+}
+
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        // approx normal: sum of 4 uniforms
+        let mut s = 0f32;
+        for k in 0..4 {
+            s += ((self.0 >> (16 + 8 * k)) & 0xFF) as f32 / 255.0;
+        }
+        s - 2.0
+    }
+}
+
+#[test]
+fn tv12_exact() {
+    // x = 16 × 1.0 (g_x = 2688), w = 16 × 0.5 (g_w = 5376): y = 8.0 exactly
+    let x = vec![1.0f32; 16];
+    let w = vec![0.5f32; 16];
+    let wq = nvfp4::quantize_activation(&w, 1, 16, 5376.0);
+    let sw = ServedWeight::Nvfp4 {
+        wq: wq_of(&wq.packed, &wq.scales, 1, 16),
+        p: Nvfp4Params {
+            g_x: 2688.0,
+            d_w: 1.0 / 5376.0,
+            alpha: (1.0 / 2688.0f32) * (1.0 / 5376.0f32),
+        },
+    };
+    let (y, obs) = apply(&sw, Profile::BlackwellW4a4, &x, 1, 16, 1);
+    assert_eq!(y, vec![8.0]);
+    let h = obs.health.unwrap();
+    assert_eq!(h.blocks, 1);
+    assert_eq!(h.scale_max, 1); // block scale 448 = 0x7E
+}
+
+#[test]
+fn random_w4a4_matches_reference_gemm() {
+    let (m, n, k) = (37, 48, 256);
+    let mut rng = Lcg(42);
+    let x: Vec<f32> = (0..m * k).map(|_| bf16::round(rng.next() * 3.0)).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| bf16::round(rng.next() * 0.05)).collect();
+    let wq = nvfp4::quantize_modelopt(&w, n, k);
+    let d_w = wq.global;
+    let amax_calib = x.iter().fold(0f32, |a, v| a.max(v.abs())) * 0.9; // slightly saturating calibration
+    let d_x = amax_calib / 2688.0;
+    let g_x = 1.0 / d_x;
+    let alpha = d_x * d_w;
+    let sw = ServedWeight::Nvfp4 {
+        wq: wq_of(&wq.packed, &wq.scales, n, k),
+        p: Nvfp4Params { g_x, d_w, alpha },
+    };
+    let (y, _) = apply(&sw, Profile::BlackwellW4a4, &x, m, k, n);
+    let xa = nvfp4::quantize_activation(&x, m, k, g_x);
+    let r = nvfp4::gemm_w4a4_reference(&xa.packed, &xa.scales, &wq.packed, &wq.scales, m, n, k, alpha);
+    let mut same = 0;
+    for (a, b) in y.iter().zip(&r) {
+        if a.to_bits() == b.to_bits() {
+            same += 1;
+        } else {
+            // only accumulation order differs: at most one bf16 ulp
+            let ulp = (b.abs() * 2f32.powi(-7)).max(1e-30);
+            assert!((a - b).abs() <= ulp, "{a} vs {b}");
+        }
+    }
+    assert!(same * 100 >= y.len() * 97, "only {same}/{} bit-identical", y.len());
+}
+
+#[test]
+fn random_w4a16_matches_marlin_reference() {
+    let (m, n, k) = (9, 32, 128);
+    let mut rng = Lcg(7);
+    let x: Vec<f32> = (0..m * k).map(|_| bf16::round(rng.next())).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| bf16::round(rng.next() * 0.1)).collect();
+    let wq = nvfp4::quantize_ct(&w, n, k);
+    let d_w = 1.0 / wq.global;
+    let sw = ServedWeight::Nvfp4 {
+        wq: wq_of(&wq.packed, &wq.scales, n, k),
+        p: Nvfp4Params { g_x: f32::NAN, d_w, alpha: f32::NAN }, // W4A16 ignores the activation scale
+    };
+    let (y, _) = apply(&sw, Profile::HopperW4a16, &x, m, k, n);
+    let r = nvfp4::gemm_w4a16_reference(&x, &wq.packed, &wq.scales, m, n, k, d_w);
+    for (a, b) in y.iter().zip(&r) {
+        let ulp = (b.abs() * 2f32.powi(-7)).max(1e-30);
+        assert!((a - b).abs() <= ulp, "{a} vs {b}");
+        assert!(a.is_finite());
+    }
+}
