@@ -102,10 +102,10 @@ fn concat(parts: &[RawTensor], dim: usize) -> Option<RawTensor> {
 fn unpad_heads(t: RawTensor, dh: usize, heads: usize) -> (RawTensor, Option<String>) {
     let want = dh * heads;
     let nd = t.shape.len();
-    let block = if nd >= 2 && t.shape[nd - 1] >= want {
-        Some(1)
-    } else if nd >= 3 && t.shape[nd - 1] == dh {
+    let block = if nd >= 3 && t.shape[nd - 1] == dh {
         Some(2)
+    } else if nd >= 2 && t.shape[nd - 1] >= want {
+        Some(1)
     } else {
         None
     };

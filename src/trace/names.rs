@@ -14,7 +14,12 @@ pub struct Mapped {
 
 fn layer_and_rest<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
     let r = name.strip_prefix(prefix)?;
-    let (n, rest) = r.split_once('.').unwrap_or((r, ""));
+    // `model.layers.3.attn.wq_b` → (3, "attn.wq_b"); `model.layers.3:residual` → (3, ":residual")
+    let (n, rest) = match r.find(['.', ':']) {
+        Some(i) if r.as_bytes()[i] == b'.' => (&r[..i], &r[i + 1..]),
+        Some(i) => (&r[..i], &r[i..]),
+        None => (r, ""),
+    };
     Some((n.parse().ok()?, rest))
 }
 
