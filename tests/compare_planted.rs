@@ -304,7 +304,8 @@ fn split_residual_left_unrecombined_is_found_and_vllm_split_is_recombined() {
     write(&p, &v, WriteDtype::F32, Some(&tokens()), &[]).unwrap();
     let r = compare(&args(&p, "vllm")).unwrap();
     assert_eq!(r.summary.first_divergent.as_deref(), Some("L1.attn.hc_post"));
-    assert_eq!(find(&r, "L1.out").verdict, "divergent");
+    // the recombined output carries the error too (diluted by the mHC mixing weights)
+    assert!(find(&r, "L1.out").vs_bf16.rel_l2.unwrap() > 4e-3);
 }
 
 #[test]
