@@ -134,14 +134,28 @@ fn clean_bf16_trace_passes_and_fp32_trace_too() {
     let (fp, bf) = oracle();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bf16.safetensors");
-    write(&p, &official_trace(&bf), WriteDtype::Bf16, Some(&tokens()), &[]).unwrap();
+    write(
+        &p,
+        &official_trace(&bf),
+        WriteDtype::Bf16,
+        Some(&tokens()),
+        &[],
+    )
+    .unwrap();
     let r = compare(&args(&p, "official")).unwrap();
     assert_eq!(r.summary.first_divergent, None, "{:?}", r.summary);
     assert!(r.ops.len() >= 60, "{} ops", r.ops.len());
     assert_eq!(r.ops[0].dtype, "BF16");
     // an FP32 engine dump (the FP32 oracle's values) is clean too
     let p = dir.path().join("fp32.safetensors");
-    write(&p, &official_trace(&fp), WriteDtype::F32, Some(&tokens()), &[]).unwrap();
+    write(
+        &p,
+        &official_trace(&fp),
+        WriteDtype::F32,
+        Some(&tokens()),
+        &[],
+    )
+    .unwrap();
     let r = compare(&args(&p, "official")).unwrap();
     assert_eq!(r.summary.first_divergent, None, "{:?}", r.summary);
     assert!(find(&r, "L2.out").vs_fp32.rel_l2.unwrap() < 1e-6);
@@ -151,7 +165,10 @@ fn clean_bf16_trace_passes_and_fp32_trace_too() {
 fn nan_at_one_op_is_found_there() {
     let (_, bf) = oracle();
     let mut tr = official_trace(&bf);
-    let (_, t) = tr.iter_mut().find(|(n, _)| n == "layers.1.attn.wq_b").unwrap();
+    let (_, t) = tr
+        .iter_mut()
+        .find(|(n, _)| n == "layers.1.attn.wq_b")
+        .unwrap();
     let c = t.cols();
     t.data[7 * c + 3] = f32::NAN;
     let dir = tempfile::tempdir().unwrap();
@@ -256,7 +273,12 @@ fn split_residual_left_unrecombined_is_found_and_vllm_split_is_recombined() {
     write(&p, &tr, WriteDtype::Bf16, Some(&tokens()), &[]).unwrap();
     let r = compare(&args(&p, "official")).unwrap();
     assert_eq!(r.summary.first_divergent.as_deref(), Some("L1.out"));
-    assert!(r.summary.first_divergent_hint.as_deref().unwrap_or("").contains("split"));
+    assert!(r
+        .summary
+        .first_divergent_hint
+        .as_deref()
+        .unwrap_or("")
+        .contains("split"));
 
     // vLLM's layer tuple (y₂, X₁, post_f, C_f), fused wq_a+wkv: recombined into L*.out, clean
     let mut v = vec![("model.embed_tokens".to_string(), bf["embed"].clone())];
@@ -273,7 +295,10 @@ fn split_residual_left_unrecombined_is_found_and_vllm_split_is_recombined() {
             })
             .collect();
         let pre = format!("model.layers.{l}");
-        v.push((format!("{pre}.attn.fused_wqa_wkv"), Tensor::new(vec![T, w1 + w2], fused)));
+        v.push((
+            format!("{pre}.attn.fused_wqa_wkv"),
+            Tensor::new(vec![T, w1 + w2], fused),
+        ));
         v.push((format!("{pre}.attn.wq_b"), s("attn.q_b")));
         v.push((format!("{pre}.ffn.norm_gate"), s("ffn.norm")));
         v.push((pre.clone(), s("ffn.out")));
@@ -295,15 +320,23 @@ fn split_residual_left_unrecombined_is_found_and_vllm_split_is_recombined() {
     assert_eq!(r.summary.unmapped.len(), 3);
 
     // the same split residual, stream 1 of X₁ corrupted: found at the recombined output
-    let (_, t) = v.iter_mut().find(|(n, _)| n == "model.layers.1:residual").unwrap();
+    let (_, t) = v
+        .iter_mut()
+        .find(|(n, _)| n == "model.layers.1:residual")
+        .unwrap();
     let d = 128;
     for i in 0..T {
-        t.data[i * 4 * d + d..i * 4 * d + 2 * d].iter_mut().for_each(|x| *x *= 3.0);
+        t.data[i * 4 * d + d..i * 4 * d + 2 * d]
+            .iter_mut()
+            .for_each(|x| *x *= 3.0);
     }
     let p = dir.path().join("vllm-bad.safetensors");
     write(&p, &v, WriteDtype::F32, Some(&tokens()), &[]).unwrap();
     let r = compare(&args(&p, "vllm")).unwrap();
-    assert_eq!(r.summary.first_divergent.as_deref(), Some("L1.attn.hc_post"));
+    assert_eq!(
+        r.summary.first_divergent.as_deref(),
+        Some("L1.attn.hc_post")
+    );
     // the recombined output carries the error too (diluted by the mHC mixing weights)
     assert!(find(&r, "L1.out").vs_bf16.rel_l2.unwrap() > 4e-3);
 }
@@ -340,7 +373,14 @@ fn padded_batch_rows_metadata_and_user_map() {
         ("eng.l0.q_up".to_string(), pad(&bf["L0.attn.q_b"])),
     ];
     let p = dir.path().join("padded.safetensors");
-    write(&p, &tr, WriteDtype::Bf16, Some(&ids), &[("num_tokens", "40".into())]).unwrap();
+    write(
+        &p,
+        &tr,
+        WriteDtype::Bf16,
+        Some(&ids),
+        &[("num_tokens", "40".into())],
+    )
+    .unwrap();
     let map = dir.path().join("map.toml");
     std::fs::write(
         &map,
@@ -354,7 +394,10 @@ fn padded_batch_rows_metadata_and_user_map() {
     let r = compare(&args(&p, map.to_str().unwrap())).unwrap();
     assert_eq!(r.summary.first_divergent, None, "{:?}", r.summary);
     assert_eq!(r.ops.len(), 3);
-    assert!(r.ops.iter().all(|o| o.rows == T && o.vs_bf16.rel_l2 == Some(0.0)));
+    assert!(r
+        .ops
+        .iter()
+        .all(|o| o.rows == T && o.vs_bf16.rel_l2 == Some(0.0)));
 
     // rows metadata: only token rows 3, 17, 39 kept
     let keep = [3usize, 17, 39];
@@ -400,7 +443,14 @@ fn cli_exit_codes() {
     let (_, bf) = oracle();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("t.safetensors");
-    write(&p, &official_trace(&bf), WriteDtype::Bf16, Some(&tokens()), &[]).unwrap();
+    write(
+        &p,
+        &official_trace(&bf),
+        WriteDtype::Bf16,
+        Some(&tokens()),
+        &[],
+    )
+    .unwrap();
     let bin = || Command::cargo_bin("nvfp4-probe").unwrap();
     let json = dir.path().join("c.json");
     bin()
@@ -429,7 +479,10 @@ fn cli_exit_codes() {
     let bad = dir.path().join("bad.safetensors");
     write(
         &bad,
-        &[("layers.0.attn.wq_a".into(), Tensor::new(vec![T, 7], vec![1.0; T * 7]))],
+        &[(
+            "layers.0.attn.wq_a".into(),
+            Tensor::new(vec![T, 7], vec![1.0; T * 7]),
+        )],
         WriteDtype::F32,
         Some(&tokens()),
         &[],
@@ -461,7 +514,9 @@ fn cli_exit_codes() {
         .arg(&p)
         .assert()
         .code(1)
-        .stdout(predicates::str::contains("first divergent op: L2.ffn.shared"));
+        .stdout(predicates::str::contains(
+            "first divergent op: L2.ffn.shared",
+        ));
 }
 
 #[test]
@@ -473,8 +528,17 @@ fn hf_trace_compares_clean_at_every_mapped_op() {
     for o in &r.ops {
         if o.agreement.is_none() {
             // an FP32 engine: within 1e-5 of the FP32 oracle, far inside the BF16 tolerance
-            assert!(o.vs_fp32.rel_l2.unwrap() < 1e-5, "{}: {:?}", o.op, o.vs_fp32);
+            assert!(
+                o.vs_fp32.rel_l2.unwrap() < 1e-5,
+                "{}: {:?}",
+                o.op,
+                o.vs_fp32
+            );
         }
     }
-    assert!(r.summary.unmapped.iter().all(|n| !n.starts_with("input_ids")));
+    assert!(r
+        .summary
+        .unmapped
+        .iter()
+        .all(|n| !n.starts_with("input_ids")));
 }

@@ -20,7 +20,10 @@ fn wq_of(packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec<f32> {
 struct Lcg(u64);
 impl Lcg {
     fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         // approx normal: sum of 4 uniforms
         let mut s = 0f32;
         for k in 0..4 {
@@ -69,7 +72,9 @@ fn random_w4a4_matches_reference_gemm() {
     };
     let (y, _) = apply(&sw, Profile::BlackwellW4a4, &x, m, k, n);
     let xa = nvfp4::quantize_activation(&x, m, k, g_x);
-    let r = nvfp4::gemm_w4a4_reference(&xa.packed, &xa.scales, &wq.packed, &wq.scales, m, n, k, alpha);
+    let r = nvfp4::gemm_w4a4_reference(
+        &xa.packed, &xa.scales, &wq.packed, &wq.scales, m, n, k, alpha,
+    );
     let mut same = 0;
     for (a, b) in y.iter().zip(&r) {
         if a.to_bits() == b.to_bits() {
@@ -80,7 +85,11 @@ fn random_w4a4_matches_reference_gemm() {
             assert!((a - b).abs() <= ulp, "{a} vs {b}");
         }
     }
-    assert!(same * 100 >= y.len() * 97, "only {same}/{} bit-identical", y.len());
+    assert!(
+        same * 100 >= y.len() * 97,
+        "only {same}/{} bit-identical",
+        y.len()
+    );
 }
 
 #[test]
@@ -93,7 +102,11 @@ fn random_w4a16_matches_marlin_reference() {
     let d_w = 1.0 / wq.global;
     let sw = ServedWeight::Nvfp4 {
         wq: wq_of(&wq.packed, &wq.scales, n, k),
-        p: Nvfp4Params { g_x: f32::NAN, d_w, alpha: f32::NAN }, // W4A16 ignores the activation scale
+        p: Nvfp4Params {
+            g_x: f32::NAN,
+            d_w,
+            alpha: f32::NAN,
+        }, // W4A16 ignores the activation scale
     };
     let (y, _) = apply(&sw, Profile::HopperW4a16, &x, m, k, n);
     let r = nvfp4::gemm_w4a16_reference(&x, &wq.packed, &wq.scales, m, n, k, d_w);

@@ -64,8 +64,17 @@ pub fn terminal_table(r: &CompareReport) -> String {
     t.load_style(presets::UTF8_FULL_CONDENSED)
         .set_content_arrangement(ContentArrangement::Disabled)
         .set_header(vec![
-            "op", "trace", "dtype", "amax", "NaN", "cos fp32", "relL2 fp32", "cos bf16",
-            "relL2 bf16", "tol", "verdict",
+            "op",
+            "trace",
+            "dtype",
+            "amax",
+            "NaN",
+            "cos fp32",
+            "relL2 fp32",
+            "cos bf16",
+            "relL2 bf16",
+            "tol",
+            "verdict",
         ]);
     for o in &r.ops {
         let v = if o.diverges() {
@@ -237,17 +246,19 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
                 "no tensor maps to an op with --names {} ({} unmapped, e.g. {})",
                 map.label(),
                 mapping.unmapped.len(),
-                mapping.unmapped.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
+                mapping
+                    .unmapped
+                    .iter()
+                    .take(3)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         ));
     }
     let (max_layer, head) = needed_layers(&mapping);
     let nl = cfg.num_hidden_layers;
-    let last = if head {
-        nl - 1
-    } else {
-        max_layer.unwrap_or(0)
-    };
+    let last = if head { nl - 1 } else { max_layer.unwrap_or(0) };
     if last >= nl {
         return Err(Error::bad(
             &args.trace,

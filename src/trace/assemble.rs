@@ -111,7 +111,7 @@ fn unpad_heads(t: RawTensor, dh: usize, heads: usize) -> (RawTensor, Option<Stri
     };
     let Some(k) = block else { return (t, None) };
     let w: usize = t.shape[nd - k..].iter().product();
-    if w <= want || w % dh != 0 {
+    if w <= want || !w.is_multiple_of(dh) {
         return (t, None);
     }
     let outer = t.data.len() / w;
@@ -185,7 +185,7 @@ fn one_pass(
             let (mut start, mut len) = (s.start, s.len);
             if let (true, Shard::Concat(cd)) = (sharded, &rule.shard) {
                 if norm_dim(*cd, nd, &path, name)? == d {
-                    if start % ranks != 0 || len % ranks != 0 {
+                    if !start.is_multiple_of(ranks) || !len.is_multiple_of(ranks) {
                         return Err(Error::bad(
                             &path,
                             Some(name),
@@ -231,7 +231,11 @@ fn one_pass(
         }
         Shard::Sum => {
             if done.iter().any(|(_, t)| t.shape != first.shape) {
-                return Err(Error::bad(&path0, Some(name), "rank shapes differ (partial sums)"));
+                return Err(Error::bad(
+                    &path0,
+                    Some(name),
+                    "rank shapes differ (partial sums)",
+                ));
             }
             let same = done.iter().all(|(_, t)| {
                 t.data
@@ -248,7 +252,10 @@ fn one_pass(
                         *a += v;
                     }
                 }
-                let n = format!("{name}: per-rank partial sums added over {} ranks", done.len());
+                let n = format!(
+                    "{name}: per-rank partial sums added over {} ranks",
+                    done.len()
+                );
                 notes.push(n);
                 RawTensor {
                     shape: first.shape.clone(),
@@ -371,7 +378,10 @@ fn recombine(m: &mut Mapping, cfg: &ModelConfig) {
                 }
             }
         }
-        let source = format!("recombined({}, {}, {}, {})", y.source, x.source, p.source, c.source);
+        let source = format!(
+            "recombined({}, {}, {}, {})",
+            y.source, x.source, p.source, c.source
+        );
         m.ops.push(Assembled {
             op: out_id,
             source,
@@ -388,11 +398,10 @@ pub fn needed_layers(m: &Mapping) -> (Option<usize>, bool) {
     let mut max = None;
     let mut head = false;
     for a in &m.ops {
-        if let Some(n) = a
-            .op
-            .strip_prefix('L')
-            .and_then(|r| r.split_once('.'))
-            .and_then(|(n, _)| n.parse::<usize>().ok())
+        if let Some(n) =
+            a.op.strip_prefix('L')
+                .and_then(|r| r.split_once('.'))
+                .and_then(|(n, _)| n.parse::<usize>().ok())
         {
             max = Some(max.map_or(n, |m: usize| m.max(n)));
         } else if matches!(a.op.as_str(), "hc_head" | "final_norm" | "head") {
@@ -442,7 +451,10 @@ mod tests {
         let (u, note) = unpad_heads(t, 2, 3);
         assert!(note.is_some());
         assert_eq!(u.shape, vec![2, 6]);
-        assert_eq!(u.data, vec![0., 1., 2., 3., 4., 5., 8., 9., 10., 11., 12., 13.]);
+        assert_eq!(
+            u.data,
+            vec![0., 1., 2., 3., 4., 5., 8., 9., 10., 11., 12., 13.]
+        );
         // no padding: untouched
         let (u, note) = unpad_heads(raw(vec![1, 3, 6]), 2, 3);
         assert!(note.is_none());

@@ -136,7 +136,7 @@ fn row_map(
     let t = oracle.shape.first().copied().unwrap_or(1).max(1);
     let w = oracle.numel() / t;
     let bad = |msg: String| Error::bad(inp.trace_path, Some(&a.source), msg);
-    if w == 0 || len % w != 0 {
+    if w == 0 || !len.is_multiple_of(w) {
         return Err(bad(format!(
             "{len} values do not make rows of op {} (row width {w}, oracle shape {:?})",
             a.op, oracle.shape
@@ -301,7 +301,8 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
                     "divergent",
                     Some(format!("rel-L2 {e:.3e} > tolerance {tol:.3e}")),
                 )
-            } else if let Some(q) = ratio.filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio) {
+            } else if let Some(q) = ratio.filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
+            {
                 (
                     "divergent",
                     Some(format!(
@@ -370,7 +371,10 @@ mod tests {
     #[test]
     fn index_agreement_ignores_order_and_padding() {
         // rows of k=2: same sets in another order, one -1 padding pick
-        assert_eq!(set_agreement(&[1., 2., 3., -1.], &[2., 1., 3., -1.], 2), 1.0);
+        assert_eq!(
+            set_agreement(&[1., 2., 3., -1.], &[2., 1., 3., -1.], 2),
+            1.0
+        );
         assert_eq!(set_agreement(&[1., 2., 3., 4.], &[1., 5., 3., 4.], 2), 0.75);
     }
 
@@ -383,7 +387,9 @@ mod tests {
     #[test]
     fn bf16_floor_bounds_bf16_rounding() {
         // rel-L2 of BF16 rounding on varied data stays under the floor
-        let x: Vec<f32> = (1..2000).map(|i| (i as f32 * 0.7311).sin() * 3.0 + 0.01).collect();
+        let x: Vec<f32> = (1..2000)
+            .map(|i| (i as f32 * 0.7311).sin() * 3.0 + 0.01)
+            .collect();
         let r: Vec<f32> = x.iter().map(|&v| crate::numerics::bf16::round(v)).collect();
         let e = Compare::of(&r, &x).rel_l2.unwrap();
         assert!(e > 0.0 && e < dtype_floor("BF16"), "{e}");

@@ -68,7 +68,6 @@ pub fn map_hf(name: &str) -> Option<Mapped> {
     None
 }
 
-
 /// How per-rank files of one tensor combine into the logical tensor (tensor parallelism).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Shard {
@@ -127,7 +126,11 @@ impl Rule {
         self
     }
     fn split(mut self, start: usize, len: usize) -> Rule {
-        self.split = Some(Split { dim: -1, start, len });
+        self.split = Some(Split {
+            dim: -1,
+            start,
+            len,
+        });
         self
     }
 }
@@ -355,11 +358,13 @@ impl NameMap {
 }
 
 fn looks_like_op_id(name: &str) -> bool {
-    matches!(name, "embed" | "hc_expand" | "hc_head" | "final_norm" | "head")
-        || name
-            .strip_prefix('L')
-            .and_then(|r| r.split_once('.'))
-            .is_some_and(|(n, rest)| n.parse::<usize>().is_ok() && !rest.is_empty())
+    matches!(
+        name,
+        "embed" | "hc_expand" | "hc_head" | "final_norm" | "head"
+    ) || name
+        .strip_prefix('L')
+        .and_then(|r| r.split_once('.'))
+        .is_some_and(|(n, rest)| n.parse::<usize>().is_ok() && !rest.is_empty())
 }
 
 /// Tensor-parallel layout of an op's output in the engines this tool knows (the same for every naming
@@ -387,7 +392,12 @@ fn tp_defaults(rules: Vec<Rule>, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
 /// `model.layers.N` is y₂ (the MoE output) and `:residual`, `:post`, `:comb` (or `:1`, `:2`, `:3`) the
 /// rest; compare recombines them into the layer output (§3.2).
 pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
-    let one = |op: String| Some(tp_defaults(vec![Rule::plain(op.clone(), !non_token_op(&op))], cfg));
+    let one = |op: String| {
+        Some(tp_defaults(
+            vec![Rule::plain(op.clone(), !non_token_op(&op))],
+            cfg,
+        ))
+    };
     match name {
         "model.embed_tokens" => return one("embed".into()),
         "model.hc_head" => return one("hc_head".into()),
@@ -434,7 +444,12 @@ pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>
 /// returns the full residual streams after both mHC posts). Names follow SGLang's hook-mode dumper
 /// (module paths) and probes/capture/sglang_capture.py.
 pub fn map_sglang(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
-    let one = |op: String| Some(tp_defaults(vec![Rule::plain(op.clone(), !non_token_op(&op))], cfg));
+    let one = |op: String| {
+        Some(tp_defaults(
+            vec![Rule::plain(op.clone(), !non_token_op(&op))],
+            cfg,
+        ))
+    };
     match name {
         "model.embed_tokens" => return one("embed".into()),
         "model.norm" => return one("final_norm".into()),

@@ -154,7 +154,11 @@ impl Trace {
                 .collect();
             paths.sort();
             if paths.is_empty() {
-                return Err(Error::bad(path, None, "no *.safetensors files in the trace directory"));
+                return Err(Error::bad(
+                    path,
+                    None,
+                    "no *.safetensors files in the trace directory",
+                ));
             }
             let mut seen = BTreeMap::new();
             for p in paths {
@@ -258,12 +262,17 @@ impl Trace {
                 if p == 0 {
                     return Ok(None);
                 }
-                return Err(Error::bad(&f.path, Some("input_ids"), "missing in this pass"));
+                return Err(Error::bad(
+                    &f.path,
+                    Some("input_ids"),
+                    "missing in this pass",
+                ));
             };
             let n = match f.metadata.get("num_tokens") {
-                Some(s) => s.trim().parse::<usize>().map_err(|e| {
-                    Error::bad(&f.path, None, format!("metadata num_tokens: {e}"))
-                })?,
+                Some(s) => s
+                    .trim()
+                    .parse::<usize>()
+                    .map_err(|e| Error::bad(&f.path, None, format!("metadata num_tokens: {e}")))?,
                 None => t.data.len(),
             };
             if n > t.data.len() {
@@ -276,7 +285,11 @@ impl Trace {
             let base = ids.len();
             for &v in &t.data[..n] {
                 if !(v >= 0.0 && v.fract() == 0.0) {
-                    return Err(Error::bad(&f.path, Some("input_ids"), format!("bad token id {v}")));
+                    return Err(Error::bad(
+                        &f.path,
+                        Some("input_ids"),
+                        format!("bad token id {v}"),
+                    ));
                 }
                 ids.push(v as u32);
             }
@@ -285,7 +298,11 @@ impl Trace {
                     acc.extend(pt.data[..n].iter().map(|&x| x.max(0.0) as usize))
                 }
                 (Some(_), _) => {
-                    return Err(Error::bad(&f.path, Some("positions"), "fewer positions than tokens"))
+                    return Err(Error::bad(
+                        &f.path,
+                        Some("positions"),
+                        "fewer positions than tokens",
+                    ))
                 }
                 (None, Some(acc)) => acc.extend(base..base + n),
                 (None, None) => {}
