@@ -297,7 +297,7 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
         first_divergent: first.map(|o| o.op.clone()),
         first_divergent_reason: first.and_then(|o| o.reason.clone()),
         first_divergent_hint: first.and_then(|o| o.hint.clone()),
-        attribution: first.and_then(|o| attribution_hook(&p.ckpt, &p.opts, &o.op)),
+        attribution: first.and_then(|o| attribution_hook(&p.ckpt, &p.opts, &res, &o.op)),
         unmapped: mapping.unmapped.clone(),
         notes,
     };

@@ -354,11 +354,14 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
     Ok(out)
 }
 
-/// Scale attribution at the first divergent op: which checkpoint scale explains it. The bisect module
-/// owns that search; until it is wired here this returns None and the report says so.
+/// Scale attribution at the trace's first divergent op: which checkpoint scale explains it. The bisect
+/// module (branch `bisect`: `bisect::bisect_run(ckpt, opts, res)`) owns that search; it explains the
+/// served emulation's first divergence, which attributes the trace's only when both are the same op.
+/// Not wired on this branch: returns None and the report says so.
 pub fn attribution_hook(
     _ckpt: &crate::checkpoint::Checkpoint,
     _opts: &crate::probe::RunOptions,
+    _res: &RunResult,
     _first_divergent: &str,
 ) -> Option<String> {
     None
