@@ -4,6 +4,7 @@
 use crate::cli::{Cli, Command};
 use crate::Result;
 
+pub mod compare;
 pub mod gate;
 pub mod inspect;
 pub mod lint;
@@ -18,6 +19,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Run(a) => run::main(&a),
         Command::Gate(a) => gate::main(&a),
         Command::Plot(a) => plot::main(&a),
+        Command::Compare(a) => compare::main(&a),
         Command::Lint(a) => lint::main(&a),
         other => Err(crate::Error::usage(format!(
             "command not available in this build: {other:?}"

@@ -1,3 +1,7 @@
-//! Engine activation traces: name maps and readers (issue: `compare`).
+//! Engine activation traces: name maps, readers, assembly into op outputs, and the comparison against
+//! the oracle (issue: `compare`).
 
+pub mod assemble;
+pub mod compare;
 pub mod names;
+pub mod read;

@@ -14,7 +14,12 @@ pub struct Mapped {
 
 fn layer_and_rest<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
     let r = name.strip_prefix(prefix)?;
-    let (n, rest) = r.split_once('.').unwrap_or((r, ""));
+    // `model.layers.3.attn.wq_b` → (3, "attn.wq_b"); `model.layers.3:residual` → (3, ":residual")
+    let (n, rest) = match r.find(['.', ':']) {
+        Some(i) if r.as_bytes()[i] == b'.' => (&r[..i], &r[i + 1..]),
+        Some(i) => (&r[..i], &r[i..]),
+        None => (r, ""),
+    };
     Some((n.parse().ok()?, rest))
 }
 
@@ -61,6 +66,427 @@ pub fn map_hf(name: &str) -> Option<Mapped> {
         return m(op, true);
     }
     None
+}
+
+/// How per-rank files of one tensor combine into the logical tensor (tensor parallelism).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// Every rank holds the whole tensor (replicated layers, row-parallel outputs after the all-reduce).
+    Replicated,
+    /// Column-parallel outputs: concatenate along this dim (negative counts from the end).
+    Concat(i64),
+    /// Partial sums that the engine all-reduces later (MoE outputs with `reduce_results=False`). When every
+    /// rank holds the same values the tensor was already reduced and rank 0's copy is used.
+    Sum,
+}
+
+/// A slice of a fused output along `dim` (negative counts from the end), in logical (unsharded) units.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Split {
+    pub dim: i64,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// One op a trace tensor feeds, and how to turn the tensor (or its per-rank pieces) into that op's output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub op: String,
+    /// See [`Mapped::token_rows`].
+    pub token_rows: bool,
+    /// Fused projections: the slice of the tensor that is this op's output.
+    pub split: Option<Split>,
+    pub shard: Shard,
+    /// Per-head width of a head-major last dimension: engines pad heads (vLLM/FlashMLA to 64 or 128 per
+    /// rank), and the columns beyond the config's head count are dropped.
+    pub head_dim: Option<usize>,
+}
+
+impl Rule {
+    fn plain(op: String, token_rows: bool) -> Rule {
+        Rule {
+            op,
+            token_rows,
+            split: None,
+            shard: Shard::Replicated,
+            head_dim: None,
+        }
+    }
+    fn concat(mut self, dim: i64) -> Rule {
+        self.shard = Shard::Concat(dim);
+        self
+    }
+    fn sum(mut self) -> Rule {
+        self.shard = Shard::Sum;
+        self
+    }
+    fn heads(mut self, dh: usize) -> Rule {
+        self.head_dim = Some(dh);
+        self
+    }
+    fn split(mut self, start: usize, len: usize) -> Rule {
+        self.split = Some(Split {
+            dim: -1,
+            start,
+            len,
+        });
+        self
+    }
+}
+
+/// Ops whose output rows are not token rows (compressed entries) or that capture scripts keep whole.
+fn non_token_op(op: &str) -> bool {
+    op.ends_with(".attn.compressor") || op.ends_with(".attn.indexer")
+}
+
+/// The official DeepSeek module tree (inference/model.py): `layers.N.attn.wq_a`, `layers.N.attn_norm`,
+/// `layers.N.ffn.experts`, `layers.N.hc_attn` (the mHC pre of the attention side, aux `:post`/`:comb`)…
+/// Tuple outputs may be written `NAME:1`, `NAME:2` as well as by their aux names.
+pub fn map_official(name: &str) -> Option<Mapped> {
+    let m = |op: String| {
+        Some(Mapped {
+            token_rows: !non_token_op(&op),
+            op,
+        })
+    };
+    match name {
+        "embed" => return m("embed".into()),
+        "hc_head" => return m("hc_head".into()),
+        "norm" => return m("final_norm".into()),
+        "head" | "logits" => return m("head".into()),
+        _ => {}
+    }
+    let (n, rest) = layer_and_rest(name, "layers.")?;
+    let l = format!("L{n}");
+    let op = match rest {
+        "" => format!("{l}.out"),
+        "hc_attn" | "hc_attn:0" => format!("{l}.attn.hc_pre"),
+        "hc_attn:post" | "hc_attn:1" => format!("{l}.attn.hc_pre.post"),
+        "hc_attn:comb" | "hc_attn:2" => format!("{l}.attn.hc_pre.comb"),
+        "attn_norm" => format!("{l}.attn.norm"),
+        "attn.wq_a" => format!("{l}.attn.q_a"),
+        "attn.wkv" => format!("{l}.attn.kv"),
+        "attn.q_norm" => format!("{l}.attn.q_norm"),
+        "attn.kv_norm" => format!("{l}.attn.kv_norm"),
+        "attn.wq_b" => format!("{l}.attn.q_b"),
+        "attn.compressor" => format!("{l}.attn.compressor"),
+        "attn.indexer" => format!("{l}.attn.indexer"),
+        "attn.wo_a:input" => format!("{l}.attn.core"),
+        "attn.wo_a" => format!("{l}.attn.wo_a"),
+        "attn.wo_b" | "attn" => format!("{l}.attn.wo_b"),
+        "hc_ffn:input" => format!("{l}.attn.hc_post"),
+        "hc_ffn" | "hc_ffn:0" => format!("{l}.ffn.hc_pre"),
+        "hc_ffn:post" | "hc_ffn:1" => format!("{l}.ffn.hc_pre.post"),
+        "hc_ffn:comb" | "hc_ffn:2" => format!("{l}.ffn.hc_pre.comb"),
+        "ffn_norm" => format!("{l}.ffn.norm"),
+        "ffn.gate" | "ffn.gate:0" => format!("{l}.ffn.router"),
+        "ffn.gate:idx" | "ffn.gate:1" => format!("{l}.ffn.router.idx"),
+        "ffn.experts" => format!("{l}.ffn.experts"),
+        "ffn.shared_experts" => format!("{l}.ffn.shared"),
+        "ffn" => format!("{l}.ffn.out"),
+        _ => return None,
+    };
+    m(op)
+}
+
+/// Which built-in naming (or a user map file) `--names` selected.
+#[derive(Clone, Debug)]
+pub enum NameMap {
+    Official,
+    Hf,
+    Vllm,
+    Sglang,
+    File(UserMap),
+}
+
+/// A user map file (TOML):
+///
+/// ```toml
+/// [map]
+/// "engine.layer0.qkv" = { op = "L0.attn.q_a", split = { dim = -1, start = 0, len = 1536 } }
+/// "engine.layer0.q_up" = { op = "L0.attn.q_b", concat_dim = -1 }
+/// "engine.layer0.norm" = "L0.attn.norm"
+/// ```
+/// A name may also map to a list of such entries (a fused output feeding several ops). `reduce = "sum"`
+/// marks per-rank partial sums; `head_dim` drops padded heads; `token_rows = false` keeps a tensor whole.
+#[derive(Clone, Debug, Default)]
+pub struct UserMap {
+    pub entries: std::collections::BTreeMap<String, Vec<Rule>>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UserMapFile {
+    map: std::collections::BTreeMap<String, UserValue>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum UserValue {
+    Op(String),
+    One(UserEntry),
+    Many(Vec<UserEntry>),
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UserEntry {
+    op: String,
+    #[serde(default)]
+    split: Option<Split>,
+    #[serde(default)]
+    concat_dim: Option<i64>,
+    #[serde(default)]
+    reduce: Option<String>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    #[serde(default)]
+    token_rows: Option<bool>,
+}
+
+impl UserMap {
+    pub fn parse(text: &str, file: &std::path::Path) -> crate::Result<UserMap> {
+        let f: UserMapFile = toml::from_str(text)
+            .map_err(|e| crate::Error::bad(file, None, format!("name map: {e}")))?;
+        let mut entries = std::collections::BTreeMap::new();
+        for (name, v) in f.map {
+            let list = match v {
+                UserValue::Op(op) => vec![UserEntry {
+                    op,
+                    split: None,
+                    concat_dim: None,
+                    reduce: None,
+                    head_dim: None,
+                    token_rows: None,
+                }],
+                UserValue::One(e) => vec![e],
+                UserValue::Many(v) => v,
+            };
+            let mut rules = Vec::new();
+            for e in list {
+                let shard = match (e.concat_dim, e.reduce.as_deref()) {
+                    (Some(_), Some(_)) => {
+                        return Err(crate::Error::bad(
+                            file,
+                            Some(&name),
+                            "name map: give concat_dim or reduce, not both",
+                        ))
+                    }
+                    (Some(d), None) => Shard::Concat(d),
+                    (None, Some("sum")) => Shard::Sum,
+                    (None, Some(r)) => {
+                        return Err(crate::Error::bad(
+                            file,
+                            Some(&name),
+                            format!("name map: reduce = \"{r}\" (only \"sum\" is known)"),
+                        ))
+                    }
+                    (None, None) => Shard::Replicated,
+                };
+                if e.split.as_ref().is_some_and(|s| s.len == 0) {
+                    return Err(crate::Error::bad(
+                        file,
+                        Some(&name),
+                        "name map: split.len is 0",
+                    ));
+                }
+                rules.push(Rule {
+                    token_rows: e.token_rows.unwrap_or(!non_token_op(&e.op)),
+                    op: e.op,
+                    split: e.split,
+                    shard,
+                    head_dim: e.head_dim,
+                });
+            }
+            entries.insert(name, rules);
+        }
+        Ok(UserMap { entries })
+    }
+}
+
+impl NameMap {
+    /// `vllm | sglang | hf | official`, else a TOML map file.
+    pub fn from_arg(arg: &str) -> crate::Result<NameMap> {
+        Ok(match arg {
+            "official" => NameMap::Official,
+            "hf" => NameMap::Hf,
+            "vllm" => NameMap::Vllm,
+            "sglang" => NameMap::Sglang,
+            path => {
+                let p = std::path::Path::new(path);
+                if !p.is_file() {
+                    return Err(crate::Error::usage(format!(
+                        "--names {path}: not one of vllm, sglang, hf, official, and no such map file"
+                    )));
+                }
+                let text = std::fs::read_to_string(p).map_err(|e| crate::Error::io(p, e))?;
+                NameMap::File(UserMap::parse(&text, p)?)
+            }
+        })
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            NameMap::Official => "official",
+            NameMap::Hf => "hf",
+            NameMap::Vllm => "vllm",
+            NameMap::Sglang => "sglang",
+            NameMap::File(_) => "map file",
+        }
+    }
+
+    /// The ops a trace tensor feeds (empty: unmapped). Built-in maps also accept op ids verbatim, so a
+    /// `run --dump` file compares as a trace.
+    pub fn rules(&self, name: &str, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
+        let from = |m: Option<Mapped>| m.map(|m| vec![Rule::plain(m.op, m.token_rows)]);
+        let found = match self {
+            NameMap::Official => from(map_official(name)).map(|r| tp_defaults(r, cfg)),
+            NameMap::Hf => from(map_hf(name)).map(|r| tp_defaults(r, cfg)),
+            NameMap::Vllm => map_vllm(name, cfg),
+            NameMap::Sglang => map_sglang(name, cfg),
+            NameMap::File(u) => return u.entries.get(name).cloned().unwrap_or_default(),
+        };
+        found.unwrap_or_else(|| {
+            if looks_like_op_id(name) {
+                vec![Rule::plain(name.to_string(), !non_token_op(name))]
+            } else {
+                Vec::new()
+            }
+        })
+    }
+}
+
+fn looks_like_op_id(name: &str) -> bool {
+    matches!(
+        name,
+        "embed" | "hc_expand" | "hc_head" | "final_norm" | "head"
+    ) || name
+        .strip_prefix('L')
+        .and_then(|r| r.split_once('.'))
+        .is_some_and(|(n, rest)| n.parse::<usize>().is_ok() && !rest.is_empty())
+}
+
+/// Tensor-parallel layout of an op's output in the engines this tool knows (the same for every naming
+/// that comes from a TP engine): q_b and the attention core are column-parallel over heads (maybe padded),
+/// wo_a is column-parallel over groups, MoE outputs are partial sums until the all-reduce.
+fn tp_defaults(rules: Vec<Rule>, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
+    rules
+        .into_iter()
+        .map(|r| {
+            let o = r.op.clone();
+            if o.ends_with(".attn.q_b") || o.ends_with(".attn.core") {
+                r.concat(-1).heads(cfg.head_dim)
+            } else if o.ends_with(".attn.wo_a") {
+                r.concat(-1)
+            } else if o.ends_with(".ffn.experts") || o.ends_with(".ffn.shared") {
+                r.sum()
+            } else {
+                r
+            }
+        })
+        .collect()
+}
+
+/// vLLM's DeepSeek-V4 module paths (DSV4-LAYER.md §2.4). The decoder layer returns (y₂, X₁, post_f, C_f):
+/// `model.layers.N` is y₂ (the MoE output) and `:residual`, `:post`, `:comb` (or `:1`, `:2`, `:3`) the
+/// rest; compare recombines them into the layer output (§3.2).
+pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
+    let one = |op: String| {
+        Some(tp_defaults(
+            vec![Rule::plain(op.clone(), !non_token_op(&op))],
+            cfg,
+        ))
+    };
+    match name {
+        "model.embed_tokens" => return one("embed".into()),
+        "model.hc_head" => return one("hc_head".into()),
+        "model.norm" => return one("final_norm".into()),
+        "lm_head" | "logits" => return one("head".into()),
+        _ => {}
+    }
+    let (n, rest) = layer_and_rest(name, "model.layers.")?;
+    let l = format!("L{n}");
+    let op = match rest {
+        "attn.fused_wqa_wkv" => {
+            let q = cfg.q_lora_rank;
+            return Some(vec![
+                Rule::plain(format!("{l}.attn.q_a"), true).split(0, q),
+                Rule::plain(format!("{l}.attn.kv"), true).split(q, cfg.head_dim),
+            ]);
+        }
+        "" | ":0" => format!("{l}.ffn.out"),
+        ":residual" | ":1" => format!("{l}.attn.hc_post"),
+        ":post" | ":2" => format!("{l}.ffn.hc_pre.post"),
+        ":comb" | ":3" => format!("{l}.ffn.hc_pre.comb"),
+        "attn_norm" => format!("{l}.attn.norm"),
+        "attn.wq_a" => format!("{l}.attn.q_a"),
+        "attn.wkv" => format!("{l}.attn.kv"),
+        "attn.q_norm" => format!("{l}.attn.q_norm"),
+        "attn.kv_norm" => format!("{l}.attn.kv_norm"),
+        "attn.wq_b" => format!("{l}.attn.q_b"),
+        "attn.mla_attn.compressor" => format!("{l}.attn.compressor"),
+        "attn.indexer" => format!("{l}.attn.indexer"),
+        "attn.wo_a:input" => format!("{l}.attn.core"),
+        "attn.wo_a" => format!("{l}.attn.wo_a"),
+        "attn.wo_b" | "attn" => format!("{l}.attn.wo_b"),
+        "ffn.norm_gate" | "ffn.norm_gate:0" | "ffn.norm_gate.norm" => format!("{l}.ffn.norm"),
+        "ffn.experts" => format!("{l}.ffn.experts"),
+        "ffn.shared_experts" => format!("{l}.ffn.shared"),
+        "ffn" => format!("{l}.ffn.out"),
+        _ => return None,
+    };
+    one(op)
+}
+
+/// SGLang's DeepSeek-V4 module paths (`python/sglang/srt/models/deepseek_v4.py`: `self_attn.wqkv_a` or
+/// `wq_a`/`wkv`, `wq_b`, `wo_a`, `wo_b`, `compressor`, `indexer`; `mlp.{experts,shared_experts}`; the layer
+/// returns the full residual streams after both mHC posts). Names follow SGLang's hook-mode dumper
+/// (module paths) and probes/capture/sglang_capture.py.
+pub fn map_sglang(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
+    let one = |op: String| {
+        Some(tp_defaults(
+            vec![Rule::plain(op.clone(), !non_token_op(&op))],
+            cfg,
+        ))
+    };
+    match name {
+        "model.embed_tokens" => return one("embed".into()),
+        "model.norm" => return one("final_norm".into()),
+        "lm_head" | "logits" => return one("head".into()),
+        _ => {}
+    }
+    let (n, rest) = layer_and_rest(name, "model.layers.")?;
+    let l = format!("L{n}");
+    let op = match rest {
+        "self_attn.wqkv_a" => {
+            let q = cfg.q_lora_rank;
+            return Some(vec![
+                Rule::plain(format!("{l}.attn.q_a"), true).split(0, q),
+                Rule::plain(format!("{l}.attn.kv"), true).split(q, cfg.head_dim),
+            ]);
+        }
+        "" => format!("{l}.out"),
+        "input_layernorm" => format!("{l}.attn.norm"),
+        "self_attn.wq_a" => format!("{l}.attn.q_a"),
+        "self_attn.wkv" => format!("{l}.attn.kv"),
+        "self_attn.q_norm" => format!("{l}.attn.q_norm"),
+        "self_attn.kv_norm" => format!("{l}.attn.kv_norm"),
+        "self_attn.wq_b" => format!("{l}.attn.q_b"),
+        "self_attn.compressor" => format!("{l}.attn.compressor"),
+        "self_attn.indexer" => format!("{l}.attn.indexer"),
+        "self_attn.wo_a:input" => format!("{l}.attn.core"),
+        "self_attn.wo_a" => format!("{l}.attn.wo_a"),
+        "self_attn.wo_b" | "self_attn" => format!("{l}.attn.wo_b"),
+        "post_attention_layernorm" => format!("{l}.ffn.norm"),
+        "mlp.topk" | "mlp.topk:0" => format!("{l}.ffn.router"),
+        "mlp.topk:idx" | "mlp.topk:1" => format!("{l}.ffn.router.idx"),
+        "mlp.experts" => format!("{l}.ffn.experts"),
+        "mlp.shared_experts" => format!("{l}.ffn.shared"),
+        "mlp" => format!("{l}.ffn.out"),
+        _ => return None,
+    };
+    one(op)
 }
 
 #[cfg(test)]

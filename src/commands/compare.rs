@@ -1,0 +1,352 @@
+//! `compare`: an engine's dumped activations against the oracle on the same tokens.
+
+use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
+use serde::Serialize;
+
+use crate::cli::{BackendChoice, CompareArgs, TokenArgs};
+use crate::commands::run::prepare;
+use crate::error::{EXIT_FINDINGS, EXIT_OK};
+use crate::model::graph::build_graph;
+use crate::probe;
+use crate::report::{self, RunMeta};
+use crate::trace::assemble::{assemble, needed_layers};
+use crate::trace::compare::{attribution_hook, evaluate, Inputs, OpCompare};
+use crate::trace::names::NameMap;
+use crate::trace::read::Trace;
+use crate::{Error, Result};
+
+pub const COMPARE_SCHEMA: &str = "nvfp4-probe.compare/1";
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TraceInfo {
+    pub path: String,
+    pub files: Vec<String>,
+    pub ranks: usize,
+    pub passes: usize,
+    pub names: String,
+    pub rows: Option<Vec<usize>>,
+    pub token_source: String,
+}
+
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct CompareSummary {
+    pub compared: usize,
+    pub divergent: usize,
+    pub first_divergent: Option<String>,
+    pub first_divergent_reason: Option<String>,
+    pub first_divergent_hint: Option<String>,
+    /// Which checkpoint scale explains the first divergence (None: not attributed).
+    pub attribution: Option<String>,
+    pub unmapped: Vec<String>,
+    pub notes: Vec<String>,
+}
+
+/// Everything `compare` measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct CompareReport {
+    pub schema: &'static str,
+    pub meta: RunMeta,
+    pub trace: TraceInfo,
+    pub summary: CompareSummary,
+    pub ops: Vec<OpCompare>,
+}
+
+fn fmt(x: Option<f64>) -> String {
+    x.map(|v| format!("{v:.2e}")).unwrap_or_else(|| "—".into())
+}
+
+fn cos(x: Option<f64>) -> String {
+    x.map(|v| format!("{v:.6}")).unwrap_or_else(|| "—".into())
+}
+
+pub fn terminal_table(r: &CompareReport) -> String {
+    let mut t = Table::new();
+    t.load_style(presets::UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(vec![
+            "op",
+            "trace",
+            "dtype",
+            "amax",
+            "NaN",
+            "cos fp32",
+            "relL2 fp32",
+            "cos bf16",
+            "relL2 bf16",
+            "tol",
+            "verdict",
+        ]);
+    for o in &r.ops {
+        let v = if o.diverges() {
+            Cell::new(&o.verdict).fg(Color::Red)
+        } else {
+            Cell::new(&o.verdict).fg(Color::Green)
+        };
+        let (c1, r1, c2, r2) = match &o.agreement {
+            Some(a) => (
+                format!("agree {:.3}", a.vs_fp32),
+                "".into(),
+                format!("agree {:.3}", a.vs_bf16),
+                "".into(),
+            ),
+            None => (
+                cos(o.vs_fp32.cos),
+                fmt(o.vs_fp32.rel_l2),
+                cos(o.vs_bf16.cos),
+                fmt(o.vs_bf16.rel_l2),
+            ),
+        };
+        t.add_row(vec![
+            Cell::new(&o.op),
+            Cell::new(&o.trace_name),
+            Cell::new(&o.dtype),
+            Cell::new(format!("{:.3e}", o.stats.amax)),
+            Cell::new(o.stats.nan + o.stats.inf),
+            Cell::new(c1),
+            Cell::new(r1),
+            Cell::new(c2),
+            Cell::new(r2),
+            Cell::new(format!("{:.1e}", o.tolerance)),
+            v,
+        ]);
+    }
+    t.to_string()
+}
+
+pub fn summary_lines(r: &CompareReport) -> Vec<String> {
+    let s = &r.summary;
+    let mut v = Vec::new();
+    match &s.first_divergent {
+        Some(op) => {
+            v.push(format!(
+                "first divergent op: {op} ({}); {} of {} compared ops diverge",
+                s.first_divergent_reason.as_deref().unwrap_or(""),
+                s.divergent,
+                s.compared
+            ));
+            if let Some(h) = &s.first_divergent_hint {
+                v.push(format!("hint: {h}"));
+            }
+            v.push(match &s.attribution {
+                Some(a) => format!("scale attribution: {a}"),
+                None => "scale attribution: not available (bisect not wired into compare)".into(),
+            });
+        }
+        None => v.push(format!(
+            "clean: all {} compared ops within the oracle's BF16 noise",
+            s.compared
+        )),
+    }
+    if !s.unmapped.is_empty() {
+        let shown: Vec<&str> = s.unmapped.iter().take(12).map(String::as_str).collect();
+        v.push(format!(
+            "unmapped ({}): {}{}",
+            s.unmapped.len(),
+            shown.join(", "),
+            if s.unmapped.len() > 12 { ", …" } else { "" }
+        ));
+    }
+    for n in &s.notes {
+        v.push(format!("note: {n}"));
+    }
+    v
+}
+
+pub fn markdown(r: &CompareReport) -> String {
+    let mut m = String::new();
+    m.push_str("# nvfp4-probe compare\n\n");
+    m.push_str(&format!(
+        "- checkpoint: `{}`\n- trace: `{}` ({} file(s), {} rank(s), {} pass(es), names `{}`)\n- tokens: {} ({})\n\n",
+        r.meta.checkpoint.location,
+        r.trace.path,
+        r.trace.files.len(),
+        r.trace.ranks,
+        r.trace.passes,
+        r.trace.names,
+        r.meta.tokens.count,
+        r.trace.token_source
+    ));
+    for l in summary_lines(r) {
+        m.push_str(&format!("**{l}**\n\n"));
+    }
+    m.push_str("| op | trace tensor | dtype | amax | NaN | cos vs fp32 | rel-L2 vs fp32 | cos vs bf16 | rel-L2 vs bf16 | tolerance | verdict |\n");
+    m.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for o in &r.ops {
+        m.push_str(&format!(
+            "| `{}` | `{}` | {} | {:.3e} | {} | {} | {} | {} | {} | {:.1e} | {}{} |\n",
+            o.op,
+            o.trace_name,
+            o.dtype,
+            o.stats.amax,
+            o.stats.nan + o.stats.inf,
+            cos(o.vs_fp32.cos),
+            fmt(o.vs_fp32.rel_l2),
+            cos(o.vs_bf16.cos),
+            fmt(o.vs_bf16.rel_l2),
+            o.tolerance,
+            if o.diverges() { "**" } else { "" },
+            if o.diverges() {
+                format!("{}**", o.verdict)
+            } else {
+                o.verdict.clone()
+            }
+        ));
+    }
+    m
+}
+
+/// Run the comparison and return the report (the command prints and writes it).
+pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
+    let map = NameMap::from_arg(&args.names)?;
+    let trace = Trace::open(&args.trace)?;
+    let trace_tokens = trace.tokens()?;
+    let rows = trace.rows()?;
+    let opts_given = token_options_given(&args.tokens);
+    let mut p = prepare(
+        args.model.as_deref(),
+        None,
+        &args.tokens,
+        None,
+        None,
+        BackendChoice::Auto,
+        &[],
+        args.seed,
+    )?;
+    let token_source = match &trace_tokens {
+        Some(tt) => {
+            if opts_given && p.opts.tokens != tt.ids {
+                return Err(Error::usage(format!(
+                    "the trace's input_ids ({} tokens) differ from the token options ({} tokens)",
+                    tt.ids.len(),
+                    p.opts.tokens.len()
+                )));
+            }
+            p.opts.tokens = tt.ids.clone();
+            p.meta.tokens = report::token_fingerprint(&tt.ids, "trace input_ids");
+            "trace input_ids".to_string()
+        }
+        None => {
+            if !opts_given {
+                return Err(Error::bad(
+                    &args.trace,
+                    Some("input_ids"),
+                    "the trace has no input_ids; give the tokens it ran (--tokens, --token-ids, --prompt)",
+                ));
+            }
+            p.meta.tokens.source.clone()
+        }
+    };
+    let cfg = p.ckpt.model_config()?.clone();
+    let mapping = assemble(&trace, &map, &cfg)?;
+    if mapping.ops.is_empty() {
+        return Err(Error::bad(
+            &args.trace,
+            None,
+            format!(
+                "no tensor maps to an op with --names {} ({} unmapped, e.g. {})",
+                map.label(),
+                mapping.unmapped.len(),
+                mapping
+                    .unmapped
+                    .iter()
+                    .take(3)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    let (max_layer, head) = needed_layers(&mapping);
+    let nl = cfg.num_hidden_layers;
+    let last = if head { nl - 1 } else { max_layer.unwrap_or(0) };
+    if last >= nl {
+        return Err(Error::bad(
+            &args.trace,
+            None,
+            format!("the trace has layer {last}; the model has {nl} layers"),
+        ));
+    }
+    p.opts.layers = (0, last);
+    p.meta.layers = [0, last];
+    p.opts.keep_outputs = true;
+    let res = probe::run(&p.ckpt, &p.opts)?;
+    p.meta.seconds = res.seconds;
+    p.meta.bytes_read = res.bytes_read;
+    let with_head = last + 1 == nl && p.ckpt.resolve("head.weight").is_some();
+    let order: Vec<String> = build_graph(&cfg, last, with_head)
+        .iter()
+        .flat_map(|o| o.outputs.clone())
+        .collect();
+    let ops = evaluate(&Inputs {
+        res: &res,
+        mapping: &mapping,
+        tokens: trace_tokens.as_ref(),
+        rows: rows.as_deref(),
+        thresholds: &p.opts.spec.thresholds,
+        trace_path: &args.trace,
+        order: &order,
+    })?;
+    let first = ops.iter().find(|o| o.diverges());
+    let mut notes = mapping.notes.clone();
+    if trace.ranks > 1 {
+        notes.push(format!("{} tensor-parallel ranks joined", trace.ranks));
+    }
+    let summary = CompareSummary {
+        compared: ops.len(),
+        divergent: ops.iter().filter(|o| o.diverges()).count(),
+        first_divergent: first.map(|o| o.op.clone()),
+        first_divergent_reason: first.and_then(|o| o.reason.clone()),
+        first_divergent_hint: first.and_then(|o| o.hint.clone()),
+        attribution: first.and_then(|o| attribution_hook(&p.ckpt, &p.opts, &res, &o.op)),
+        unmapped: mapping.unmapped.clone(),
+        notes,
+    };
+    Ok(CompareReport {
+        schema: COMPARE_SCHEMA,
+        meta: p.meta,
+        trace: TraceInfo {
+            path: args.trace.display().to_string(),
+            files: trace
+                .files
+                .iter()
+                .map(|f| f.path.display().to_string())
+                .collect(),
+            ranks: trace.ranks,
+            passes: trace.passes,
+            names: map.label().into(),
+            rows,
+            token_source,
+        },
+        summary,
+        ops,
+    })
+}
+
+pub fn main(args: &CompareArgs) -> Result<i32> {
+    for out in [&args.json, &args.markdown].into_iter().flatten() {
+        report::check_not_in_model_dir(out, args.model.as_deref())?;
+    }
+    let r = compare(args)?;
+    println!("{}", terminal_table(&r));
+    for l in summary_lines(&r) {
+        println!("{l}");
+    }
+    if let Some(j) = &args.json {
+        let s = serde_json::to_string_pretty(&r)
+            .map_err(|e| Error::usage(format!("compare JSON: {e}")))?;
+        report::write_atomic(j, s.as_bytes())?;
+    }
+    if let Some(md) = &args.markdown {
+        report::write_atomic(md, markdown(&r).as_bytes())?;
+    }
+    Ok(if r.summary.divergent > 0 {
+        EXIT_FINDINGS
+    } else {
+        EXIT_OK
+    })
+}
+
+/// Whether any token option was given (they must then name the trace's tokens).
+pub fn token_options_given(t: &TokenArgs) -> bool {
+    t.token_ids.is_some() || t.tokens.is_some() || t.prompt.is_some() || t.seq_len.is_some()
+}

@@ -1,0 +1,400 @@
+//! Holding an engine's op outputs against the oracle run on the same tokens.
+//!
+//! A trace is "clean" at an op when it is as close to one of the oracles as the BF16 oracle is to the
+//! FP32 one (that spread × the spec's noise multiplier), never tighter than the rounding of the dump's
+//! own dtype. A quantized checkpoint cannot match the oracles that closely: the gap our served
+//! emulation shows at the op (×2) widens the tolerance there, so only errors beyond the quantization's
+//! own count.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::metrics::{Compare, Stats};
+use crate::probe::spec::Thresholds;
+use crate::probe::RunResult;
+use crate::trace::assemble::{Assembled, Mapping};
+use crate::trace::read::TraceTokens;
+use crate::{Error, Result, Tensor};
+
+/// Index outputs (router experts, indexer picks): fraction of per-row choices shared, order ignored.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct IndexAgreement {
+    pub vs_fp32: f64,
+    pub vs_bf16: f64,
+    /// BF16 oracle vs FP32 oracle: how much the choice itself is numerically fragile here.
+    pub noise: f64,
+}
+
+/// One trace tensor compared at one op.
+#[derive(Clone, Debug, Serialize)]
+pub struct OpCompare {
+    pub op: String,
+    /// Position of the op in execution order.
+    pub step: usize,
+    pub trace_name: String,
+    pub dtype: String,
+    pub rows: usize,
+    pub stats: Stats,
+    pub oracle_stats: Stats,
+    pub vs_fp32: Compare,
+    pub vs_bf16: Compare,
+    pub vs_served: Compare,
+    /// BF16 oracle vs FP32 oracle on the same rows.
+    pub noise: Compare,
+    pub agreement: Option<IndexAgreement>,
+    pub tolerance: f64,
+    /// `clean`, `divergent` or `non-finite`.
+    pub verdict: String,
+    pub reason: Option<String>,
+    pub hint: Option<String>,
+    pub notes: Vec<String>,
+}
+
+impl OpCompare {
+    pub fn diverges(&self) -> bool {
+        self.verdict != "clean"
+    }
+}
+
+fn is_index_op(op: &str) -> bool {
+    op.ends_with(".ffn.router.idx") || op.ends_with(".attn.indexer")
+}
+
+/// Bound on the rel-L2 a dump's own rounding adds (half an ulp relative, as an upper bound on RMS).
+fn dtype_floor(dtype: &str) -> f64 {
+    match dtype {
+        "BF16" => 2f64.powi(-8),
+        "F16" => 2f64.powi(-10),
+        _ => 0.0,
+    }
+}
+
+fn rows_of(t: &Tensor, map: &[usize]) -> Vec<f32> {
+    let r = t.shape.first().copied().unwrap_or(1).max(1);
+    let w = t.numel() / r;
+    map.iter()
+        .flat_map(|&i| t.data[i * w..(i + 1) * w].iter().copied())
+        .collect()
+}
+
+fn set_agreement(a: &[f32], b: &[f32], k: usize) -> f64 {
+    if a.is_empty() || k == 0 {
+        return 1.0;
+    }
+    let (mut same, mut total) = (0usize, 0usize);
+    for (x, y) in a.chunks(k).zip(b.chunks(k)) {
+        let mut xs: Vec<i64> = x.iter().map(|&v| v as i64).filter(|&v| v >= 0).collect();
+        let ys: Vec<i64> = y.iter().map(|&v| v as i64).filter(|&v| v >= 0).collect();
+        total += xs.len().max(ys.len());
+        for v in &ys {
+            if let Some(p) = xs.iter().position(|u| u == v) {
+                xs.swap_remove(p);
+                same += 1;
+            }
+        }
+    }
+    if total == 0 {
+        1.0
+    } else {
+        same as f64 / total as f64
+    }
+}
+
+/// Reorder each row's top-k weights by ascending expert id, so engines that list the same experts in
+/// another order compare equal.
+fn sort_by_idx(w: &[f32], idx: &[f32], k: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(w.len());
+    for (wr, ir) in w.chunks(k).zip(idx.chunks(k)) {
+        let mut p: Vec<(f32, f32)> = ir.iter().copied().zip(wr.iter().copied()).collect();
+        p.sort_by(|a, b| a.0.total_cmp(&b.0));
+        out.extend(p.into_iter().map(|(_, v)| v));
+    }
+    out
+}
+
+/// Context for the evaluation.
+pub struct Inputs<'a> {
+    pub res: &'a RunResult,
+    pub mapping: &'a Mapping,
+    pub tokens: Option<&'a TraceTokens>,
+    pub rows: Option<&'a [usize]>,
+    pub thresholds: &'a Thresholds,
+    /// The file to name when a tensor's shape cannot be reconciled.
+    pub trace_path: &'a std::path::Path,
+    /// Op ids in execution order.
+    pub order: &'a [String],
+}
+
+/// Which oracle rows the trace's rows are, for a token-row tensor of `len` values.
+fn row_map(
+    inp: &Inputs,
+    a: &Assembled,
+    oracle: &Tensor,
+    len: usize,
+) -> Result<(Vec<usize>, usize)> {
+    let t = oracle.shape.first().copied().unwrap_or(1).max(1);
+    let w = oracle.numel() / t;
+    let bad = |msg: String| Error::bad(inp.trace_path, Some(&a.source), msg);
+    if w == 0 || !len.is_multiple_of(w) {
+        return Err(bad(format!(
+            "{len} values do not make rows of op {} (row width {w}, oracle shape {:?})",
+            a.op, oracle.shape
+        )));
+    }
+    let n = len / w;
+    let full: Vec<usize> = match inp.tokens {
+        Some(tk) if tk.order.len() == t => tk.order.clone(),
+        _ => (0..t).collect(),
+    };
+    if let Some(rows) = inp.rows {
+        if n == rows.len() {
+            if let Some(&r) = rows.iter().find(|&&r| r >= t) {
+                return Err(bad(format!("metadata row {r} is outside the {t} tokens")));
+            }
+            return Ok((rows.to_vec(), w));
+        }
+    }
+    if n >= t {
+        // rows past T are batch padding
+        return Ok((full, w));
+    }
+    Err(bad(format!(
+        "{n} rows of width {w} for op {} with {t} tokens{}",
+        a.op,
+        inp.rows
+            .map(|r| format!(" ({} rows kept by metadata)", r.len()))
+            .unwrap_or_default()
+    )))
+}
+
+/// Compare every assembled op. Errors only for unusable input (shapes that cannot be reconciled, ops the
+/// oracle does not produce).
+pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
+    let get = |path: &str| -> HashMap<&str, &Tensor> {
+        inp.res
+            .outputs
+            .get(path)
+            .map(|v| v.iter().map(|(id, t)| (id.as_str(), t)).collect())
+            .unwrap_or_default()
+    };
+    let (fp, bf, sv) = (get("oracle_fp32"), get("oracle_bf16"), get("served"));
+    let th = inp.thresholds;
+    let step_of: HashMap<&str, usize> = inp
+        .order
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.as_str(), i))
+        .collect();
+    let trace_idx: HashMap<&str, &Assembled> = inp
+        .mapping
+        .ops
+        .iter()
+        .filter(|a| a.op.ends_with(".ffn.router.idx"))
+        .map(|a| (a.op.as_str(), a))
+        .collect();
+    let mut out = Vec::new();
+    for a in &inp.mapping.ops {
+        let (Some(f), Some(b), Some(s)) = (
+            fp.get(a.op.as_str()),
+            bf.get(a.op.as_str()),
+            sv.get(a.op.as_str()),
+        ) else {
+            return Err(Error::bad(
+                inp.trace_path,
+                Some(&a.source),
+                format!(
+                    "maps to op `{}`, which this model's graph does not produce (check --names or the map file)",
+                    a.op
+                ),
+            ));
+        };
+        let (mut t, mut fr, mut br, mut sr, rows) = if a.token_rows {
+            let (map, w) = row_map(inp, a, f, a.data.len())?;
+            let t = a.data[..map.len() * w].to_vec();
+            (t, rows_of(f, &map), rows_of(b, &map), rows_of(s, &map), map)
+        } else {
+            if a.data.len() != f.numel() {
+                return Err(Error::bad(
+                    inp.trace_path,
+                    Some(&a.source),
+                    format!(
+                        "{} values where op {} has shape {:?} ({} values)",
+                        a.data.len(),
+                        a.op,
+                        f.shape,
+                        f.numel()
+                    ),
+                ));
+            }
+            let r = f.shape.first().copied().unwrap_or(1);
+            (
+                a.data.clone(),
+                f.data.clone(),
+                b.data.clone(),
+                s.data.clone(),
+                (0..r).collect(),
+            )
+        };
+        let k = f.shape.last().copied().unwrap_or(1).max(1);
+        if a.op.ends_with(".ffn.router") {
+            let idx_id = format!("{}.idx", a.op);
+            if let (Some(ti), Some(fi), Some(bi), Some(si)) = (
+                trace_idx.get(idx_id.as_str()),
+                fp.get(idx_id.as_str()),
+                bf.get(idx_id.as_str()),
+                sv.get(idx_id.as_str()),
+            ) {
+                if ti.data.len() >= t.len() && ti.token_rows == a.token_rows {
+                    t = sort_by_idx(&t, &ti.data[..t.len()], k);
+                    fr = sort_by_idx(&fr, &rows_of(fi, &rows), k);
+                    br = sort_by_idx(&br, &rows_of(bi, &rows), k);
+                    sr = sort_by_idx(&sr, &rows_of(si, &rows), k);
+                }
+            }
+        }
+        let stats = Stats::of(&t);
+        let oracle_stats = Stats::of(&fr);
+        let vs_fp32 = Compare::of(&t, &fr);
+        let vs_bf16 = Compare::of(&t, &br);
+        let vs_served = Compare::of(&t, &sr);
+        let noise = Compare::of(&br, &fr);
+        let served_gap = Compare::of(&sr, &br).rel_l2.unwrap_or(0.0);
+        let tol = (th.noise_multiplier * noise.rel_l2.unwrap_or(0.0))
+            .max(2.0 * served_gap)
+            .max(dtype_floor(&a.dtype))
+            .max(th.min_rel_l2);
+        let oracle_finite = !oracle_stats.non_finite() && !Stats::of(&br).non_finite();
+        let mut agreement = None;
+        let (verdict, reason) = if stats.non_finite() && oracle_finite {
+            (
+                "non-finite",
+                Some(format!(
+                    "{} NaN, {} Inf where the oracle has none",
+                    stats.nan, stats.inf
+                )),
+            )
+        } else if is_index_op(&a.op) {
+            let ag = IndexAgreement {
+                vs_fp32: set_agreement(&t, &fr, k),
+                vs_bf16: set_agreement(&t, &br, k),
+                noise: set_agreement(&br, &fr, k),
+            };
+            let best = ag.vs_fp32.max(ag.vs_bf16);
+            let floor = ag.noise - 0.05;
+            let r = (best < floor).then(|| {
+                format!(
+                    "agreement {best:.3} below the oracles' own {:.3} − 0.05",
+                    ag.noise
+                )
+            });
+            agreement = Some(ag);
+            (if r.is_some() { "divergent" } else { "clean" }, r)
+        } else {
+            let best = match (vs_fp32.rel_l2, vs_bf16.rel_l2) {
+                (Some(x), Some(y)) => Some(x.min(y)),
+                (x, y) => x.or(y),
+            };
+            let ratio = vs_bf16.amax_ratio;
+            if let Some(e) = best.filter(|e| *e > tol) {
+                (
+                    "divergent",
+                    Some(format!("rel-L2 {e:.3e} > tolerance {tol:.3e}")),
+                )
+            } else if let Some(q) = ratio.filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
+            {
+                (
+                    "divergent",
+                    Some(format!(
+                        "amax ratio {q:.3e} outside [1/{0}, {0}]",
+                        th.amax_ratio
+                    )),
+                )
+            } else if best.is_none() && oracle_finite {
+                ("divergent", Some("undefined error".into()))
+            } else {
+                ("clean", None)
+            }
+        };
+        let mut hint = None;
+        if verdict != "clean" && a.op.ends_with(".out") && a.token_rows {
+            // an engine that keeps the residual split writes X₁ where the layer output belongs
+            let x1 = a.op.replace(".out", ".attn.hc_post");
+            if let Some(x) = fp.get(x1.as_str()) {
+                let xr = rows_of(x, &rows);
+                if xr.len() == t.len() && Compare::of(&t, &xr).rel_l2.is_some_and(|e| e <= tol) {
+                    hint = Some(format!(
+                        "the trace holds {x1} (X₁, the residual before the FFN-side mHC post): the engine keeps \
+                         the residual split; dump the layer's :residual/:post/:comb (vllm names) so compare recombines it"
+                    ));
+                }
+            }
+        }
+        out.push(OpCompare {
+            step: step_of.get(a.op.as_str()).copied().unwrap_or(usize::MAX),
+            op: a.op.clone(),
+            trace_name: a.source.clone(),
+            dtype: a.dtype.clone(),
+            rows: rows.len(),
+            stats,
+            oracle_stats,
+            vs_fp32,
+            vs_bf16,
+            vs_served,
+            noise,
+            agreement,
+            tolerance: tol,
+            verdict: verdict.into(),
+            reason,
+            hint,
+            notes: a.notes.clone(),
+        });
+    }
+    out.sort_by(|x, y| x.step.cmp(&y.step).then(x.trace_name.cmp(&y.trace_name)));
+    Ok(out)
+}
+
+/// Scale attribution at the trace's first divergent op: which checkpoint scale explains it. The bisect
+/// module (branch `bisect`: `bisect::bisect_run(ckpt, opts, res)`) owns that search; it explains the
+/// served emulation's first divergence, which attributes the trace's only when both are the same op.
+/// Not wired on this branch: returns None and the report says so.
+pub fn attribution_hook(
+    _ckpt: &crate::checkpoint::Checkpoint,
+    _opts: &crate::probe::RunOptions,
+    _res: &RunResult,
+    _first_divergent: &str,
+) -> Option<String> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_agreement_ignores_order_and_padding() {
+        // rows of k=2: same sets in another order, one -1 padding pick
+        assert_eq!(
+            set_agreement(&[1., 2., 3., -1.], &[2., 1., 3., -1.], 2),
+            1.0
+        );
+        assert_eq!(set_agreement(&[1., 2., 3., 4.], &[1., 5., 3., 4.], 2), 0.75);
+    }
+
+    #[test]
+    fn weights_sorted_by_expert_id() {
+        let w = sort_by_idx(&[0.7, 0.3, 0.1, 0.9], &[5., 2., 0., 1.], 2);
+        assert_eq!(w, vec![0.3, 0.7, 0.1, 0.9]);
+    }
+
+    #[test]
+    fn bf16_floor_bounds_bf16_rounding() {
+        // rel-L2 of BF16 rounding on varied data stays under the floor
+        let x: Vec<f32> = (1..2000)
+            .map(|i| (i as f32 * 0.7311).sin() * 3.0 + 0.01)
+            .collect();
+        let r: Vec<f32> = x.iter().map(|&v| crate::numerics::bf16::round(v)).collect();
+        let e = Compare::of(&r, &x).rel_l2.unwrap();
+        assert!(e > 0.0 && e < dtype_floor("BF16"), "{e}");
+    }
+}
