@@ -45,7 +45,10 @@ pub fn resolve_tokens(
         return Ok((ids.clone(), format!("probe {}", spec.name)));
     }
     let n = t.seq_len.or(spec.tokens.seq_len).unwrap_or(64);
-    Ok((probe::synthetic_tokens(n, vocab, seed), format!("synthetic (seed {seed})")))
+    Ok((
+        probe::synthetic_tokens(n, vocab, seed),
+        format!("synthetic (seed {seed})"),
+    ))
 }
 
 /// Pick the backend; `auto` falls back to the CPU with one line saying why.
@@ -66,7 +69,9 @@ pub fn select_backend(choice: BackendChoice) -> Result<(String, String)> {
 fn cpu_device() -> String {
     format!(
         "cpu ({} threads)",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
     )
 }
 
@@ -108,8 +113,15 @@ pub fn prepare(
             cfg.num_hidden_layers - 1
         )));
     }
-    let profile = Profile::parse(served.or(spec.served.as_deref()).unwrap_or("blackwell-w4a4"))?;
-    let faults = loader_faults.iter().map(|s| Fault::parse(s)).collect::<Result<Vec<_>>>()?;
+    let profile = Profile::parse(
+        served
+            .or(spec.served.as_deref())
+            .unwrap_or("blackwell-w4a4"),
+    )?;
+    let faults = loader_faults
+        .iter()
+        .map(|s| Fault::parse(s))
+        .collect::<Result<Vec<_>>>()?;
     let (toks, source) = resolve_tokens(tokens, &spec, &ckpt, cfg.vocab_size, seed)?;
     let meta = RunMeta {
         tool: "nvfp4-probe".into(),
@@ -155,7 +167,10 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         &args.loader_faults,
         args.seed,
     )?;
-    for out in [&args.json, &args.markdown, &args.plot].into_iter().flatten() {
+    for out in [&args.json, &args.markdown, &args.plot]
+        .into_iter()
+        .flatten()
+    {
         report::check_not_in_model_dir(out, p.model_dir.as_deref())?;
     }
     if let Some(d) = &args.dump {

@@ -287,7 +287,10 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
             fmt_g(r.stats["oracle_fp32"].amax),
             fmt_g(r.stats["oracle_bf16"].amax),
             fmt_g(r.stats["served"].amax),
-            r.bf16_vs_fp32_isolated.rel_l2.map(fmt_g).unwrap_or("NaN".into()),
+            r.bf16_vs_fp32_isolated
+                .rel_l2
+                .map(fmt_g)
+                .unwrap_or("NaN".into()),
             r.served_isolated_vs_bf16
                 .rel_l2
                 .map(fmt_g)
