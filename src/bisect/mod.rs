@@ -54,6 +54,8 @@ pub struct ParamRef {
     pub corrected: Option<f32>,
     /// The value as stored in the checkpoint (first base), when a scalar.
     pub stored: Option<f32>,
+    /// The fused sibling's tensor whose value the engine's merged parameter took (own-shard kinds).
+    pub from_sibling: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -155,11 +157,15 @@ pub fn bisect_run(ckpt: &Checkpoint, opts: &RunOptions, res: &RunResult) -> Resu
         Some(r) => Some(explain(ckpt, opts, res, r)?),
         None => None,
     };
-    let anomalies = if divergence.is_none() {
-        find_anomalies(&res.records)
-    } else {
-        Vec::new()
-    };
+    // an anomaly at or before the divergent op means the oracle itself is off there: the divergence
+    // may be a consequence (activation calibration no longer fits the magnitudes)
+    let upto = first.map_or(res.records.len(), |r| {
+        res.records
+            .iter()
+            .position(|x| x.id == r.id)
+            .map_or(0, |i| i + 1)
+    });
+    let anomalies = find_anomalies(&res.records[..upto]);
     Ok(BisectResult {
         summary: res.summary.clone(),
         divergence,
@@ -404,6 +410,9 @@ struct WInfo {
     p: Nvfp4Params,
     stored_w: f32,
     stored_i: Option<f32>,
+    /// The engine's fused max over the pair changes this shard's weight / input scale.
+    fused_w: bool,
+    fused_i: bool,
 }
 
 fn winfo(rp: &mut Replayer, base: &str) -> Result<Option<WInfo>> {
@@ -421,7 +430,12 @@ fn winfo(rp: &mut Replayer, base: &str) -> Result<Option<WInfo>> {
     let Some(p) = rp.params(base)? else {
         return Ok(None);
     };
+    let fused = crate::probe::served::resolve_nvfp4(rp.ckpt, &qw, conv, sw, si, true, &[]);
+    let own = crate::probe::served::resolve_nvfp4(rp.ckpt, &qw, conv, sw, si, false, &[]);
+    let ne = |a: f32, b: f32| a.to_bits() != b.to_bits();
     Ok(Some(WInfo {
+        fused_w: ne(fused.d_w, own.d_w),
+        fused_i: ne(fused.g_x, own.g_x),
         qw,
         conv,
         p,
@@ -526,12 +540,12 @@ fn hypotheses(
          Box::new(|_b, w| weight(w.p.d_w * 2688.0, w))),
         ("weight-div2688", 3, Family::WeightScale, "the weight global scale is off by 448·6 = 2688",
          Box::new(|_b, w| weight(w.p.d_w / 2688.0, w))),
-        ("weight-own-shard", 4, Family::WeightScale,
-         "the fused pair's shared weight global scale does not fit this shard (its own stored value restores it)",
-         Box::new(|_b, w| weight(own_weight(w), w))),
-        ("input-own-shard", 4, Family::InputScale,
-         "the fused pair's shared activation scale does not fit this shard (its own stored value restores it)",
-         Box::new(|_b, w| own_input(w).and_then(|g| input(g, w)))),
+        ("weight-own-shard", 0, Family::WeightScale,
+         "the engine merges the fused pair's weight global scales (max over shards) and the sibling's value does not fit this shard (its own stored value restores it)",
+         Box::new(|_b, w| if w.fused_w { weight(own_weight(w), w) } else { None })),
+        ("input-own-shard", 0, Family::InputScale,
+         "the engine merges the fused pair's activation scales (max over shards) and the sibling's value does not fit this shard (its own stored value restores it)",
+         Box::new(|_b, w| if w.fused_i { own_input(w).and_then(|g| input(g, w)) } else { None })),
         ("weight-sibling-shard", 5, Family::WeightScale,
          "the weight global scale differs from the fused sibling shard's (the engine keeps one per merged layer)",
          Box::new(|b, w| sib.get(b).and_then(|s| weight(s.d_w, w)))),
@@ -575,12 +589,23 @@ fn hypotheses(
             Family::WeightScale => Some(w.stored_w),
             _ => None,
         };
+        let from_sibling = if kind.ends_with("own-shard") {
+            match sibling(&changed[0]) {
+                Some(sb) => rp
+                    .quant_weight(&sb)
+                    .ok()
+                    .and_then(|q| tensors_of(&q, fam).into_iter().next()),
+                None => None,
+            }
+        } else {
+            None
+        };
         out.push(Hypothesis {
             kind: kind.into(),
             unit: if changed.len() == bases.len() {
                 unit.to_string()
             } else {
-                format!("{unit}: {}", short_list(&changed))
+                unit_label(unit, &changed)
             },
             what: what.into(),
             param: ParamRef {
@@ -588,6 +613,7 @@ fn hypotheses(
                 tensors: tensors_of(&w.qw, fam),
                 engine: engine_name(&changed[0], w.conv, fam),
                 bases: changed,
+                from_sibling,
                 current: fin(cur),
                 corrected: fin(cor),
                 stored,
