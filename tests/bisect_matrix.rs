@@ -201,17 +201,18 @@ fn matrix(full: bool) {
             let outcome = if mode == "checkpoint" {
                 match ckpt(formats[fi].1, 3, vec![fault]) {
                     Some(c) => {
-                        let r = bisect::bisect(&c, &opts(toks.clone(), vec![])).unwrap();
-                        judge(&r, layer, target, kind)
+                        let r = bisect::bisect(&c, &opts_to(layer, toks.clone(), vec![])).unwrap();
+                        judge(&r, layer, target, kind, true)
                     }
                     None => Outcome::NotApplicable,
                 }
             } else {
-                let r = bisect::bisect(&clean[fi], &opts(toks.clone(), vec![fault])).unwrap();
-                match (&r.divergence, r.anomalies.is_empty(), kind) {
-                    // a loader fault on weights it does not apply to changes nothing
-                    (None, true, FaultKind::NonPow2Ue8m0) => Outcome::NotApplicable,
-                    _ => judge(&r, layer, target, kind),
+                let r =
+                    bisect::bisect(&clean[fi], &opts_to(layer, toks.clone(), vec![fault])).unwrap();
+                match (&r.divergence, r.anomalies.is_empty(), kind, target) {
+                    // w3's scale mismatch exists only in the experts
+                    (None, true, FaultKind::W13ScaleMismatch, "attn") => Outcome::NotApplicable,
+                    _ => judge(&r, layer, target, kind, false),
                 }
             };
             let mut t = table.lock().unwrap();
