@@ -269,7 +269,7 @@ fn explain(
     let mut per_linear: Vec<(String, QuantHealth)> = Vec::new();
     for (sub, _, o) in &base.obs {
         if let Some(h) = &o.health {
-            per_linear.push((sub.clone(), h.clone()));
+            per_linear.push((sub.clone(), *h));
         }
     }
     let after_op = res.records.iter().skip_while(|r| r.id != rec.id);
@@ -287,7 +287,7 @@ fn explain(
         shows_at_layer_out,
         before: base.vs_bf16,
         health: if verdict.is_none() {
-            rec.health.clone()
+            rec.health
         } else {
             None
         },
