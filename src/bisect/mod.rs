@@ -286,11 +286,7 @@ fn explain(
         shows_at,
         shows_at_layer_out,
         before: base.vs_bf16,
-        health: if verdict.is_none() {
-            rec.health
-        } else {
-            None
-        },
+        health: if verdict.is_none() { rec.health } else { None },
         health_per_linear: if verdict.is_none() {
             per_linear
         } else {
