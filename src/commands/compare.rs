@@ -129,7 +129,7 @@ pub fn summary_lines(r: &CompareReport) -> Vec<String> {
             }
             v.push(match &s.attribution {
                 Some(a) => format!("scale attribution: {a}"),
-                None => "scale attribution: not available (bisect not wired into compare)".into(),
+                None => "scale attribution: the checkpoint does not explain it (the served emulation agrees with the oracle there, or no scale hypothesis restores the op)".into(),
             });
         }
         None => v.push(format!(

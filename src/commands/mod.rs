@@ -4,6 +4,7 @@
 use crate::cli::{Cli, Command};
 use crate::Result;
 
+pub mod bisect;
 pub mod compare;
 pub mod gate;
 pub mod inspect;
@@ -17,6 +18,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Inspect(a) => inspect::main(&a),
         Command::Synth(a) => synth::main(&a),
         Command::Run(a) => run::main(&a),
+        Command::Bisect(a) => bisect::main(&a),
         Command::Gate(a) => gate::main(&a),
         Command::Plot(a) => plot::main(&a),
         Command::Compare(a) => compare::main(&a),

@@ -4,6 +4,7 @@
 
 pub mod env;
 pub mod faults;
+pub mod replay;
 pub mod served;
 pub mod spec;
 

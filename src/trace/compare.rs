@@ -357,14 +357,19 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
 /// Scale attribution at the trace's first divergent op: which checkpoint scale explains it. The bisect
 /// module (branch `bisect`: `bisect::bisect_run(ckpt, opts, res)`) owns that search; it explains the
 /// served emulation's first divergence, which attributes the trace's only when both are the same op.
-/// Not wired on this branch: returns None and the report says so.
+/// Returns bisect's verdict sentence when the served emulation diverges at the trace's first divergent op.
 pub fn attribution_hook(
-    _ckpt: &crate::checkpoint::Checkpoint,
-    _opts: &crate::probe::RunOptions,
-    _res: &RunResult,
-    _first_divergent: &str,
+    ckpt: &crate::checkpoint::Checkpoint,
+    opts: &crate::probe::RunOptions,
+    res: &RunResult,
+    first_divergent: &str,
 ) -> Option<String> {
-    None
+    let b = crate::bisect::bisect_run(ckpt, opts, res).ok()?;
+    let d = b.divergence?;
+    if d.op != first_divergent {
+        return None;
+    }
+    d.verdict.map(|v| v.sentence)
 }
 
 #[cfg(test)]

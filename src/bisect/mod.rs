@@ -1,0 +1,826 @@
+//! Bisect: the first op whose own numerics diverge, and the scale parameter that explains it.
+//!
+//! One `probe::run` gives the isolated and propagated picture. At the first divergent op the
+//! BF16-oracle inputs are captured once (`probe::replay`) and every hypothesis about a scale the op
+//! consumes costs one re-evaluation of that op. A hypothesis becomes the verdict only when it brings
+//! the op back within the tolerance the runner held it to; otherwise the op's health counters are
+//! shown instead of a guess. Faults the oracle shares (it decodes the same bytes) cannot diverge, so
+//! bisect also looks for magnitude anomalies across layers.
+
+pub mod render;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::metrics::Compare;
+use crate::numerics::nvfp4::{Convention, QuantHealth};
+use crate::probe::replay::{self, Patch, Replayer};
+use crate::probe::served::{Nvfp4Params, Override};
+use crate::probe::{self, OpRecord, RunOptions, RunResult, Summary};
+use crate::Result;
+
+/// The parameter family a hypothesis changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// Activation global scale (g_x / its reciprocal).
+    InputScale,
+    /// Weight global scale (d_w).
+    WeightScale,
+    /// GEMM alpha.
+    Alpha,
+    /// E4M3 block scales (layout, NaN bytes).
+    BlockScales,
+    /// e2m1 nibble order of the packed weight.
+    NibbleOrder,
+}
+
+/// A named parameter: checkpoint tensor(s), the engine's name, values before and after the fix.
+#[derive(Clone, Debug, Serialize)]
+pub struct ParamRef {
+    pub family: Family,
+    /// Weight bases the hypothesis changed.
+    pub bases: Vec<String>,
+    /// Checkpoint tensor names holding the parameter (of the first base).
+    pub tensors: Vec<String>,
+    /// The engine's (vLLM's) parameter name.
+    pub engine: String,
+    /// The value the served path used (first base).
+    pub current: Option<f32>,
+    /// The value that restores agreement (first base).
+    pub corrected: Option<f32>,
+    /// The value as stored in the checkpoint (first base), when a scalar.
+    pub stored: Option<f32>,
+    /// The fused sibling's tensor whose value the engine's merged parameter took (own-shard kinds).
+    pub from_sibling: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Hypothesis {
+    /// Stable kind id, e.g. `input-reciprocal`.
+    pub kind: String,
+    /// Which weights: `all experts of L1 (w1, w3, w2)`, `layers.1.attn.wq_a`.
+    pub unit: String,
+    pub what: String,
+    pub param: ParamRef,
+    #[serde(skip)]
+    pub patches: Vec<(String, Patch)>,
+    /// Preference among hypotheses that restore equally well (lower = more specific).
+    pub prior: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Ranked {
+    pub hypothesis: Hypothesis,
+    pub after: Compare,
+    pub restores: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    pub op: String,
+    pub sentence: String,
+    pub param: ParamRef,
+    pub kind: String,
+    pub unit: String,
+    pub before: Compare,
+    pub after: Compare,
+}
+
+/// The first divergent op and what explains it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Divergence {
+    pub op: String,
+    pub reason: Option<String>,
+    pub tolerance: f64,
+    pub weights: Vec<(String, String)>,
+    /// Where the accumulated error first shows (propagated), at or after the op.
+    pub shows_at: Option<String>,
+    /// First layer output (`Ln.out`) where it shows.
+    pub shows_at_layer_out: Option<String>,
+    /// The served op on the oracle's inputs, re-evaluated by the replay (equals the run's isolated metric).
+    pub before: Compare,
+    pub verdict: Option<Verdict>,
+    /// Hypotheses ranked by restored rel-L2 (best first), at most 8.
+    pub ranked: Vec<Ranked>,
+    pub hypotheses_tried: usize,
+    /// When no hypothesis explains it: the op's health counters, per served linear.
+    pub health: Option<QuantHealth>,
+    pub health_per_linear: Vec<(String, QuantHealth)>,
+    pub act_amax_over_calib: Option<f64>,
+}
+
+/// A magnitude anomaly that no divergence can show (the oracle decodes the same bytes).
+#[derive(Clone, Debug, Serialize)]
+pub struct Anomaly {
+    pub op: String,
+    pub sentence: String,
+    /// amax(out)/amax(in) of this op (oracle).
+    pub gain: Option<f64>,
+    /// Median gain of the same op in the other layers.
+    pub gain_other_layers: Option<f64>,
+    pub oracle_non_finite: bool,
+    pub weights: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BisectResult {
+    pub summary: Summary,
+    pub divergence: Option<Divergence>,
+    pub anomalies: Vec<Anomaly>,
+    pub ops: usize,
+    pub seconds_run: f64,
+    pub seconds_bisect: f64,
+}
+
+impl BisectResult {
+    /// A verdict or an unexplained divergence or an anomaly.
+    pub fn has_findings(&self) -> bool {
+        self.divergence.is_some() || !self.anomalies.is_empty()
+    }
+}
+
+/// Bisect over `opts.layers`: one run, then hypotheses at the first divergent op.
+pub fn bisect(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult> {
+    let res = probe::run(ckpt, opts)?;
+    bisect_run(ckpt, opts, &res)
+}
+
+/// Bisect given a finished run over `opts` (the run's options must be these).
+pub fn bisect_run(ckpt: &Checkpoint, opts: &RunOptions, res: &RunResult) -> Result<BisectResult> {
+    let t0 = Instant::now();
+    let first = res.records.iter().find(|r| r.divergent);
+    let divergence = match first {
+        Some(r) => Some(explain(ckpt, opts, res, r)?),
+        None => None,
+    };
+    // an anomaly at or before the divergent op means the oracle itself is off there: the divergence
+    // may be a consequence (activation calibration no longer fits the magnitudes)
+    let upto = first.map_or(res.records.len(), |r| {
+        res.records
+            .iter()
+            .position(|x| x.id == r.id)
+            .map_or(0, |i| i + 1)
+    });
+    let anomalies = find_anomalies(&res.records[..upto]);
+    Ok(BisectResult {
+        summary: res.summary.clone(),
+        divergence,
+        anomalies,
+        ops: res.records.len(),
+        seconds_run: res.seconds,
+        seconds_bisect: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn restores(c: &Compare, tol: f64, amax_ratio: f64) -> bool {
+    c.new_non_finite == 0
+        && c.rel_l2.is_some_and(|r| r.is_finite() && r <= tol)
+        && c.amax_ratio
+            .is_none_or(|q| q <= amax_ratio && q >= 1.0 / amax_ratio)
+}
+
+fn explain(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    res: &RunResult,
+    rec: &OpRecord,
+) -> Result<Divergence> {
+    let th = &opts.spec.thresholds;
+    let cap = replay::capture(ckpt, opts, &rec.id)?;
+    let mut rp = Replayer::new(ckpt, opts, cap)?;
+    let base = rp.eval(&[])?;
+    let nvfp4: Vec<String> = rec
+        .weights
+        .iter()
+        .filter(|(_, s)| s.starts_with("nvfp4"))
+        .map(|(b, _)| b.clone())
+        .collect();
+    // activations as the oracle feeds each weight (every quantized weight in oracle numerics)
+    let clean_amax: HashMap<String, f32> = if nvfp4.is_empty() {
+        HashMap::new()
+    } else {
+        let all: Vec<(String, Patch)> = nvfp4.iter().map(|b| (b.clone(), Patch::Oracle)).collect();
+        rp.eval(&all)?.act_amax
+    };
+    let mut hyps = Vec::new();
+    for (unit, bases) in units(&rec.id, &nvfp4) {
+        hyps.extend(hypotheses(&mut rp, &unit, &bases, &clean_amax)?);
+    }
+    // one evaluation per distinct patch set
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut ranked: Vec<Ranked> = Vec::new();
+    for h in hyps {
+        let key = format!("{:?}", h.patches);
+        if h.patches.is_empty() || !seen.insert(key) {
+            continue;
+        }
+        let ev = rp.eval(&h.patches)?;
+        let ok = restores(&ev.vs_bf16, rec.tolerance, th.amax_ratio);
+        ranked.push(Ranked {
+            hypothesis: h,
+            after: ev.vs_bf16,
+            restores: ok,
+        });
+    }
+    let tried = ranked.len();
+    let key = |r: &Ranked| {
+        r.after
+            .rel_l2
+            .filter(|v| v.is_finite())
+            .unwrap_or(f64::INFINITY)
+    };
+    ranked.sort_by(|a, b| {
+        key(a)
+            .total_cmp(&key(b))
+            .then(a.hypothesis.prior.cmp(&b.hypothesis.prior))
+    });
+    let best = ranked.iter().find(|r| r.restores).map(key);
+    let verdict = best.and_then(|b| {
+        // among those that restore about as well as the best, the most specific explanation
+        let pick = ranked
+            .iter()
+            .filter(|r| r.restores && key(r) <= b * 1.25 + 1e-3)
+            .min_by_key(|r| (r.hypothesis.prior, r.hypothesis.param.bases.len()))?;
+        Some(Verdict {
+            op: rec.id.clone(),
+            sentence: sentence(&rec.id, &pick.hypothesis, &base.vs_bf16, &pick.after),
+            param: pick.hypothesis.param.clone(),
+            kind: pick.hypothesis.kind.clone(),
+            unit: pick.hypothesis.unit.clone(),
+            before: base.vs_bf16.clone(),
+            after: pick.after.clone(),
+        })
+    });
+    if let Some(v) = &verdict {
+        // the verdict first, then the rest by metric
+        if let Some(i) = ranked
+            .iter()
+            .position(|r| r.hypothesis.kind == v.kind && r.hypothesis.unit == v.unit)
+        {
+            let r = ranked.remove(i);
+            ranked.insert(0, r);
+        }
+    }
+    ranked.truncate(8);
+    let mut per_linear: Vec<(String, QuantHealth)> = Vec::new();
+    for (sub, _, o) in &base.obs {
+        if let Some(h) = &o.health {
+            per_linear.push((sub.clone(), *h));
+        }
+    }
+    let after_op = res.records.iter().skip_while(|r| r.id != rec.id);
+    let shows_at = after_op.clone().find(|r| r.shows).map(|r| r.id.clone());
+    let shows_at_layer_out = after_op
+        .filter(|r| r.id.ends_with(".out") && r.shows)
+        .map(|r| r.id.clone())
+        .next();
+    Ok(Divergence {
+        op: rec.id.clone(),
+        reason: rec.reason.clone(),
+        tolerance: rec.tolerance,
+        weights: rec.weights.clone(),
+        shows_at,
+        shows_at_layer_out,
+        before: base.vs_bf16,
+        health: if verdict.is_none() { rec.health } else { None },
+        health_per_linear: if verdict.is_none() {
+            per_linear
+        } else {
+            Vec::new()
+        },
+        act_amax_over_calib: rec.act_amax_over_calib,
+        verdict,
+        ranked,
+        hypotheses_tried: tried,
+    })
+}
+
+/// Groups of weights a hypothesis is applied to together: each weight of a plain op; for routed
+/// experts every expert at once (all projections, then each projection role), so one verdict can
+/// say "all experts of L1".
+fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
+    let experts: Vec<&String> = nvfp4
+        .iter()
+        .filter(|b| b.contains(".ffn.experts."))
+        .collect();
+    let mut out = Vec::new();
+    if experts.len() > 1 {
+        let layer = op.split('.').next().unwrap_or(op);
+        out.push((
+            format!("all experts of {layer} (w1, w3, w2)"),
+            experts.iter().map(|s| s.to_string()).collect(),
+        ));
+        for role in ["w1", "w3", "w2"] {
+            let v: Vec<String> = experts
+                .iter()
+                .filter(|b| b.ends_with(&format!(".{role}")))
+                .map(|s| s.to_string())
+                .collect();
+            if !v.is_empty() {
+                out.push((format!("all experts of {layer} ({role})"), v));
+            }
+        }
+    }
+    for b in nvfp4 {
+        if experts.len() <= 1 || !b.contains(".ffn.experts.") {
+            out.push((b.clone(), vec![b.clone()]));
+        }
+    }
+    out
+}
+
+fn sibling(base: &str) -> Option<String> {
+    for (a, b) in [
+        (".w1", ".w3"),
+        (".w3", ".w1"),
+        (".attn.wq_a", ".attn.wkv"),
+        (".attn.wkv", ".attn.wq_a"),
+    ] {
+        if let Some(p) = base.strip_suffix(a) {
+            return Some(format!("{p}{b}"));
+        }
+    }
+    None
+}
+
+fn is_moe(base: &str) -> bool {
+    base.contains(".ffn.experts.")
+}
+
+/// The engine's parameter name for a family on a weight (vLLM's names; MoE weights use the fused
+/// `w13_`/`w2_` parameters).
+fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
+    if is_moe(base) {
+        let p = if base.ends_with(".w2") { "w2" } else { "w13" };
+        let ct = conv == Convention::CompressedTensors;
+        return match fam {
+            Family::InputScale if ct => format!("{p}_input_global_scale"),
+            Family::InputScale => format!("{p}_input_scale"),
+            Family::WeightScale if ct => format!("{p}_weight_global_scale"),
+            Family::WeightScale => format!("{p}_weight_scale_2"),
+            Family::Alpha => {
+                if p == "w2" {
+                    "g2_alphas".into()
+                } else {
+                    "g1_alphas".into()
+                }
+            }
+            Family::BlockScales => format!("{p}_weight_scale"),
+            Family::NibbleOrder => format!("{p}_weight"),
+        };
+    }
+    match fam {
+        Family::InputScale => "input_global_scale_inv".into(),
+        Family::WeightScale => "weight_global_scale".into(),
+        Family::Alpha => "alpha".into(),
+        Family::BlockScales => "weight_scale".into(),
+        Family::NibbleOrder => {
+            if conv == Convention::CompressedTensors {
+                "weight_packed".into()
+            } else {
+                "weight".into()
+            }
+        }
+    }
+}
+
+fn tensors_of(qw: &QuantWeight, fam: Family) -> Vec<String> {
+    let t = &qw.tensors;
+    let v: Vec<Option<&String>> = match fam {
+        Family::InputScale => vec![t.input_scale.as_ref()],
+        Family::WeightScale => vec![t.global_scale.as_ref()],
+        Family::Alpha => vec![t.input_scale.as_ref(), t.global_scale.as_ref()],
+        Family::BlockScales => vec![t.block_scale.as_ref()],
+        Family::NibbleOrder => vec![Some(&t.weight)],
+    };
+    v.into_iter().flatten().cloned().collect()
+}
+
+struct WInfo {
+    qw: QuantWeight,
+    conv: Convention,
+    p: Nvfp4Params,
+    stored_w: f32,
+    stored_i: Option<f32>,
+    /// The engine's fused max over the pair changes this shard's weight / input scale.
+    fused_w: bool,
+    fused_i: bool,
+}
+
+fn winfo(rp: &mut Replayer, base: &str) -> Result<Option<WInfo>> {
+    let qw = rp.quant_weight(base)?;
+    let WeightFormat::Nvfp4 {
+        convention,
+        weight_global,
+        input_global,
+        ..
+    } = &qw.format
+    else {
+        return Ok(None);
+    };
+    let (conv, sw, si) = (*convention, *weight_global, *input_global);
+    let Some(p) = rp.params(base)? else {
+        return Ok(None);
+    };
+    let fused = crate::probe::served::resolve_nvfp4(rp.ckpt, &qw, conv, sw, si, true, &[]);
+    let own = crate::probe::served::resolve_nvfp4(rp.ckpt, &qw, conv, sw, si, false, &[]);
+    let ne = |a: f32, b: f32| a.to_bits() != b.to_bits();
+    Ok(Some(WInfo {
+        fused_w: ne(fused.d_w, own.d_w),
+        fused_i: ne(fused.g_x, own.g_x),
+        qw,
+        conv,
+        p,
+        stored_w: sw,
+        stored_i: si,
+    }))
+}
+
+fn differs(a: f32, b: f32) -> bool {
+    a.is_finite() && b > 0.0 && b.is_finite() && ((a - b) / b).abs() > 1e-6
+        || (!a.is_finite() && b.is_finite() && b > 0.0)
+}
+
+/// Every hypothesis for one unit of weights.
+fn hypotheses(
+    rp: &mut Replayer,
+    unit: &str,
+    bases: &[String],
+    clean_amax: &HashMap<String, f32>,
+) -> Result<Vec<Hypothesis>> {
+    let mut infos: Vec<(String, WInfo)> = Vec::new();
+    let mut sib: HashMap<String, Nvfp4Params> = HashMap::new();
+    for b in bases {
+        if let Some(w) = winfo(rp, b)? {
+            if let Some(s) = sibling(b) {
+                if rp
+                    .ckpt
+                    .weight_scheme(&s)
+                    .is_some_and(|x| x.starts_with("nvfp4"))
+                {
+                    if let Some(sp) = rp.params(&s)? {
+                        sib.insert(b.clone(), sp);
+                    }
+                }
+            }
+            infos.push((b.clone(), w));
+        }
+    }
+    if infos.is_empty() {
+        return Ok(Vec::new());
+    }
+    // (kind, prior, family, what, per-base (current, corrected) → patches)
+    type Gen<'g> = Box<dyn Fn(&str, &WInfo) -> Option<(f32, f32, Vec<Patch>)> + 'g>;
+    let input = |g: f32, w: &WInfo| -> Option<(f32, f32, Vec<Patch>)> {
+        differs(w.p.g_x, g).then(|| {
+            (
+                w.p.g_x,
+                g,
+                vec![
+                    Patch::Ov(Override::InputEncode(g)),
+                    Patch::Ov(Override::Alpha(w.p.d_w / g)),
+                ],
+            )
+        })
+    };
+    let weight = |d: f32, w: &WInfo| -> Option<(f32, f32, Vec<Patch>)> {
+        differs(w.p.d_w, d).then(|| {
+            (
+                w.p.d_w,
+                d,
+                vec![
+                    Patch::Ov(Override::WeightDecode(d)),
+                    Patch::Ov(Override::Alpha(d / w.p.g_x)),
+                ],
+            )
+        })
+    };
+    let own_input = |w: &WInfo| -> Option<f32> {
+        let i = w.stored_i?;
+        Some(match w.conv {
+            Convention::CompressedTensors => i,
+            Convention::ModelOpt => 1.0 / i,
+        })
+    };
+    let own_weight = |w: &WInfo| -> f32 {
+        match w.conv {
+            Convention::CompressedTensors => 1.0 / w.stored_w,
+            Convention::ModelOpt => w.stored_w,
+        }
+    };
+    let layout = |o: Override| -> Gen {
+        Box::new(move |_b, _w: &WInfo| Some((f32::NAN, f32::NAN, vec![Patch::Ov(o.clone())])))
+    };
+    let gens: Vec<(&str, usize, Family, &str, Gen)> = vec![
+        ("input-reciprocal", 0, Family::InputScale,
+         "the activation global scale is read in the wrong convention (its reciprocal is the encode multiplier)",
+         Box::new(|_b, w| input(1.0 / w.p.g_x, w))),
+        ("weight-reciprocal", 1, Family::WeightScale,
+         "the weight global scale is read in the wrong convention (a divisor used as the decode multiplier)",
+         Box::new(|_b, w| weight(1.0 / w.p.d_w, w))),
+        ("alpha-recomputed", 2, Family::Alpha,
+         "the GEMM alpha is not d_x·d_w of the scales in use",
+         Box::new(|_b, w| {
+             let a = w.p.d_w / w.p.g_x;
+             differs(w.p.alpha, a).then(|| (w.p.alpha, a, vec![Patch::Ov(Override::Alpha(a))]))
+         })),
+        ("input-x2688", 3, Family::InputScale, "the activation global scale is off by 448·6 = 2688 (amax stored instead of scale)",
+         Box::new(|_b, w| input(w.p.g_x * 2688.0, w))),
+        ("input-div2688", 3, Family::InputScale, "the activation global scale is off by 448·6 = 2688 (scale stored instead of amax)",
+         Box::new(|_b, w| input(w.p.g_x / 2688.0, w))),
+        ("weight-x2688", 3, Family::WeightScale, "the weight global scale is off by 448·6 = 2688",
+         Box::new(|_b, w| weight(w.p.d_w * 2688.0, w))),
+        ("weight-div2688", 3, Family::WeightScale, "the weight global scale is off by 448·6 = 2688",
+         Box::new(|_b, w| weight(w.p.d_w / 2688.0, w))),
+        ("weight-own-shard", 0, Family::WeightScale,
+         "the engine merges the fused pair's weight global scales (max over shards) and the sibling's value does not fit this shard (its own stored value restores it)",
+         Box::new(|_b, w| if w.fused_w { weight(own_weight(w), w) } else { None })),
+        ("input-own-shard", 0, Family::InputScale,
+         "the engine merges the fused pair's activation scales (max over shards) and the sibling's value does not fit this shard (its own stored value restores it)",
+         Box::new(|_b, w| if w.fused_i { own_input(w).and_then(|g| input(g, w)) } else { None })),
+        ("weight-sibling-shard", 5, Family::WeightScale,
+         "the weight global scale differs from the fused sibling shard's (the engine keeps one per merged layer)",
+         Box::new(|b, w| sib.get(b).and_then(|s| weight(s.d_w, w)))),
+        ("input-sibling-shard", 5, Family::InputScale,
+         "the activation global scale differs from the fused sibling shard's",
+         Box::new(|b, w| sib.get(b).and_then(|s| input(s.g_x, w)))),
+        ("nibble-swap", 6, Family::NibbleOrder, "the e2m1 nibbles are read in the wrong order within each byte", layout(Override::NibbleSwap)),
+        ("unshift-rows", 6, Family::BlockScales, "the block-scale rows are shifted by one", layout(Override::UnshiftRows)),
+        ("unswizzle", 6, Family::BlockScales, "the block scales are stored swizzled (128×4) and read linear", layout(Override::Unswizzle)),
+        ("stored-block-scales", 7, Family::BlockScales,
+         "the block scales in use are not the checkpoint's: re-read linear from the stored tensor (non-finite bytes re-derived)",
+         Box::new(|_b, _w| Some((f32::NAN, f32::NAN, vec![Patch::StoredBlockScales])))),
+        ("input-calibrated", 8, Family::InputScale,
+         "the activation global scale does not match the activations seen (calibrated value 2688/amax restores it)",
+         Box::new(|b, w| {
+             let a = *clean_amax.get(b)?;
+             (a > 0.0).then(|| input(2688.0 / a, w)).flatten()
+         })),
+    ];
+    let mut out = Vec::new();
+    for (kind, prior, fam, what, g) in gens {
+        let mut patches = Vec::new();
+        let mut changed: Vec<String> = Vec::new();
+        let mut first: Option<(f32, f32, &WInfo)> = None;
+        for (b, w) in &infos {
+            if let Some((cur, cor, ps)) = g(b, w) {
+                if first.is_none() {
+                    first = Some((cur, cor, w));
+                }
+                changed.push(b.clone());
+                for p in ps {
+                    patches.push((b.clone(), p));
+                }
+            }
+        }
+        let Some((cur, cor, w)) = first else { continue };
+        let no_value = cur.is_nan() && cor.is_nan();
+        let fin = |v: f32| Some(v).filter(|_| !no_value);
+        let stored = match fam {
+            Family::InputScale => w.stored_i,
+            Family::WeightScale => Some(w.stored_w),
+            _ => None,
+        };
+        let from_sibling = if kind.ends_with("own-shard") {
+            match sibling(&changed[0]) {
+                Some(sb) => rp
+                    .quant_weight(&sb)
+                    .ok()
+                    .and_then(|q| tensors_of(&q, fam).into_iter().next()),
+                None => None,
+            }
+        } else {
+            None
+        };
+        out.push(Hypothesis {
+            kind: kind.into(),
+            unit: if changed.len() == bases.len() {
+                unit.to_string()
+            } else {
+                unit_label(unit, &changed)
+            },
+            what: what.into(),
+            param: ParamRef {
+                family: fam,
+                tensors: tensors_of(&w.qw, fam),
+                engine: engine_name(&changed[0], w.conv, fam),
+                bases: changed,
+                from_sibling,
+                current: fin(cur),
+                corrected: fin(cor),
+                stored,
+            },
+            patches,
+            prior,
+        });
+    }
+    Ok(out)
+}
+
+/// "all experts of L1 (w3)" when the changed weights are one projection of every expert in the unit.
+fn unit_label(unit: &str, changed: &[String]) -> String {
+    let roles: BTreeSet<&str> = changed
+        .iter()
+        .filter_map(|b| b.rsplit('.').next())
+        .collect();
+    if let Some((head, _)) = unit.split_once(" (") {
+        if head.starts_with("all experts") && changed.iter().all(|b| is_moe(b)) {
+            return format!(
+                "{head} ({}; {} weights)",
+                roles.into_iter().collect::<Vec<_>>().join(", "),
+                changed.len()
+            );
+        }
+    }
+    format!("{unit}: {}", short_list(changed))
+}
+
+fn short_list(v: &[String]) -> String {
+    if v.len() <= 3 {
+        v.join(", ")
+    } else {
+        format!("{}, … ({} weights)", v[..2].join(", "), v.len())
+    }
+}
+
+fn fmt_v(v: Option<f32>) -> String {
+    match v {
+        Some(x) if x != 0.0 && (x.abs() >= 1e4 || x.abs() < 1e-2) => format!("{x:.4e}"),
+        Some(x) => format!("{x:.5}")
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string(),
+        None => "—".into(),
+    }
+}
+
+fn fmt_cos(c: &Compare) -> String {
+    c.cos.map_or("undefined".into(), |v| format!("{v:.4}"))
+}
+
+fn fmt_rel(c: &Compare) -> String {
+    c.rel_l2.map_or("undefined".into(), |v| format!("{v:.3e}"))
+}
+
+/// One sentence naming the parameter, its values and the metric before and after.
+fn sentence(op: &str, h: &Hypothesis, before: &Compare, after: &Compare) -> String {
+    let p = &h.param;
+    let tensor = p
+        .tensors
+        .first()
+        .map(|t| format!("`{t}`"))
+        .unwrap_or_else(|| "(computed at load)".into());
+    let tensor = if p.family == Family::Alpha {
+        format!(
+            "(computed at load from {})",
+            p.tensors
+                .iter()
+                .map(|t| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        )
+    } else {
+        tensor
+    };
+    let verb = match p.family {
+        Family::InputScale => "encodes the activation with",
+        Family::WeightScale => "decodes the weight with",
+        Family::Alpha => "scales the GEMM output by",
+        _ => "uses",
+    };
+    let values = match (p.current, p.corrected) {
+        (Some(c), Some(k)) => format!(
+            "{tensor}{}: the served path {verb} {} (engine `{}`); with {} ",
+            p.stored
+                .map(|v| format!(" = {}", fmt_v(Some(v))))
+                .unwrap_or_default(),
+            fmt_v(Some(c)),
+            p.engine,
+            fmt_v(Some(k))
+        ),
+        _ => format!("{tensor} (engine `{}`): with the repair ", p.engine),
+    };
+    let who = if p.bases.len() > 1 {
+        format!(" [{}]", h.unit)
+    } else {
+        String::new()
+    };
+    format!(
+        "{op}{who}: {} — {values}the op's cosine vs the BF16 oracle goes from {} to {} (rel-L2 {} → {})",
+        h.what,
+        fmt_cos(before),
+        fmt_cos(after),
+        fmt_rel(before),
+        fmt_rel(after)
+    )
+}
+
+/// Ops whose (oracle) output amax jumps by orders of magnitude against their input and against the
+/// same op in the other layers, or whose oracle output is non-finite on finite input.
+pub fn find_anomalies(records: &[OpRecord]) -> Vec<Anomaly> {
+    let by_id: HashMap<&str, &OpRecord> = records.iter().map(|r| (r.id.as_str(), r)).collect();
+    let suffix = |id: &str| id.split_once('.').map(|(_, s)| s.to_string());
+    let amax = |r: &OpRecord| r.stats.get("oracle_bf16").map(|s| s.amax);
+    let nf = |r: &OpRecord| r.stats.get("oracle_bf16").is_some_and(|s| s.non_finite());
+    // gain of each quantized op: amax(out) / amax(its input)
+    let mut gains: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
+    let mut gain_of: HashMap<String, f64> = HashMap::new();
+    for r in records {
+        if r.weights.is_empty()
+            || !r
+                .weights
+                .iter()
+                .any(|(_, s)| s != "bf16" && s != "f16" && s != "f32")
+        {
+            continue;
+        }
+        let Some(inp) = input_of(r) else { continue };
+        let Some(ri) = by_id.get(inp.as_str()) else {
+            continue;
+        };
+        let (Some(a), Some(ai)) = (amax(r), amax(ri)) else {
+            continue;
+        };
+        if ai > 0.0 && a.is_finite() && ai.is_finite() && a > 0.0 {
+            let g = a / ai;
+            gain_of.insert(r.id.clone(), g);
+            if let Some(s) = suffix(&r.id) {
+                gains.entry(s).or_default().push((r.id.clone(), g));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for r in records {
+        let wts: Vec<String> = r.weights.iter().map(|(b, _)| b.clone()).collect();
+        if nf(r) {
+            let inp_ok = input_of(r)
+                .and_then(|i| by_id.get(i.as_str()).copied())
+                .is_none_or(|ri| !nf(ri));
+            if inp_ok && !wts.is_empty() {
+                out.push(Anomaly {
+                    op: r.id.clone(),
+                    sentence: format!(
+                        "{}: the BF16 oracle itself is non-finite on finite input — the checkpoint's bytes are at fault (served and oracle decode the same bytes); check with `nvfp4-probe lint --reference DIR`",
+                        r.id
+                    ),
+                    gain: None,
+                    gain_other_layers: None,
+                    oracle_non_finite: true,
+                    weights: wts,
+                });
+                break;
+            }
+            continue;
+        }
+        let (Some(&g), Some(s)) = (gain_of.get(&r.id), suffix(&r.id)) else {
+            continue;
+        };
+        let others: Vec<f64> = gains[&s]
+            .iter()
+            .filter(|(id, _)| *id != r.id)
+            .map(|(_, g)| *g)
+            .collect();
+        if others.is_empty() {
+            continue;
+        }
+        let mut o = others.clone();
+        o.sort_by(|a, b| a.total_cmp(b));
+        let med = o[o.len() / 2];
+        // orders of magnitude against the other layers, and a gain far from 1 against its own input
+        let jump = (g / med).log10().abs();
+        if jump >= 1.5 && g.log10().abs() >= 1.5 {
+            out.push(Anomaly {
+                op: r.id.clone(),
+                sentence: format!(
+                    "{}: output amax is {:.3e}× its input's, against {:.3e}× for the same op in the other layers — a scale the oracle shares is wrong (weight global scale inverted or applied twice?); served and oracle decode the same bytes, so nothing diverges: check with `nvfp4-probe lint --reference DIR`",
+                    r.id, g, med
+                ),
+                gain: Some(g),
+                gain_other_layers: Some(med),
+                oracle_non_finite: false,
+                weights: wts,
+            });
+            break;
+        }
+    }
+    out
+}
+
+/// The main data input of an op id, by the graph's conventions.
+fn input_of(r: &OpRecord) -> Option<String> {
+    let (l, rest) = r.id.split_once('.')?;
+    let inp = match rest {
+        "attn.q_a" | "attn.kv" => "attn.norm",
+        "attn.q_b" => "attn.q_norm",
+        "attn.wo_a" => "attn.core",
+        "attn.wo_b" => "attn.wo_a",
+        "ffn.experts" | "ffn.shared" | "ffn.router" => "ffn.norm",
+        "attn.compressor" | "attn.indexer" => "attn.norm",
+        _ => return None,
+    };
+    Some(format!("{l}.{inp}"))
+}

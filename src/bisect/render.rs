@@ -1,0 +1,189 @@
+//! Bisect's outputs: terminal lines, JSON (`nvfp4-probe.bisect/1`) and markdown.
+
+use serde_json::json;
+
+use super::{BisectResult, Ranked};
+use crate::report::RunMeta;
+
+fn cos(c: &crate::metrics::Compare) -> String {
+    c.cos.map_or("—".into(), |v| format!("{v:.4}"))
+}
+fn rel(c: &crate::metrics::Compare) -> String {
+    c.rel_l2.map_or("—".into(), |v| format!("{v:.3e}"))
+}
+fn val(v: Option<f32>) -> String {
+    v.map_or("—".into(), |x| format!("{x:.4e}"))
+}
+
+fn ranked_rows(r: &[Ranked]) -> Vec<[String; 7]> {
+    r.iter()
+        .map(|x| {
+            let h = &x.hypothesis;
+            [
+                h.kind.clone(),
+                h.unit.clone(),
+                h.param.engine.clone(),
+                format!("{} → {}", val(h.param.current), val(h.param.corrected)),
+                cos(&x.after),
+                rel(&x.after),
+                if x.restores {
+                    "yes".into()
+                } else {
+                    "no".into()
+                },
+            ]
+        })
+        .collect()
+}
+
+const HEAD: [&str; 7] = [
+    "hypothesis",
+    "weights",
+    "engine parameter",
+    "value",
+    "cos after",
+    "rel-L2 after",
+    "restores",
+];
+
+/// Human-readable lines for the terminal.
+pub fn terminal(r: &BisectResult) -> String {
+    let mut out = String::new();
+    match &r.divergence {
+        Some(d) => {
+            out.push_str(&format!(
+                "first divergent op (isolated): {} — {}\n",
+                d.op,
+                d.reason.as_deref().unwrap_or("")
+            ));
+            match &d.verdict {
+                Some(v) => out.push_str(&format!("verdict: {}\n", v.sentence)),
+                None => {
+                    out.push_str(&format!(
+                        "no hypothesis explains it ({} tried; best rel-L2 {}, tolerance {:.3e})\n",
+                        d.hypotheses_tried,
+                        d.ranked.first().map_or("—".into(), |x| rel(&x.after)),
+                        d.tolerance
+                    ));
+                    if let Some(h) = &d.health {
+                        out.push_str(&format!(
+                            "health of the op: {}\n",
+                            serde_json::to_string(h).unwrap_or_default()
+                        ));
+                    }
+                    for (sub, h) in &d.health_per_linear {
+                        out.push_str(&format!(
+                            "  {sub}: {}\n",
+                            serde_json::to_string(h).unwrap_or_default()
+                        ));
+                    }
+                    if let Some(a) = d.act_amax_over_calib {
+                        out.push_str(&format!(
+                            "  worst activation amax / calibrated amax: {a:.3e}\n"
+                        ));
+                    }
+                }
+            }
+            out.push_str(&format!(
+                "propagated: shows at {}{}\n",
+                d.shows_at
+                    .as_deref()
+                    .unwrap_or("(nowhere in the reported layers)"),
+                d.shows_at_layer_out
+                    .as_ref()
+                    .map(|o| format!(" (first layer output: {o})"))
+                    .unwrap_or_default()
+            ));
+            if !d.ranked.is_empty() {
+                let mut t = comfy_table::Table::new();
+                t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
+                t.set_header(HEAD.to_vec());
+                for row in ranked_rows(&d.ranked) {
+                    t.add_row(row.to_vec());
+                }
+                out.push_str(&format!("hypotheses (best first):\n{t}\n"));
+            }
+        }
+        None => {
+            out.push_str("no op diverges (isolated)\n");
+            for a in &r.anomalies {
+                out.push_str(&format!("anomaly: {}\n", a.sentence));
+            }
+        }
+    }
+    out.push_str(&format!(
+        "{} ops; run {:.2} s, bisect {:.2} s\n",
+        r.ops, r.seconds_run, r.seconds_bisect
+    ));
+    out
+}
+
+/// `{"schema": "nvfp4-probe.bisect/1", ...}`.
+pub fn json(meta: &RunMeta, r: &BisectResult) -> String {
+    let v = json!({
+        "schema": "nvfp4-probe.bisect/1",
+        "meta": meta,
+        "summary": r.summary,
+        "divergence": r.divergence,
+        "verdict": r.divergence.as_ref().and_then(|d| d.verdict.as_ref()),
+        "anomalies": r.anomalies,
+        "ops": r.ops,
+        "seconds_run": r.seconds_run,
+        "seconds_bisect": r.seconds_bisect,
+    });
+    serde_json::to_string_pretty(&v).unwrap_or_else(|_| "{}".into())
+}
+
+/// A markdown report.
+pub fn markdown(meta: &RunMeta, r: &BisectResult) -> String {
+    let mut s = format!(
+        "# nvfp4-probe bisect\n\nLayers {}..{}, served profile `{}`, {} ops.\n\n",
+        meta.layers[0], meta.layers[1], meta.served_profile, r.ops
+    );
+    match &r.divergence {
+        Some(d) => {
+            s.push_str(&format!(
+                "**First divergent op:** `{}` — {}\n\n",
+                d.op,
+                d.reason.as_deref().unwrap_or("")
+            ));
+            match &d.verdict {
+                Some(v) => s.push_str(&format!("**Verdict:** {}\n\n", v.sentence)),
+                None => s.push_str(&format!(
+                    "**No hypothesis explains it** ({} tried). Health counters: `{}`\n\n",
+                    d.hypotheses_tried,
+                    d.health
+                        .as_ref()
+                        .map(|h| serde_json::to_string(h).unwrap_or_default())
+                        .unwrap_or_default()
+                )),
+            }
+            s.push_str(&format!(
+                "**Propagated:** shows at `{}`{}\n\n",
+                d.shows_at.as_deref().unwrap_or("—"),
+                d.shows_at_layer_out
+                    .as_ref()
+                    .map(|o| format!(" (layer output `{o}`)"))
+                    .unwrap_or_default()
+            ));
+            if !d.ranked.is_empty() {
+                s.push_str(&format!(
+                    "| {} |\n|{}\n",
+                    HEAD.join(" | "),
+                    "---|".repeat(HEAD.len())
+                ));
+                for row in ranked_rows(&d.ranked) {
+                    s.push_str(&format!("| {} |\n", row.join(" | ")));
+                }
+                s.push('\n');
+            }
+        }
+        None => {
+            s.push_str("No op diverges (isolated).\n\n");
+            for a in &r.anomalies {
+                s.push_str(&format!("**Anomaly:** {}\n\n", a.sentence));
+            }
+        }
+    }
+    s
+}
