@@ -252,30 +252,22 @@ impl OpEnv for PathEnv<'_, '_> {
             ));
         }
         let r = n / groups;
-        let mut out = vec![0f32; rows * groups * r];
-        for g in 0..groups {
-            let mut xg = Vec::with_capacity(rows * k);
-            for t in 0..rows {
-                xg.extend_from_slice(&x.data[(t * groups + g) * k..(t * groups + g + 1) * k]);
-            }
-            let yg = match &*view {
+        let shared = &mut *self.shared;
+        let out = served::grouped(&x.data, rows, groups, k, r, |g, xg| {
+            Ok(match &*view {
                 WeightView::F32(w) => {
-                    served::matmul_nt(&xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
+                    served::matmul_nt(xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
                 }
                 WeightView::Served(sw, profile) => {
                     let sub = slice_served(sw, g * r, r, k);
-                    let (y, obs) = served::apply(&sub, *profile, &xg, rows, k, r);
-                    if self.shared.record_observations {
-                        self.shared.observed.push((format!("{sub_id}.g{g}"), obs));
+                    let (y, obs) = served::apply(&sub, *profile, xg, rows, k, r);
+                    if shared.record_observations {
+                        shared.observed.push((format!("{sub_id}.g{g}"), obs));
                     }
                     y
                 }
-            };
-            for t in 0..rows {
-                out[(t * groups + g) * r..(t * groups + g + 1) * r]
-                    .copy_from_slice(&yg[t * r..(t + 1) * r]);
-            }
-        }
+            })
+        })?;
         Ok(Tensor::new(vec![rows, groups, r], out))
     }
     fn store(&self, t: &mut Tensor) {

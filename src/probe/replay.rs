@@ -223,18 +223,7 @@ impl<'a> Replayer<'a> {
         let mut p = p0;
         for pa in patches {
             if let Patch::Ov(o) = pa {
-                match *o {
-                    Override::InputEncode(g) => {
-                        p.alpha = p.alpha * p.g_x / g;
-                        p.g_x = g;
-                    }
-                    Override::WeightDecode(d) => {
-                        p.alpha = p.alpha / p.d_w * d;
-                        p.d_w = d;
-                    }
-                    Override::Alpha(a) => p.alpha = a,
-                    _ => {}
-                }
+                p.apply(o);
             }
         }
         Ok(ServedWeight::Nvfp4 { wq, p })
@@ -459,18 +448,11 @@ impl OpEnv for ReplayEnv<'_, '_, '_> {
             ));
         }
         let r = n / groups;
-        let mut out = vec![0f32; rows * groups * r];
-        for g in 0..groups {
-            let mut xg = Vec::with_capacity(rows * k);
-            for t in 0..rows {
-                xg.extend_from_slice(&x.data[(t * groups + g) * k..(t * groups + g + 1) * k]);
-            }
-            let (yg, _) = self.gemm(&format!("{sub_id}.g{g}"), base, &xg, rows, g * r, Some(r))?;
-            for t in 0..rows {
-                out[(t * groups + g) * r..(t * groups + g + 1) * r]
-                    .copy_from_slice(&yg[t * r..(t + 1) * r]);
-            }
-        }
+        let out = crate::probe::served::grouped(&x.data, rows, groups, k, r, |g, xg| {
+            Ok(self
+                .gemm(&format!("{sub_id}.g{g}"), base, xg, rows, g * r, Some(r))?
+                .0)
+        })?;
         Ok(Tensor::new(vec![rows, groups, r], out))
     }
     fn store(&self, t: &mut Tensor) {

@@ -68,6 +68,25 @@ pub struct Nvfp4Params {
     pub alpha: f32,
 }
 
+impl Nvfp4Params {
+    /// Apply one of bisect's scalar hypotheses; alpha follows the replaced scale consistently.
+    /// Layout overrides do not touch the scalars.
+    pub fn apply(&mut self, o: &Override) {
+        match *o {
+            Override::InputEncode(g) => {
+                self.alpha = self.alpha * self.g_x / g;
+                self.g_x = g;
+            }
+            Override::WeightDecode(d) => {
+                self.alpha = self.alpha / self.d_w * d;
+                self.d_w = d;
+            }
+            Override::Alpha(a) => self.alpha = a,
+            _ => {}
+        }
+    }
+}
+
 /// A weight prepared for the served GEMM.
 pub enum ServedWeight {
     /// BF16/F16/F32 weight: BF16 GEMM, f32 output (no rounding inside the linear).
@@ -272,18 +291,7 @@ pub fn prepare(
                 faults,
             );
             for o in overrides {
-                match *o {
-                    Override::InputEncode(g) => {
-                        p.alpha = p.alpha * p.g_x / g;
-                        p.g_x = g;
-                    }
-                    Override::WeightDecode(d) => {
-                        p.alpha = p.alpha / p.d_w * d;
-                        p.d_w = d;
-                    }
-                    Override::Alpha(a) => p.alpha = a,
-                    _ => {}
-                }
+                p.apply(o);
             }
             let wq = nvfp4_wq(
                 packed,
@@ -296,6 +304,32 @@ pub fn prepare(
             ServedWeight::Nvfp4 { wq, p }
         }
     })
+}
+
+/// A grouped projection over x [rows, G, k]: `f(g, x_g)` computes group g's [rows, r] output from its
+/// [rows, k] input; the results are interleaved back into [rows, G, r].
+pub fn grouped(
+    x: &[f32],
+    rows: usize,
+    groups: usize,
+    k: usize,
+    r: usize,
+    mut f: impl FnMut(usize, &[f32]) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; rows * groups * r];
+    let mut xg = Vec::with_capacity(rows * k);
+    for g in 0..groups {
+        xg.clear();
+        for t in 0..rows {
+            xg.extend_from_slice(&x[(t * groups + g) * k..(t * groups + g + 1) * k]);
+        }
+        let yg = f(g, &xg)?;
+        for t in 0..rows {
+            out[(t * groups + g) * r..(t * groups + g + 1) * r]
+                .copy_from_slice(&yg[t * r..(t + 1) * r]);
+        }
+    }
+    Ok(out)
 }
 
 /// y[m, n] = Σ_k x[m, k] · w[n, k] in f32 (matrixmultiply sgemm).
