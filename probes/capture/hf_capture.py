@@ -37,7 +37,7 @@ def capture(model, input_ids, rows=None):
     hooks = []
 
     def keep(name, t):
-        t = t.detach().float().cpu()
+        t = t.detach().float().cpu().clone()  # module outputs can alias (self_attn is o_b_proj)
         # every activation is [1, T, ...]; the compressor's rows are compressed entries, not tokens
         if rows is not None and t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == input_ids.shape[1]:
             t = t[:, rows]

@@ -623,7 +623,10 @@ pub fn raw_name(canonical: &str, naming: Naming) -> String {
                 } else if let Some(ix) = a.strip_prefix("indexer.") {
                     match rename(
                         ix,
-                        &[("wq_b", "q_b_proj"), ("weights_proj", "weights_proj")],
+                        &[
+                            ("wq_b", "q_b_proj"),
+                            ("weights_proj", "scorer.weights_proj"),
+                        ],
                     ) {
                         Some((h, r)) => join(&format!("self_attn.compressor.indexer.{h}"), r),
                         None => format!("self_attn.compressor.indexer.{ix}"),
