@@ -23,8 +23,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Plot(a) => plot::main(&a),
         Command::Compare(a) => compare::main(&a),
         Command::Lint(a) => lint::main(&a),
-        other => Err(crate::Error::usage(format!(
-            "command not available in this build: {other:?}"
-        ))),
+        Command::Selftest(_) => Err(crate::Error::Backend(
+            "selftest checks the CUDA backend's kernels against the CPU reference; the CUDA backend is not built yet"
+                .into(),
+        )),
     }
 }
