@@ -204,21 +204,7 @@ fn encode_one(
                 global
             };
             let nb = i / nvfp4::BLOCK;
-            let mut sshape = vec![o, nb];
-            if has(kinds, NanBlockScale) {
-                scales[0] = 0x7F;
-            }
-            if has(kinds, ShiftedScaleRows) {
-                shift_rows(&mut scales, o, nb);
-            }
-            if has(kinds, SwizzledScales) {
-                let (s, sh) = swizzled(&scales, o, nb);
-                scales = s;
-                sshape = sh;
-            }
-            if has(kinds, NibbleSwap) {
-                swap_nibbles(&mut packed);
-            }
+            let sshape = plant_packed_faults(kinds, &mut packed, &mut scales, o, nb, 0x7F);
             let mut amax_x = m.act_amax;
             if has(kinds, InputAmaxX64) {
                 amax_x /= 64.0;
@@ -319,21 +305,7 @@ fn encode_one(
             // DeepSeek's FP4 quantisation rounds the block scale up (never clips): 2^ceil(log2(amax/6)).
             let (mut packed, mut scales) = mxfp4::quantize(m.w, o, i, Mxfp4Rule::Ceil);
             let nb = i / mxfp4::BLOCK;
-            let mut sshape = vec![o, nb];
-            if has(kinds, NanBlockScale) {
-                scales[0] = 0xFF;
-            }
-            if has(kinds, ShiftedScaleRows) {
-                shift_rows(&mut scales, o, nb);
-            }
-            if has(kinds, SwizzledScales) {
-                let (s, sh) = swizzled(&scales, o, nb);
-                scales = s;
-                sshape = sh;
-            }
-            if has(kinds, NibbleSwap) {
-                swap_nibbles(&mut packed);
-            }
+            let sshape = plant_packed_faults(kinds, &mut packed, &mut scales, o, nb, 0xFF);
             let leaf = if naming == Naming::Hf {
                 "weight_scale"
             } else {
@@ -345,4 +317,34 @@ fn encode_one(
             ]
         }
     })
+}
+
+/// The layout faults shared by the two packed 4-bit formats: a NaN block-scale byte (`nan_byte` in the
+/// format's scale encoding), scale rows shifted by one, scales stored swizzled, nibbles swapped.
+/// Returns the stored shape of the block scales (swizzling may pad it).
+fn plant_packed_faults(
+    kinds: &[FaultKind],
+    packed: &mut [u8],
+    scales: &mut Vec<u8>,
+    o: usize,
+    nb: usize,
+    nan_byte: u8,
+) -> Vec<usize> {
+    use FaultKind::*;
+    let mut sshape = vec![o, nb];
+    if has(kinds, NanBlockScale) {
+        scales[0] = nan_byte;
+    }
+    if has(kinds, ShiftedScaleRows) {
+        shift_rows(scales, o, nb);
+    }
+    if has(kinds, SwizzledScales) {
+        let (s, sh) = swizzled(scales, o, nb);
+        *scales = s;
+        sshape = sh;
+    }
+    if has(kinds, NibbleSwap) {
+        swap_nibbles(packed);
+    }
+    sshape
 }
