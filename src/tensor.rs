@@ -52,6 +52,14 @@ impl Tensor {
         self.shape = shape;
         self
     }
+    /// A tensor of this one's shape with the last dimension replaced by `n` (a linear layer's output).
+    pub fn with_last_dim(&self, n: usize, data: Vec<f32>) -> Tensor {
+        let mut shape = self.shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = n;
+        }
+        Tensor::new(shape, data)
+    }
     /// Round every element to BF16 in place.
     pub fn round_bf16(&mut self) {
         crate::numerics::bf16::round_slice(&mut self.data);

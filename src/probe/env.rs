@@ -227,11 +227,7 @@ impl OpEnv for PathEnv<'_, '_> {
     fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
         let m = x.rows();
         let (y, n) = self.gemm(sub_id, &x.data, m, base)?;
-        let mut shape = x.shape.clone();
-        if let Some(last) = shape.last_mut() {
-            *last = n;
-        }
-        Ok(Tensor::new(shape, y))
+        Ok(x.with_last_dim(n, y))
     }
     fn linear_grouped(
         &mut self,

@@ -424,11 +424,7 @@ impl OpEnv for ReplayEnv<'_, '_, '_> {
     fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
         let m = x.rows();
         let (y, n) = self.gemm(sub_id, base, &x.data, m, 0, None)?;
-        let mut shape = x.shape.clone();
-        if let Some(last) = shape.last_mut() {
-            *last = n;
-        }
-        Ok(Tensor::new(shape, y))
+        Ok(x.with_last_dim(n, y))
     }
     fn linear_grouped(
         &mut self,

@@ -388,16 +388,28 @@ fn tp_defaults(rules: Vec<Rule>, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
         .collect()
 }
 
+/// One op with the tensor-parallel defaults of its kind.
+fn single(op: String, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
+    Some(tp_defaults(
+        vec![Rule::plain(op.clone(), !non_token_op(&op))],
+        cfg,
+    ))
+}
+
+/// The engines' fused q_a/kv projection output, split by the config's sizes.
+fn fused_qa_kv(l: &str, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
+    let q = cfg.q_lora_rank;
+    vec![
+        Rule::plain(format!("{l}.attn.q_a"), true).split(0, q),
+        Rule::plain(format!("{l}.attn.kv"), true).split(q, cfg.head_dim),
+    ]
+}
+
 /// vLLM's DeepSeek-V4 module paths (DSV4-LAYER.md §2.4). The decoder layer returns (y₂, X₁, post_f, C_f):
 /// `model.layers.N` is y₂ (the MoE output) and `:residual`, `:post`, `:comb` (or `:1`, `:2`, `:3`) the
 /// rest; compare recombines them into the layer output (§3.2).
 pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
-    let one = |op: String| {
-        Some(tp_defaults(
-            vec![Rule::plain(op.clone(), !non_token_op(&op))],
-            cfg,
-        ))
-    };
+    let one = |op: String| single(op, cfg);
     match name {
         "model.embed_tokens" => return one("embed".into()),
         "model.hc_head" => return one("hc_head".into()),
@@ -408,13 +420,7 @@ pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>
     let (n, rest) = layer_and_rest(name, "model.layers.")?;
     let l = format!("L{n}");
     let op = match rest {
-        "attn.fused_wqa_wkv" => {
-            let q = cfg.q_lora_rank;
-            return Some(vec![
-                Rule::plain(format!("{l}.attn.q_a"), true).split(0, q),
-                Rule::plain(format!("{l}.attn.kv"), true).split(q, cfg.head_dim),
-            ]);
-        }
+        "attn.fused_wqa_wkv" => return Some(fused_qa_kv(&l, cfg)),
         "" | ":0" => format!("{l}.ffn.out"),
         ":residual" | ":1" => format!("{l}.attn.hc_post"),
         ":post" | ":2" => format!("{l}.ffn.hc_pre.post"),
@@ -444,12 +450,7 @@ pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>
 /// returns the full residual streams after both mHC posts). Names follow SGLang's hook-mode dumper
 /// (module paths) and probes/capture/sglang_capture.py.
 pub fn map_sglang(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {
-    let one = |op: String| {
-        Some(tp_defaults(
-            vec![Rule::plain(op.clone(), !non_token_op(&op))],
-            cfg,
-        ))
-    };
+    let one = |op: String| single(op, cfg);
     match name {
         "model.embed_tokens" => return one("embed".into()),
         "model.norm" => return one("final_norm".into()),
@@ -459,13 +460,7 @@ pub fn map_sglang(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rul
     let (n, rest) = layer_and_rest(name, "model.layers.")?;
     let l = format!("L{n}");
     let op = match rest {
-        "self_attn.wqkv_a" => {
-            let q = cfg.q_lora_rank;
-            return Some(vec![
-                Rule::plain(format!("{l}.attn.q_a"), true).split(0, q),
-                Rule::plain(format!("{l}.attn.kv"), true).split(q, cfg.head_dim),
-            ]);
-        }
+        "self_attn.wqkv_a" => return Some(fused_qa_kv(&l, cfg)),
         "" => format!("{l}.out"),
         "input_layernorm" => format!("{l}.attn.norm"),
         "self_attn.wq_a" => format!("{l}.attn.q_a"),
