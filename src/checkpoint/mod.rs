@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 pub use naming::{FusedPart, Naming};
 pub use quant::{
-    Fp8ScaleKind, QuantWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat, WeightMeta,
+    Fp8ScaleKind, QuantWeight, RawFormat, RawWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat, WeightMeta,
     WeightTensors,
 };
 pub use safetensors::Dtype;

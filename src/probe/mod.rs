@@ -42,6 +42,19 @@ pub struct RunOptions {
     pub overrides: Vec<(String, Override)>,
     /// Stop after this op id (bisect re-runs).
     pub stop_after: Option<String>,
+    /// Where the numerics run (CPU reference or the CUDA device).
+    pub backend: crate::backend::Backend,
+}
+
+impl RunOptions {
+    /// The paths' shared state for this run: backend, loader faults and hypotheses applied.
+    pub fn shared<'a>(&self, ckpt: &'a Checkpoint, cfg: crate::model::ModelConfig) -> Shared<'a> {
+        let mut shared = Shared::new(ckpt, cfg, self.tokens.clone(), self.profile);
+        shared.faults = self.loader_faults.clone();
+        shared.overrides = self.overrides.clone();
+        shared.backend = self.backend.clone();
+        shared
+    }
 }
 
 /// Index-valued outputs (router expert ids, indexer selections): agreement instead of cosine.
@@ -172,9 +185,7 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         }
     }
 
-    let mut shared = Shared::new(ckpt, cfg.clone(), opts.tokens.clone(), opts.profile);
-    shared.faults = opts.loader_faults.clone();
-    shared.overrides = opts.overrides.clone();
+    let mut shared = opts.shared(ckpt, cfg.clone());
     let mut maps: [HashMap<String, Tensor>; 3] = Default::default();
     let mut records = Vec::new();
     let mut outputs: BTreeMap<String, Vec<(String, Tensor)>> = BTreeMap::new();
@@ -235,11 +246,12 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 exec(op, &inputs, &mut env)?
             };
             let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
+            let ms = measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?;
             let mut stats = BTreeMap::new();
-            stats.insert("oracle_fp32".to_string(), Stats::of(&fp.data));
-            stats.insert("oracle_bf16".to_string(), Stats::of(&bf.data));
-            stats.insert("served".to_string(), Stats::of(&sv.data));
-            stats.insert("served_isolated".to_string(), Stats::of(&is.data));
+            stats.insert("oracle_fp32".to_string(), ms.fp);
+            stats.insert("oracle_bf16".to_string(), ms.bf);
+            stats.insert("served".to_string(), ms.sv);
+            stats.insert("served_isolated".to_string(), ms.is);
             let weights: Vec<(String, String)> = touched
                 .iter()
                 .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
@@ -255,10 +267,8 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 })
                 .collect();
             let class = format!("{:?}", op.class);
-            let noise = Compare::of(&bf.data, &fp.data);
-            let noise_iso = Compare::of(&bf.data, &fp_on_bf[0].data);
-            let iso_bf = Compare::of(&is.data, &bf.data);
-            let prop_bf = Compare::of(&sv.data, &bf.data);
+            let (noise, noise_iso, iso_bf, prop_bf) =
+                (ms.noise, ms.noise_iso, ms.iso_bf, ms.prop_bf);
             let (health, act_ratio) = env::aggregate_health(&observed);
             let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
                 .max(format_tolerance(th, opts.profile, &formats, &class))
@@ -314,9 +324,9 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 stats,
                 bf16_vs_fp32: noise,
                 bf16_vs_fp32_isolated: noise_iso,
-                served_isolated_vs_fp32: Compare::of(&is.data, &fp.data),
+                served_isolated_vs_fp32: ms.iso_fp,
                 served_isolated_vs_bf16: iso_bf,
-                served_propagated_vs_fp32: Compare::of(&sv.data, &fp.data),
+                served_propagated_vs_fp32: ms.prop_fp,
                 served_propagated_vs_bf16: prop_bf,
                 agreement,
                 health,
@@ -397,6 +407,77 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         outputs,
         seconds: t0.elapsed().as_secs_f64(),
         bytes_read: ckpt.bytes_read() - bytes0,
+    })
+}
+
+/// One op's statistics and comparisons (the four paths' outputs and the noise-floor exec).
+struct Measured {
+    fp: Stats,
+    bf: Stats,
+    sv: Stats,
+    is: Stats,
+    noise: Compare,
+    noise_iso: Compare,
+    iso_bf: Compare,
+    prop_bf: Compare,
+    iso_fp: Compare,
+    prop_fp: Compare,
+}
+
+/// The metrics of one op, on the device when the run has one (one fused pass per pair).
+fn measure(
+    backend: &crate::backend::Backend,
+    fp: &Tensor,
+    bf: &Tensor,
+    sv: &Tensor,
+    is: &Tensor,
+    fp_on_bf: &Tensor,
+) -> Result<Measured> {
+    let same = [bf, sv, is, fp_on_bf]
+        .iter()
+        .all(|t| t.data.len() == fp.data.len());
+    if let (Some(g), true) = (backend.gpu(), same) {
+        let mut g = g
+            .lock()
+            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+        let t: [&[f32]; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
+        let r = g.metrics(
+            &t,
+            &[
+                (0, None),
+                (1, Some(0)),
+                (2, Some(1)),
+                (3, Some(1)),
+                (1, Some(4)),
+                (3, Some(0)),
+                (2, Some(0)),
+            ],
+        )?;
+        let c = |i: usize| r[i].1.clone().unwrap_or_default();
+        return Ok(Measured {
+            fp: r[0].0.clone(),
+            bf: r[1].0.clone(),
+            sv: r[2].0.clone(),
+            is: r[3].0.clone(),
+            noise: c(1),
+            prop_bf: c(2),
+            iso_bf: c(3),
+            noise_iso: c(4),
+            iso_fp: c(5),
+            prop_fp: c(6),
+        });
+    }
+    Ok(Measured {
+        fp: Stats::of(&fp.data),
+        bf: Stats::of(&bf.data),
+        sv: Stats::of(&sv.data),
+        is: Stats::of(&is.data),
+        noise: Compare::of(&bf.data, &fp.data),
+        noise_iso: Compare::of(&bf.data, &fp_on_bf.data),
+        iso_bf: Compare::of(&is.data, &bf.data),
+        prop_bf: Compare::of(&sv.data, &bf.data),
+        iso_fp: Compare::of(&is.data, &fp.data),
+        prop_fp: Compare::of(&sv.data, &fp.data),
     })
 }
 
