@@ -187,18 +187,30 @@ extern "C" __global__ void dequant_nvfp4(const u8* packed, const u8* scales, u64
     GRID_STRIDE(b, nblocks) {
         float s = e4m3_decode(scales[b]);
         float q = conv == 0 ? __fdiv_rn(s, global) : (conv == 1 ? __fmul_rn(s, global) : s);
-        const u8* p = packed + b * 8;
-        u64 base = b * 16;
+        uint2 pk = ((const uint2*)packed)[b];  // the block's 8 bytes in one load
+        float v[16];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 byte = p[i];
+            u32 byte = ((i < 4 ? pk.x : pk.y) >> (8 * (i & 3))) & 0xFFu;
             u32 lo = byte & 15u, hi = byte >> 4;
             if (swap) { u32 t = lo; lo = hi; hi = t; }
             float v0 = __fmul_rn(e2m1_decode(lo), q);
             float v1 = __fmul_rn(e2m1_decode(hi), q);
             if (post_mul) { v0 = __fmul_rn(v0, post); v1 = __fmul_rn(v1, post); }
-            store_val(out, base + 2 * i, v0, out_kind);
-            store_val(out, base + 2 * i + 1, v1, out_kind);
+            v[2 * i] = v0;
+            v[2 * i + 1] = v1;
+        }
+        if (out_kind == 0) {
+            float4* o = (float4*)((float*)out + b * 16);
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+        } else {
+            uint4* o = (uint4*)((u16*)out + b * 16);
+            u32 w[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[i] = (u32)bf16_bits(v[2 * i]) | ((u32)bf16_bits(v[2 * i + 1]) << 16);
+            o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+            o[1] = make_uint4(w[4], w[5], w[6], w[7]);
         }
     }
 }

@@ -26,14 +26,19 @@ extern "C" __global__ void act_quant_nvfp4(const float* x, u64 nblocks, float g,
     u64 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
     float amax_all = 0.0f;
     GRID_STRIDE(b, nblocks) {
-        const float* xb = x + b * 16;
+        const float4* xb = (const float4*)(x + b * 16);
         float v[16];
         float vmax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            v[i] = xb[i];
-            vmax = fmaxf(vmax, fabsf(v[i]));
+        for (int i = 0; i < 4; i++) {
+            float4 q4 = xb[i];
+            v[4 * i] = q4.x;
+            v[4 * i + 1] = q4.y;
+            v[4 * i + 2] = q4.z;
+            v[4 * i + 3] = q4.w;
         }
+#pragma unroll
+        for (int i = 0; i < 16; i++) vmax = fmaxf(vmax, fabsf(v[i]));
         amax_all = fmaxf(amax_all, vmax);
         h_blocks++;
         float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
@@ -44,26 +49,38 @@ extern "C" __global__ void act_quant_nvfp4(const float* x, u64 nblocks, float g,
         else if (code == 0x7Eu) h_max++;
         else if ((code & 0x7Fu) == 0x7Fu) h_nan++;
         if (scales) scales[b] = (u8)code;
+        u32 pk[2] = {0u, 0u};
+        u32 q16[8];
+        float xh[16];
 #pragma unroll
         for (int i = 0; i < 16; i += 2) {
             float y0 = __fmul_rn(v[i], osc), y1 = __fmul_rn(v[i + 1], osc);
             u32 c0 = e2m1_encode(y0), c1 = e2m1_encode(y1);
             h_clip += (fabsf(y0) > 6.0f) + (fabsf(y1) > 6.0f);
             h_dead += ((c0 & 7u) == 0u && v[i] != 0.0f) + ((c1 & 7u) == 0u && v[i + 1] != 0.0f);
-            if (packed) packed[b * 8 + i / 2] = (u8)(c0 | (c1 << 4));
-            if (xq16) {
-                xq16[b * 16 + i] = bf16_bits(__fmul_rn(e2m1_decode(c0), sfq));
-                xq16[b * 16 + i + 1] = bf16_bits(__fmul_rn(e2m1_decode(c1), sfq));
-            }
+            pk[i / 8] |= (c0 | (c1 << 4)) << (8 * ((i / 2) & 3));
+            q16[i / 2] = (u32)bf16_bits(__fmul_rn(e2m1_decode(c0), sfq)) |
+                         ((u32)bf16_bits(__fmul_rn(e2m1_decode(c1), sfq)) << 16);
             if (xhat) {
                 float m0 = __fdiv_rn(__fmul_rn(e2m1_decode(c0 & 7u), sfq), g);
                 float m1 = __fdiv_rn(__fmul_rn(e2m1_decode(c1 & 7u), sfq), g);
                 if (c0 & 8u) m0 = -m0;
                 if (c1 & 8u) m1 = -m1;
                 if (xhat_bf16) { m0 = bf16_round(m0); m1 = bf16_round(m1); }
-                xhat[b * 16 + i] = m0;
-                xhat[b * 16 + i + 1] = m1;
+                xh[i] = m0;
+                xh[i + 1] = m1;
             }
+        }
+        if (packed) ((uint2*)packed)[b] = make_uint2(pk[0], pk[1]);
+        if (xq16) {
+            uint4* o = (uint4*)(xq16 + b * 16);
+            o[0] = make_uint4(q16[0], q16[1], q16[2], q16[3]);
+            o[1] = make_uint4(q16[4], q16[5], q16[6], q16[7]);
+        }
+        if (xhat) {
+            float4* o = (float4*)(xhat + b * 16);
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[i] = make_float4(xh[4 * i], xh[4 * i + 1], xh[4 * i + 2], xh[4 * i + 3]);
         }
     }
     if (health) {

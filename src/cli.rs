@@ -255,6 +255,9 @@ pub struct SelftestArgs {
     /// Kernel checks only (no whole-run comparison).
     #[arg(long)]
     pub kernels_only: bool,
+    /// Also measure kernel bandwidth on tensors of this many GiB (packed NVFP4 weight size).
+    #[arg(long, value_name = "GIB")]
+    pub bench: Option<f64>,
     /// Write the results as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,

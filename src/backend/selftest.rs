@@ -766,3 +766,140 @@ pub fn compare_runs(cpu: &RunResult, gpu: &RunResult) -> RunAgreement {
     }
     a
 }
+
+/// One kernel-bandwidth measurement.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchLine {
+    pub what: String,
+    /// Bytes read plus bytes written per call.
+    pub bytes: u64,
+    pub median_ms: f64,
+    pub gb_per_s: f64,
+    /// Against the measured device-to-device copy (read + write) bandwidth.
+    pub vs_d2d: f64,
+}
+
+fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let err = |e| crate::Error::Backend(format!("cuda: event: {e:?}"));
+    f()?; // warm-up
+    g.sync()?;
+    let mut ts = Vec::new();
+    for _ in 0..reps {
+        let a = g.ctx.new_event(None).map_err(err)?;
+        let b = g.ctx.new_event(None).map_err(err)?;
+        a.record(&g.stream).map_err(err)?;
+        f()?;
+        b.record(&g.stream).map_err(err)?;
+        b.synchronize().map_err(err)?;
+        ts.push(a.elapsed_ms(&b).map_err(err)? as f64);
+    }
+    ts.sort_by(f64::total_cmp);
+    Ok(ts[ts.len() / 2])
+}
+
+/// Bandwidth of the dequantization and activation-quantization kernels on multi-GB tensors,
+/// against a device-to-device copy of the same order of size. `gib`: packed weight size.
+pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
+    let mut out = Vec::new();
+    let reps = 5;
+    // device-to-device copy
+    let cb = (gib * (1u64 << 30) as f64) as usize * 2;
+    let (a, b) = (g.alloc(cb)?, g.alloc(cb)?);
+    g.memset(a.ptr, 0x3F, cb)?;
+    let ms = time_ms(g, reps, || {
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(b.ptr, a.ptr, cb, g.stream.cu_stream())
+        }
+        .map_err(|e| crate::Error::Backend(format!("cuda: dtod: {e:?}")))
+    })?;
+    let d2d = 2.0 * cb as f64 / (ms * 1e-3) / 1e9;
+    out.push(BenchLine {
+        what: format!("device-to-device copy {:.1} GiB", cb as f64 / (1u64 << 30) as f64),
+        bytes: 2 * cb as u64,
+        median_ms: ms,
+        gb_per_s: d2d,
+        vs_d2d: 1.0,
+    });
+    drop((a, b));
+    // NVFP4 weight dequantization
+    let pk = (gib * (1u64 << 30) as f64) as usize / 8 * 8;
+    let nb = (pk / 8) as u64;
+    let (p, s) = (g.alloc(pk)?, g.alloc(pk / 8)?);
+    g.memset(p.ptr, 0x5A, pk)?;
+    g.memset(s.ptr, 0x38, pk / 8)?;
+    for (ok, elem, name) in [(1, 2usize, "bf16"), (0, 4, "f32")] {
+        let o = g.alloc(pk * 2 * elem)?;
+        let ms = time_ms(g, reps, || {
+            g.launch(
+                "dequant_nvfp4",
+                nb,
+                &[
+                    A::P(p.ptr),
+                    A::P(s.ptr),
+                    A::U(nb),
+                    A::F(1.5),
+                    A::I(0),
+                    A::F(1.0),
+                    A::I(0),
+                    A::I(0),
+                    A::I(ok),
+                    A::P(o.ptr),
+                ],
+            )
+        })?;
+        let bytes = (pk + pk / 8 + pk * 2 * elem) as u64;
+        let bw = bytes as f64 / (ms * 1e-3) / 1e9;
+        out.push(BenchLine {
+            what: format!(
+                "dequant_nvfp4 {:.1} GiB packed -> {name} ({:.1} GiB)",
+                pk as f64 / (1u64 << 30) as f64,
+                (pk * 2 * elem) as f64 / (1u64 << 30) as f64
+            ),
+            bytes,
+            median_ms: ms,
+            gb_per_s: bw,
+            vs_d2d: bw / d2d,
+        });
+    }
+    drop((p, s));
+    // NVFP4 activation quantization: f32 in, codes + scale bytes (+ the BF16 GEMM operand) out
+    let n = (gib * (1u64 << 30) as f64) as usize / 16 * 16; // elements: 4·gib GiB of f32
+    let x = g.alloc(n * 4)?;
+    g.memset(x.ptr, 0x3F, n * 4)?;
+    let (po, so, qo) = (g.alloc(n / 2)?, g.alloc(n / 16)?, g.alloc(n * 2)?);
+    let h = g.alloc(H_SLOTS * 8)?;
+    g.memset(h.ptr, 0, H_SLOTS * 8)?;
+    let nb = (n / 16) as u64;
+    for (with_q, name) in [(false, "codes + scales"), (true, "codes + scales + bf16 GEMM operand")] {
+        let ms = time_ms(g, reps, || {
+            g.launch(
+                "act_quant_nvfp4",
+                nb,
+                &[
+                    A::P(x.ptr),
+                    A::U(nb),
+                    A::F(3.0),
+                    A::P(po.ptr),
+                    A::P(so.ptr),
+                    A::P(if with_q { qo.ptr } else { 0 }),
+                    A::P(0),
+                    A::I(0),
+                    A::P(h.ptr),
+                ],
+            )
+        })?;
+        let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
+        let bw = bytes as f64 / (ms * 1e-3) / 1e9;
+        out.push(BenchLine {
+            what: format!(
+                "act_quant_nvfp4 {:.1} GiB f32 -> {name}",
+                (n * 4) as f64 / (1u64 << 30) as f64
+            ),
+            bytes,
+            median_ms: ms,
+            gb_per_s: bw,
+            vs_d2d: bw / d2d,
+        });
+    }
+    Ok(out)
+}

@@ -48,6 +48,26 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         checks.len(),
         t0.elapsed().as_secs_f64()
     );
+    let mut benches = Vec::new();
+    if let Some(gib) = args.bench {
+        let mut g = gpu
+            .lock()
+            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+        benches = crate::backend::selftest::bench(&mut g, gib)?;
+        let mut t = Table::new();
+        t.load_style(comfy_table::presets::ASCII_MARKDOWN);
+        t.set_header(vec!["kernel", "bytes moved", "median ms", "GB/s", "vs D2D copy"]);
+        for b in &benches {
+            t.add_row(vec![
+                b.what.clone(),
+                format!("{:.2} GB", b.bytes as f64 / 1e9),
+                format!("{:.3}", b.median_ms),
+                format!("{:.0}", b.gb_per_s),
+                format!("{:.0} %", b.vs_d2d * 100.0),
+            ]);
+        }
+        println!("{t}");
+    }
     let mut runs = Vec::new();
     let mut rfail = 0;
     if !args.kernels_only {
@@ -113,6 +133,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
                 "worst": c.worst, "tolerance": c.tolerance, "pass": c.pass(), "note": c.note,
             })).collect::<Vec<_>>(),
             "runs": runs,
+            "bench": benches,
         });
         report::write_atomic(j, serde_json::to_string_pretty(&v).unwrap_or_default().as_bytes())?;
     }
