@@ -99,6 +99,17 @@ __device__ __forceinline__ u16 bf16_bits(float x) {
 
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
+// IEEE half bits -> f32 (exact, subnormals and NaN payloads kept).
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    u32 s = ((u32)h & 0x8000u) << 16, e = ((u32)h >> 10) & 0x1Fu, m = (u32)h & 0x3FFu;
+    if (e == 0u) {
+        float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
+        return (h & 0x8000u) ? -v : v;
+    }
+    if (e == 31u) return __uint_as_float(s | 0x7F800000u | (m << 13));
+    return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+}
+
 __device__ __forceinline__ float bf16_round(float x) { return bf16_to_f32(bf16_bits(x)); }
 
 // PTX rcp.approx.ftz.f32: the reciprocal the serving kernels use (NVFP4.md 3.2).
@@ -110,14 +121,16 @@ __device__ __forceinline__ float rcp_approx_ftz(float x) {
 
 // ---- element-wise kernels ---------------------------------------------------------------------
 
-// Decode n bytes of a format: fmt 0 = E4M3, 1 = UE8M0, 2 = E2M1 (low nibble), 3 = BF16 bits (u16 input).
+// Decode n elements of a format: fmt 0 = E4M3, 1 = UE8M0, 2 = E2M1 (low nibble), 3 = BF16 bits,
+// 4 = F16 bits (u16 input for 3 and 4).
 extern "C" __global__ void decode_bytes(const u8* in, u64 n, int fmt, float* out) {
     GRID_STRIDE(i, n) {
         float v;
         if (fmt == 0) v = e4m3_decode(in[i]);
         else if (fmt == 1) v = ue8m0_decode(in[i]);
         else if (fmt == 2) v = e2m1_decode(in[i]);
-        else v = bf16_to_f32(((const u16*)in)[i]);
+        else if (fmt == 3) v = bf16_to_f32(((const u16*)in)[i]);
+        else v = f16_to_f32(((const u16*)in)[i]);
         out[i] = v;
     }
 }
@@ -165,6 +178,14 @@ extern "C" __global__ void rcp_sweep(int e, u64* count, u32* first, u32 cap) {
             u64 k = atomicAdd(count, 1ull);
             if (k < cap) first[k] = bits;
         }
+    }
+}
+
+// rcp.approx.ftz minus the correctly rounded reciprocal, in ulps, for every mantissa of [1, 2).
+extern "C" __global__ void rcp_table(signed char* out) {
+    GRID_STRIDE(m, 1u << 23) {
+        float x = __uint_as_float(0x3F800000u | (u32)m);
+        out[m] = (signed char)((int)__float_as_uint(rcp_approx_ftz(x)) - (int)__float_as_uint(__frcp_rn(x)));
     }
 }
 

@@ -261,4 +261,8 @@ pub struct SelftestArgs {
     /// Write the results as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Write rcp.approx.ftz's deviation from the correctly rounded reciprocal (i8 ulps per
+    /// mantissa of [1, 2), 2^23 bytes) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub rcp_table: Option<PathBuf>,
 }

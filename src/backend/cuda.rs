@@ -44,6 +44,7 @@ const KERNELS: &[&str] = &[
     "scale_round",
     "rcp_approx_map",
     "rcp_sweep",
+    "rcp_table",
     "dequant_nvfp4",
     "dequant_mxfp4",
     "dequant_fp8_block",
@@ -466,11 +467,37 @@ impl Gpu {
             )
         };
         let fmt = match &raw.format {
-            RawFormat::Dense { values, .. } => {
-                if values.len() != n * k {
-                    return Err(bad("weight", values.len(), n * k));
+            RawFormat::Dense { dtype, bytes } => {
+                use crate::checkpoint::Dtype;
+                let es = match dtype {
+                    Dtype::BF16 | Dtype::F16 => 2,
+                    Dtype::F32 => 4,
+                    _ => 0,
+                };
+                if es == 0 {
+                    let v = crate::checkpoint::convert::to_f32(bytes, *dtype, &loc, base)?;
+                    if v.len() != n * k {
+                        return Err(bad("weight", v.len(), n * k));
+                    }
+                    DevFmt::Dense(self.upload(&v)?)
+                } else {
+                    if bytes.len() != n * k * es {
+                        return Err(bad("weight", bytes.len() / es, n * k));
+                    }
+                    let raw = self.upload_staged(bytes)?;
+                    if es == 4 {
+                        DevFmt::Dense(raw)
+                    } else {
+                        let f = self.alloc(n * k * 4)?;
+                        let fmt = if *dtype == Dtype::BF16 { 3 } else { 4 };
+                        self.launch(
+                            "decode_bytes",
+                            (n * k) as u64,
+                            &[A::P(raw.ptr), A::U((n * k) as u64), A::I(fmt), A::P(f.ptr)],
+                        )?;
+                        DevFmt::Dense(f)
+                    }
                 }
-                DevFmt::Dense(self.upload(values)?)
             }
             RawFormat::Fp8Block {
                 bytes,

@@ -52,6 +52,14 @@ fn exact(name: &str, got: &[f32], want: &[f32]) -> Check {
     }
 }
 
+/// BF16 bit patterns, every NaN pattern counting as equal (the GPU's arithmetic produces the
+/// canonical NaN 0x7FFFFFFF where the CPU propagates the input's payload).
+fn exact_bf16(name: &str, got: &[u16], want: &[u16]) -> Check {
+    let a: Vec<f32> = got.iter().map(|&h| bf16::from_bits(h)).collect();
+    let b: Vec<f32> = want.iter().map(|&h| bf16::from_bits(h)).collect();
+    exact(name, &a, &b)
+}
+
 fn exact_u<T: PartialEq>(name: &str, got: &[T], want: &[T]) -> Check {
     let mm = got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
     Check {
@@ -233,6 +241,14 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     )?;
     let want: Vec<f32> = bits.iter().map(|&h| bf16::from_bits(h)).collect();
     out.push(exact("decode bf16 (all 65536)", &t.get_f32(&o, bits.len())?, &want));
+    let o = t.out(bits.len() * 4)?;
+    t.g.launch(
+        "decode_bytes",
+        bits.len() as u64,
+        &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(4), A::P(o.ptr)],
+    )?;
+    let want: Vec<f32> = bits.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
+    out.push(exact("decode f16 (all 65536)", &t.get_f32(&o, bits.len())?, &want));
 
     // ---- encoders on nasty values ----
     let xs = nasty_floats(&mut rng, 200_000 * s);
@@ -341,7 +357,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             ],
         )?;
         let w16: Vec<u16> = want.iter().map(|&v| bf16::to_bits(v)).collect();
-        out.push(exact_u(
+        out.push(exact_bf16(
             &format!("dequant nvfp4 {cname} -> bf16"),
             &t.get_u16(&o, rows * cols)?,
             &w16,
@@ -373,7 +389,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             want16.push(bf16::to_bits((e2m1::decode(c) * sc) * 0.37));
         }
     }
-    out.push(exact_u(
+    out.push(exact_bf16(
         "dequant nvfp4 served operand (swapped, x d_w) -> bf16",
         &t.get_u16(&o, rows * cols)?,
         &want16,
@@ -475,7 +491,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             xq.push(bf16::to_bits(e2m1::decode(lo) * sc));
             xq.push(bf16::to_bits(e2m1::decode(hi) * sc));
         }
-        out.push(exact_u(
+        out.push(exact_bf16(
             &format!("act quant nvfp4 GEMM operand e2m1*s (bf16), g {gname}"),
             &t.get_u16(&qo, m * k)?,
             &xq,
@@ -785,8 +801,9 @@ fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f6
     g.sync()?;
     let mut ts = Vec::new();
     for _ in 0..reps {
-        let a = g.ctx.new_event(None).map_err(err)?;
-        let b = g.ctx.new_event(None).map_err(err)?;
+        let flag = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = g.ctx.new_event(flag).map_err(err)?;
+        let b = g.ctx.new_event(flag).map_err(err)?;
         a.record(&g.stream).map_err(err)?;
         f()?;
         b.record(&g.stream).map_err(err)?;
@@ -902,4 +919,12 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         });
     }
     Ok(out)
+}
+
+/// rcp.approx.ftz − correctly rounded reciprocal, in ulps, for every mantissa of [1, 2).
+pub fn rcp_table(g: &mut Gpu) -> Result<Vec<i8>> {
+    let o = g.alloc(1 << 23)?;
+    g.memset(o.ptr, 0x7F, 1 << 23)?;
+    g.launch("rcp_table", 1 << 23, &[A::P(o.ptr)])?;
+    g.download(o.ptr, 1 << 23)
 }

@@ -6,7 +6,7 @@
 //! only those that were routed to.
 
 mod access;
-mod convert;
+pub mod convert;
 pub mod naming;
 pub mod quant;
 mod shard;

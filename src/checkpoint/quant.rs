@@ -103,9 +103,10 @@ pub struct RawWeight<'a> {
 
 /// [`WeightFormat`] with the large byte arrays borrowed instead of copied.
 pub enum RawFormat<'a> {
+    /// Raw little-endian elements of `dtype` (BF16/F16/F32).
     Dense {
         dtype: Dtype,
-        values: Vec<f32>,
+        bytes: &'a [u8],
     },
     Fp8Block {
         bytes: &'a [u8],
@@ -612,7 +613,10 @@ impl Checkpoint {
     pub fn weight(&self, base: &str) -> Result<QuantWeight> {
         let RawWeight { meta: m, format } = self.weight_raw(base)?;
         let format = match format {
-            RawFormat::Dense { dtype, values } => WeightFormat::Dense { dtype, values },
+            RawFormat::Dense { dtype, bytes } => WeightFormat::Dense {
+                dtype,
+                values: convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?,
+            },
             RawFormat::Fp8Block {
                 bytes,
                 scales,
@@ -673,7 +677,7 @@ impl Checkpoint {
         let format = match m.scheme {
             Scheme::Dense => RawFormat::Dense {
                 dtype: m.weight_dtype,
-                values: self.tensor_f32(&wc)?.data,
+                bytes: self.canonical_bytes(&wc)?,
             },
             Scheme::Fp8Block => {
                 let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();

@@ -48,6 +48,16 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         checks.len(),
         t0.elapsed().as_secs_f64()
     );
+    if let Some(f) = &args.rcp_table {
+        let mut g = gpu
+            .lock()
+            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+        let t = crate::backend::selftest::rcp_table(&mut g)?;
+        let bytes: Vec<u8> = t.iter().map(|&v| v as u8).collect();
+        report::write_atomic(f, &bytes)?;
+        let hist = [-2i8, -1, 0, 1, 2].map(|d| t.iter().filter(|&&v| v == d).count());
+        println!("rcp table: ulp deviation -2..2 counts {hist:?}");
+    }
     let mut benches = Vec::new();
     if let Some(gib) = args.bench {
         let mut g = gpu

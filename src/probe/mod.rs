@@ -200,7 +200,11 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         indicatif::ProgressBar::hidden()
     };
 
+    // NVFP4_PROBE_PROFILE=1: seconds per op kind (all execs of the op) and in metrics, on stderr
+    let profile = std::env::var_os("NVFP4_PROBE_PROFILE").is_some();
+    let mut prof: BTreeMap<String, f64> = BTreeMap::new();
     for (step, op) in ops.iter().enumerate() {
+        let t_op = Instant::now();
         pb.set_message(op.id.clone());
         let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
         let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
@@ -246,7 +250,9 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                 exec(op, &inputs, &mut env)?
             };
             let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
+            let t_m = Instant::now();
             let ms = measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?;
+            *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
             let mut stats = BTreeMap::new();
             stats.insert("oracle_fp32".to_string(), ms.fp);
             stats.insert("oracle_bf16".to_string(), ms.bf);
@@ -369,11 +375,23 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
             m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
         }
         pb.inc(1);
+        *prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
         if opts.stop_after.as_deref() == Some(op.id.as_str()) {
             break;
         }
     }
     pb.finish_and_clear();
+    if profile {
+        let mut v: Vec<_> = prof.into_iter().collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
+        eprintln!("profile (s, ops include their metrics): {}", line.join(", "));
+        if let Some(g) = opts.backend.gpu() {
+            if let Ok(g) = g.lock() {
+                eprintln!("gpu counters: {}", serde_json::to_string(&g.counters).unwrap_or_default());
+            }
+        }
+    }
 
     let mut summary = Summary {
         ops: records.len(),
