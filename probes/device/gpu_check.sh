@@ -43,7 +43,6 @@ if has flash; then
   grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident" "$OUT/flash_cold.txt"
   evict $F; sync
   ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
-  ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --kernels-only --model $F --layers 0..0 --seq-len 32 --served blackwell-w4a4 ) > /dev/null 2>&1
   ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers 0..0 --seq-len ${CPU_CMP_T:-32} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
   grep -E "^whole|selftest" "$OUT/flash_cpu_vs_cuda.txt"
 fi
