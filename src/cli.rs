@@ -250,7 +250,11 @@ pub struct SelftestArgs {
     #[arg(long, default_value_t = 64)]
     pub seq_len: usize,
     /// Served profiles to compare whole runs under (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "blackwell-w4a4,hopper-w4a16,emulation")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "blackwell-w4a4,hopper-w4a16,emulation"
+    )]
     pub served: Vec<String>,
     /// Kernel checks only (no whole-run comparison).
     #[arg(long)]

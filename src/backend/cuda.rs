@@ -20,9 +20,9 @@ use cudarc::driver::{
     result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream,
     DevicePtr, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
-use crate::checkpoint::{Checkpoint, RawFormat};
+use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, PairSums, Stats};
 use crate::numerics::nvfp4::{Convention, QuantHealth};
 use crate::probe::env::PathKind;
@@ -111,8 +111,14 @@ enum DevFmt {
 
 /// How the served path computes with a weight.
 enum ServedDev {
-    /// From the stored bytes: NVFP4 scalars as the loader resolved them.
-    Native { nv: Option<Nvfp4Params> },
+    /// From the stored bytes: NVFP4 scalars as the loader resolved them (scalar loader faults and
+    /// hypotheses applied), nibble order, FP8 activation-scale and double-scale faults as flags.
+    Native {
+        nv: Option<Nvfp4Params>,
+        swap: bool,
+        non_pow2: bool,
+        double_scale: bool,
+    },
     /// Prepared on the host (a loader fault or a bisect hypothesis touches this weight).
     Host {
         w: Buf,
@@ -159,6 +165,9 @@ pub struct Gpu {
     pub compile_seconds: f64,
     sm_count: u32,
     weights: HashMap<String, DevWeight>,
+    files: HashMap<std::path::PathBuf, std::fs::File>,
+    /// Tensors read ahead of `ensure_weight` in one batch, by (file, offset).
+    preloaded: HashMap<(std::path::PathBuf, u64), Buf>,
     scratch: HashMap<&'static str, Buf>,
     pinned: Vec<(*mut u8, usize, CudaEvent)>,
     pub counters: GpuCounters,
@@ -178,7 +187,7 @@ impl Drop for Gpu {
     }
 }
 
-const STAGE: usize = 64 << 20;
+const STAGE: usize = 256 << 20;
 
 impl Gpu {
     /// Open device 0, compile the kernels for its architecture, set up cuBLAS and staging.
@@ -194,19 +203,34 @@ impl Gpu {
             .unwrap_or(80) as u32;
         let t0 = Instant::now();
         let src: String = KERNEL_SOURCE.concat();
-        let opts = CompileOptions {
-            ftz: Some(false),
-            prec_sqrt: Some(true),
-            prec_div: Some(true),
-            fmad: Some(false),
-            options: vec![format!("--gpu-architecture={arch}")],
-            ..Default::default()
+        let compile = || -> Result<String> {
+            let opts = CompileOptions {
+                ftz: Some(false),
+                prec_sqrt: Some(true),
+                prec_div: Some(true),
+                fmad: Some(false),
+                options: vec![format!("--gpu-architecture={arch}")],
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(&src, opts)
+                .map_err(|e| cuda_err(&format!("NVRTC compile for {arch}"), e))?
+                .to_src();
+            if let Some(p) = ptx_cache_path(&src, &arch) {
+                store_ptx(&p, &ptx);
+            }
+            Ok(ptx)
         };
-        let ptx = compile_ptx_with_opts(src, opts)
-            .map_err(|e| cuda_err(&format!("NVRTC compile for {arch}"), e))?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| cuda_err("load module", e))?;
+        let module = match cached_ptx(&src, &arch) {
+            Some((text, _)) => match ctx.load_module(Ptx::from_src(text)) {
+                Ok(m) => m,
+                Err(_) => ctx
+                    .load_module(Ptx::from_src(compile()?))
+                    .map_err(|e| cuda_err("load module", e))?,
+            },
+            None => ctx
+                .load_module(Ptx::from_src(compile()?))
+                .map_err(|e| cuda_err("load module", e))?,
+        };
         let mut funcs = HashMap::new();
         for &k in KERNELS {
             funcs.insert(
@@ -237,6 +261,8 @@ impl Gpu {
             compile_seconds,
             sm_count,
             weights: HashMap::new(),
+            files: HashMap::new(),
+            preloaded: HashMap::new(),
             scratch: HashMap::new(),
             pinned,
             counters: GpuCounters::default(),
@@ -263,11 +289,7 @@ impl Gpu {
             let (p, _g) = s.device_ptr(&self.stream);
             p
         };
-        Ok(Buf {
-            _s: s,
-            ptr,
-            bytes,
-        })
+        Ok(Buf { _s: s, ptr, bytes })
     }
 
     /// A grow-only scratch buffer by name.
@@ -450,15 +472,17 @@ impl Gpu {
     /// Drop the weights of the finished op (device memory stays bounded by one op's weights).
     pub fn clear_weights(&mut self) {
         self.weights.clear();
+        self.preloaded.clear();
     }
 
     fn ensure_weight(&mut self, lc: &LinearCtx, base: &str) -> Result<()> {
         if self.weights.contains_key(base) {
             return Ok(());
         }
-        let raw = lc.ckpt.weight_raw(base)?;
-        let (n, k) = (raw.meta.out_features, raw.meta.in_features);
-        let loc = raw.meta.file.clone();
+        let lay = lc.ckpt.weight_layout(base)?;
+        let m = &lay.meta;
+        let (n, k) = (m.out_features, m.in_features);
+        let loc = m.file.clone();
         let bad = |what: &str, got: usize, want: usize| {
             Error::bad(
                 &loc,
@@ -466,30 +490,41 @@ impl Gpu {
                 format!("{what} has {got} bytes/elements, expected {want} for [{n}, {k}]"),
             )
         };
-        let fmt = match &raw.format {
-            RawFormat::Dense { dtype, bytes } => {
-                use crate::checkpoint::Dtype;
-                let es = match dtype {
+        let span = |name: &str| lc.ckpt.canonical_span(name);
+        let scale_name = || {
+            lay.scale.clone().ok_or_else(|| {
+                Error::bad(
+                    &loc,
+                    Some(base),
+                    "quantized weight without a block-scale tensor",
+                )
+            })
+        };
+        use crate::checkpoint::{Dtype, Fp8ScaleKind, Scheme};
+        let fmt = match m.scheme {
+            Scheme::Dense => {
+                let es = match m.weight_dtype {
                     Dtype::BF16 | Dtype::F16 => 2,
                     Dtype::F32 => 4,
                     _ => 0,
                 };
                 if es == 0 {
-                    let v = crate::checkpoint::convert::to_f32(bytes, *dtype, &loc, base)?;
+                    let v = lc.ckpt.tensor_f32(&lay.weight)?.data;
                     if v.len() != n * k {
                         return Err(bad("weight", v.len(), n * k));
                     }
                     DevFmt::Dense(self.upload(&v)?)
                 } else {
-                    if bytes.len() != n * k * es {
-                        return Err(bad("weight", bytes.len() / es, n * k));
+                    let sp = span(&lay.weight)?;
+                    if sp.len() != n * k * es {
+                        return Err(bad("weight", sp.len() / es, n * k));
                     }
-                    let raw = self.upload_staged(bytes)?;
+                    let raw = self.upload_span(lc.ckpt, &sp)?;
                     if es == 4 {
                         DevFmt::Dense(raw)
                     } else {
                         let f = self.alloc(n * k * 4)?;
-                        let fmt = if *dtype == Dtype::BF16 { 3 } else { 4 };
+                        let fmt = if m.weight_dtype == Dtype::BF16 { 3 } else { 4 };
                         self.launch(
                             "decode_bytes",
                             (n * k) as u64,
@@ -499,56 +534,52 @@ impl Gpu {
                     }
                 }
             }
-            RawFormat::Fp8Block {
-                bytes,
-                scales,
-                block,
-                ..
-            } => {
+            Scheme::Fp8Block => {
+                let block = m.block.unwrap_or([128, 128]);
+                let sc = scale_name()?;
+                let scales: Vec<f32> = match m.fp8_scale_kind.unwrap_or(Fp8ScaleKind::F32) {
+                    Fp8ScaleKind::Ue8m0 => lc
+                        .ckpt
+                        .canonical_bytes(&sc)?
+                        .iter()
+                        .map(|&b| crate::numerics::ue8m0::decode(b))
+                        .collect(),
+                    Fp8ScaleKind::F32 => lc.ckpt.tensor_f32(&sc)?.data,
+                };
                 let ns = n.div_ceil(block[0].max(1)) * k.div_ceil(block[1].max(1));
-                if bytes.len() != n * k {
-                    return Err(bad("weight", bytes.len(), n * k));
+                let sp = span(&lay.weight)?;
+                if sp.len() != n * k {
+                    return Err(bad("weight", sp.len(), n * k));
                 }
                 if scales.len() != ns || block[0] == 0 || block[1] == 0 {
                     return Err(bad("block scale", scales.len(), ns));
                 }
                 DevFmt::Fp8 {
-                    bytes: self.upload_staged(bytes)?,
-                    scales: self.upload(scales)?,
+                    bytes: self.upload_span(lc.ckpt, &sp)?,
+                    scales: self.upload(&scales)?,
                     bm: block[0],
                     bn: block[1],
                 }
             }
-            RawFormat::Mxfp4 { packed, scales } => {
-                if k % 32 != 0 || packed.len() != n * k / 2 {
-                    return Err(bad("packed weight", packed.len(), n * k / 2));
+            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
+                let bl = if m.convention.is_some() { 16 } else { 32 };
+                let (wp, sp) = (span(&lay.weight)?, span(&scale_name()?)?);
+                if k % bl != 0 || wp.len() != n * k / 2 {
+                    return Err(bad("packed weight", wp.len(), n * k / 2));
                 }
-                if scales.len() != n * k / 32 {
-                    return Err(bad("block scale", scales.len(), n * k / 32));
+                if sp.len() != n * k / bl {
+                    return Err(bad("block scale", sp.len(), n * k / bl));
                 }
-                DevFmt::Mx {
-                    packed: self.upload_staged(packed)?,
-                    scales: self.upload_staged(scales)?,
-                }
-            }
-            RawFormat::Nvfp4 {
-                packed,
-                scales,
-                convention,
-                weight_global,
-                ..
-            } => {
-                if k % 16 != 0 || packed.len() != n * k / 2 {
-                    return Err(bad("packed weight", packed.len(), n * k / 2));
-                }
-                if scales.len() != n * k / 16 {
-                    return Err(bad("block scale", scales.len(), n * k / 16));
-                }
-                DevFmt::Nv {
-                    packed: self.upload_staged(packed)?,
-                    scales: self.upload_staged(scales)?,
-                    conv: *convention,
-                    global: *weight_global,
+                let packed = self.upload_span(lc.ckpt, &wp)?;
+                let scales = self.upload_span(lc.ckpt, &sp)?;
+                match m.convention {
+                    Some(conv) => DevFmt::Nv {
+                        packed,
+                        scales,
+                        conv,
+                        global: m.weight_global.unwrap_or(f32::NAN),
+                    },
+                    None => DevFmt::Mx { packed, scales },
                 }
             }
         };
@@ -559,27 +590,53 @@ impl Gpu {
             .filter(|(b, _)| b == base)
             .map(|(_, o)| o.clone())
             .collect();
-        let served = if faults.is_empty() && overrides.is_empty() {
-            let nv = match &raw.format {
-                RawFormat::Nvfp4 {
-                    convention,
-                    weight_global,
-                    input_global,
-                    ..
-                } => Some(served::resolve_nvfp4_named(
+        use crate::probe::faults::FaultKind as K;
+        // faults and hypotheses the device applies itself; the rest re-read the bytes on the host
+        let native = faults.iter().all(|f| {
+            !matches!(
+                f.kind,
+                K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
+            )
+        }) && overrides
+            .iter()
+            .all(|o| !matches!(o, Override::Unswizzle | Override::UnshiftRows));
+        let served = if native {
+            let has = |k: K| faults.iter().any(|f| f.kind == k);
+            let nv = match (&m.convention, m.weight_global) {
+                (Some(conv), Some(wg)) => {
+                    let mut p = served::resolve_nvfp4_named(
+                        lc.ckpt,
+                        base,
+                        *conv,
+                        wg,
+                        m.input_global,
+                        lc.fuse_pairs,
+                        &faults,
+                    );
+                    for o in &overrides {
+                        p.apply(o);
+                    }
+                    Some(p)
+                }
+                (Some(conv), None) => Some(served::resolve_nvfp4_named(
                     lc.ckpt,
                     base,
-                    *convention,
-                    *weight_global,
-                    *input_global,
+                    *conv,
+                    f32::NAN,
+                    m.input_global,
                     lc.fuse_pairs,
-                    &[],
+                    &faults,
                 )),
                 _ => None,
             };
-            ServedDev::Native { nv }
+            ServedDev::Native {
+                nv,
+                swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
+                non_pow2: has(K::NonPow2Ue8m0),
+                double_scale: has(K::DoubleScale) && m.scheme == Scheme::Fp8Block,
+            }
         } else {
-            // rare (fault injection, bisect hypotheses): the CPU reference prepares the weight
+            // rare (layout faults and their repairs): the CPU reference prepares the weight
             let qw = lc.ckpt.weight(base)?;
             let f32w = qw.dequantize()?.data;
             let sw = served::prepare(lc.ckpt, &qw, &f32w, lc.fuse_pairs, &faults, &overrides)?;
@@ -607,16 +664,159 @@ impl Gpu {
                 },
             }
         };
-        self.weights.insert(
-            base.to_string(),
-            DevWeight {
-                n,
-                k,
-                fmt,
-                served,
-            },
-        );
+        self.weights
+            .insert(base.to_string(), DevWeight { n, k, fmt, served });
         Ok(())
+    }
+
+    /// Read the stored tensors of many weights in batches: all their file ranges are read in
+    /// parallel into pinned memory (one 256 MiB batch while the previous one is in flight), then
+    /// copied to the device; `ensure_weight` then finds them in `preloaded`.
+    pub fn preload(&mut self, ckpt: &Checkpoint, bases: &[&str]) -> Result<()> {
+        use crate::checkpoint::Span;
+        use rayon::prelude::*;
+        use std::os::unix::fs::FileExt;
+        let t0 = Instant::now();
+        let mut spans: Vec<(std::path::PathBuf, u64, usize)> = Vec::new();
+        for b in bases {
+            if self.weights.contains_key(*b) {
+                continue;
+            }
+            let Ok(l) = ckpt.weight_layout(b) else {
+                continue; // ensure_weight reports it
+            };
+            for name in std::iter::once(&l.weight).chain(l.scale.as_ref()) {
+                if let Ok(Span::File { path, offset, len }) = ckpt.canonical_span(name) {
+                    let key = (path.to_path_buf(), offset);
+                    if len <= STAGE && !self.preloaded.contains_key(&key) {
+                        spans.push((key.0, offset, len));
+                    }
+                }
+            }
+        }
+        for (p, _, _) in &spans {
+            if !self.files.contains_key(p) {
+                let f = std::fs::File::open(p)
+                    .map_err(|e| Error::bad(p, None, format!("cannot open shard: {e}")))?;
+                self.files.insert(p.clone(), f);
+            }
+        }
+        let mut i = 0;
+        let mut ci = 0usize;
+        while i < spans.len() {
+            let mut j = i;
+            let mut tot = 0usize;
+            while j < spans.len() && tot + spans[j].2 <= STAGE {
+                tot += spans[j].2;
+                j += 1;
+            }
+            let batch = &spans[i..j];
+            let (p, _, ev) = &self.pinned[ci % 2];
+            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            let base = *p as usize;
+            // pieces of at most 4 MiB: (span index, offset in file, offset in pinned, length)
+            let mut pieces = Vec::new();
+            let mut at = 0usize;
+            for (si, (_, off, len)) in batch.iter().enumerate() {
+                let mut d = 0;
+                while d < *len {
+                    let n = (4 << 20).min(len - d);
+                    pieces.push((si, off + d as u64, at + d, n));
+                    d += n;
+                }
+                at += len;
+            }
+            let files = &self.files;
+            pieces.par_iter().try_for_each(|&(si, foff, poff, n)| {
+                // disjoint ranges of the pinned buffer
+                let dst = unsafe { std::slice::from_raw_parts_mut((base + poff) as *mut u8, n) };
+                files[&batch[si].0].read_exact_at(dst, foff).map_err(|e| {
+                    Error::bad(
+                        &batch[si].0,
+                        None,
+                        format!("read of bytes {foff}..{} failed: {e}", foff + n as u64),
+                    )
+                })
+            })?;
+            let mut at = 0usize;
+            for (path, off, len) in batch {
+                let b = self.alloc(*len)?;
+                let src = unsafe { std::slice::from_raw_parts((base + at) as *const u8, *len) };
+                unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
+                    .map_err(|e| cuda_err("copy to device", e))?;
+                ckpt.note_read(*len);
+                self.counters.bytes_uploaded += *len as u64;
+                self.preloaded.insert((path.clone(), *off), b);
+                at += len;
+            }
+            self.pinned[ci % 2]
+                .2
+                .record(&self.stream)
+                .map_err(|e| cuda_err("event", e))?;
+            ci += 1;
+            i = j;
+        }
+        self.counters.upload_seconds += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Read a tensor's bytes onto the device: file ranges with parallel positioned reads into
+    /// pinned memory (overlapping the previous chunk's DMA), in-memory shards by copy.
+    fn upload_span(&mut self, ckpt: &Checkpoint, sp: &crate::checkpoint::Span) -> Result<Buf> {
+        use crate::checkpoint::Span;
+        let (path, offset, len) = match sp {
+            Span::Mem(b) => {
+                ckpt.note_read(b.len());
+                return self.upload_staged(b);
+            }
+            Span::File { path, offset, len } => (*path, *offset, *len),
+        };
+        if let Some(b) = self.preloaded.remove(&(path.to_path_buf(), offset)) {
+            return Ok(b);
+        }
+        let t0 = Instant::now();
+        ckpt.note_read(len);
+        if !self.files.contains_key(path) {
+            let f = std::fs::File::open(path)
+                .map_err(|e| Error::bad(path, None, format!("cannot open shard: {e}")))?;
+            self.files.insert(path.to_path_buf(), f);
+        }
+        let file = &self.files[path];
+        let b = self.alloc(len)?;
+        let mut done = 0usize;
+        let mut ci = 0usize;
+        while done < len {
+            let n = STAGE.min(len - done);
+            let (p, _, ev) = &self.pinned[ci % 2];
+            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            let dst = unsafe { std::slice::from_raw_parts_mut(*p, n) };
+            use rayon::prelude::*;
+            use std::os::unix::fs::FileExt;
+            let base_off = offset + done as u64;
+            dst.par_chunks_mut(4 << 20)
+                .enumerate()
+                .try_for_each(|(i, d)| file.read_exact_at(d, base_off + (i * (4 << 20)) as u64))
+                .map_err(|e| {
+                    Error::bad(
+                        path,
+                        None,
+                        format!(
+                            "read of bytes {base_off}..{} failed: {e}",
+                            base_off + n as u64
+                        ),
+                    )
+                })?;
+            unsafe {
+                dres::memcpy_htod_async(b.ptr + done as u64, &dst[..], self.stream.cu_stream())
+            }
+            .map_err(|e| cuda_err("copy to device", e))?;
+            ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+            done += n;
+            ci += 1;
+        }
+        self.counters.bytes_uploaded += len as u64;
+        self.counters.upload_seconds += t0.elapsed().as_secs_f64();
+        Ok(b)
     }
 
     /// Dequantize the stored weight into `out` (`Ty::F32` values or BF16 bits).
@@ -633,11 +833,24 @@ impl Gpu {
     ) -> Result<()> {
         let ok = if out_ty == Ty::Bf16 { 1 } else { 0 };
         let nk = (w.n * w.k) as u64;
+        // (nibble swap, double-applied FP8 scale): loader faults of the served reading
+        let flags = match &w.served {
+            ServedDev::Native {
+                swap, double_scale, ..
+            } => (*swap, *double_scale),
+            ServedDev::Host { .. } => (false, false),
+        };
         match &w.fmt {
             DevFmt::Dense(b) => self.launch(
                 "convert_dense",
                 nk,
-                &[A::P(b.ptr), A::U(nk), A::I(round as i32), A::I(ok), A::P(out)],
+                &[
+                    A::P(b.ptr),
+                    A::U(nk),
+                    A::I(round as i32),
+                    A::I(ok),
+                    A::P(out),
+                ],
             )?,
             DevFmt::Fp8 {
                 bytes,
@@ -654,7 +867,7 @@ impl Gpu {
                     A::U(w.k as u64),
                     A::U(*bm as u64),
                     A::U(*bn as u64),
-                    A::I(0),
+                    A::I((served_operand && flags.1) as i32),
                     A::I(ok),
                     A::P(out),
                 ],
@@ -695,7 +908,7 @@ impl Gpu {
                         A::I(c),
                         A::F(post.unwrap_or(1.0)),
                         A::I(post.is_some() as i32),
-                        A::I(0),
+                        A::I((served_operand && flags.0) as i32),
                         A::I(ok),
                         A::P(out),
                     ],
@@ -798,7 +1011,12 @@ impl Gpu {
                 self.launch(
                     "scale_round",
                     n as u64,
-                    &[A::P(y + (r * ldy * 4) as u64), A::U(n as u64), A::F(mul), A::I(1)],
+                    &[
+                        A::P(y + (r * ldy * 4) as u64),
+                        A::U(n as u64),
+                        A::F(mul),
+                        A::I(1),
+                    ],
                 )?;
             }
             Ok(())
@@ -824,11 +1042,11 @@ impl Gpu {
         let mk = (m * k) as u64;
         // the operand the served GEMM multiplies: (pointer, type), weight decode without tensor scale for NVFP4
         let (nv, host_w, fp8_act, non_pow2, dense) = match &w.served {
-            ServedDev::Native { nv } => (
+            ServedDev::Native { nv, non_pow2, .. } => (
                 *nv,
                 None,
                 matches!(w.fmt, DevFmt::Fp8 { .. } | DevFmt::Mx { .. }),
-                false,
+                *non_pow2,
                 matches!(w.fmt, DevFmt::Dense(_)),
             ),
             ServedDev::Host {
@@ -857,7 +1075,7 @@ impl Gpu {
                 Some(p) => p,
                 None => {
                     let wp = self.scratch("w32", nk * 4)?;
-                    self.dequant(w, wp, Ty::F32, false, false, None)?;
+                    self.dequant(w, wp, Ty::F32, true, false, None)?;
                     wp
                 }
             };
@@ -886,18 +1104,24 @@ impl Gpu {
                 if let Some(d) = post {
                     // the host weight is e2m1·s_w: bf(wq · d_w)
                     let tmp = self.scratch("w32", nk * 4)?;
-                    unsafe {
-                        dres::memcpy_dtod_async(tmp, hp, nk * 4, self.stream.cu_stream())
-                    }
-                    .map_err(|e| cuda_err("copy", e))?;
+                    unsafe { dres::memcpy_dtod_async(tmp, hp, nk * 4, self.stream.cu_stream()) }
+                        .map_err(|e| cuda_err("copy", e))?;
                     self.launch(
                         "scale_round",
                         nk as u64,
                         &[A::P(tmp), A::U(nk as u64), A::F(d), A::I(1)],
                     )?;
-                    self.launch("round_bf16", nk as u64, &[A::P(tmp), A::U(nk as u64), A::P(wq16)])?;
+                    self.launch(
+                        "round_bf16",
+                        nk as u64,
+                        &[A::P(tmp), A::U(nk as u64), A::P(wq16)],
+                    )?;
                 } else {
-                    self.launch("round_bf16", nk as u64, &[A::P(hp), A::U(nk as u64), A::P(wq16)])?;
+                    self.launch(
+                        "round_bf16",
+                        nk as u64,
+                        &[A::P(hp), A::U(nk as u64), A::P(wq16)],
+                    )?;
                 }
             }
             None => self.dequant(w, wq16, Ty::Bf16, true, false, post)?,
@@ -1182,6 +1406,11 @@ impl Gpu {
         let mut params = Vec::new();
         let mut touched = Vec::new();
         let exact = kind != PathKind::OracleFp32;
+        let routed: Vec<&str> = used
+            .iter()
+            .flat_map(|&e| [bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]])
+            .collect();
+        self.preload(lc.ckpt, &routed)?;
         for (ui, &e) in used.iter().enumerate() {
             let (s0, s1) = (starts[e], starts[e + 1]);
             let rows = s1 - s0;
@@ -1191,7 +1420,8 @@ impl Gpu {
                 touched.push(b.to_string());
             }
             let inter = self.weights[b1].n;
-            if self.weights[b3].n != inter || self.weights[b1].k != d || self.weights[b2].k != inter {
+            if self.weights[b3].n != inter || self.weights[b1].k != d || self.weights[b2].k != inter
+            {
                 return Err(Error::bad(
                     lc.ckpt.location(),
                     Some(b1),
@@ -1229,7 +1459,10 @@ impl Gpu {
                 return Err(Error::bad(
                     lc.ckpt.location(),
                     Some(b2),
-                    format!("expert {e}: w2 has {} outputs, expected {d}", self.weights[b2].n),
+                    format!(
+                        "expert {e}: w2 has {} outputs, expected {d}",
+                        self.weights[b2].n
+                    ),
                 ));
             }
             params.push((e, [p1, p3, p2]));
@@ -1270,7 +1503,12 @@ impl Gpu {
     // ---- statistics -----------------------------------------------------------------------------
 
     /// Statistics of `x` and, with a reference, the comparison, in one pass on the device.
-    pub fn stats_compare(&mut self, x: u64, r: Option<u64>, n: usize) -> Result<(Stats, Option<Compare>)> {
+    pub fn stats_compare(
+        &mut self,
+        x: u64,
+        r: Option<u64>,
+        n: usize,
+    ) -> Result<(Stats, Option<Compare>)> {
         self.counters.metric_passes += 1;
         let acc = self.scratch("stat_acc", 5 * 8 + 11 * 8)?;
         let cnt = acc + 40;
@@ -1278,7 +1516,13 @@ impl Gpu {
         self.launch(
             "fused_stats",
             n as u64,
-            &[A::P(x), A::P(r.unwrap_or(0)), A::U(n as u64), A::P(acc), A::P(cnt)],
+            &[
+                A::P(x),
+                A::P(r.unwrap_or(0)),
+                A::U(n as u64),
+                A::P(acc),
+                A::P(cnt),
+            ],
         )?;
         let a: Vec<f64> = self.download(acc, 5)?;
         let c: Vec<u64> = self.download(cnt, 11)?;
@@ -1287,7 +1531,11 @@ impl Gpu {
         let stats = Stats {
             numel: n,
             amax: f(c[6]),
-            mean_abs: if finite > 0 { a[0] / finite as f64 } else { 0.0 },
+            mean_abs: if finite > 0 {
+                a[0] / finite as f64
+            } else {
+                0.0
+            },
             nan: c[0] as usize,
             inf: c[1] as usize,
             zeros: c[2] as usize,
@@ -1324,7 +1572,10 @@ impl Gpu {
         tensors: &[&[f32]],
         pairs: &[(usize, Option<usize>)],
     ) -> Result<Vec<(Stats, Option<Compare>)>> {
-        let bufs: Vec<Buf> = tensors.iter().map(|t| self.upload(t)).collect::<Result<_>>()?;
+        let bufs: Vec<Buf> = tensors
+            .iter()
+            .map(|t| self.upload(t))
+            .collect::<Result<_>>()?;
         let mut out = Vec::with_capacity(pairs.len());
         for &(i, j) in pairs {
             let n = tensors[i].len();
@@ -1339,6 +1590,41 @@ impl Gpu {
             out.push(self.stats_compare(bufs[i].ptr, j.map(|j| bufs[j].ptr), n)?);
         }
         Ok(out)
+    }
+}
+
+/// Where the PTX compiled for (source, arch) is cached: `$XDG_CACHE_HOME/nvfp4-probe` or
+/// `~/.cache/nvfp4-probe`, keyed by a hash of the source and the architecture. NVRTC takes about a
+/// second; loading cached PTX (the driver caches its own SASS) takes milliseconds.
+fn ptx_cache_path(src: &str, arch: &str) -> Option<std::path::PathBuf> {
+    use sha2::{Digest, Sha256};
+    let dir = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))?
+        .join("nvfp4-probe");
+    let mut h = Sha256::new();
+    h.update(src.as_bytes());
+    h.update(arch.as_bytes());
+    let d = h.finalize();
+    let hex: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
+    Some(dir.join(format!("kernels-{arch}-{hex}.ptx")))
+}
+
+/// The cached PTX text and its path, when present.
+fn cached_ptx(src: &str, arch: &str) -> Option<(String, std::path::PathBuf)> {
+    let p = ptx_cache_path(src, arch)?;
+    let t = std::fs::read_to_string(&p).ok()?;
+    t.contains(".entry").then_some((t, p))
+}
+
+/// Best effort: a cache that cannot be written only costs the next start a compile.
+fn store_ptx(path: &std::path::Path, ptx: &str) {
+    if let Some(d) = path.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, ptx).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
     }
 }
 

@@ -90,7 +90,11 @@ fn close(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
         name: name.into(),
         cases: want.len(),
         mismatches: nan_mm + got.len().abs_diff(want.len()),
-        worst: if nr > 0.0 { (ne / nr).sqrt() } else { ne.sqrt() },
+        worst: if nr > 0.0 {
+            (ne / nr).sqrt()
+        } else {
+            ne.sqrt()
+        },
         tolerance: tol,
         note: "rel-L2".into(),
     }
@@ -240,21 +244,35 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(3), A::P(o.ptr)],
     )?;
     let want: Vec<f32> = bits.iter().map(|&h| bf16::from_bits(h)).collect();
-    out.push(exact("decode bf16 (all 65536)", &t.get_f32(&o, bits.len())?, &want));
+    out.push(exact(
+        "decode bf16 (all 65536)",
+        &t.get_f32(&o, bits.len())?,
+        &want,
+    ));
     let o = t.out(bits.len() * 4)?;
     t.g.launch(
         "decode_bytes",
         bits.len() as u64,
         &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(4), A::P(o.ptr)],
     )?;
-    let want: Vec<f32> = bits.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
-    out.push(exact("decode f16 (all 65536)", &t.get_f32(&o, bits.len())?, &want));
+    let want: Vec<f32> = bits
+        .iter()
+        .map(|&h| half::f16::from_bits(h).to_f32())
+        .collect();
+    out.push(exact(
+        "decode f16 (all 65536)",
+        &t.get_f32(&o, bits.len())?,
+        &want,
+    ));
 
     // ---- encoders on nasty values ----
     let xs = nasty_floats(&mut rng, 200_000 * s);
     let n = xs.len();
     let xb = t.up(&xs)?;
-    for (fmt, name) in [(0, "encode e4m3 satfinite"), (1, "encode e2m1 (kernel sign rule)")] {
+    for (fmt, name) in [
+        (0, "encode e4m3 satfinite"),
+        (1, "encode e2m1 (kernel sign rule)"),
+    ] {
         let o = t.out(n)?;
         t.g.launch(
             "encode_floats",
@@ -290,7 +308,11 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         &[A::P(xb.ptr), A::U(n as u64), A::P(o.ptr)],
     )?;
     let want: Vec<f32> = xs.iter().map(|&x| nvfp4::rcp_approx(x)).collect();
-    let mut c = exact("rcp.approx.ftz vs CPU emulation (random)", &t.get_f32(&o, n)?, &want);
+    let mut c = exact(
+        "rcp.approx.ftz vs CPU emulation (random)",
+        &t.get_f32(&o, n)?,
+        &want,
+    );
     let (sweep_mm, examples) = rcp_sweep(t.g, -8..=12)?;
     c.note = format!(
         "full mantissa sweep of 2^-8..2^12: {sweep_mm} of {} inputs differ from the correctly rounded reciprocal{}",
@@ -316,7 +338,11 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         (Convention::ModelOpt, "modelopt", 3.1e-4f32),
     ] {
         let want = nvfp4::dequantize(&packed, &scales, global, conv, rows, cols);
-        let ci = if conv == Convention::CompressedTensors { 0 } else { 1 };
+        let ci = if conv == Convention::CompressedTensors {
+            0
+        } else {
+            1
+        };
         let o = t.out(rows * cols * 4)?;
         t.g.launch(
             "dequant_nvfp4",
@@ -397,7 +423,13 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
 
     // ---- MXFP4 ----
     let mxs: Vec<u8> = (0..rows * cols / 32)
-        .map(|i| if i % 53 == 1 { 0xFF } else { (100 + rng.below(50)) as u8 })
+        .map(|i| {
+            if i % 53 == 1 {
+                0xFF
+            } else {
+                (100 + rng.below(50)) as u8
+            }
+        })
         .collect();
     let mb = t.up(&mxs)?;
     let o = t.out(rows * cols * 4)?;
@@ -447,14 +479,23 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     ));
 
     // ---- NVFP4 activation quantization (serving kernel op order) ----
-    for (gi, gname) in [(1.0f32, "calibrated"), (64.0, "x64 (saturating)"), (1.0 / 512.0, "1/512 (underflowing)")] {
+    for (gi, gname) in [
+        (1.0f32, "calibrated"),
+        (64.0, "x64 (saturating)"),
+        (1.0 / 512.0, "1/512 (underflowing)"),
+    ] {
         let (m, k) = (64 * s, 1024);
         let x = activations(&mut rng, m, k, true);
         let amax = nvfp4::amax(&x);
         let gx = 2688.0 / amax * gi;
         let xb = t.up(&x)?;
         let nb = (m * k / 16) as u64;
-        let (po, so, qo, ho) = (t.out(m * k / 2)?, t.out(m * k / 16)?, t.out(m * k * 2)?, t.out(m * k * 4)?);
+        let (po, so, qo, ho) = (
+            t.out(m * k / 2)?,
+            t.out(m * k / 16)?,
+            t.out(m * k * 2)?,
+            t.out(m * k * 4)?,
+        );
         let hb = t.g.alloc(H_SLOTS * 8)?;
         t.g.memset(hb.ptr, 0, H_SLOTS * 8)?;
         t.g.launch(
@@ -512,7 +553,11 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             health.elements,
             amax.to_bits() as u64,
         ];
-        let mut c = exact_u(&format!("act quant nvfp4 health counters + amax, g {gname}"), &h, &want_h);
+        let mut c = exact_u(
+            &format!("act quant nvfp4 health counters + amax, g {gname}"),
+            &h,
+            &want_h,
+        );
         c.note = format!(
             "blocks {} zero {} max {} clipped {} dead {}",
             health.blocks, health.scale_zero, health.scale_max, health.clipped, health.dead_zone
@@ -524,12 +569,21 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     let (m, k) = (48 * s, 640 + 64);
     let x = activations(&mut rng, m, k, true);
     let xb = t.up(&x)?;
-    for (np, name) in [(0, "act quant fp8 1x128 (pow2 scales)"), (1, "act quant fp8 1x128 (non-pow2 fault)")] {
+    for (np, name) in [
+        (0, "act quant fp8 1x128 (pow2 scales)"),
+        (1, "act quant fp8 1x128 (non-pow2 fault)"),
+    ] {
         let o = t.out(m * k * 4)?;
         t.g.launch(
             "act_quant_fp8",
             (m * k.div_ceil(128)) as u64,
-            &[A::P(xb.ptr), A::U(m as u64), A::U(k as u64), A::I(np), A::P(o.ptr)],
+            &[
+                A::P(xb.ptr),
+                A::U(m as u64),
+                A::U(k as u64),
+                A::I(np),
+                A::P(o.ptr),
+            ],
         )?;
         let want = if np == 0 {
             fp8_block::fake_quant_act_1x128(&x, m, k, fp8_block::ActScale::DeepSeekPow2)
@@ -548,10 +602,17 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         &[A::P(xb.ptr), A::U(n as u64), A::F(0.731), A::I(1)],
     )?;
     let want: Vec<f32> = xs.iter().map(|&v| bf16::round(v * 0.731)).collect();
-    out.push(exact("epilogue bf16(y * alpha)", &t.get_f32(&xb, n)?, &want));
+    out.push(exact(
+        "epilogue bf16(y * alpha)",
+        &t.get_f32(&xb, n)?,
+        &want,
+    ));
 
     // ---- fused statistics ----
-    for (name, poison) in [("fused stats + compare (finite)", false), ("fused stats + compare (NaN/Inf)", true)] {
+    for (name, poison) in [
+        ("fused stats + compare (finite)", false),
+        ("fused stats + compare (NaN/Inf)", true),
+    ] {
         let n = 1_000_003 * s;
         let r: Vec<f32> = (0..n).map(|_| (rng.normal() * 2.0) as f32).collect();
         let mut x: Vec<f32> = r
@@ -604,19 +665,53 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
 
     // ---- GEMMs ----
     let (m, k, nn) = (37, 1024 + 96, 300 * s);
-    let x: Vec<f32> = (0..m * k).map(|_| bf16::round(rng.normal() as f32)).collect();
-    let w: Vec<f32> = (0..nn * k).map(|_| bf16::round(rng.normal() as f32)).collect();
+    let x: Vec<f32> = (0..m * k)
+        .map(|_| bf16::round(rng.normal() as f32))
+        .collect();
+    let w: Vec<f32> = (0..nn * k)
+        .map(|_| bf16::round(rng.normal() as f32))
+        .collect();
     let want = crate::probe::served::matmul_nt(&x, &w, m, k, nn);
     let (xb, wb) = (t.up(&x)?, t.up(&w)?);
     let o = t.out(m * nn * 4)?;
-    t.g.gemm(crate::backend::cuda::Ty::F32, xb.ptr, k, wb.ptr, o.ptr, nn, m, nn, k)?;
-    out.push(close("GEMM f32 (pedantic, no TF32)", &t.get_f32(&o, m * nn)?, &want, 1e-6));
+    t.g.gemm(
+        crate::backend::cuda::Ty::F32,
+        xb.ptr,
+        k,
+        wb.ptr,
+        o.ptr,
+        nn,
+        m,
+        nn,
+        k,
+    )?;
+    out.push(close(
+        "GEMM f32 (pedantic, no TF32)",
+        &t.get_f32(&o, m * nn)?,
+        &want,
+        1e-6,
+    ));
     let x16: Vec<u16> = x.iter().map(|&v| bf16::to_bits(v)).collect();
     let w16: Vec<u16> = w.iter().map(|&v| bf16::to_bits(v)).collect();
     let (xb, wb) = (t.up(&x16)?, t.up(&w16)?);
     let o = t.out(m * nn * 4)?;
-    t.g.gemm(crate::backend::cuda::Ty::Bf16, xb.ptr, k, wb.ptr, o.ptr, nn, m, nn, k)?;
-    out.push(close("GEMM bf16 x bf16 -> f32", &t.get_f32(&o, m * nn)?, &want, 1e-6));
+    t.g.gemm(
+        crate::backend::cuda::Ty::Bf16,
+        xb.ptr,
+        k,
+        wb.ptr,
+        o.ptr,
+        nn,
+        m,
+        nn,
+        k,
+    )?;
+    out.push(close(
+        "GEMM bf16 x bf16 -> f32",
+        &t.get_f32(&o, m * nn)?,
+        &want,
+        1e-6,
+    ));
 
     // ---- MoE: gather, SwiGLU clamp, combine ----
     let (tt, d) = (50, 256);
@@ -627,30 +722,56 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     t.g.launch(
         "gather_rows",
         (idx.len() * d) as u64,
-        &[A::P(xb.ptr), A::P(ib.ptr), A::U(idx.len() as u64), A::U(d as u64), A::P(o.ptr)],
+        &[
+            A::P(xb.ptr),
+            A::P(ib.ptr),
+            A::U(idx.len() as u64),
+            A::U(d as u64),
+            A::P(o.ptr),
+        ],
     )?;
     let want: Vec<f32> = idx
         .iter()
         .flat_map(|&r| x[r as usize * d..(r as usize + 1) * d].to_vec())
         .collect();
-    out.push(exact("expert gather", &t.get_f32(&o, idx.len() * d)?, &want));
+    out.push(exact(
+        "expert gather",
+        &t.get_f32(&o, idx.len() * d)?,
+        &want,
+    ));
     let n = 100_000;
-    let gv: Vec<f32> = (0..n).map(|_| bf16::round((rng.normal() * 6.0) as f32)).collect();
-    let uv: Vec<f32> = (0..n).map(|_| bf16::round((rng.normal() * 6.0) as f32)).collect();
+    let gv: Vec<f32> = (0..n)
+        .map(|_| bf16::round((rng.normal() * 6.0) as f32))
+        .collect();
+    let uv: Vec<f32> = (0..n)
+        .map(|_| bf16::round((rng.normal() * 6.0) as f32))
+        .collect();
     let (gb, ub) = (t.up(&gv)?, t.up(&uv)?);
     let o = t.out(n * 4)?;
     let limit = 7.0f32;
     t.g.launch(
         "swiglu_clamp",
         n as u64,
-        &[A::P(gb.ptr), A::P(ub.ptr), A::U(n as u64), A::F(limit), A::I(0), A::P(o.ptr)],
+        &[
+            A::P(gb.ptr),
+            A::P(ub.ptr),
+            A::U(n as u64),
+            A::F(limit),
+            A::I(0),
+            A::P(o.ptr),
+        ],
     )?;
     let want: Vec<f32> = gv
         .iter()
         .zip(&uv)
         .map(|(&g, &u)| crate::model::ops::silu(g.min(limit)) * u.clamp(-limit, limit))
         .collect();
-    out.push(close("SwiGLU with clamp (f32)", &t.get_f32(&o, n)?, &want, 1e-6));
+    out.push(close(
+        "SwiGLU with clamp (f32)",
+        &t.get_f32(&o, n)?,
+        &want,
+        1e-6,
+    ));
     let k_slots = 3;
     let rows_y = 90;
     let y: Vec<f32> = (0..rows_y * d).map(|_| rng.normal() as f32).collect();
@@ -688,7 +809,11 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             }
         }
     }
-    out.push(exact("expert combine (CPU order)", &t.get_f32(&o, tt * d)?, &want));
+    out.push(exact(
+        "expert combine (CPU order)",
+        &t.get_f32(&o, tt * d)?,
+        &want,
+    ));
     Ok(out)
 }
 
@@ -824,14 +949,15 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
     let (a, b) = (g.alloc(cb)?, g.alloc(cb)?);
     g.memset(a.ptr, 0x3F, cb)?;
     let ms = time_ms(g, reps, || {
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(b.ptr, a.ptr, cb, g.stream.cu_stream())
-        }
-        .map_err(|e| crate::Error::Backend(format!("cuda: dtod: {e:?}")))
+        unsafe { cudarc::driver::result::memcpy_dtod_async(b.ptr, a.ptr, cb, g.stream.cu_stream()) }
+            .map_err(|e| crate::Error::Backend(format!("cuda: dtod: {e:?}")))
     })?;
     let d2d = 2.0 * cb as f64 / (ms * 1e-3) / 1e9;
     out.push(BenchLine {
-        what: format!("device-to-device copy {:.1} GiB", cb as f64 / (1u64 << 30) as f64),
+        what: format!(
+            "device-to-device copy {:.1} GiB",
+            cb as f64 / (1u64 << 30) as f64
+        ),
         bytes: 2 * cb as u64,
         median_ms: ms,
         gb_per_s: d2d,
@@ -887,7 +1013,10 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
     let h = g.alloc(H_SLOTS * 8)?;
     g.memset(h.ptr, 0, H_SLOTS * 8)?;
     let nb = (n / 16) as u64;
-    for (with_q, name) in [(false, "codes + scales"), (true, "codes + scales + bf16 GEMM operand")] {
+    for (with_q, name) in [
+        (false, "codes + scales"),
+        (true, "codes + scales + bf16 GEMM operand"),
+    ] {
         let ms = time_ms(g, reps, || {
             g.launch(
                 "act_quant_nvfp4",

@@ -95,6 +95,15 @@ pub enum WeightFormat {
     },
 }
 
+/// Where a weight's tensors are: [`Checkpoint::weight_layout`].
+pub struct WeightLayout {
+    pub meta: WeightMeta,
+    /// Canonical name of the data tensor (`….weight` or `….weight_packed`).
+    pub weight: String,
+    /// Canonical name of the block-scale tensor, when the scheme has one.
+    pub scale: Option<String>,
+}
+
 /// A weight as stored, borrowed from the checkpoint's mmap ([`Checkpoint::weight_raw`]).
 pub struct RawWeight<'a> {
     pub meta: WeightMeta,
@@ -658,11 +667,11 @@ impl Checkpoint {
         })
     }
 
-    /// A weight's stored bytes borrowed from the mmap (no copy), for backends that upload them
-    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small).
-    pub fn weight_raw(&self, base: &str) -> Result<RawWeight<'_>> {
-        let m = self.weight_meta(base)?;
-        let wc = if self
+    /// A weight's metadata and the canonical names of its stored tensors (data and block
+    /// scales), without reading any tensor data.
+    pub fn weight_layout(&self, base: &str) -> Result<WeightLayout> {
+        let meta = self.weight_meta(base)?;
+        let weight = if self
             .canonical_info(&format!("{base}.weight_packed"))
             .is_some()
         {
@@ -670,10 +679,27 @@ impl Checkpoint {
         } else {
             format!("{base}.weight")
         };
-        let scale_canon = |raw: &Option<String>| -> Option<String> {
-            let r = raw.as_ref()?;
-            self.canonical_of(r).map(str::to_string)
-        };
+        let scale = meta
+            .tensors
+            .block_scale
+            .as_ref()
+            .and_then(|r| self.canonical_of(r).map(str::to_string));
+        Ok(WeightLayout {
+            meta,
+            weight,
+            scale,
+        })
+    }
+
+    /// A weight's stored bytes borrowed from the mmap (no copy), for backends that upload them
+    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small).
+    pub fn weight_raw(&self, base: &str) -> Result<RawWeight<'_>> {
+        let WeightLayout {
+            meta: m,
+            weight: wc,
+            scale: sc_name,
+        } = self.weight_layout(base)?;
+        let scale_canon = |_: &Option<String>| sc_name.clone();
         let format = match m.scheme {
             Scheme::Dense => RawFormat::Dense {
                 dtype: m.weight_dtype,

@@ -16,7 +16,8 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
             "selftest compares the CUDA backend with the CPU reference: run it with --backend cuda (or auto) on a machine with a GPU",
         ));
     }
-    let gpu = crate::backend::open_cuda().map_err(|why| Error::Backend(format!("selftest: {why}")))?;
+    let gpu =
+        crate::backend::open_cuda().map_err(|why| Error::Backend(format!("selftest: {why}")))?;
     let desc = gpu.lock().map(|g| g.describe()).unwrap_or_default();
     println!("device: {desc}");
     let t0 = Instant::now();
@@ -28,15 +29,35 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
     };
     let mut table = Table::new();
     table.load_style(comfy_table::presets::ASCII_MARKDOWN);
-    table.set_header(vec!["kernel check", "cases", "mismatches", "worst", "tol", "result", "note"]);
+    table.set_header(vec![
+        "kernel check",
+        "cases",
+        "mismatches",
+        "worst",
+        "tol",
+        "result",
+        "note",
+    ]);
     for c in &checks {
         table.add_row(vec![
             c.name.clone(),
             c.cases.to_string(),
             c.mismatches.to_string(),
-            if c.tolerance > 0.0 { format!("{:.2e}", c.worst) } else { "-".into() },
-            if c.tolerance > 0.0 { format!("{:.0e}", c.tolerance) } else { "exact".into() },
-            if c.pass() { "PASS".into() } else { "FAIL".into() },
+            if c.tolerance > 0.0 {
+                format!("{:.2e}", c.worst)
+            } else {
+                "-".into()
+            },
+            if c.tolerance > 0.0 {
+                format!("{:.0e}", c.tolerance)
+            } else {
+                "exact".into()
+            },
+            if c.pass() {
+                "PASS".into()
+            } else {
+                "FAIL".into()
+            },
             c.note.clone(),
         ]);
     }
@@ -66,7 +87,13 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         benches = crate::backend::selftest::bench(&mut g, gib)?;
         let mut t = Table::new();
         t.load_style(comfy_table::presets::ASCII_MARKDOWN);
-        t.set_header(vec!["kernel", "bytes moved", "median ms", "GB/s", "vs D2D copy"]);
+        t.set_header(vec![
+            "kernel",
+            "bytes moved",
+            "median ms",
+            "GB/s",
+            "vs D2D copy",
+        ]);
         for b in &benches {
             t.add_row(vec![
                 b.what.clone(),
@@ -145,7 +172,12 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
             "runs": runs,
             "bench": benches,
         });
-        report::write_atomic(j, serde_json::to_string_pretty(&v).unwrap_or_default().as_bytes())?;
+        report::write_atomic(
+            j,
+            serde_json::to_string_pretty(&v)
+                .unwrap_or_default()
+                .as_bytes(),
+        )?;
     }
     let fails = kfail + rfail;
     println!(

@@ -284,8 +284,14 @@ impl OpEnv for PathEnv<'_, '_> {
         let rows = x.numel() / (groups * k).max(1);
         if let Some(g) = self.shared.backend.gpu().cloned() {
             let mut g = lock(&g)?;
-            let (y, r, obs) =
-                g.linear_grouped(&self.shared.linear_ctx(), self.kind, base, &x.data, rows, groups)?;
+            let (y, r, obs) = g.linear_grouped(
+                &self.shared.linear_ctx(),
+                self.kind,
+                base,
+                &x.data,
+                rows,
+                groups,
+            )?;
             drop(g);
             self.shared.touch(base);
             self.shared.observe(sub_id.to_string(), obs);
@@ -335,8 +341,16 @@ impl OpEnv for PathEnv<'_, '_> {
         let g = self.shared.backend.gpu().cloned()?;
         let r = (|| {
             let mut g = lock(&g)?;
-            let (y, obs, touched) =
-                g.experts(&self.shared.linear_ctx(), self.kind, layer, x, per, k, bases, limit)?;
+            let (y, obs, touched) = g.experts(
+                &self.shared.linear_ctx(),
+                self.kind,
+                layer,
+                x,
+                per,
+                k,
+                bases,
+                limit,
+            )?;
             drop(g);
             for b in touched {
                 self.shared.touch(&b);
@@ -350,9 +364,12 @@ impl OpEnv for PathEnv<'_, '_> {
     }
 }
 
-fn lock(g: &std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>) -> Result<std::sync::MutexGuard<'_, crate::backend::cuda::Gpu>> {
-    g.lock()
-        .map_err(|_| crate::Error::Backend("cuda: the device state was poisoned by an earlier failure".into()))
+fn lock(
+    g: &std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>,
+) -> Result<std::sync::MutexGuard<'_, crate::backend::cuda::Gpu>> {
+    g.lock().map_err(|_| {
+        crate::Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
+    })
 }
 
 /// Rows `r0..r0+n` of a served weight (for grouped projections).
