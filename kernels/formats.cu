@@ -205,16 +205,21 @@ __device__ __forceinline__ void store_val(void* out, u64 i, float v, int out_kin
 extern "C" __global__ void dequant_nvfp4(const u8* packed, const u8* scales, u64 nblocks, float global,
                                          int conv, float post, int post_mul, int swap, int out_kind,
                                          void* out) {
-    GRID_STRIDE(b, nblocks) {
+    // f32 output: 4 elements (2 packed bytes) per thread, one 16-byte store; BF16 output: 8
+    // elements (4 packed bytes) per thread, one 16-byte store. Consecutive threads write
+    // consecutive 16-byte pieces: every store instruction is fully coalesced.
+    const u32 per = out_kind == 0 ? 4u : 8u;
+    GRID_STRIDE(t, nblocks * (16u / per)) {
+        u64 b = t / (16u / per);
         float s = e4m3_decode(scales[b]);
         float q = conv == 0 ? __fdiv_rn(s, global) : (conv == 1 ? __fmul_rn(s, global) : s);
-        uint2 pk = ((const uint2*)packed)[b];  // the block's 8 bytes in one load
-        float v[16];
+        u32 bytes = out_kind == 0 ? (u32)((const u16*)packed)[t] : ((const u32*)packed)[t];
+        float v[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 byte = ((i < 4 ? pk.x : pk.y) >> (8 * (i & 3))) & 0xFFu;
+        for (int i = 0; i < 4; i++) {
+            u32 byte = (bytes >> (8 * i)) & 0xFFu;
             u32 lo = byte & 15u, hi = byte >> 4;
-            if (swap) { u32 t = lo; lo = hi; hi = t; }
+            if (swap) { u32 tmp = lo; lo = hi; hi = tmp; }
             float v0 = __fmul_rn(e2m1_decode(lo), q);
             float v1 = __fmul_rn(e2m1_decode(hi), q);
             if (post_mul) { v0 = __fmul_rn(v0, post); v1 = __fmul_rn(v1, post); }
@@ -222,16 +227,12 @@ extern "C" __global__ void dequant_nvfp4(const u8* packed, const u8* scales, u64
             v[2 * i + 1] = v1;
         }
         if (out_kind == 0) {
-            float4* o = (float4*)((float*)out + b * 16);
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+            ((float4*)out)[t] = make_float4(v[0], v[1], v[2], v[3]);
         } else {
-            uint4* o = (uint4*)((u16*)out + b * 16);
-            u32 w[8];
+            u32 w[4];
 #pragma unroll
-            for (int i = 0; i < 8; i++) w[i] = (u32)bf16_bits(v[2 * i]) | ((u32)bf16_bits(v[2 * i + 1]) << 16);
-            o[0] = make_uint4(w[0], w[1], w[2], w[3]);
-            o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+            for (int i = 0; i < 4; i++) w[i] = (u32)bf16_bits(v[2 * i]) | ((u32)bf16_bits(v[2 * i + 1]) << 16);
+            ((uint4*)out)[t] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }

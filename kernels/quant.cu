@@ -22,76 +22,71 @@ __device__ __forceinline__ void add_nonzero(u64* p, u64 v) {
 //   health: H_SLOTS counters, accumulated.
 extern "C" __global__ void act_quant_nvfp4(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
                                            u16* xq16, float* xhat, int xhat_bf16, u64* health) {
+    // Four threads per 16-element block, each with one coalesced 16-byte load; the block's amax
+    // is reduced across the quad with shuffles (quads are never split: nblocks * 4 threads).
     float rcp_g = rcp_approx_ftz(g);
-    u64 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
+    u32 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
     float amax_all = 0.0f;
-    GRID_STRIDE(b, nblocks) {
-        const float4* xb = (const float4*)(x + b * 16);
-        float v[16];
-        float vmax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float4 q4 = xb[i];
-            v[4 * i] = q4.x;
-            v[4 * i + 1] = q4.y;
-            v[4 * i + 2] = q4.z;
-            v[4 * i + 3] = q4.w;
-        }
-#pragma unroll
-        for (int i = 0; i < 16; i++) vmax = fmaxf(vmax, fabsf(v[i]));
+    GRID_STRIDE(t, nblocks * 4) {
+        u64 b = t >> 2;
+        u32 q = (u32)(t & 3);
+        float4 x4 = ((const float4*)x)[t];
+        float v[4] = {x4.x, x4.y, x4.z, x4.w};
+        float vmax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        unsigned mask = __activemask();
+        vmax = fmaxf(vmax, __shfl_xor_sync(mask, vmax, 1, 4));
+        vmax = fmaxf(vmax, __shfl_xor_sync(mask, vmax, 2, 4));
         amax_all = fmaxf(amax_all, vmax);
-        h_blocks++;
         float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
         u32 code = e4m3_encode_satfinite(sf);
         float sfq = e4m3_decode(code);
         float osc = sfq == 0.0f ? 0.0f : rcp_approx_ftz(__fmul_rn(sfq, rcp_g));
-        if (code == 0u) h_zero++;
-        else if (code == 0x7Eu) h_max++;
-        else if ((code & 0x7Fu) == 0x7Fu) h_nan++;
-        if (scales) scales[b] = (u8)code;
-        u32 pk[2] = {0u, 0u};
-        u32 q16[8];
-        float xh[16];
-#pragma unroll
-        for (int i = 0; i < 16; i += 2) {
-            float y0 = __fmul_rn(v[i], osc), y1 = __fmul_rn(v[i + 1], osc);
-            u32 c0 = e2m1_encode(y0), c1 = e2m1_encode(y1);
-            h_clip += (fabsf(y0) > 6.0f) + (fabsf(y1) > 6.0f);
-            h_dead += ((c0 & 7u) == 0u && v[i] != 0.0f) + ((c1 & 7u) == 0u && v[i + 1] != 0.0f);
-            pk[i / 8] |= (c0 | (c1 << 4)) << (8 * ((i / 2) & 3));
-            q16[i / 2] = (u32)bf16_bits(__fmul_rn(e2m1_decode(c0), sfq)) |
-                         ((u32)bf16_bits(__fmul_rn(e2m1_decode(c1), sfq)) << 16);
-            if (xhat) {
-                float m0 = __fdiv_rn(__fmul_rn(e2m1_decode(c0 & 7u), sfq), g);
-                float m1 = __fdiv_rn(__fmul_rn(e2m1_decode(c1 & 7u), sfq), g);
-                if (c0 & 8u) m0 = -m0;
-                if (c1 & 8u) m1 = -m1;
-                if (xhat_bf16) { m0 = bf16_round(m0); m1 = bf16_round(m1); }
-                xh[i] = m0;
-                xh[i + 1] = m1;
-            }
+        if (q == 0u) {
+            h_blocks++;
+            if (code == 0u) h_zero++;
+            else if (code == 0x7Eu) h_max++;
+            else if ((code & 0x7Fu) == 0x7Fu) h_nan++;
+            if (scales) scales[b] = (u8)code;
         }
-        if (packed) ((uint2*)packed)[b] = make_uint2(pk[0], pk[1]);
+        u32 c[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float y = __fmul_rn(v[i], osc);
+            c[i] = e2m1_encode(y);
+            h_clip += fabsf(y) > 6.0f;
+            h_dead += (c[i] & 7u) == 0u && v[i] != 0.0f;
+        }
+        if (packed) ((u16*)packed)[t] = (u16)((c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8));
         if (xq16) {
-            uint4* o = (uint4*)(xq16 + b * 16);
-            o[0] = make_uint4(q16[0], q16[1], q16[2], q16[3]);
-            o[1] = make_uint4(q16[4], q16[5], q16[6], q16[7]);
+            u32 lo = (u32)bf16_bits(__fmul_rn(e2m1_decode(c[0]), sfq)) |
+                     ((u32)bf16_bits(__fmul_rn(e2m1_decode(c[1]), sfq)) << 16);
+            u32 hi = (u32)bf16_bits(__fmul_rn(e2m1_decode(c[2]), sfq)) |
+                     ((u32)bf16_bits(__fmul_rn(e2m1_decode(c[3]), sfq)) << 16);
+            ((uint2*)xq16)[t] = make_uint2(lo, hi);
         }
         if (xhat) {
-            float4* o = (float4*)(xhat + b * 16);
+            float m[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) o[i] = make_float4(xh[4 * i], xh[4 * i + 1], xh[4 * i + 2], xh[4 * i + 3]);
+            for (int i = 0; i < 4; i++) {
+                float mm = __fdiv_rn(__fmul_rn(e2m1_decode(c[i] & 7u), sfq), g);
+                if (c[i] & 8u) mm = -mm;
+                m[i] = xhat_bf16 ? bf16_round(mm) : mm;
+            }
+            ((float4*)xhat)[t] = make_float4(m[0], m[1], m[2], m[3]);
         }
     }
     if (health) {
-        add_nonzero(&health[0], h_blocks);
-        add_nonzero(&health[1], h_zero);
-        add_nonzero(&health[2], h_max);
-        add_nonzero(&health[3], h_nan);
-        add_nonzero(&health[4], h_clip);
-        add_nonzero(&health[5], h_dead);
-        add_nonzero(&health[6], h_blocks * 16);
-        if (amax_all > 0.0f) atomicMax(&health[7], (u64)__float_as_uint(amax_all));
+        // one atomic per warp and counter
+        u32 r[6] = {h_blocks, h_zero, h_max, h_nan, h_clip, h_dead};
+#pragma unroll
+        for (int i = 0; i < 6; i++) r[i] = __reduce_add_sync(0xffffffffu, r[i]);
+        u32 am = __reduce_max_sync(0xffffffffu, __float_as_uint(amax_all));
+        if ((threadIdx.x & 31u) == 0u) {
+#pragma unroll
+            for (int i = 0; i < 6; i++) add_nonzero(&health[i], (u64)r[i]);
+            add_nonzero(&health[6], (u64)r[0] * 16u);
+            if (am) atomicMax(&health[7], (u64)am);
+        }
     }
 }
 

@@ -105,8 +105,10 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, u64 nrow
     }
 }
 
+// x * sigmoid(x) in f64, rounded once (as the CPU reference computes it).
 __device__ __forceinline__ float silu_f(float v) {
-    return __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))));
+    double d = (double)v;
+    return (float)__dmul_rn(d, __ddiv_rn(1.0, __dadd_rn(1.0, exp(-d))));
 }
 
 // SwiGLU with the clamp: g' = min(g, L), u' = clamp(u, +-L) (NaN kept), a = silu(g') * u',
@@ -136,5 +138,68 @@ extern "C" __global__ void moe_combine(const float* y, const int* slot_row, cons
             if (row >= 0) acc = __fadd_rn(acc, __fmul_rn(slot_w[ti * k + j], y[(u64)row * d + c]));
         }
         out[i] = acc;
+    }
+}
+
+// ---- f64-accumulating GEMM support ------------------------------------------------------------
+
+// f32 or BF16-bits matrix [rows, cols] with row stride ld -> contiguous f64 (exact).
+extern "C" __global__ void to_f64(const void* in, int bf16, u64 rows, u64 cols, u64 ld, double* out) {
+    GRID_STRIDE(i, rows * cols) {
+        u64 r = i / cols, c = i % cols;
+        float v = bf16 ? bf16_to_f32(((const u16*)in)[r * ld + c]) : ((const float*)in)[r * ld + c];
+        out[i] = (double)v;
+    }
+}
+
+// contiguous f64 [rows, cols] -> f32 with row stride ld, rounded once to nearest even.
+extern "C" __global__ void from_f64(const double* in, u64 rows, u64 cols, u64 ld, float* out) {
+    GRID_STRIDE(i, rows * cols) {
+        u64 r = i / cols, c = i % cols;
+        out[r * ld + c] = __double2float_rn(in[i]);
+    }
+}
+
+// Few-row GEMM with f64 accumulation (the routed experts see a handful of tokens each):
+// y[r, c] = sum_k x[r, k] * w[c, k] for r < m <= 8, rounded once to f32. One warp computes four
+// output columns, the lanes striding over k (coalesced rows of w), then a warp reduction.
+// Operands are f32, or BF16 bits when bf != 0.
+#define SMALL_M 8
+__device__ __forceinline__ float ld_op(const void* p, u64 i, int bf) {
+    return bf ? bf16_to_f32(((const u16*)p)[i]) : ((const float*)p)[i];
+}
+extern "C" __global__ void gemm_small_f64(const void* x, const void* w, int bf, u64 m, u64 n, u64 k,
+                                          u64 ldx, float* y, u64 ldy) {
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u32 lane = threadIdx.x & 31u;
+    for (u64 c0 = warp * 4; c0 < n; c0 += nwarps * 4) {
+        double acc[SMALL_M][4];
+#pragma unroll
+        for (int r = 0; r < SMALL_M; r++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[r][j] = 0.0;
+        for (u64 kk = lane; kk < k; kk += 32) {
+            double wv[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) wv[j] = (c0 + j < n) ? (double)ld_op(w, (c0 + j) * k + kk, bf) : 0.0;
+#pragma unroll
+            for (int r = 0; r < SMALL_M; r++) {
+                if ((u64)r < m) {
+                    double xv = (double)ld_op(x, (u64)r * ldx + kk, bf);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) acc[r][j] = __dadd_rn(acc[r][j], __dmul_rn(xv, wv[j]));
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < SMALL_M; r++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                double v = acc[r][j];
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+                if (lane == 0 && (u64)r < m && c0 + j < n) y[(u64)r * ldy + c0 + j] = __double2float_rn(v);
+            }
+        }
     }
 }

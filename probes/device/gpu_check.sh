@@ -24,8 +24,9 @@ for p in glob.glob(sys.argv[1]+'/*.safetensors'):
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 nproc >> "$OUT/gpu.txt"; free -g >> "$OUT/gpu.txt"; df -h /tmp >> "$OUT/gpu.txt"
 if has selftest; then
-  ( time timeout 300 $B selftest --backend cuda --bench ${BENCH_GIB:-2} --rcp-table "$OUT/rcp_table.bin" --json "$OUT/selftest.json" ) > "$OUT/selftest.txt" 2>&1
-  rc=$?; echo "selftest rc=$rc" >> "$OUT/selftest.txt"; grep -E "^(kernels|whole|selftest|rcp)" "$OUT/selftest.txt"
+  ( time timeout 300 $B selftest --backend cuda --bench ${BENCH_GIB:-2} ${RCP_TABLE:+--rcp-table /tmp/rcp_table.bin} --json "$OUT/selftest.json" ) > "$OUT/selftest.txt" 2>&1
+  rc=$?; echo "selftest rc=$rc" >> "$OUT/selftest.txt"; grep -E "^(kernels|whole|selftest|rcp)|FAIL|GiB" "$OUT/selftest.txt" | cut -c1-300
+  [ -f /tmp/rcp_table.bin ] && gzip -9c /tmp/rcp_table.bin > "$OUT/rcp_table.bin.gz"
   [ $rc -ge 2 ] && { echo "selftest could not run: skipping the rest"; exit 1; }
 fi
 if has flash; then
@@ -43,10 +44,14 @@ if has flash; then
   grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident" "$OUT/flash_cold.txt"
   evict $F; sync
   ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
-  ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers 0..0 --seq-len ${CPU_CMP_T:-32} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
-  grep -E "^whole|selftest" "$OUT/flash_cpu_vs_cuda.txt"
+  ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers ${CPU_CMP_LAYERS:-0..1} --seq-len ${CPU_CMP_T:-8} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
+  echo "cpu-vs-cuda rc=$?" >> "$OUT/flash_cpu_vs_cuda.txt"
+  grep -E "^whole|^selftest|rc=" "$OUT/flash_cpu_vs_cuda.txt"
 fi
 if has bisect; then
   ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout 240 $B bisect --model $F --layers $L --seq-len 128 --backend cuda --loader-fault ${BISECT_FAULT:-inverted-input-scale@L3.ffn.experts} --json $OUT/flash_bisect.json ) > "$OUT/flash_bisect.txt" 2>&1
   grep -E "Elapsed|L3|verdict|profile" "$OUT/flash_bisect.txt" | head -8
 fi
+
+cd "$OUT" && tar czf results.tgz --remove-files $(ls | grep -v -E '^(results.tgz|selftest.txt|selftest.json|rcp_table.bin.gz)$') 2>/dev/null
+ls -la "$OUT"

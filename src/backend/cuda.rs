@@ -55,6 +55,9 @@ const KERNELS: &[&str] = &[
     "gather_rows",
     "swiglu_clamp",
     "moe_combine",
+    "to_f64",
+    "from_f64",
+    "gemm_small_f64",
 ];
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
@@ -171,6 +174,8 @@ pub struct Gpu {
     scratch: HashMap<&'static str, Buf>,
     pinned: Vec<(*mut u8, usize, CudaEvent)>,
     pub counters: GpuCounters,
+    /// Accumulate every GEMM in f64 (bit-equal to the CPU reference); false = hardware GEMMs.
+    pub exact64: bool,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -266,6 +271,7 @@ impl Gpu {
             scratch: HashMap::new(),
             pinned,
             counters: GpuCounters::default(),
+            exact64: true,
         })
     }
 
@@ -374,8 +380,15 @@ impl Gpu {
 
     // ---- launches ---------------------------------------------------------------------------
 
-    fn grid(&self, n: u64) -> LaunchConfig {
-        let blocks = n.div_ceil(256).clamp(1, self.sm_count as u64 * 16) as u32;
+    fn grid(&self, name: &str, n: u64) -> LaunchConfig {
+        // reductions end in per-warp atomics: keep their grids small; element-wise kernels get
+        // one thread per item (many short-lived blocks keep the most memory requests in flight)
+        let cap = match name {
+            "fused_stats" | "rcp_sweep" => self.sm_count as u64 * 16,
+            "act_quant_nvfp4" => self.sm_count as u64 * 64,
+            _ => 1 << 22,
+        };
+        let blocks = n.div_ceil(256).clamp(1, cap) as u32;
         LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),
@@ -401,14 +414,127 @@ impl Gpu {
                 A::U32(v) => b.arg(v),
             };
         }
-        unsafe { b.launch(self.grid(n)) }.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+        unsafe { b.launch(self.grid(name, n)) }
+            .map_err(|e| cuda_err(&format!("launch {name}"), e))?;
         Ok(())
     }
 
-    /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major. F32 operands use
-    /// `CUBLAS_COMPUTE_32F_PEDANTIC` (no TF32); BF16 operands accumulate in FP32.
+    /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major, operands of type
+    /// `ty`. With `exact64` (the default) the operands are widened to f64 and multiplied by cuBLAS
+    /// DGEMM, then rounded once to f32 — the CPU reference's accumulation
+    /// (`probe::served::matmul_nt`), so both backends give the same bits; otherwise
+    /// [`Gpu::gemm_native`].
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
+        &mut self,
+        ty: Ty,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if !self.exact64 {
+            return self.gemm_native(ty, x, ldx, w, y, ldy, m, n, k);
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let bf = (ty == Ty::Bf16) as i32;
+        if m <= 8 {
+            // one warp per four output columns
+            return self.launch(
+                "gemm_small_f64",
+                (n.div_ceil(4) * 32) as u64,
+                &[
+                    A::P(x),
+                    A::P(w),
+                    A::I(bf),
+                    A::U(m as u64),
+                    A::U(n as u64),
+                    A::U(k as u64),
+                    A::U(ldx as u64),
+                    A::P(y),
+                    A::U(ldy as u64),
+                ],
+            );
+        }
+        let xd = self.scratch("gx64", m * k.max(1) * 8)?;
+        let wd = self.scratch("gw64", n * k.max(1) * 8)?;
+        let yd = self.scratch("gy64", m * n * 8)?;
+        self.launch(
+            "to_f64",
+            (m * k) as u64,
+            &[
+                A::P(x),
+                A::I(bf),
+                A::U(m as u64),
+                A::U(k as u64),
+                A::U(ldx as u64),
+                A::P(xd),
+            ],
+        )?;
+        self.launch(
+            "to_f64",
+            (n * k) as u64,
+            &[
+                A::P(w),
+                A::I(bf),
+                A::U(n as u64),
+                A::U(k as u64),
+                A::U(k as u64),
+                A::P(wd),
+            ],
+        )?;
+        if k == 0 {
+            self.memset(yd, 0, m * n * 8)?;
+        } else {
+            let (alpha, beta) = (1.0f64, 0.0f64);
+            unsafe {
+                blas::gemm_ex(
+                    *self.blas.handle(),
+                    bsys::cublasOperation_t::CUBLAS_OP_T,
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    &alpha as *const f64 as *const _,
+                    wd as *const _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    k as i32,
+                    xd as *const _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    k as i32,
+                    &beta as *const f64 as *const _,
+                    yd as *mut _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    n as i32,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))?;
+        }
+        self.launch(
+            "from_f64",
+            (m * n) as u64,
+            &[
+                A::P(yd),
+                A::U(m as u64),
+                A::U(n as u64),
+                A::U(ldy as u64),
+                A::P(y),
+            ],
+        )
+    }
+
+    /// The hardware GEMM: F32 operands with `CUBLAS_COMPUTE_32F_PEDANTIC` (no TF32), BF16
+    /// operands with FP32 accumulation (`gemm_ex`, tensor cores).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_native(
         &self,
         ty: Ty,
         x: u64,
@@ -899,7 +1025,7 @@ impl Gpu {
                 };
                 self.launch(
                     "dequant_nvfp4",
-                    nk / 16,
+                    nk / 16 * 4,
                     &[
                         A::P(packed.ptr),
                         A::P(scales.ptr),
@@ -1132,7 +1258,7 @@ impl Gpu {
                 let xq = self.scratch("xq16", m * k * 2)?;
                 self.launch(
                     "act_quant_nvfp4",
-                    mk / 16,
+                    mk / 16 * 4,
                     &[
                         A::P(x),
                         A::U(mk / 16),
@@ -1152,7 +1278,7 @@ impl Gpu {
                 let xh = self.scratch("xq32", m * k * 4)?;
                 self.launch(
                     "act_quant_nvfp4",
-                    mk / 16,
+                    mk / 16 * 4,
                     &[
                         A::P(x),
                         A::U(mk / 16),
@@ -1173,7 +1299,7 @@ impl Gpu {
                 // activations stay BF16; the amax is still observed
                 self.launch(
                     "act_quant_nvfp4",
-                    mk / 16,
+                    mk / 16 * 4,
                     &[
                         A::P(x),
                         A::U(mk / 16),

@@ -113,9 +113,13 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// x · sigmoid(x) evaluated in f64 and rounded once: f32 `exp` differs between libm and CUDA
+/// in the last bit, f64 evaluation rounds to the same f32 on both (the SwiGLU runs on the device
+/// with the CUDA backend).
 #[inline]
 pub fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
+    let d = x as f64;
+    (d * (1.0 / (1.0 + (-d).exp()))) as f32
 }
 
 /// softplus without overflow: max(x, 0) + ln(1 + e^−|x|).

@@ -468,10 +468,13 @@ const PREFETCH_AHEAD: usize = 8 << 30;
 /// Canonical names of the stored tensors an op's weights occupy (data and block scales).
 fn prefetch_names(ckpt: &Checkpoint, op: &Op) -> Vec<String> {
     let mut v = Vec::new();
-    for base in &op.weights {
-        if let Ok(l) = ckpt.weight_layout(base) {
+    for name in &op.weights {
+        if let Ok(l) = ckpt.weight_layout(name) {
             v.push(l.weight);
             v.extend(l.scale);
+        } else if !name.starts_with("embed") && ckpt.canonical_info(name).is_some() {
+            // a parameter (norm weight, hc mixing, sink, ...): small, but on the critical path
+            v.push(name.clone());
         }
     }
     v
@@ -498,6 +501,10 @@ fn prefetch_loop(
     let mut start_of = vec![0usize; plan.len() + 1];
     for (i, s) in sizes.iter().enumerate() {
         start_of[i + 1] = start_of[i] + s.iter().sum::<usize>();
+    }
+    // the embedding rows are read first, by the main thread: do not queue I/O in front of them
+    while at.load(Relaxed) == 0 && !done.load(Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
     let mut pos = 0usize; // bytes of the plan already requested
     for (step, names) in plan.iter().enumerate() {

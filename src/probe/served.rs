@@ -353,32 +353,52 @@ pub fn grouped(
     Ok(out)
 }
 
-/// y[m, n] = Σ_k x[m, k] · w[n, k] in f32 (matrixmultiply sgemm).
+/// y[m, n] = Σ_k x[m, k] · w[n, k]: every product exact and the sum accumulated in f64, rounded
+/// once to f32 (matrixmultiply dgemm over row blocks of w, so the f64 copy stays bounded).
+///
+/// Accumulating in f64 makes the result independent of the summation order to within one f32
+/// rounding in about 1e-7 of the outputs, so the CPU reference and the CUDA backend (cuBLAS DGEMM
+/// on the same operands) produce the same bits: with f32 accumulation their different orders
+/// differ in the last f32 bit, which BF16 storage and NVFP4 re-quantization then amplify.
 pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut y = vec![0f32; m * n];
-    if m == 0 || n == 0 {
+    if m == 0 || n == 0 || k == 0 {
         return y;
     }
-    if k == 0 {
-        return y;
-    }
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            x.as_ptr(),
-            k as isize,
-            1,
-            w.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            y.as_mut_ptr(),
-            n as isize,
-            1,
-        );
+    let xd: Vec<f64> = x[..m * k].iter().map(|&v| v as f64).collect();
+    const ROWS: usize = 1024;
+    let mut yd = vec![0f64; m * ROWS.min(n)];
+    let mut wd: Vec<f64> = Vec::with_capacity(ROWS.min(n) * k);
+    for n0 in (0..n).step_by(ROWS) {
+        let c = ROWS.min(n - n0);
+        wd.clear();
+        wd.extend(w[n0 * k..(n0 + c) * k].iter().map(|&v| v as f64));
+        unsafe {
+            matrixmultiply::dgemm(
+                m,
+                k,
+                c,
+                1.0,
+                xd.as_ptr(),
+                k as isize,
+                1,
+                wd.as_ptr(),
+                1,
+                k as isize,
+                0.0,
+                yd.as_mut_ptr(),
+                c as isize,
+                1,
+            );
+        }
+        for r in 0..m {
+            for (o, v) in y[r * n + n0..r * n + n0 + c]
+                .iter_mut()
+                .zip(&yd[r * c..(r + 1) * c])
+            {
+                *o = *v as f32;
+            }
+        }
     }
     y
 }
