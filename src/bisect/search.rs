@@ -150,36 +150,13 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         steps.push(step_of("probe", (m, s), &pr.out, pr.execs, pr.seconds));
         Ok(pr.out.broken.is_some())
     };
-    // t: largest m known true; f: smallest m known false
-    let (mut t, mut f) = (a, s + 1);
-    let mut d = 0usize;
-    loop {
-        let m = s.saturating_sub(d).max(a);
-        if m <= t {
-            break;
-        }
-        if p(m)? {
-            t = m;
-            break;
-        }
-        f = m;
-        d = if d == 0 { 1 } else { d * 2 };
-    }
-    while f - t > 1 {
-        let mid = t + (f - t) / 2;
-        if p(mid)? {
-            t = mid;
-        } else {
-            f = mid;
-        }
-    }
+    let layer = last_true(a, s, &mut p)?;
     rep.steps.append(&mut steps);
     rep.phases.push(Phase {
         name: "probes".into(),
         seconds: ps,
         execs: pe,
     });
-    let layer = t;
     rep.layer = Some(layer);
 
     let meas = scan::measure_layer(ckpt, opts, layer, &sc.boundaries[&layer])?;
@@ -274,6 +251,71 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         seconds_bisect,
         search: rep,
     })
+}
+
+/// The largest m in [a, s] with `p(m)`, for a predicate true on [a, f] and false above, where
+/// `p(a)` is known true and not evaluated. Gallops down from `s` (s, s−1, s−2, s−4, …), then bisects
+/// the bracket: a fault at s costs one evaluation, any other ≤ 2·⌈log2(s−a+1)⌉ + 1.
+pub fn last_true(a: usize, s: usize, p: &mut dyn FnMut(usize) -> Result<bool>) -> Result<usize> {
+    // t: largest m known true; f: smallest m known false
+    let (mut t, mut f) = (a, s + 1);
+    let mut d = 0usize;
+    loop {
+        let m = s.saturating_sub(d).max(a);
+        if m <= t {
+            break;
+        }
+        if p(m)? {
+            t = m;
+            break;
+        }
+        f = m;
+        d = if d == 0 { 1 } else { d * 2 };
+    }
+    while f - t > 1 {
+        let mid = t + (f - t) / 2;
+        if p(mid)? {
+            t = mid;
+        } else {
+            f = mid;
+        }
+    }
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_true;
+
+    /// Every fault position in ranges up to 40 layers: the right layer, within the probe bound,
+    /// and never a probe of the known-true start.
+    #[test]
+    fn bisect_last_true_finds_every_position() {
+        for a in [0usize, 3] {
+            for n in 1..=40usize {
+                let s = a + n - 1;
+                for fault in a..=s {
+                    let mut calls = Vec::new();
+                    let got = last_true(a, s, &mut |m| {
+                        calls.push(m);
+                        Ok(m <= fault)
+                    })
+                    .unwrap();
+                    assert_eq!(got, fault, "a {a} s {s}");
+                    assert!(!calls.contains(&a), "probed the start: {calls:?}");
+                    let bound = 2 * (usize::BITS - (n.max(1)).leading_zeros()) as usize + 1;
+                    assert!(
+                        calls.len() <= bound,
+                        "{} probes > {bound}: {calls:?}",
+                        calls.len()
+                    );
+                    if fault == s && s > a {
+                        assert_eq!(calls, vec![s]);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The linear search after an inconclusive layer search; the search's steps and time stay in the report.
