@@ -4,8 +4,8 @@
 //! 1. `scan`: BF16 oracle + served path (two executions per op) from the first reported layer,
 //!    stopping at the first layer S whose served output is clearly broken; the oracle's state at
 //!    every layer input and its layer outputs are kept.
-//! 2. P(m) = "the served path started from the oracle's state at layer m's input is clearly broken
-//!    at S's output". P(first) is the scan itself; P(m) holds iff a fault lies in [m, S], so it is
+//! 2. P(m) = "the served path started from the oracle's state at layer m's input is still broken
+//!    at S's output" (by [`ShowRule::for_probes`], a little below the scan's limit). P(first) is the scan itself; P(m) holds iff a fault lies in [m, S], so it is
 //!    monotone and the faulty layer is the largest m with P(m). The search gallops down from S
 //!    (S, S−1, S−2, S−4, …) and then bisects the bracket: a fault that breaks its own layer's output
 //!    (the common case) costs one probe of one layer.
@@ -143,8 +143,16 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
     let reference = &sc.oracle_outs[&s];
     let (mut pe, mut ps) = (0usize, 0f64);
     let mut steps = Vec::new();
+    let probe_rule = rule.for_probes();
     let mut p = |m: usize| -> Result<bool> {
-        let pr = scan::served_from(ckpt, opts, &sc.boundaries[&m], (m, s), reference, &rule)?;
+        let pr = scan::served_from(
+            ckpt,
+            opts,
+            &sc.boundaries[&m],
+            (m, s),
+            reference,
+            &probe_rule,
+        )?;
         pe += pr.execs;
         ps += pr.seconds;
         steps.push(step_of("probe", (m, s), &pr.out, pr.execs, pr.seconds));

@@ -53,6 +53,21 @@ impl ShowRule {
         }
     }
 
+    /// The rule a search probe is held to once a scan has stopped at a broken layer S: rel-L2 at
+    /// 3/4 of the scan's limit, cosine under 0.5. A probe restarted from the oracle at layer m drops
+    /// the noise of the layers before m, so a probe that still carries the fault sits a little
+    /// below the level that stopped the scan (on the tiny model 0.89 against the scan's 0.92),
+    /// while one without it carries the noise of fewer layers than the scan saw (≤ 0.65 on the
+    /// tiny model's five). A wrong answer either way is caught: the named layer is then measured
+    /// and, without a divergent op, the search falls back to the linear one.
+    pub fn for_probes(&self) -> ShowRule {
+        ShowRule {
+            rel_l2: 0.75 * self.rel_l2,
+            cos: self.cos.max(0.5),
+            amax_ratio: self.amax_ratio,
+        }
+    }
+
     /// Why `c` (served vs oracle) is clearly broken, or None.
     pub fn broken(&self, c: &Compare, served: &Stats, oracle: &Stats) -> Option<String> {
         if served.non_finite() && !oracle.non_finite() {
