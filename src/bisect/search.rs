@@ -2,10 +2,12 @@
 //! then measure only that layer in full.
 //!
 //! 1. `scan`: BF16 oracle + served path (two executions per op) from the first reported layer,
-//!    stopping at the first layer S whose served output is clearly broken; the oracle's state at
-//!    every layer input and its layer outputs are kept.
+//!    the served path restarted from the oracle every few layers (`ShowRule::segment_layers`) so
+//!    noise cannot pile up, stopping at the first layer S whose served output is clearly broken;
+//!    the oracle's state at every layer input and its layer outputs are kept.
 //! 2. P(m) = "the served path started from the oracle's state at layer m's input is still broken
-//!    at S's output" (by [`ShowRule::for_probes`], a little below the scan's limit). P(first) is the scan itself; P(m) holds iff a fault lies in [m, S], so it is
+//!    at S's output" (by [`ShowRule::for_probes`], a little below the scan's limit). P at the
+//!    start of S's segment is the scan itself; P(m) holds iff a fault lies in [m, S], so it is
 //!    monotone and the faulty layer is the largest m with P(m). The search gallops down from S
 //!    (S, S−1, S−2, S−4, …) and then bisects the bracket: a fault that breaks its own layer's output
 //!    (the common case) costs one probe of one layer.
@@ -139,7 +141,9 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         );
     };
 
-    // P(m): served from the oracle's state at layer m, clearly broken at S's output
+    // P(m): served from the oracle's state at layer m, still broken at S's output; P(seg) is the
+    // scan's own segment
+    let seg = sc.segment_start.unwrap_or(a);
     let reference = &sc.oracle_outs[&s];
     let (mut pe, mut ps) = (0usize, 0f64);
     let mut steps = Vec::new();
@@ -158,7 +162,7 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         steps.push(step_of("probe", (m, s), &pr.out, pr.execs, pr.seconds));
         Ok(pr.out.broken.is_some())
     };
-    let layer = last_true(a, s, &mut p)?;
+    let layer = last_true(seg, s, &mut p)?;
     rep.steps.append(&mut steps);
     rep.phases.push(Phase {
         name: "probes".into(),
