@@ -282,3 +282,35 @@ fn bisect_search_flag_cli() {
         .assert()
         .code(2);
 }
+
+/// Sixteen layers of the random tiny model: clean noise alone reaches rel-L2 0.9 by layer 9, so a
+/// scan that never restarted would stop on noise before a fault at layer 12 and point at a clean
+/// layer. With the served path restarted every `segment_layers`, the search names layer 12 and
+/// the linear verdict, at well under half the linear search's op executions.
+#[test]
+fn bisect_layer_search_deep_model_noise() {
+    let mut so = SynthOptions::new(Preset::Tiny, Format::CtNvfp4, Naming::Official, 3);
+    so.layers = Some(16);
+    let c = synth::synth_to_memory(&so).unwrap();
+    let o = opts(
+        15,
+        vec![fault(FaultKind::InvertedWeightScale, "L12.ffn.experts")],
+        7,
+    );
+    let rule = ShowRule::from_thresholds(&o.spec.thresholds);
+    assert!(rule.segment_layers >= 2 && rule.segment_layers < 9);
+    let (lin, lay) = rayon::join(
+        || bisect::bisect_with(&c, &o, Search::Linear).unwrap(),
+        || bisect::bisect_with(&c, &o, Search::Layers).unwrap(),
+    );
+    assert!(verdict(&lin).is_some());
+    assert_eq!(verdict(&lin), verdict(&lay));
+    assert_eq!(lay.search.ran, Search::Layers, "{:?}", lay.search.fell_back);
+    assert_eq!(lay.search.layer, Some(12));
+    assert!(
+        2 * lay.search.total_execs() < lin.search.total_execs(),
+        "{} vs {}",
+        lay.search.total_execs(),
+        lin.search.total_execs()
+    );
+}
