@@ -295,6 +295,24 @@ pub fn last_true(a: usize, s: usize, p: &mut dyn FnMut(usize) -> Result<bool>) -
     Ok(t)
 }
 
+/// The linear search after an inconclusive layer search; the search's steps and time stay in the report.
+fn fallback(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    mut rep: SearchReport,
+    t0: Instant,
+    why: String,
+) -> Result<BisectResult> {
+    let spent = t0.elapsed().as_secs_f64();
+    let mut r = bisect(ckpt, opts)?;
+    rep.ran = Search::Linear;
+    rep.fell_back = Some(why);
+    rep.phases.append(&mut r.search.phases);
+    r.search = rep;
+    r.seconds_run += spent;
+    Ok(r)
+}
+
 #[cfg(test)]
 mod tests {
     use super::last_true;
@@ -328,22 +346,4 @@ mod tests {
             }
         }
     }
-}
-
-/// The linear search after an inconclusive layer search; the search's steps and time stay in the report.
-fn fallback(
-    ckpt: &Checkpoint,
-    opts: &RunOptions,
-    mut rep: SearchReport,
-    t0: Instant,
-    why: String,
-) -> Result<BisectResult> {
-    let spent = t0.elapsed().as_secs_f64();
-    let mut r = bisect(ckpt, opts)?;
-    rep.ran = Search::Linear;
-    rep.fell_back = Some(why);
-    rep.phases.append(&mut r.search.phases);
-    r.search = rep;
-    r.seconds_run += spent;
-    Ok(r)
 }

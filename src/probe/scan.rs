@@ -362,7 +362,7 @@ pub fn scan(
         if let Some(l) = op.layer.filter(|&l| l >= a && g.span[&l].0 == step) {
             // the first reported layer starts from the oracle (the embedding aside), later
             // segments restart from it
-            let restart = (l == a && step == start) || (l > a && (l - a) % seg == 0);
+            let restart = (l == a && step == start) || (l > a && (l - a).is_multiple_of(seg));
             if restart {
                 seg_start = l;
             }
