@@ -144,7 +144,7 @@ pub struct BisectResult {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Search {
-    /// `layers` when the checkpoint is big (see [`search::auto_choice`]), else `linear`.
+    /// `layers` when the run covers at least 3 layers of at least 256 MiB of weights each, else `linear`.
     #[default]
     Auto,
     /// One full run, then hypotheses at the first divergent op.

@@ -136,6 +136,7 @@ fn step_line(st: &Step) -> String {
         st.at.as_deref().unwrap_or("—"),
         st.broken.as_deref().unwrap_or("not broken"),
         st.rel_l2
+            .filter(|_| st.broken.is_none())
             .map(|v| format!(", rel-L2 {v:.3e}"))
             .unwrap_or_default(),
         st.execs,
