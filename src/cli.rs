@@ -244,4 +244,33 @@ pub struct SelftestArgs {
     pub scale: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Checkpoint for the whole-run comparison (CPU vs CUDA); default: the built-in tiny model.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Layers of the whole-run comparison.
+    #[arg(long, value_name = "A..B", default_value = "0..4")]
+    pub layers: String,
+    /// Tokens of the whole-run comparison.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// Served profiles to compare whole runs under (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "blackwell-w4a4,hopper-w4a16,emulation"
+    )]
+    pub served: Vec<String>,
+    /// Kernel checks only (no whole-run comparison).
+    #[arg(long)]
+    pub kernels_only: bool,
+    /// Also measure kernel bandwidth on tensors of this many GiB (packed NVFP4 weight size).
+    #[arg(long, value_name = "GIB")]
+    pub bench: Option<f64>,
+    /// Write the results as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write rcp.approx.ftz's deviation from the correctly rounded reciprocal (i8 ulps per
+    /// mantissa of [1, 2), 2^23 bytes) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub rcp_table: Option<PathBuf>,
 }

@@ -4,6 +4,7 @@
 //! ops) → `probe` (runs ops on numerics paths through a `backend`) → `metrics` → `report` /
 //! `bisect` / `gate`. Nothing downstream calls back upstream.
 
+pub mod backend;
 pub mod bisect;
 pub mod checkpoint;
 pub mod cli;

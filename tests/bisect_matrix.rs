@@ -34,6 +34,7 @@ fn opts_to(last: usize, tokens: Vec<u32>, faults: Vec<Fault>) -> RunOptions {
         progress: false,
         overrides: Vec::new(),
         stop_after: None,
+        backend: Default::default(),
     }
 }
 

@@ -25,6 +25,7 @@ fn opts(last: usize, faults: Vec<Fault>, tseed: u64) -> RunOptions {
         progress: false,
         overrides: Vec::new(),
         stop_after: None,
+        backend: Default::default(),
     }
 }
 

@@ -32,6 +32,7 @@ fn trace_divergence_explained_by_the_checkpoint_gets_a_verdict() {
             progress: false,
             overrides: vec![],
             stop_after: None,
+            backend: Default::default(),
         },
     )
     .unwrap();

@@ -42,6 +42,7 @@ fn oracle() -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
             progress: false,
             overrides: vec![],
             stop_after: None,
+            backend: Default::default(),
         },
     )
     .unwrap();

@@ -64,6 +64,7 @@ fn check(t: usize) {
         progress: false,
         overrides: vec![],
         stop_after: None,
+        backend: Default::default(),
     };
     let res = run(&ckpt, &opts).expect("run");
     let ours: HashMap<&str, &Tensor> = res.outputs["oracle_fp32"]

@@ -23,6 +23,7 @@ fn opts(tokens: Vec<u32>, layers: (usize, usize)) -> RunOptions {
         progress: false,
         overrides: vec![],
         stop_after: None,
+        backend: Default::default(),
     }
 }
 

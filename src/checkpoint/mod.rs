@@ -6,7 +6,7 @@
 //! only those that were routed to.
 
 mod access;
-mod convert;
+pub mod convert;
 pub mod naming;
 pub mod quant;
 mod shard;
@@ -19,11 +19,34 @@ use std::sync::OnceLock;
 
 pub use naming::{FusedPart, Naming};
 pub use quant::{
-    Fp8ScaleKind, QuantWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat, WeightMeta,
-    WeightTensors,
+    Fp8ScaleKind, QuantWeight, RawFormat, RawWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat,
+    WeightLayout, WeightMeta, WeightTensors,
 };
 pub use safetensors::Dtype;
 pub use writer::ShardWriter;
+
+/// Where a tensor's bytes are ([`Checkpoint::canonical_span`]).
+#[derive(Clone, Debug)]
+pub enum Span<'a> {
+    File {
+        path: &'a Path,
+        offset: u64,
+        len: usize,
+    },
+    Mem(&'a [u8]),
+}
+
+impl Span<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Span::File { len, .. } => *len,
+            Span::Mem(b) => b.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 use crate::model::ModelConfig;
 use crate::{Error, Result, Tensor};
@@ -437,7 +460,8 @@ impl Checkpoint {
         }
     }
 
-    fn note_read(&self, n: usize) {
+    /// Count bytes read outside [`Checkpoint::bytes`] (backends that read spans themselves).
+    pub fn note_read(&self, n: usize) {
         self.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
     }
 
@@ -476,6 +500,77 @@ impl Checkpoint {
                 Ok(b)
             }
         }
+    }
+
+    /// Where a canonical tensor's bytes lie, without touching them: a file range for mapped
+    /// shards (backends read it with large positioned reads, which get the kernel's readahead
+    /// where page faults on the mapping would not), the bytes themselves for in-memory shards.
+    pub fn canonical_span(&self, canonical: &str) -> Result<Span<'_>> {
+        let (shard_i, start, len) = match self
+            .canon
+            .get(canonical)
+            .ok_or_else(|| self.missing(canonical, ""))?
+        {
+            Source::Whole(r) => {
+                let e = self.raw.get(r).ok_or_else(|| self.missing(r, ""))?;
+                (e.shard, e.start, e.end - e.start)
+            }
+            Source::Slice { raw, expert, part } => {
+                let e = &self.raw[raw];
+                let es = convert::elem_size(e.dtype).unwrap_or(1);
+                let (rows, cols) = slice_dims(&e.shape, *part);
+                let per_expert = e.shape[1] * e.shape[2] * es;
+                let off = match part {
+                    FusedPart::Up => rows * cols * es,
+                    _ => 0,
+                };
+                (
+                    e.shard,
+                    e.start + expert * per_expert + off,
+                    rows * cols * es,
+                )
+            }
+        };
+        let shard = &self.shards[shard_i];
+        let buf = shard.buf();
+        if start + len > buf.len() {
+            return Err(Error::bad(
+                &shard.path,
+                Some(canonical),
+                format!(
+                    "data range {start}..{} lies past the end of the file ({} bytes)",
+                    start + len,
+                    buf.len()
+                ),
+            ));
+        }
+        Ok(if shard.is_mapped() {
+            Span::File {
+                path: &shard.path,
+                offset: start as u64,
+                len,
+            }
+        } else {
+            Span::Mem(&buf[start..start + len])
+        })
+    }
+
+    /// Ask the kernel to start reading a tensor's bytes into the page cache, without waiting
+    /// (MADV_WILLNEED on the mapping: asynchronous readahead of the whole range). Returns the
+    /// length asked for; 0 for in-memory shards.
+    pub fn readahead(&self, canonical: &str) -> usize {
+        let Ok(Span::File { offset, len, .. }) = self.canonical_span(canonical) else {
+            return 0;
+        };
+        let Some(Source::Whole(r) | Source::Slice { raw: r, .. }) = self.canon.get(canonical)
+        else {
+            return 0;
+        };
+        let Some(e) = self.raw.get(r) else {
+            return 0;
+        };
+        self.shards[e.shard].readahead(offset as usize, len);
+        len
     }
 
     /// A canonical tensor as f32 with its shape (any numeric dtype; see `convert`).

@@ -95,6 +95,48 @@ pub enum WeightFormat {
     },
 }
 
+/// Where a weight's tensors are: [`Checkpoint::weight_layout`].
+pub struct WeightLayout {
+    pub meta: WeightMeta,
+    /// Canonical name of the data tensor (`….weight` or `….weight_packed`).
+    pub weight: String,
+    /// Canonical name of the block-scale tensor, when the scheme has one.
+    pub scale: Option<String>,
+}
+
+/// A weight as stored, borrowed from the checkpoint's mmap ([`Checkpoint::weight_raw`]).
+pub struct RawWeight<'a> {
+    pub meta: WeightMeta,
+    pub format: RawFormat<'a>,
+}
+
+/// [`WeightFormat`] with the large byte arrays borrowed instead of copied.
+pub enum RawFormat<'a> {
+    /// Raw little-endian elements of `dtype` (BF16/F16/F32).
+    Dense {
+        dtype: Dtype,
+        bytes: &'a [u8],
+    },
+    Fp8Block {
+        bytes: &'a [u8],
+        scales: Vec<f32>,
+        scale_kind: Fp8ScaleKind,
+        scale_raw: &'a [u8],
+        block: [usize; 2],
+    },
+    Mxfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+    },
+    Nvfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+        convention: Convention,
+        weight_global: f32,
+        input_global: Option<f32>,
+    },
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantWeight {
     pub canonical: String,
@@ -578,58 +620,42 @@ impl Checkpoint {
 
     /// A linear weight with all its bytes and scales, ready to dequantise.
     pub fn weight(&self, base: &str) -> Result<QuantWeight> {
-        let m = self.weight_meta(base)?;
-        let wc = if self
-            .canonical_info(&format!("{base}.weight_packed"))
-            .is_some()
-        {
-            format!("{base}.weight_packed")
-        } else {
-            format!("{base}.weight")
-        };
-        let scale_canon = |raw: &Option<String>| -> Option<String> {
-            let r = raw.as_ref()?;
-            self.canonical_of(r).map(str::to_string)
-        };
-        let format = match m.scheme {
-            Scheme::Dense => {
-                let t = self.tensor_f32(&wc)?;
-                WeightFormat::Dense {
-                    dtype: m.weight_dtype,
-                    values: t.data,
-                }
-            }
-            Scheme::Fp8Block => {
-                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
-                let scale_raw = self.canonical_bytes(&sc)?.to_vec();
-                let kind = m.fp8_scale_kind.unwrap_or(Fp8ScaleKind::F32);
-                let scales = match kind {
-                    Fp8ScaleKind::Ue8m0 => scale_raw.iter().map(|&b| ue8m0::decode(b)).collect(),
-                    Fp8ScaleKind::F32 => self.tensor_f32(&sc)?.data,
-                };
-                WeightFormat::Fp8Block {
-                    bytes: self.canonical_bytes(&wc)?.to_vec(),
-                    scales,
-                    scale_kind: kind,
-                    scale_raw,
-                    block: m.block.unwrap_or([128, 128]),
-                }
-            }
-            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
-                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
-                let scales = self.canonical_bytes(&sc)?.to_vec();
-                let packed = self.canonical_bytes(&wc)?.to_vec();
-                match m.convention {
-                    Some(convention) => WeightFormat::Nvfp4 {
-                        packed,
-                        scales,
-                        convention,
-                        weight_global: m.weight_global.unwrap_or(f32::NAN),
-                        input_global: m.input_global,
-                    },
-                    None => WeightFormat::Mxfp4 { packed, scales },
-                }
-            }
+        let RawWeight { meta: m, format } = self.weight_raw(base)?;
+        let format = match format {
+            RawFormat::Dense { dtype, bytes } => WeightFormat::Dense {
+                dtype,
+                values: convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?,
+            },
+            RawFormat::Fp8Block {
+                bytes,
+                scales,
+                scale_kind,
+                scale_raw,
+                block,
+            } => WeightFormat::Fp8Block {
+                bytes: bytes.to_vec(),
+                scales,
+                scale_kind,
+                scale_raw: scale_raw.to_vec(),
+                block,
+            },
+            RawFormat::Mxfp4 { packed, scales } => WeightFormat::Mxfp4 {
+                packed: packed.to_vec(),
+                scales: scales.to_vec(),
+            },
+            RawFormat::Nvfp4 {
+                packed,
+                scales,
+                convention,
+                weight_global,
+                input_global,
+            } => WeightFormat::Nvfp4 {
+                packed: packed.to_vec(),
+                scales: scales.to_vec(),
+                convention,
+                weight_global,
+                input_global,
+            },
         };
         Ok(QuantWeight {
             canonical: m.canonical,
@@ -639,6 +665,79 @@ impl Checkpoint {
             tensors: m.tensors,
             file: m.file,
         })
+    }
+
+    /// A weight's metadata and the canonical names of its stored tensors (data and block
+    /// scales), without reading any tensor data.
+    pub fn weight_layout(&self, base: &str) -> Result<WeightLayout> {
+        let meta = self.weight_meta(base)?;
+        let weight = if self
+            .canonical_info(&format!("{base}.weight_packed"))
+            .is_some()
+        {
+            format!("{base}.weight_packed")
+        } else {
+            format!("{base}.weight")
+        };
+        let scale = meta
+            .tensors
+            .block_scale
+            .as_ref()
+            .and_then(|r| self.canonical_of(r).map(str::to_string));
+        Ok(WeightLayout {
+            meta,
+            weight,
+            scale,
+        })
+    }
+
+    /// A weight's stored bytes borrowed from the mmap (no copy), for backends that upload them
+    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small).
+    pub fn weight_raw(&self, base: &str) -> Result<RawWeight<'_>> {
+        let WeightLayout {
+            meta: m,
+            weight: wc,
+            scale: sc_name,
+        } = self.weight_layout(base)?;
+        let scale_canon = |_: &Option<String>| sc_name.clone();
+        let format = match m.scheme {
+            Scheme::Dense => RawFormat::Dense {
+                dtype: m.weight_dtype,
+                bytes: self.canonical_bytes(&wc)?,
+            },
+            Scheme::Fp8Block => {
+                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
+                let scale_raw = self.canonical_bytes(&sc)?;
+                let kind = m.fp8_scale_kind.unwrap_or(Fp8ScaleKind::F32);
+                let scales = match kind {
+                    Fp8ScaleKind::Ue8m0 => scale_raw.iter().map(|&b| ue8m0::decode(b)).collect(),
+                    Fp8ScaleKind::F32 => self.tensor_f32(&sc)?.data,
+                };
+                RawFormat::Fp8Block {
+                    bytes: self.canonical_bytes(&wc)?,
+                    scales,
+                    scale_kind: kind,
+                    scale_raw,
+                    block: m.block.unwrap_or([128, 128]),
+                }
+            }
+            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
+                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
+                let scales = self.canonical_bytes(&sc)?;
+                let packed = self.canonical_bytes(&wc)?;
+                match m.convention {
+                    Some(convention) => RawFormat::Nvfp4 {
+                        packed,
+                        scales,
+                        convention,
+                        weight_global: m.weight_global.unwrap_or(f32::NAN),
+                        input_global: m.input_global,
+                    },
+                    None => RawFormat::Mxfp4 { packed, scales },
+                }
+            }
+        };
+        Ok(RawWeight { meta: m, format })
     }
 
     /// Canonical bases of every linear weight present, in natural order. Norms, the embedding

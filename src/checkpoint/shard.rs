@@ -24,6 +24,17 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
+    /// Asynchronous readahead of a range (MADV_WILLNEED), for a prefetch thread.
+    pub fn readahead(&self, start: usize, len: usize) {
+        #[cfg(unix)]
+        if let Backing::Mmap(m) = &self.backing {
+            let _ = m.advise_range(memmap2::Advice::WillNeed, start, len);
+        }
+        let _ = (start, len);
+    }
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.backing, Backing::Mmap(_))
+    }
     pub fn buf(&self) -> &[u8] {
         match &self.backing {
             Backing::Mmap(m) => m,

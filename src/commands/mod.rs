@@ -11,6 +11,7 @@ pub mod inspect;
 pub mod lint;
 pub mod plot;
 pub mod run;
+pub mod selftest;
 pub mod synth;
 
 pub fn dispatch(cli: Cli) -> Result<i32> {
@@ -23,9 +24,6 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Plot(a) => plot::main(&a),
         Command::Compare(a) => compare::main(&a),
         Command::Lint(a) => lint::main(&a),
-        Command::Selftest(_) => Err(crate::Error::Backend(
-            "selftest checks the CUDA backend's kernels against the CPU reference; the CUDA backend is not built yet"
-                .into(),
-        )),
+        Command::Selftest(a) => selftest::main(&a),
     }
 }

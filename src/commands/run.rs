@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
@@ -51,18 +52,29 @@ pub fn resolve_tokens(
     ))
 }
 
-/// Pick the backend; `auto` falls back to the CPU with one line saying why.
-pub fn select_backend(choice: BackendChoice) -> Result<(String, String)> {
+/// Pick the backend; `auto` falls back to the CPU with one line saying why, an explicit
+/// `--backend cuda` without a usable device is an error (exit 2) with the reason.
+pub fn select_backend(choice: BackendChoice) -> Result<(Backend, String, String)> {
     match choice {
-        BackendChoice::Cpu => Ok(("cpu".into(), cpu_device())),
-        BackendChoice::Cuda => Err(Error::Backend(
-            "--backend cuda: this build runs the probe on the CPU reference only (the CUDA backend is not built yet)"
-                .into(),
-        )),
-        BackendChoice::Auto => {
-            eprintln!("backend: cpu (the CUDA backend is not built yet)");
-            Ok(("cpu".into(), cpu_device()))
-        }
+        BackendChoice::Cpu => Ok((Backend::Cpu, "cpu".into(), cpu_device())),
+        BackendChoice::Cuda => match crate::backend::open_cuda() {
+            Ok(g) => {
+                let d = g.lock().map(|g| g.describe()).unwrap_or_default();
+                Ok((Backend::Cuda(g), "cuda".into(), d))
+            }
+            Err(why) => Err(Error::Backend(format!("--backend cuda: {why}"))),
+        },
+        BackendChoice::Auto => match crate::backend::open_cuda() {
+            Ok(g) => {
+                let d = g.lock().map(|g| g.describe()).unwrap_or_default();
+                eprintln!("backend: cuda on {d}");
+                Ok((Backend::Cuda(g), "cuda".into(), d))
+            }
+            Err(why) => {
+                eprintln!("backend: cpu ({why})");
+                Ok((Backend::Cpu, "cpu".into(), cpu_device()))
+            }
+        },
     }
 }
 
@@ -98,7 +110,7 @@ pub fn prepare(
         Some(p) => ProbeSpec::from_file(p)?,
         None => ProbeSpec::builtin(),
     };
-    let (backend, device) = select_backend(backend)?;
+    let (backend_sel, backend, device) = select_backend(backend)?;
     let ckpt = open_model(model, seed)?;
     let cfg = ckpt.model_config()?.clone();
     let layer_s = layers.map(str::to_string).or(spec.layers.clone());
@@ -148,6 +160,7 @@ pub fn prepare(
         progress: true,
         overrides: Vec::new(),
         stop_after: None,
+        backend: backend_sel,
     };
     Ok(Prepared {
         ckpt,

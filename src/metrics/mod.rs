@@ -70,6 +70,23 @@ pub struct Compare {
     pub new_non_finite: usize,
 }
 
+/// One pass's sums over a tensor and its reference: inner products over the pairs where both are
+/// finite, plus what makes the metrics undefined.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PairSums {
+    pub dot: f64,
+    pub nx: f64,
+    pub nr: f64,
+    pub ne: f64,
+    /// amax of x and of the reference over the finite pairs.
+    pub ax: f64,
+    pub ar: f64,
+    /// Largest |x − ref| and its first index.
+    pub max_err: Option<(f64, usize)>,
+    pub any_non_finite: bool,
+    pub new_non_finite: usize,
+}
+
 impl Compare {
     pub fn of(x: &[f32], reference: &[f32]) -> Compare {
         assert_eq!(x.len(), reference.len(), "compare: length mismatch");
@@ -100,11 +117,35 @@ impl Compare {
             ax = ax.max(a.abs());
             ar = ar.max(b.abs());
         }
-        let mut c = Compare {
+        Compare::from_sums(&PairSums {
+            dot,
+            nx,
+            nr,
+            ne,
+            ax,
+            ar,
+            max_err: (max_err >= 0.0).then_some((max_err, max_idx)),
+            any_non_finite: bad,
             new_non_finite: new_nf,
+        })
+    }
+
+    /// The metrics from one pass's sums (shared by the CPU pass above and the GPU's fused kernel).
+    pub fn from_sums(p: &PairSums) -> Compare {
+        let PairSums {
+            dot,
+            nx,
+            nr,
+            ne,
+            ax,
+            ar,
+            ..
+        } = *p;
+        let mut c = Compare {
+            new_non_finite: p.new_non_finite,
             ..Default::default()
         };
-        if bad {
+        if p.any_non_finite {
             // metrics over a tensor with NaN/Inf are not meaningful; amax ratio still is for finite parts
             c.amax_ratio = if ar > 0.0 { Some(ax / ar) } else { None };
             return c;
@@ -132,9 +173,9 @@ impl Compare {
         } else {
             None
         };
-        if max_err >= 0.0 {
-            c.max_abs_err = Some(max_err);
-            c.max_abs_idx = Some(max_idx);
+        if let Some((e, i)) = p.max_err {
+            c.max_abs_err = Some(e);
+            c.max_abs_idx = Some(i);
         }
         c.amax_ratio = if ar > 0.0 {
             Some(ax / ar)

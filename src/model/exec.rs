@@ -45,6 +45,20 @@ pub trait OpEnv {
     /// [T, Dh], "Ln.attn.compressor" [n_c, Dh], "Ln.attn.indexer.kv" [n_c, Di],
     /// "Ln.attn.indexer.q" [T, Hi·Di]. The L0 math leaves them alone (the default).
     fn cache_store(&self, _site: &str, _t: &mut Tensor) {}
+    /// The whole routed-experts op in one call, for a backend that batches it on a device:
+    /// x [t, d], `per[e]` = (token, routing weight) pairs of expert e in token order, `k` slots
+    /// per token, `bases[3e..3e+3]` = (w1, w3, w2). `None` = compute it linear by linear.
+    fn experts_fused(
+        &mut self,
+        _layer: usize,
+        _x: &Tensor,
+        _per: &[Vec<(usize, f32)>],
+        _k: usize,
+        _bases: &[&str],
+        _limit: f32,
+    ) -> Option<Result<Tensor>> {
+        None
+    }
 }
 
 pub(crate) fn internal(op: &Op, msg: impl std::fmt::Display) -> Error {
@@ -670,6 +684,10 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
         }
     }
     let limit = cfg.swiglu_limit as f32;
+    let bases: Vec<&str> = (0..3 * e).map(|i| weight(op, i)).collect::<Result<_>>()?;
+    if let Some(r) = env.experts_fused(layer, x, &per, k, &bases, limit) {
+        return r;
+    }
     let mut acc = vec![0.0f32; t * d];
     for (ex, toks) in per.iter().enumerate() {
         if toks.is_empty() {

@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::backend::cuda::LinearCtx;
+use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
 use crate::model::exec::OpEnv;
 use crate::model::ModelConfig;
@@ -60,6 +62,8 @@ pub struct Shared<'a> {
     /// Weight bases touched during the current op (for reports and bisect).
     pub touched: Vec<String>,
     pub record_observations: bool,
+    /// Where linears, routed experts and statistics run.
+    pub backend: Backend,
 }
 
 impl<'a> Shared<'a> {
@@ -78,11 +82,42 @@ impl<'a> Shared<'a> {
             observed: Vec::new(),
             touched: Vec::new(),
             record_observations: false,
+            backend: Backend::Cpu,
+        }
+    }
+
+    /// The run's checkpoint, profile, faults and hypotheses as the device linears need them.
+    fn linear_ctx(&self) -> LinearCtx<'_> {
+        LinearCtx {
+            ckpt: self.ckpt,
+            profile: self.profile,
+            fuse_pairs: self.fuse_pairs,
+            faults: &self.faults,
+            overrides: &self.overrides,
+        }
+    }
+
+    fn touch(&mut self, base: &str) {
+        if !self.touched.iter().any(|t| t == base) {
+            self.touched.push(base.to_string());
+        }
+    }
+
+    fn observe(&mut self, sub_id: String, obs: Option<LinearObs>) {
+        if let Some(o) = obs {
+            if self.record_observations {
+                self.observed.push((sub_id, o));
+            }
         }
     }
 
     /// Drop every cached weight (called between ops).
     pub fn clear(&mut self) {
+        if let Some(g) = self.backend.gpu() {
+            if let Ok(mut g) = g.lock() {
+                g.clear_weights();
+            }
+        }
         self.cache.clear();
         self.cache_bytes = 0;
         self.observed.clear();
@@ -186,6 +221,14 @@ pub struct PathEnv<'s, 'a> {
 
 impl PathEnv<'_, '_> {
     fn gemm(&mut self, sub_id: &str, x: &[f32], m: usize, base: &str) -> Result<(Vec<f32>, usize)> {
+        if let Some(g) = self.shared.backend.gpu().cloned() {
+            let mut g = lock(&g)?;
+            let (y, n, obs) = g.linear(&self.shared.linear_ctx(), self.kind, base, x, m)?;
+            drop(g);
+            self.shared.touch(base);
+            self.shared.observe(sub_id.to_string(), obs);
+            return Ok((y, n));
+        }
         let (view, n, k) = self.shared.weight_for(self.kind, base)?;
         if x.len() != m * k {
             return Err(crate::Error::bad(
@@ -239,6 +282,21 @@ impl OpEnv for PathEnv<'_, '_> {
         // x [rows, G, K]; weight [G·R, K]: group g uses rows g·R..(g+1)·R
         let k = x.cols();
         let rows = x.numel() / (groups * k).max(1);
+        if let Some(g) = self.shared.backend.gpu().cloned() {
+            let mut g = lock(&g)?;
+            let (y, r, obs) = g.linear_grouped(
+                &self.shared.linear_ctx(),
+                self.kind,
+                base,
+                &x.data,
+                rows,
+                groups,
+            )?;
+            drop(g);
+            self.shared.touch(base);
+            self.shared.observe(sub_id.to_string(), obs);
+            return Ok(Tensor::new(vec![rows, groups, r], y));
+        }
         let (view, n, wk) = self.shared.weight_for(self.kind, base)?;
         if wk != k || n % groups != 0 {
             return Err(crate::Error::bad(
@@ -271,6 +329,47 @@ impl OpEnv for PathEnv<'_, '_> {
             t.round_bf16();
         }
     }
+    fn experts_fused(
+        &mut self,
+        layer: usize,
+        x: &Tensor,
+        per: &[Vec<(usize, f32)>],
+        k: usize,
+        bases: &[&str],
+        limit: f32,
+    ) -> Option<Result<Tensor>> {
+        let g = self.shared.backend.gpu().cloned()?;
+        let r = (|| {
+            let mut g = lock(&g)?;
+            let (y, obs, touched) = g.experts(
+                &self.shared.linear_ctx(),
+                self.kind,
+                layer,
+                x,
+                per,
+                k,
+                bases,
+                limit,
+            )?;
+            drop(g);
+            for b in touched {
+                self.shared.touch(&b);
+            }
+            for (id, o) in obs {
+                self.shared.observe(id, Some(o));
+            }
+            Ok(y)
+        })();
+        Some(r)
+    }
+}
+
+fn lock(
+    g: &std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>,
+) -> Result<std::sync::MutexGuard<'_, crate::backend::cuda::Gpu>> {
+    g.lock().map_err(|_| {
+        crate::Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
+    })
 }
 
 /// Rows `r0..r0+n` of a served weight (for grouped projections).

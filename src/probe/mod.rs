@@ -43,6 +43,19 @@ pub struct RunOptions {
     pub overrides: Vec<(String, Override)>,
     /// Stop after this op id (bisect re-runs).
     pub stop_after: Option<String>,
+    /// Where the numerics run (CPU reference or the CUDA device).
+    pub backend: crate::backend::Backend,
+}
+
+impl RunOptions {
+    /// The paths' shared state for this run: backend, loader faults and hypotheses applied.
+    pub fn shared<'a>(&self, ckpt: &'a Checkpoint, cfg: crate::model::ModelConfig) -> Shared<'a> {
+        let mut shared = Shared::new(ckpt, cfg, self.tokens.clone(), self.profile);
+        shared.faults = self.loader_faults.clone();
+        shared.overrides = self.overrides.clone();
+        shared.backend = self.backend.clone();
+        shared
+    }
 }
 
 /// Index-valued outputs (router expert ids, indexer selections): agreement instead of cosine.
@@ -173,9 +186,7 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         }
     }
 
-    let mut shared = Shared::new(ckpt, cfg.clone(), opts.tokens.clone(), opts.profile);
-    shared.faults = opts.loader_faults.clone();
-    shared.overrides = opts.overrides.clone();
+    let mut shared = opts.shared(ckpt, cfg.clone());
     let mut maps: [HashMap<String, Tensor>; 3] = Default::default();
     let mut records = Vec::new();
     let mut outputs: BTreeMap<String, Vec<(String, Tensor)>> = BTreeMap::new();
@@ -190,181 +201,232 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         indicatif::ProgressBar::hidden()
     };
 
-    for (step, op) in ops.iter().enumerate() {
-        pb.set_message(op.id.clone());
-        let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
-        let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
-        for (pi, kind) in PathKind::ALL.iter().enumerate() {
-            let inputs: Vec<&Tensor> = op
-                .inputs
-                .iter()
-                .map(|id| {
-                    maps[pi].get(id).ok_or_else(|| {
-                        Error::usage(format!("internal: op {} input {id} not computed", op.id))
-                    })
-                })
-                .collect::<Result<_>>()?;
-            shared.record_observations = *kind == PathKind::Served && report;
-            let mut env = PathEnv {
-                kind: *kind,
-                shared: &mut shared,
-            };
-            outs.push(exec(op, &inputs, &mut env)?);
+    // NVFP4_PROBE_PROFILE=1: seconds per op kind (all execs of the op) and in metrics, on stderr
+    let profile = std::env::var_os("NVFP4_PROBE_PROFILE").is_some();
+    let mut prof: BTreeMap<String, f64> = BTreeMap::new();
+    // With the CUDA backend a thread asks the kernel to read ahead the weights of the coming ops
+    // while the device computes (cold runs are disk-bound; this overlaps the two).
+    let at_step = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let plan: Vec<Vec<String>> = if opts.backend.gpu().is_some() {
+        ops.iter().map(|op| prefetch_names(ckpt, op)).collect()
+    } else {
+        Vec::new()
+    };
+    std::thread::scope(|sc| -> Result<()> {
+        if !plan.is_empty() {
+            sc.spawn(|| prefetch_loop(ckpt, &plan, &at_step, &done, PREFETCH_AHEAD));
         }
-        shared.record_observations = false;
-        let observed = std::mem::take(&mut shared.observed);
-        let touched = shared.touched.clone();
-        if report {
-            let quantized = touched.iter().any(|t| shared.is_quantized(t));
-            let iso: Vec<Tensor> = if quantized {
-                let inputs: Vec<&Tensor> = op.inputs.iter().map(|id| &maps[1][id]).collect();
-                let mut env = PathEnv {
-                    kind: PathKind::Served,
-                    shared: &mut shared,
-                };
-                exec(op, &inputs, &mut env)?
-            } else {
-                outs[1].clone()
-            };
-            // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
-            let fp_on_bf: Vec<Tensor> = {
-                let inputs: Vec<&Tensor> = op.inputs.iter().map(|id| &maps[1][id]).collect();
-                let mut env = PathEnv {
-                    kind: PathKind::OracleFp32,
-                    shared: &mut shared,
-                };
-                exec(op, &inputs, &mut env)?
-            };
-            let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
-            let mut stats = BTreeMap::new();
-            stats.insert("oracle_fp32".to_string(), Stats::of(&fp.data));
-            stats.insert("oracle_bf16".to_string(), Stats::of(&bf.data));
-            stats.insert("served".to_string(), Stats::of(&sv.data));
-            stats.insert("served_isolated".to_string(), Stats::of(&is.data));
-            let weights: Vec<(String, String)> = touched
-                .iter()
-                .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
-                .collect();
-            let formats: Vec<String> = weights
-                .iter()
-                .map(|(_, s)| {
-                    if s.starts_with("nvfp4") {
-                        "nvfp4".to_string()
+        let r = (|| -> Result<()> {
+            for (step, op) in ops.iter().enumerate() {
+                at_step.store(step, std::sync::atomic::Ordering::Relaxed);
+                let t_op = Instant::now();
+                pb.set_message(op.id.clone());
+                let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
+                let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
+                for (pi, kind) in PathKind::ALL.iter().enumerate() {
+                    let inputs: Vec<&Tensor> = op
+                        .inputs
+                        .iter()
+                        .map(|id| {
+                            maps[pi].get(id).ok_or_else(|| {
+                                Error::usage(format!(
+                                    "internal: op {} input {id} not computed",
+                                    op.id
+                                ))
+                            })
+                        })
+                        .collect::<Result<_>>()?;
+                    shared.record_observations = *kind == PathKind::Served && report;
+                    let mut env = PathEnv {
+                        kind: *kind,
+                        shared: &mut shared,
+                    };
+                    outs.push(exec(op, &inputs, &mut env)?);
+                }
+                shared.record_observations = false;
+                let observed = std::mem::take(&mut shared.observed);
+                let touched = shared.touched.clone();
+                if report {
+                    let quantized = touched.iter().any(|t| shared.is_quantized(t));
+                    let iso: Vec<Tensor> = if quantized {
+                        let inputs: Vec<&Tensor> =
+                            op.inputs.iter().map(|id| &maps[1][id]).collect();
+                        let mut env = PathEnv {
+                            kind: PathKind::Served,
+                            shared: &mut shared,
+                        };
+                        exec(op, &inputs, &mut env)?
                     } else {
-                        s.clone()
-                    }
-                })
-                .collect();
-            let class = format!("{:?}", op.class);
-            let noise = Compare::of(&bf.data, &fp.data);
-            let noise_iso = Compare::of(&bf.data, &fp_on_bf[0].data);
-            let iso_bf = Compare::of(&is.data, &bf.data);
-            let prop_bf = Compare::of(&sv.data, &bf.data);
-            let (health, act_ratio) = env::aggregate_health(&observed);
-            let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
-                .max(format_tolerance(th, opts.profile, &formats, &class))
-                .max(th.min_rel_l2);
-            let agreement = if is_index_output(op) {
-                Some(Agreement {
-                    served_isolated: agreement(&is.data, &bf.data),
-                    served_propagated: agreement(&sv.data, &bf.data),
-                    oracle_bf16: agreement(&bf.data, &fp.data),
-                })
-            } else {
-                None
-            };
-            let bf_nf = stats["oracle_bf16"].non_finite();
-            let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
-                (
-                    true,
-                    Some("non-finite values where the BF16 oracle has none".to_string()),
-                )
-            } else if agreement.is_some() {
-                (false, None)
-            } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
-                (
-                    true,
-                    Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")),
-                )
-            } else if let Some(q) = iso_bf
-                .amax_ratio
-                .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
-            {
-                (
-                    true,
-                    Some(format!(
-                        "isolated amax ratio {q:.3e} outside [1/{0}, {0}]",
-                        th.amax_ratio
-                    )),
-                )
-            } else if iso_bf.rel_l2.is_none() && !bf_nf && stats["served_isolated"].non_finite() {
-                (true, Some("undefined error".into()))
-            } else {
-                (false, None)
-            };
-            let shows = agreement.is_none()
-                && ((stats["served"].non_finite() && !bf_nf)
-                    || prop_bf.rel_l2.is_none_or(|r| r > th.propagated_rel_l2));
-            records.push(OpRecord {
-                step,
-                id: op.id.clone(),
-                class,
-                layer: op.layer,
-                shape: sv.shape.clone(),
-                weights,
-                stats,
-                bf16_vs_fp32: noise,
-                bf16_vs_fp32_isolated: noise_iso,
-                served_isolated_vs_fp32: Compare::of(&is.data, &fp.data),
-                served_isolated_vs_bf16: iso_bf,
-                served_propagated_vs_fp32: Compare::of(&sv.data, &fp.data),
-                served_propagated_vs_bf16: prop_bf,
-                agreement,
-                health,
-                act_amax_over_calib: act_ratio,
-                tolerance: tol,
-                divergent,
-                reason,
-                shows,
-            });
-            if opts.keep_outputs {
-                for (name, ts) in [
-                    ("oracle_fp32", &outs[0]),
-                    ("oracle_bf16", &outs[1]),
-                    ("served", &outs[2]),
-                    ("served_isolated", &iso),
-                ] {
-                    let e = outputs.entry(name.to_string()).or_default();
-                    for (id, t) in op.outputs.iter().zip(ts.iter()) {
-                        e.push((id.clone(), t.clone()));
+                        outs[1].clone()
+                    };
+                    // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
+                    let fp_on_bf: Vec<Tensor> = {
+                        let inputs: Vec<&Tensor> =
+                            op.inputs.iter().map(|id| &maps[1][id]).collect();
+                        let mut env = PathEnv {
+                            kind: PathKind::OracleFp32,
+                            shared: &mut shared,
+                        };
+                        exec(op, &inputs, &mut env)?
+                    };
+                    let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
+                    let t_m = Instant::now();
+                    let ms = measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?;
+                    *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
+                    let mut stats = BTreeMap::new();
+                    stats.insert("oracle_fp32".to_string(), ms.fp);
+                    stats.insert("oracle_bf16".to_string(), ms.bf);
+                    stats.insert("served".to_string(), ms.sv);
+                    stats.insert("served_isolated".to_string(), ms.is);
+                    let weights: Vec<(String, String)> = touched
+                        .iter()
+                        .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
+                        .collect();
+                    let formats: Vec<String> = weights
+                        .iter()
+                        .map(|(_, s)| {
+                            if s.starts_with("nvfp4") {
+                                "nvfp4".to_string()
+                            } else {
+                                s.clone()
+                            }
+                        })
+                        .collect();
+                    let class = format!("{:?}", op.class);
+                    let (noise, noise_iso, iso_bf, prop_bf) =
+                        (ms.noise, ms.noise_iso, ms.iso_bf, ms.prop_bf);
+                    let (health, act_ratio) = env::aggregate_health(&observed);
+                    let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
+                        .max(format_tolerance(th, opts.profile, &formats, &class))
+                        .max(th.min_rel_l2);
+                    let agreement = if is_index_output(op) {
+                        Some(Agreement {
+                            served_isolated: agreement(&is.data, &bf.data),
+                            served_propagated: agreement(&sv.data, &bf.data),
+                            oracle_bf16: agreement(&bf.data, &fp.data),
+                        })
+                    } else {
+                        None
+                    };
+                    let bf_nf = stats["oracle_bf16"].non_finite();
+                    let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
+                        (
+                            true,
+                            Some("non-finite values where the BF16 oracle has none".to_string()),
+                        )
+                    } else if agreement.is_some() {
+                        (false, None)
+                    } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
+                        (
+                            true,
+                            Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")),
+                        )
+                    } else if let Some(q) = iso_bf
+                        .amax_ratio
+                        .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
+                    {
+                        (
+                            true,
+                            Some(format!(
+                                "isolated amax ratio {q:.3e} outside [1/{0}, {0}]",
+                                th.amax_ratio
+                            )),
+                        )
+                    } else if iso_bf.rel_l2.is_none()
+                        && !bf_nf
+                        && stats["served_isolated"].non_finite()
+                    {
+                        (true, Some("undefined error".into()))
+                    } else {
+                        (false, None)
+                    };
+                    let shows = agreement.is_none()
+                        && ((stats["served"].non_finite() && !bf_nf)
+                            || prop_bf.rel_l2.is_none_or(|r| r > th.propagated_rel_l2));
+                    records.push(OpRecord {
+                        step,
+                        id: op.id.clone(),
+                        class,
+                        layer: op.layer,
+                        shape: sv.shape.clone(),
+                        weights,
+                        stats,
+                        bf16_vs_fp32: noise,
+                        bf16_vs_fp32_isolated: noise_iso,
+                        served_isolated_vs_fp32: ms.iso_fp,
+                        served_isolated_vs_bf16: iso_bf,
+                        served_propagated_vs_fp32: ms.prop_fp,
+                        served_propagated_vs_bf16: prop_bf,
+                        agreement,
+                        health,
+                        act_amax_over_calib: act_ratio,
+                        tolerance: tol,
+                        divergent,
+                        reason,
+                        shows,
+                    });
+                    if opts.keep_outputs {
+                        for (name, ts) in [
+                            ("oracle_fp32", &outs[0]),
+                            ("oracle_bf16", &outs[1]),
+                            ("served", &outs[2]),
+                            ("served_isolated", &iso),
+                        ] {
+                            let e = outputs.entry(name.to_string()).or_default();
+                            for (id, t) in op.outputs.iter().zip(ts.iter()) {
+                                e.push((id.clone(), t.clone()));
+                            }
+                        }
                     }
                 }
+                shared.clear();
+                for (pi, out) in outs.into_iter().enumerate() {
+                    if out.len() != op.outputs.len() {
+                        return Err(Error::usage(format!(
+                            "internal: op {} returned {} outputs for {} ids",
+                            op.id,
+                            out.len(),
+                            op.outputs.len()
+                        )));
+                    }
+                    for (id, t) in op.outputs.iter().zip(out) {
+                        maps[pi].insert(id.clone(), t);
+                    }
+                }
+                // drop tensors nothing later consumes
+                for m in maps.iter_mut() {
+                    m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
+                }
+                pb.inc(1);
+                *prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
+                if opts.stop_after.as_deref() == Some(op.id.as_str()) {
+                    break;
+                }
             }
-        }
-        shared.clear();
-        for (pi, out) in outs.into_iter().enumerate() {
-            if out.len() != op.outputs.len() {
-                return Err(Error::usage(format!(
-                    "internal: op {} returned {} outputs for {} ids",
-                    op.id,
-                    out.len(),
-                    op.outputs.len()
-                )));
+            Ok(())
+        })();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    })?;
+    pb.finish_and_clear();
+    if profile {
+        let mut v: Vec<_> = prof.into_iter().collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
+        eprintln!(
+            "profile (s, ops include their metrics): {}",
+            line.join(", ")
+        );
+        if let Some(g) = opts.backend.gpu() {
+            if let Ok(g) = g.lock() {
+                eprintln!(
+                    "gpu counters: {}",
+                    serde_json::to_string(&g.counters).unwrap_or_default()
+                );
             }
-            for (id, t) in op.outputs.iter().zip(out) {
-                maps[pi].insert(id.clone(), t);
-            }
-        }
-        // drop tensors nothing later consumes
-        for m in maps.iter_mut() {
-            m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
-        }
-        pb.inc(1);
-        if opts.stop_after.as_deref() == Some(op.id.as_str()) {
-            break;
         }
     }
-    pb.finish_and_clear();
 
     let mut summary = Summary {
         ops: records.len(),
@@ -398,6 +460,136 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         outputs,
         seconds: t0.elapsed().as_secs_f64(),
         bytes_read: ckpt.bytes_read() - bytes0,
+    })
+}
+
+/// How far (bytes of weights) the prefetch thread may run ahead of the op being computed.
+const PREFETCH_AHEAD: usize = 8 << 30;
+
+/// Canonical names of the stored tensors an op's weights occupy (data and block scales).
+fn prefetch_names(ckpt: &Checkpoint, op: &Op) -> Vec<String> {
+    let mut v = Vec::new();
+    for base in &op.weights {
+        if let Ok(l) = ckpt.weight_layout(base) {
+            v.push(l.weight);
+            v.extend(l.scale);
+        }
+    }
+    v
+}
+
+/// Read ahead the tensors of the ops after the current one, at most `ahead` bytes beyond it.
+fn prefetch_loop(
+    ckpt: &Checkpoint,
+    plan: &[Vec<String>],
+    at: &std::sync::atomic::AtomicUsize,
+    done: &std::sync::atomic::AtomicBool,
+    ahead: usize,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let sizes: Vec<Vec<usize>> = plan
+        .iter()
+        .map(|names| {
+            names
+                .iter()
+                .map(|n| ckpt.canonical_span(n).map(|s| s.len()).unwrap_or(0))
+                .collect()
+        })
+        .collect();
+    let mut start_of = vec![0usize; plan.len() + 1];
+    for (i, s) in sizes.iter().enumerate() {
+        start_of[i + 1] = start_of[i] + s.iter().sum::<usize>();
+    }
+    let mut pos = 0usize; // bytes of the plan already requested
+    for (step, names) in plan.iter().enumerate() {
+        for (name, &len) in names.iter().zip(&sizes[step]) {
+            loop {
+                if done.load(Relaxed) {
+                    return;
+                }
+                let cur = at.load(Relaxed).min(plan.len());
+                if step < cur {
+                    break; // that op is already done: skip
+                }
+                if pos + len <= start_of[cur] + ahead || step == cur {
+                    ckpt.readahead(name);
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            pos += len;
+        }
+    }
+}
+
+/// One op's statistics and comparisons (the four paths' outputs and the noise-floor exec).
+struct Measured {
+    fp: Stats,
+    bf: Stats,
+    sv: Stats,
+    is: Stats,
+    noise: Compare,
+    noise_iso: Compare,
+    iso_bf: Compare,
+    prop_bf: Compare,
+    iso_fp: Compare,
+    prop_fp: Compare,
+}
+
+/// The metrics of one op, on the device when the run has one (one fused pass per pair).
+fn measure(
+    backend: &crate::backend::Backend,
+    fp: &Tensor,
+    bf: &Tensor,
+    sv: &Tensor,
+    is: &Tensor,
+    fp_on_bf: &Tensor,
+) -> Result<Measured> {
+    let same = [bf, sv, is, fp_on_bf]
+        .iter()
+        .all(|t| t.data.len() == fp.data.len());
+    if let (Some(g), true) = (backend.gpu(), same) {
+        let mut g = g
+            .lock()
+            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+        let t: [&[f32]; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
+        let r = g.metrics(
+            &t,
+            &[
+                (0, None),
+                (1, Some(0)),
+                (2, Some(1)),
+                (3, Some(1)),
+                (1, Some(4)),
+                (3, Some(0)),
+                (2, Some(0)),
+            ],
+        )?;
+        let c = |i: usize| r[i].1.clone().unwrap_or_default();
+        return Ok(Measured {
+            fp: r[0].0.clone(),
+            bf: r[1].0.clone(),
+            sv: r[2].0.clone(),
+            is: r[3].0.clone(),
+            noise: c(1),
+            prop_bf: c(2),
+            iso_bf: c(3),
+            noise_iso: c(4),
+            iso_fp: c(5),
+            prop_fp: c(6),
+        });
+    }
+    Ok(Measured {
+        fp: Stats::of(&fp.data),
+        bf: Stats::of(&bf.data),
+        sv: Stats::of(&sv.data),
+        is: Stats::of(&is.data),
+        noise: Compare::of(&bf.data, &fp.data),
+        noise_iso: Compare::of(&bf.data, &fp_on_bf.data),
+        iso_bf: Compare::of(&is.data, &bf.data),
+        prop_bf: Compare::of(&sv.data, &bf.data),
+        iso_fp: Compare::of(&is.data, &fp.data),
+        prop_fp: Compare::of(&sv.data, &fp.data),
     })
 }
 

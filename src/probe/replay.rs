@@ -15,7 +15,7 @@ use crate::model::exec::{exec, OpEnv};
 use crate::model::graph::{build_graph, Op};
 use crate::model::ModelConfig;
 use crate::numerics::{bf16, e2m1, e4m3, nvfp4};
-use crate::probe::env::{PathEnv, PathKind, Shared};
+use crate::probe::env::{PathEnv, PathKind};
 use crate::probe::faults::Fault;
 use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, ServedWeight};
 use crate::probe::RunOptions;
@@ -45,7 +45,7 @@ pub fn capture(ckpt: &Checkpoint, opts: &RunOptions, op_id: &str) -> Result<Capt
             last_use.insert(inp.as_str(), i);
         }
     }
-    let mut shared = Shared::new(ckpt, cfg, opts.tokens.clone(), opts.profile);
+    let mut shared = opts.shared(ckpt, cfg);
     let mut vals: HashMap<String, Tensor> = HashMap::new();
     for (step, op) in ops[..idx].iter().enumerate() {
         let ins: Vec<&Tensor> = op

@@ -9,8 +9,9 @@
 //! - [`measure_layer`]: the runner's full per-op measurement of one layer, started from the scan's
 //!   saved states instead of from the embedding.
 //!
-//! Every path here builds `Shared` + `PathEnv` the way `probe::run` does, so a backend selected
-//! through `Shared` applies here too.
+//! Every path here builds its `Shared` with `RunOptions::shared` and runs `PathEnv`s the way
+//! `probe::run` does, so the backend the options select applies here too. Metrics are computed on
+//! the host (`Compare::of`), not through the runner's device metrics.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -253,12 +254,10 @@ fn check_tokens(ckpt: &Checkpoint, opts: &RunOptions) -> Result<()> {
     Ok(())
 }
 
+/// The runner's shared state (backend, loader faults, hypotheses) for these options.
 fn shared<'a>(ckpt: &'a Checkpoint, opts: &RunOptions) -> Result<Shared<'a>> {
     let cfg = ckpt.model_config()?.clone();
-    let mut s = Shared::new(ckpt, cfg, opts.tokens.clone(), opts.profile);
-    s.faults = opts.loader_faults.clone();
-    s.overrides = opts.overrides.clone();
-    Ok(s)
+    Ok(opts.shared(ckpt, cfg))
 }
 
 fn run_op(

@@ -133,9 +133,30 @@ pub fn resolve_nvfp4(
     fuse_pairs: bool,
     faults: &[&Fault],
 ) -> Nvfp4Params {
+    resolve_nvfp4_named(
+        ckpt,
+        &qw.canonical,
+        conv,
+        weight_global,
+        input_global,
+        fuse_pairs,
+        faults,
+    )
+}
+
+/// [`resolve_nvfp4`] for a weight known by its canonical base name.
+pub fn resolve_nvfp4_named(
+    ckpt: &Checkpoint,
+    canonical: &str,
+    conv: Convention,
+    weight_global: f32,
+    input_global: Option<f32>,
+    fuse_pairs: bool,
+    faults: &[&Fault],
+) -> Nvfp4Params {
     let (mut wg, mut ig) = (weight_global, input_global.unwrap_or(0.0));
     if fuse_pairs {
-        if let Some(sib) = sibling(&qw.canonical) {
+        if let Some(sib) = sibling(canonical) {
             if let Some((sw, si)) = ckpt.nvfp4_scalars(&sib) {
                 // vLLM keeps one scale per merged layer: max over shards (max g for CT, max d for ModelOpt)
                 wg = wg.max(sw);
@@ -163,7 +184,7 @@ pub fn resolve_nvfp4(
     if has(FaultKind::InputAmaxX64) {
         g_x *= 64.0;
     }
-    if has(FaultKind::W13ScaleMismatch) && qw.canonical.ends_with(".w3") {
+    if has(FaultKind::W13ScaleMismatch) && canonical.ends_with(".w3") {
         d_w *= 1.6;
     }
     let mut alpha = match conv {
@@ -441,7 +462,7 @@ pub fn apply(
 
 /// FP8 1×128 activation quantization whose power-of-two scale was packed from an f32 scale by keeping
 /// only its exponent bits while the values were divided by the full f32 scale (sglang #25704's class).
-fn fake_quant_fp8_non_pow2(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+pub fn fake_quant_fp8_non_pow2(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * k];
     for r in 0..m {
         for g0 in (0..k).step_by(128) {

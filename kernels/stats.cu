@@ -1,0 +1,140 @@
+// nvfp4-probe device code, part 3: fused statistics (one pass over a tensor and its reference) and
+// the MoE gather / SwiGLU / combine kernels.
+
+// acc (f64, 5): sum |x| over finite x; dot, |x|^2, |r|^2, |x-r|^2 over pairs where both are finite.
+// cnt (u64, 11): nan, inf, zeros (finite x), finite x, new non-finite (x non-finite, r finite),
+//   non-finite pairs, amax(x) bits, amax over finite pairs of x and of r (f32 bits), the max-error
+//   key (f32 error bits << 32 | ~index: largest error, first index on ties), finite pairs.
+#define ACC_N 5
+#define CNT_N 11
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ u64 warp_sum_u(u64 v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ u64 warp_max_u(u64 v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 w = __shfl_down_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+
+extern "C" __global__ void fused_stats(const float* x, const float* r, u64 n, double* acc, u64* cnt) {
+    double sabs = 0.0, dot = 0.0, nx = 0.0, nr = 0.0, ne = 0.0;
+    u64 nan = 0, inf = 0, zeros = 0, fin = 0, newnf = 0, bad = 0, pairs = 0;
+    float amax = 0.0f, ax = 0.0f, ar = 0.0f;
+    u64 key = 0;
+    GRID_STRIDE(i, n) {
+        float a = x[i];
+        if (isnan(a)) nan++;
+        else if (isinf(a)) inf++;
+        else {
+            amax = fmaxf(amax, fabsf(a));
+            if (a == 0.0f) zeros++;
+            sabs += (double)fabsf(a);
+            fin++;
+        }
+        if (r) {
+            float b = r[i];
+            if (!isfinite(a) || !isfinite(b)) {
+                bad++;
+                if (!isfinite(a) && isfinite(b)) newnf++;
+            } else {
+                double da = (double)a, db = (double)b, e = da - db;
+                dot += da * db;
+                nx += da * da;
+                nr += db * db;
+                ne += e * e;
+                ax = fmaxf(ax, fabsf(a));
+                ar = fmaxf(ar, fabsf(b));
+                float ef = (float)fabs(e);
+                u64 k = ((u64)__float_as_uint(ef) << 32) | (u64)(0xFFFFFFFFu - (u32)i);
+                key = k > key ? k : key;
+                pairs++;
+            }
+        }
+    }
+    sabs = warp_sum_d(sabs);
+    dot = warp_sum_d(dot);
+    nx = warp_sum_d(nx);
+    nr = warp_sum_d(nr);
+    ne = warp_sum_d(ne);
+    nan = warp_sum_u(nan);
+    inf = warp_sum_u(inf);
+    zeros = warp_sum_u(zeros);
+    fin = warp_sum_u(fin);
+    newnf = warp_sum_u(newnf);
+    bad = warp_sum_u(bad);
+    pairs = warp_sum_u(pairs);
+    u64 m0 = warp_max_u((u64)__float_as_uint(amax));
+    u64 m1 = warp_max_u((u64)__float_as_uint(ax));
+    u64 m2 = warp_max_u((u64)__float_as_uint(ar));
+    key = warp_max_u(key);
+    if ((threadIdx.x & 31u) == 0u) {
+        if (sabs != 0.0) atomicAdd(&acc[0], sabs);
+        if (dot != 0.0) atomicAdd(&acc[1], dot);
+        if (nx != 0.0) atomicAdd(&acc[2], nx);
+        if (nr != 0.0) atomicAdd(&acc[3], nr);
+        if (ne != 0.0) atomicAdd(&acc[4], ne);
+        add_nonzero(&cnt[0], nan);
+        add_nonzero(&cnt[1], inf);
+        add_nonzero(&cnt[2], zeros);
+        add_nonzero(&cnt[3], fin);
+        add_nonzero(&cnt[4], newnf);
+        add_nonzero(&cnt[5], bad);
+        if (m0) atomicMax(&cnt[6], m0);
+        if (m1) atomicMax(&cnt[7], m1);
+        if (m2) atomicMax(&cnt[8], m2);
+        if (key) atomicMax(&cnt[9], key);
+        add_nonzero(&cnt[10], pairs);
+    }
+}
+
+// ---- MoE -----------------------------------------------------------------------------------
+
+// out[i, :] = x[rows[i], :]
+extern "C" __global__ void gather_rows(const float* x, const int* rows, u64 nrows, u64 d, float* out) {
+    GRID_STRIDE(i, nrows * d) {
+        u64 r = i / d, c = i % d;
+        out[i] = x[(u64)rows[r] * d + c];
+    }
+}
+
+__device__ __forceinline__ float silu_f(float v) {
+    return __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v))));
+}
+
+// SwiGLU with the clamp: g' = min(g, L), u' = clamp(u, +-L) (NaN kept), a = silu(g') * u',
+// rounded to BF16 when round != 0 (the path's storage rounding). limit <= 0: no clamp.
+extern "C" __global__ void swiglu_clamp(const float* g, const float* u, u64 n, float limit, int round,
+                                        float* out) {
+    GRID_STRIDE(i, n) {
+        float g2 = g[i], u2 = u[i];
+        if (limit > 0.0f) {
+            g2 = fminf(g2, limit);
+            if (!isnan(u2)) u2 = fminf(fmaxf(u2, -limit), limit);
+        }
+        float a = __fmul_rn(silu_f(g2), u2);
+        out[i] = round ? bf16_round(a) : a;
+    }
+}
+
+// Routed combine in the CPU reference's order: for token t, acc = 0, then for its slots j = 0..k
+// (sorted by expert id) acc += w_j * y[row_j]; row -1 = empty slot.
+extern "C" __global__ void moe_combine(const float* y, const int* slot_row, const float* slot_w, u64 t,
+                                       u64 k, u64 d, float* out) {
+    GRID_STRIDE(i, t * d) {
+        u64 ti = i / d, c = i % d;
+        float acc = 0.0f;
+        for (u64 j = 0; j < k; j++) {
+            int row = slot_row[ti * k + j];
+            if (row >= 0) acc = __fadd_rn(acc, __fmul_rn(slot_w[ti * k + j], y[(u64)row * d + c]));
+        }
+        out[i] = acc;
+    }
+}

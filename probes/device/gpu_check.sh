@@ -1,0 +1,52 @@
+#!/bin/bash
+# GPU machine check, one command. Stages (STAGES, space-separated; default "selftest"):
+#   selftest  kernels vs the CPU reference, rcp.approx table, kernel bandwidth, whole tiny runs CPU vs CUDA
+#   flash     synthesize a V4-Flash-dimension checkpoint (FLASH_LAYERS layers, FLASH_FORMAT), then
+#             warm runs (x3), a cold run (page cache dropped with posix_fadvise), CPU vs CUDA on layer 0
+#   bisect    bisect with a loader fault in layer 3 on the Flash checkpoint, timed against one run
+# Usage (on the GPU machine, repository root, release binary present):
+#   OUT=/tmp/out STAGES="selftest flash bisect" bash probes/device/gpu_check.sh
+set -u
+B=${B:-target/release/nvfp4-probe}
+OUT=${OUT:-/tmp/nvfp4-probe-out}
+STAGES=${STAGES:-selftest}
+F=${FLASH_DIR:-/tmp/flash}
+FMT=${FLASH_FORMAT:-modelopt-nvfp4}
+NL=${FLASH_LAYERS:-5}
+L="0..$((NL-1))"
+mkdir -p "$OUT"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+evict() { python3 -c "
+import os,sys,glob
+for p in glob.glob(sys.argv[1]+'/*.safetensors'):
+    fd=os.open(p,os.O_RDONLY); os.fsync(fd) if False else None; os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED); os.close(fd)
+" "$1"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+nproc >> "$OUT/gpu.txt"; free -g >> "$OUT/gpu.txt"; df -h /tmp >> "$OUT/gpu.txt"
+if has selftest; then
+  ( time timeout 300 $B selftest --backend cuda --bench ${BENCH_GIB:-2} --rcp-table "$OUT/rcp_table.bin" --json "$OUT/selftest.json" ) > "$OUT/selftest.txt" 2>&1
+  rc=$?; echo "selftest rc=$rc" >> "$OUT/selftest.txt"; grep -E "^(kernels|whole|selftest|rcp)" "$OUT/selftest.txt"
+  [ $rc -ge 2 ] && { echo "selftest could not run: skipping the rest"; exit 1; }
+fi
+if has flash; then
+  if [ ! -f "$F/config.json" ]; then
+    ( time $B synth --preset flash-layer --format $FMT --layers $NL --out $F ) > "$OUT/synth.txt" 2>&1
+  fi
+  du -sb "$F" >> "$OUT/synth.txt"; tail -4 "$OUT/synth.txt"
+  cat $F/*.safetensors > /dev/null   # warm the page cache
+  for i in 1 2 3; do
+    ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_warm$i.json ) > "$OUT/flash_warm$i.txt" 2>&1
+    grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident" "$OUT/flash_warm$i.txt"
+  done
+  evict $F; sync
+  ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_cold.json ) > "$OUT/flash_cold.txt" 2>&1
+  grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident" "$OUT/flash_cold.txt"
+  evict $F; sync
+  ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
+  ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers 0..0 --seq-len ${CPU_CMP_T:-32} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
+  grep -E "^whole|selftest" "$OUT/flash_cpu_vs_cuda.txt"
+fi
+if has bisect; then
+  ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout 240 $B bisect --model $F --layers $L --seq-len 128 --backend cuda --loader-fault ${BISECT_FAULT:-inverted-input-scale@L3.ffn.experts} --json $OUT/flash_bisect.json ) > "$OUT/flash_bisect.txt" 2>&1
+  grep -E "Elapsed|L3|verdict|profile" "$OUT/flash_bisect.txt" | head -8
+fi

@@ -1,0 +1,1635 @@
+//! The CUDA backend: kernels from `kernels/*.cu` compiled by NVRTC for the device in hand, cuBLAS
+//! GEMMs, weights streamed from the checkpoint's mmap through pinned staging buffers.
+//!
+//! What runs here: weight dequantization (NVFP4 both conventions, MXFP4, FP8 block, dense), the
+//! served path's activation quantization (NVFP4 in the serving kernel's op order with
+//! `rcp.approx.ftz`, FP8 1×128), every linear of every path (FP32 oracle: FP32 GEMM without TF32;
+//! BF16 oracle and the served GEMMs: BF16 × BF16 → FP32 where both operands are exactly BF16),
+//! the whole routed-experts op (gather, SwiGLU clamp, combine in the CPU reference's order) and
+//! the fused per-tensor statistics. The remaining op math runs on the host in `model::exec`.
+//!
+//! Weights are uploaded once per op as stored (4-bit, 8-bit) and dequantized on the device for
+//! each path, so an expert is read from disk once however many paths use it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
+use cudarc::driver::{
+    result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream,
+    DevicePtr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::checkpoint::Checkpoint;
+use crate::metrics::{Compare, PairSums, Stats};
+use crate::numerics::nvfp4::{Convention, QuantHealth};
+use crate::probe::env::PathKind;
+use crate::probe::faults::Fault;
+use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, ServedWeight};
+use crate::{Error, Result, Tensor};
+
+/// The device source, embedded in the binary and compiled at run time.
+pub const KERNEL_SOURCE: [&str; 3] = [
+    include_str!("../../kernels/formats.cu"),
+    include_str!("../../kernels/quant.cu"),
+    include_str!("../../kernels/stats.cu"),
+];
+
+const KERNELS: &[&str] = &[
+    "decode_bytes",
+    "encode_floats",
+    "round_bf16",
+    "scale_round",
+    "rcp_approx_map",
+    "rcp_sweep",
+    "rcp_table",
+    "dequant_nvfp4",
+    "dequant_mxfp4",
+    "dequant_fp8_block",
+    "convert_dense",
+    "act_quant_nvfp4",
+    "act_quant_fp8",
+    "fused_stats",
+    "gather_rows",
+    "swiglu_clamp",
+    "moe_combine",
+];
+
+/// Health slots per served linear (7 counters + the activation amax as f32 bits).
+pub const H_SLOTS: usize = 8;
+
+fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Backend(format!("cuda: {what}: {e:?}"))
+}
+
+/// A device allocation with its raw address (event tracking is off: one stream orders everything).
+pub struct Buf {
+    _s: CudaSlice<u8>,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy)]
+pub enum A {
+    P(u64),
+    U(u64),
+    I(i32),
+    F(f32),
+    U32(u32),
+}
+
+/// Which element type a GEMM operand holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Ty {
+    F32,
+    Bf16,
+}
+
+/// The weight as stored, resident on the device for the current op.
+enum DevFmt {
+    Dense(Buf),
+    Fp8 {
+        bytes: Buf,
+        scales: Buf,
+        bm: usize,
+        bn: usize,
+    },
+    Mx {
+        packed: Buf,
+        scales: Buf,
+    },
+    Nv {
+        packed: Buf,
+        scales: Buf,
+        conv: Convention,
+        global: f32,
+    },
+}
+
+/// How the served path computes with a weight.
+enum ServedDev {
+    /// From the stored bytes: NVFP4 scalars as the loader resolved them (scalar loader faults and
+    /// hypotheses applied), nibble order, FP8 activation-scale and double-scale faults as flags.
+    Native {
+        nv: Option<Nvfp4Params>,
+        swap: bool,
+        non_pow2: bool,
+        double_scale: bool,
+    },
+    /// Prepared on the host (a loader fault or a bisect hypothesis touches this weight).
+    Host {
+        w: Buf,
+        nv: Option<Nvfp4Params>,
+        fp8_act: bool,
+        non_pow2: bool,
+        dense: bool,
+    },
+}
+
+struct DevWeight {
+    n: usize,
+    k: usize,
+    fmt: DevFmt,
+    served: ServedDev,
+}
+
+/// What the served linear needs from the run: checkpoint, profile, loader faults, hypotheses.
+pub struct LinearCtx<'a> {
+    pub ckpt: &'a Checkpoint,
+    pub profile: Profile,
+    pub fuse_pairs: bool,
+    pub faults: &'a [Fault],
+    pub overrides: &'a [(String, Override)],
+}
+
+/// Device timing and traffic counters (for benchmarks).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GpuCounters {
+    pub bytes_uploaded: u64,
+    pub upload_seconds: f64,
+    pub linears: u64,
+    pub expert_ops: u64,
+    pub metric_passes: u64,
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    funcs: HashMap<&'static str, CudaFunction>,
+    pub device_name: String,
+    pub arch: String,
+    pub compile_seconds: f64,
+    sm_count: u32,
+    weights: HashMap<String, DevWeight>,
+    files: HashMap<std::path::PathBuf, std::fs::File>,
+    /// Tensors read ahead of `ensure_weight` in one batch, by (file, offset).
+    preloaded: HashMap<(std::path::PathBuf, u64), Buf>,
+    scratch: HashMap<&'static str, Buf>,
+    pinned: Vec<(*mut u8, usize, CudaEvent)>,
+    pub counters: GpuCounters,
+}
+
+// The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
+unsafe impl Send for Gpu {}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        for (p, _, _) in self.pinned.drain(..) {
+            unsafe {
+                let _ = dres::free_host(p as _);
+            }
+        }
+    }
+}
+
+const STAGE: usize = 256 << 20;
+
+impl Gpu {
+    /// Open device 0, compile the kernels for its architecture, set up cuBLAS and staging.
+    pub fn new() -> Result<Gpu> {
+        let ctx = CudaContext::new(0).map_err(|e| cuda_err("no usable device", e))?;
+        let (maj, min) = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("compute capability", e))?;
+        let arch = format!("compute_{maj}{min}");
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let sm_count = ctx
+            .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(80) as u32;
+        let t0 = Instant::now();
+        let src: String = KERNEL_SOURCE.concat();
+        let compile = || -> Result<String> {
+            let opts = CompileOptions {
+                ftz: Some(false),
+                prec_sqrt: Some(true),
+                prec_div: Some(true),
+                fmad: Some(false),
+                options: vec![format!("--gpu-architecture={arch}")],
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(&src, opts)
+                .map_err(|e| cuda_err(&format!("NVRTC compile for {arch}"), e))?
+                .to_src();
+            if let Some(p) = ptx_cache_path(&src, &arch) {
+                store_ptx(&p, &ptx);
+            }
+            Ok(ptx)
+        };
+        let module = match cached_ptx(&src, &arch) {
+            Some((text, _)) => match ctx.load_module(Ptx::from_src(text)) {
+                Ok(m) => m,
+                Err(_) => ctx
+                    .load_module(Ptx::from_src(compile()?))
+                    .map_err(|e| cuda_err("load module", e))?,
+            },
+            None => ctx
+                .load_module(Ptx::from_src(compile()?))
+                .map_err(|e| cuda_err("load module", e))?,
+        };
+        let mut funcs = HashMap::new();
+        for &k in KERNELS {
+            funcs.insert(
+                k,
+                module
+                    .load_function(k)
+                    .map_err(|e| cuda_err(&format!("kernel {k}"), e))?,
+            );
+        }
+        let compile_seconds = t0.elapsed().as_secs_f64();
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| cuda_err("stream", e))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
+        let mut pinned = Vec::new();
+        for _ in 0..2 {
+            let p = unsafe { dres::malloc_host(STAGE, 0) }.map_err(|e| cuda_err("pinned", e))?;
+            let ev = ctx.new_event(None).map_err(|e| cuda_err("event", e))?;
+            ev.record(&stream).map_err(|e| cuda_err("event", e))?;
+            pinned.push((p as *mut u8, STAGE, ev));
+        }
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            funcs,
+            device_name,
+            arch,
+            compile_seconds,
+            sm_count,
+            weights: HashMap::new(),
+            files: HashMap::new(),
+            preloaded: HashMap::new(),
+            scratch: HashMap::new(),
+            pinned,
+            counters: GpuCounters::default(),
+        })
+    }
+
+    /// One line for reports: device, architecture, compile time.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({}, {} SMs; kernels compiled by NVRTC in {:.0} ms)",
+            self.device_name,
+            self.arch,
+            self.sm_count,
+            self.compile_seconds * 1e3
+        )
+    }
+
+    // ---- memory ---------------------------------------------------------------------------
+
+    pub fn alloc(&self, bytes: usize) -> Result<Buf> {
+        let s = unsafe { self.stream.alloc::<u8>(bytes.max(16)) }
+            .map_err(|e| cuda_err(&format!("alloc {bytes} B"), e))?;
+        let ptr = {
+            let (p, _g) = s.device_ptr(&self.stream);
+            p
+        };
+        Ok(Buf { _s: s, ptr, bytes })
+    }
+
+    /// A grow-only scratch buffer by name.
+    fn scratch(&mut self, name: &'static str, bytes: usize) -> Result<u64> {
+        if self.scratch.get(name).is_none_or(|b| b.bytes < bytes) {
+            self.scratch.remove(name);
+            let b = self.alloc(bytes.next_power_of_two().max(1 << 16))?;
+            self.scratch.insert(name, b);
+        }
+        Ok(self.scratch[name].ptr)
+    }
+
+    /// Pageable host → device (small tensors: activations, scalars).
+    pub fn upload<T: Copy>(&self, src: &[T]) -> Result<Buf> {
+        let b = self.alloc(std::mem::size_of_val(src))?;
+        self.copy_in(b.ptr, src)?;
+        Ok(b)
+    }
+
+    pub fn copy_in<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("copy to device", e))
+    }
+
+    /// Device → host; synchronizes the stream.
+    pub fn download<T: Copy + Default>(&self, src: u64, n: usize) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); n];
+        if n > 0 {
+            unsafe { dres::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copy to host", e))?;
+        }
+        self.sync()?;
+        Ok(v)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("kernel execution", e))
+    }
+
+    pub fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<()> {
+        unsafe { dres::memset_d8_async(dst, byte, bytes, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("memset", e))
+    }
+
+    /// Stream bytes from the mmap to the device through two pinned buffers: the copy of one chunk
+    /// into pinned memory (parallel, which also faults the pages in from disk) overlaps the DMA of
+    /// the previous chunk.
+    pub fn upload_staged(&mut self, src: &[u8]) -> Result<Buf> {
+        let t0 = Instant::now();
+        let b = self.alloc(src.len())?;
+        if src.len() < (1 << 20) {
+            self.copy_in(b.ptr, src)?;
+        } else {
+            for (ci, chunk) in src.chunks(STAGE).enumerate() {
+                let (p, _, ev) = &self.pinned[ci % 2];
+                ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+                let dst = unsafe { std::slice::from_raw_parts_mut(*p, chunk.len()) };
+                use rayon::prelude::*;
+                dst.par_chunks_mut(1 << 20)
+                    .zip(chunk.par_chunks(1 << 20))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                unsafe {
+                    dres::memcpy_htod_async(
+                        b.ptr + (ci * STAGE) as u64,
+                        &dst[..],
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| cuda_err("copy to device", e))?;
+                ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+            }
+        }
+        self.counters.bytes_uploaded += src.len() as u64;
+        self.counters.upload_seconds += t0.elapsed().as_secs_f64();
+        Ok(b)
+    }
+
+    // ---- launches ---------------------------------------------------------------------------
+
+    fn grid(&self, n: u64) -> LaunchConfig {
+        let blocks = n.div_ceil(256).clamp(1, self.sm_count as u64 * 16) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Launch kernel `name` over `n` work items (grid-stride).
+    pub fn launch(&self, name: &str, n: u64, args: &[A]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self
+            .funcs
+            .get(name)
+            .ok_or_else(|| Error::Backend(format!("cuda: no kernel {name}")))?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                A::P(v) | A::U(v) => b.arg(v),
+                A::I(v) => b.arg(v),
+                A::F(v) => b.arg(v),
+                A::U32(v) => b.arg(v),
+            };
+        }
+        unsafe { b.launch(self.grid(n)) }.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+        Ok(())
+    }
+
+    /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major. F32 operands use
+    /// `CUBLAS_COMPUTE_32F_PEDANTIC` (no TF32); BF16 operands accumulate in FP32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        ty: Ty,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            for r in 0..m {
+                self.memset(y + (r * ldy * 4) as u64, 0, n * 4)?;
+            }
+            return Ok(());
+        }
+        let (dt, ct) = match ty {
+            Ty::F32 => (
+                bsys::cudaDataType::CUDA_R_32F,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+            Ty::Bf16 => (
+                bsys::cudaDataType::CUDA_R_16BF,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // column-major view: Yᵀ[n, m] = W[k, n]ᵀ · Xᵀ[k, m]
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                bsys::cublasOperation_t::CUBLAS_OP_T,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                dt,
+                k as i32,
+                x as *const _,
+                dt,
+                ldx as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                bsys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                ct,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| cuda_err(&format!("GEMM {m}x{n}x{k} {ty:?}"), e))
+    }
+
+    // ---- weights ------------------------------------------------------------------------------
+
+    /// Drop the weights of the finished op (device memory stays bounded by one op's weights).
+    pub fn clear_weights(&mut self) {
+        self.weights.clear();
+        self.preloaded.clear();
+    }
+
+    fn ensure_weight(&mut self, lc: &LinearCtx, base: &str) -> Result<()> {
+        if self.weights.contains_key(base) {
+            return Ok(());
+        }
+        let lay = lc.ckpt.weight_layout(base)?;
+        let m = &lay.meta;
+        let (n, k) = (m.out_features, m.in_features);
+        let loc = m.file.clone();
+        let bad = |what: &str, got: usize, want: usize| {
+            Error::bad(
+                &loc,
+                Some(base),
+                format!("{what} has {got} bytes/elements, expected {want} for [{n}, {k}]"),
+            )
+        };
+        let span = |name: &str| lc.ckpt.canonical_span(name);
+        let scale_name = || {
+            lay.scale.clone().ok_or_else(|| {
+                Error::bad(
+                    &loc,
+                    Some(base),
+                    "quantized weight without a block-scale tensor",
+                )
+            })
+        };
+        use crate::checkpoint::{Dtype, Fp8ScaleKind, Scheme};
+        let fmt = match m.scheme {
+            Scheme::Dense => {
+                let es = match m.weight_dtype {
+                    Dtype::BF16 | Dtype::F16 => 2,
+                    Dtype::F32 => 4,
+                    _ => 0,
+                };
+                if es == 0 {
+                    let v = lc.ckpt.tensor_f32(&lay.weight)?.data;
+                    if v.len() != n * k {
+                        return Err(bad("weight", v.len(), n * k));
+                    }
+                    DevFmt::Dense(self.upload(&v)?)
+                } else {
+                    let sp = span(&lay.weight)?;
+                    if sp.len() != n * k * es {
+                        return Err(bad("weight", sp.len() / es, n * k));
+                    }
+                    let raw = self.upload_span(lc.ckpt, &sp)?;
+                    if es == 4 {
+                        DevFmt::Dense(raw)
+                    } else {
+                        let f = self.alloc(n * k * 4)?;
+                        let fmt = if m.weight_dtype == Dtype::BF16 { 3 } else { 4 };
+                        self.launch(
+                            "decode_bytes",
+                            (n * k) as u64,
+                            &[A::P(raw.ptr), A::U((n * k) as u64), A::I(fmt), A::P(f.ptr)],
+                        )?;
+                        DevFmt::Dense(f)
+                    }
+                }
+            }
+            Scheme::Fp8Block => {
+                let block = m.block.unwrap_or([128, 128]);
+                let sc = scale_name()?;
+                let scales: Vec<f32> = match m.fp8_scale_kind.unwrap_or(Fp8ScaleKind::F32) {
+                    Fp8ScaleKind::Ue8m0 => lc
+                        .ckpt
+                        .canonical_bytes(&sc)?
+                        .iter()
+                        .map(|&b| crate::numerics::ue8m0::decode(b))
+                        .collect(),
+                    Fp8ScaleKind::F32 => lc.ckpt.tensor_f32(&sc)?.data,
+                };
+                let ns = n.div_ceil(block[0].max(1)) * k.div_ceil(block[1].max(1));
+                let sp = span(&lay.weight)?;
+                if sp.len() != n * k {
+                    return Err(bad("weight", sp.len(), n * k));
+                }
+                if scales.len() != ns || block[0] == 0 || block[1] == 0 {
+                    return Err(bad("block scale", scales.len(), ns));
+                }
+                DevFmt::Fp8 {
+                    bytes: self.upload_span(lc.ckpt, &sp)?,
+                    scales: self.upload(&scales)?,
+                    bm: block[0],
+                    bn: block[1],
+                }
+            }
+            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
+                let bl = if m.convention.is_some() { 16 } else { 32 };
+                let (wp, sp) = (span(&lay.weight)?, span(&scale_name()?)?);
+                if k % bl != 0 || wp.len() != n * k / 2 {
+                    return Err(bad("packed weight", wp.len(), n * k / 2));
+                }
+                if sp.len() != n * k / bl {
+                    return Err(bad("block scale", sp.len(), n * k / bl));
+                }
+                let packed = self.upload_span(lc.ckpt, &wp)?;
+                let scales = self.upload_span(lc.ckpt, &sp)?;
+                match m.convention {
+                    Some(conv) => DevFmt::Nv {
+                        packed,
+                        scales,
+                        conv,
+                        global: m.weight_global.unwrap_or(f32::NAN),
+                    },
+                    None => DevFmt::Mx { packed, scales },
+                }
+            }
+        };
+        let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
+        let overrides: Vec<Override> = lc
+            .overrides
+            .iter()
+            .filter(|(b, _)| b == base)
+            .map(|(_, o)| o.clone())
+            .collect();
+        use crate::probe::faults::FaultKind as K;
+        // faults and hypotheses the device applies itself; the rest re-read the bytes on the host
+        let native = faults.iter().all(|f| {
+            !matches!(
+                f.kind,
+                K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
+            )
+        }) && overrides
+            .iter()
+            .all(|o| !matches!(o, Override::Unswizzle | Override::UnshiftRows));
+        let served = if native {
+            let has = |k: K| faults.iter().any(|f| f.kind == k);
+            let nv = match (&m.convention, m.weight_global) {
+                (Some(conv), Some(wg)) => {
+                    let mut p = served::resolve_nvfp4_named(
+                        lc.ckpt,
+                        base,
+                        *conv,
+                        wg,
+                        m.input_global,
+                        lc.fuse_pairs,
+                        &faults,
+                    );
+                    for o in &overrides {
+                        p.apply(o);
+                    }
+                    Some(p)
+                }
+                (Some(conv), None) => Some(served::resolve_nvfp4_named(
+                    lc.ckpt,
+                    base,
+                    *conv,
+                    f32::NAN,
+                    m.input_global,
+                    lc.fuse_pairs,
+                    &faults,
+                )),
+                _ => None,
+            };
+            ServedDev::Native {
+                nv,
+                swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
+                non_pow2: has(K::NonPow2Ue8m0),
+                double_scale: has(K::DoubleScale) && m.scheme == Scheme::Fp8Block,
+            }
+        } else {
+            // rare (layout faults and their repairs): the CPU reference prepares the weight
+            let qw = lc.ckpt.weight(base)?;
+            let f32w = qw.dequantize()?.data;
+            let sw = served::prepare(lc.ckpt, &qw, &f32w, lc.fuse_pairs, &faults, &overrides)?;
+            match sw {
+                ServedWeight::Dense { w } => ServedDev::Host {
+                    w: self.upload(&w)?,
+                    nv: None,
+                    fp8_act: false,
+                    non_pow2: false,
+                    dense: true,
+                },
+                ServedWeight::Fp8Act { w, non_pow2_act } => ServedDev::Host {
+                    w: self.upload(&w)?,
+                    nv: None,
+                    fp8_act: true,
+                    non_pow2: non_pow2_act,
+                    dense: false,
+                },
+                ServedWeight::Nvfp4 { wq, p } => ServedDev::Host {
+                    w: self.upload(&wq)?,
+                    nv: Some(p),
+                    fp8_act: false,
+                    non_pow2: false,
+                    dense: false,
+                },
+            }
+        };
+        self.weights
+            .insert(base.to_string(), DevWeight { n, k, fmt, served });
+        Ok(())
+    }
+
+    /// Read the stored tensors of many weights in batches: all their file ranges are read in
+    /// parallel into pinned memory (one 256 MiB batch while the previous one is in flight), then
+    /// copied to the device; `ensure_weight` then finds them in `preloaded`.
+    pub fn preload(&mut self, ckpt: &Checkpoint, bases: &[&str]) -> Result<()> {
+        use crate::checkpoint::Span;
+        use rayon::prelude::*;
+        use std::os::unix::fs::FileExt;
+        let t0 = Instant::now();
+        let mut spans: Vec<(std::path::PathBuf, u64, usize)> = Vec::new();
+        for b in bases {
+            if self.weights.contains_key(*b) {
+                continue;
+            }
+            let Ok(l) = ckpt.weight_layout(b) else {
+                continue; // ensure_weight reports it
+            };
+            for name in std::iter::once(&l.weight).chain(l.scale.as_ref()) {
+                if let Ok(Span::File { path, offset, len }) = ckpt.canonical_span(name) {
+                    let key = (path.to_path_buf(), offset);
+                    if len <= STAGE && !self.preloaded.contains_key(&key) {
+                        spans.push((key.0, offset, len));
+                    }
+                }
+            }
+        }
+        for (p, _, _) in &spans {
+            if !self.files.contains_key(p) {
+                let f = std::fs::File::open(p)
+                    .map_err(|e| Error::bad(p, None, format!("cannot open shard: {e}")))?;
+                self.files.insert(p.clone(), f);
+            }
+        }
+        let mut i = 0;
+        let mut ci = 0usize;
+        while i < spans.len() {
+            let mut j = i;
+            let mut tot = 0usize;
+            while j < spans.len() && tot + spans[j].2 <= STAGE {
+                tot += spans[j].2;
+                j += 1;
+            }
+            let batch = &spans[i..j];
+            let (p, _, ev) = &self.pinned[ci % 2];
+            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            let base = *p as usize;
+            // pieces of at most 4 MiB: (span index, offset in file, offset in pinned, length)
+            let mut pieces = Vec::new();
+            let mut at = 0usize;
+            for (si, (_, off, len)) in batch.iter().enumerate() {
+                let mut d = 0;
+                while d < *len {
+                    let n = (4 << 20).min(len - d);
+                    pieces.push((si, off + d as u64, at + d, n));
+                    d += n;
+                }
+                at += len;
+            }
+            let files = &self.files;
+            pieces.par_iter().try_for_each(|&(si, foff, poff, n)| {
+                // disjoint ranges of the pinned buffer
+                let dst = unsafe { std::slice::from_raw_parts_mut((base + poff) as *mut u8, n) };
+                files[&batch[si].0].read_exact_at(dst, foff).map_err(|e| {
+                    Error::bad(
+                        &batch[si].0,
+                        None,
+                        format!("read of bytes {foff}..{} failed: {e}", foff + n as u64),
+                    )
+                })
+            })?;
+            let mut at = 0usize;
+            for (path, off, len) in batch {
+                let b = self.alloc(*len)?;
+                let src = unsafe { std::slice::from_raw_parts((base + at) as *const u8, *len) };
+                unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
+                    .map_err(|e| cuda_err("copy to device", e))?;
+                ckpt.note_read(*len);
+                self.counters.bytes_uploaded += *len as u64;
+                self.preloaded.insert((path.clone(), *off), b);
+                at += len;
+            }
+            self.pinned[ci % 2]
+                .2
+                .record(&self.stream)
+                .map_err(|e| cuda_err("event", e))?;
+            ci += 1;
+            i = j;
+        }
+        self.counters.upload_seconds += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Read a tensor's bytes onto the device: file ranges with parallel positioned reads into
+    /// pinned memory (overlapping the previous chunk's DMA), in-memory shards by copy.
+    fn upload_span(&mut self, ckpt: &Checkpoint, sp: &crate::checkpoint::Span) -> Result<Buf> {
+        use crate::checkpoint::Span;
+        let (path, offset, len) = match sp {
+            Span::Mem(b) => {
+                ckpt.note_read(b.len());
+                return self.upload_staged(b);
+            }
+            Span::File { path, offset, len } => (*path, *offset, *len),
+        };
+        if let Some(b) = self.preloaded.remove(&(path.to_path_buf(), offset)) {
+            return Ok(b);
+        }
+        let t0 = Instant::now();
+        ckpt.note_read(len);
+        if !self.files.contains_key(path) {
+            let f = std::fs::File::open(path)
+                .map_err(|e| Error::bad(path, None, format!("cannot open shard: {e}")))?;
+            self.files.insert(path.to_path_buf(), f);
+        }
+        let file = &self.files[path];
+        let b = self.alloc(len)?;
+        let mut done = 0usize;
+        let mut ci = 0usize;
+        while done < len {
+            let n = STAGE.min(len - done);
+            let (p, _, ev) = &self.pinned[ci % 2];
+            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            let dst = unsafe { std::slice::from_raw_parts_mut(*p, n) };
+            use rayon::prelude::*;
+            use std::os::unix::fs::FileExt;
+            let base_off = offset + done as u64;
+            dst.par_chunks_mut(4 << 20)
+                .enumerate()
+                .try_for_each(|(i, d)| file.read_exact_at(d, base_off + (i * (4 << 20)) as u64))
+                .map_err(|e| {
+                    Error::bad(
+                        path,
+                        None,
+                        format!(
+                            "read of bytes {base_off}..{} failed: {e}",
+                            base_off + n as u64
+                        ),
+                    )
+                })?;
+            unsafe {
+                dres::memcpy_htod_async(b.ptr + done as u64, &dst[..], self.stream.cu_stream())
+            }
+            .map_err(|e| cuda_err("copy to device", e))?;
+            ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+            done += n;
+            ci += 1;
+        }
+        self.counters.bytes_uploaded += len as u64;
+        self.counters.upload_seconds += t0.elapsed().as_secs_f64();
+        Ok(b)
+    }
+
+    /// Dequantize the stored weight into `out` (`Ty::F32` values or BF16 bits).
+    /// `conv_override`: for NVFP4, 2 = e2m1·s without the tensor scale (the served operand).
+    /// `round`: round f32 output to BF16 values. `post`: a multiplier applied after decoding.
+    fn dequant(
+        &self,
+        w: &DevWeight,
+        out: u64,
+        out_ty: Ty,
+        served_operand: bool,
+        round: bool,
+        post: Option<f32>,
+    ) -> Result<()> {
+        let ok = if out_ty == Ty::Bf16 { 1 } else { 0 };
+        let nk = (w.n * w.k) as u64;
+        // (nibble swap, double-applied FP8 scale): loader faults of the served reading
+        let flags = match &w.served {
+            ServedDev::Native {
+                swap, double_scale, ..
+            } => (*swap, *double_scale),
+            ServedDev::Host { .. } => (false, false),
+        };
+        match &w.fmt {
+            DevFmt::Dense(b) => self.launch(
+                "convert_dense",
+                nk,
+                &[
+                    A::P(b.ptr),
+                    A::U(nk),
+                    A::I(round as i32),
+                    A::I(ok),
+                    A::P(out),
+                ],
+            )?,
+            DevFmt::Fp8 {
+                bytes,
+                scales,
+                bm,
+                bn,
+            } => self.launch(
+                "dequant_fp8_block",
+                nk,
+                &[
+                    A::P(bytes.ptr),
+                    A::P(scales.ptr),
+                    A::U(w.n as u64),
+                    A::U(w.k as u64),
+                    A::U(*bm as u64),
+                    A::U(*bn as u64),
+                    A::I((served_operand && flags.1) as i32),
+                    A::I(ok),
+                    A::P(out),
+                ],
+            )?,
+            DevFmt::Mx { packed, scales } => self.launch(
+                "dequant_mxfp4",
+                nk / 32,
+                &[
+                    A::P(packed.ptr),
+                    A::P(scales.ptr),
+                    A::U(nk / 32),
+                    A::I(ok),
+                    A::P(out),
+                ],
+            )?,
+            DevFmt::Nv {
+                packed,
+                scales,
+                conv,
+                global,
+            } => {
+                let c = if served_operand {
+                    2
+                } else {
+                    match conv {
+                        Convention::CompressedTensors => 0,
+                        Convention::ModelOpt => 1,
+                    }
+                };
+                self.launch(
+                    "dequant_nvfp4",
+                    nk / 16,
+                    &[
+                        A::P(packed.ptr),
+                        A::P(scales.ptr),
+                        A::U(nk / 16),
+                        A::F(*global),
+                        A::I(c),
+                        A::F(post.unwrap_or(1.0)),
+                        A::I(post.is_some() as i32),
+                        A::I((served_operand && flags.0) as i32),
+                        A::I(ok),
+                        A::P(out),
+                    ],
+                )?
+            }
+        }
+        // BF16 bits are already rounded; f32 output is rounded here when asked
+        if round && out_ty == Ty::F32 && !matches!(w.fmt, DevFmt::Dense(_)) {
+            self.launch("round_bf16", nk, &[A::P(out), A::U(nk), A::P(0)])?;
+        }
+        Ok(())
+    }
+
+    /// f32 → BF16 bits into a scratch buffer.
+    fn to_bf16(&mut self, name: &'static str, x: u64, n: usize) -> Result<u64> {
+        let p = self.scratch(name, n * 2)?;
+        self.launch("round_bf16", n as u64, &[A::P(x), A::U(n as u64), A::P(p)])?;
+        Ok(p)
+    }
+
+    /// One linear of one path, all on the device: x [m, k] f32 at `x` (row stride k) →
+    /// y [m, rows] f32 at `y` (row stride `ldy`), using weight rows `r0..r0+rows` (all when None).
+    /// `x_bf16`: x holds BF16 values exactly (lets the BF16 GEMM be used without rounding x).
+    /// `health`: H_SLOTS device counters for the served NVFP4 activation quantization.
+    /// Returns the served NVFP4 parameters when the served path quantized the activation.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_dev(
+        &mut self,
+        lc: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: u64,
+        m: usize,
+        x_bf16: bool,
+        rows: Option<(usize, usize)>,
+        y: u64,
+        ldy: usize,
+        health: Option<u64>,
+    ) -> Result<Option<Nvfp4Params>> {
+        self.ensure_weight(lc, base)?;
+        self.counters.linears += 1;
+        let w = self.weights.remove(base).expect("ensured above");
+        let r = self.linear_with(lc, kind, &w, x, m, x_bf16, rows, y, ldy, health);
+        self.weights.insert(base.to_string(), w);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn linear_with(
+        &mut self,
+        lc: &LinearCtx,
+        kind: PathKind,
+        w: &DevWeight,
+        x: u64,
+        m: usize,
+        x_bf16: bool,
+        rows: Option<(usize, usize)>,
+        y: u64,
+        ldy: usize,
+        health: Option<u64>,
+    ) -> Result<Option<Nvfp4Params>> {
+        let (n, k) = (w.n, w.k);
+        let (r0, nr) = rows.unwrap_or((0, n));
+        let nk = n * k;
+        let off = |ptr: u64, elem: usize| ptr + (r0 * k * elem) as u64;
+        match kind {
+            PathKind::OracleFp32 => {
+                let wp = self.scratch("w32", nk * 4)?;
+                self.dequant(w, wp, Ty::F32, false, false, None)?;
+                self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+                Ok(None)
+            }
+            PathKind::OracleBf16 => {
+                if x_bf16 {
+                    let wp = self.scratch("w16", nk * 2)?;
+                    self.dequant(w, wp, Ty::Bf16, false, true, None)?;
+                    let xp = self.to_bf16("x16", x, m * k)?;
+                    self.gemm(Ty::Bf16, xp, k, off(wp, 2), y, ldy, m, nr, k)?;
+                } else {
+                    let wp = self.scratch("w32", nk * 4)?;
+                    self.dequant(w, wp, Ty::F32, false, true, None)?;
+                    self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+                }
+                Ok(None)
+            }
+            PathKind::Served => self.served_linear(lc, w, x, m, x_bf16, (r0, nr), y, ldy, health),
+        }
+    }
+
+    /// Epilogue y = bf16(y · mul) over an [m, n] block with row stride ldy.
+    fn epilogue(&self, y: u64, m: usize, n: usize, ldy: usize, mul: f32) -> Result<()> {
+        if ldy == n {
+            self.launch(
+                "scale_round",
+                (m * n) as u64,
+                &[A::P(y), A::U((m * n) as u64), A::F(mul), A::I(1)],
+            )
+        } else {
+            for r in 0..m {
+                self.launch(
+                    "scale_round",
+                    n as u64,
+                    &[
+                        A::P(y + (r * ldy * 4) as u64),
+                        A::U(n as u64),
+                        A::F(mul),
+                        A::I(1),
+                    ],
+                )?;
+            }
+            Ok(())
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn served_linear(
+        &mut self,
+        _lc: &LinearCtx,
+        w: &DevWeight,
+        x: u64,
+        m: usize,
+        x_bf16: bool,
+        (r0, nr): (usize, usize),
+        y: u64,
+        ldy: usize,
+        health: Option<u64>,
+    ) -> Result<Option<Nvfp4Params>> {
+        let (n, k) = (w.n, w.k);
+        let nk = n * k;
+        let off = |ptr: u64, elem: usize| ptr + (r0 * k * elem) as u64;
+        let mk = (m * k) as u64;
+        // the operand the served GEMM multiplies: (pointer, type), weight decode without tensor scale for NVFP4
+        let (nv, host_w, fp8_act, non_pow2, dense) = match &w.served {
+            ServedDev::Native { nv, non_pow2, .. } => (
+                *nv,
+                None,
+                matches!(w.fmt, DevFmt::Fp8 { .. } | DevFmt::Mx { .. }),
+                *non_pow2,
+                matches!(w.fmt, DevFmt::Dense(_)),
+            ),
+            ServedDev::Host {
+                w: hw,
+                nv,
+                fp8_act,
+                non_pow2,
+                dense,
+            } => (*nv, Some(hw.ptr), *fp8_act, *non_pow2, *dense),
+        };
+        if dense {
+            // BF16 weight, f32 output, no rounding inside the linear
+            let wp = match host_w {
+                Some(p) => p,
+                None => {
+                    let wp = self.scratch("w32", nk * 4)?;
+                    self.dequant(w, wp, Ty::F32, false, true, None)?;
+                    wp
+                }
+            };
+            self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+            return Ok(None);
+        }
+        if fp8_act {
+            let wp = match host_w {
+                Some(p) => p,
+                None => {
+                    let wp = self.scratch("w32", nk * 4)?;
+                    self.dequant(w, wp, Ty::F32, true, false, None)?;
+                    wp
+                }
+            };
+            let xq = self.scratch("xq32", m * k * 4)?;
+            self.launch(
+                "act_quant_fp8",
+                (m * k.div_ceil(128)) as u64,
+                &[
+                    A::P(x),
+                    A::U(m as u64),
+                    A::U(k as u64),
+                    A::I(non_pow2 as i32),
+                    A::P(xq),
+                ],
+            )?;
+            self.gemm(Ty::F32, xq, k, off(wp, 4), y, ldy, m, nr, k)?;
+            self.epilogue(y, m, nr, ldy, 1.0)?;
+            return Ok(None);
+        }
+        let p = nv.ok_or_else(|| Error::Backend("cuda: NVFP4 weight without parameters".into()))?;
+        // e2m1·s_w (exact in BF16) as BF16 bits, or bf(e2m1·s_w·d_w) for the emulation profile
+        let wq16 = self.scratch("wq16", nk * 2)?;
+        let post = (_lc.profile == Profile::Emulation).then_some(p.d_w);
+        match host_w {
+            Some(hp) => {
+                if let Some(d) = post {
+                    // the host weight is e2m1·s_w: bf(wq · d_w)
+                    let tmp = self.scratch("w32", nk * 4)?;
+                    unsafe { dres::memcpy_dtod_async(tmp, hp, nk * 4, self.stream.cu_stream()) }
+                        .map_err(|e| cuda_err("copy", e))?;
+                    self.launch(
+                        "scale_round",
+                        nk as u64,
+                        &[A::P(tmp), A::U(nk as u64), A::F(d), A::I(1)],
+                    )?;
+                    self.launch(
+                        "round_bf16",
+                        nk as u64,
+                        &[A::P(tmp), A::U(nk as u64), A::P(wq16)],
+                    )?;
+                } else {
+                    self.launch(
+                        "round_bf16",
+                        nk as u64,
+                        &[A::P(hp), A::U(nk as u64), A::P(wq16)],
+                    )?;
+                }
+            }
+            None => self.dequant(w, wq16, Ty::Bf16, true, false, post)?,
+        }
+        let h = health.unwrap_or(0);
+        match _lc.profile {
+            Profile::BlackwellW4a4 => {
+                let xq = self.scratch("xq16", m * k * 2)?;
+                self.launch(
+                    "act_quant_nvfp4",
+                    mk / 16,
+                    &[
+                        A::P(x),
+                        A::U(mk / 16),
+                        A::F(p.g_x),
+                        A::P(0),
+                        A::P(0),
+                        A::P(xq),
+                        A::P(0),
+                        A::I(0),
+                        A::P(h),
+                    ],
+                )?;
+                self.gemm(Ty::Bf16, xq, k, off(wq16, 2), y, ldy, m, nr, k)?;
+                self.epilogue(y, m, nr, ldy, p.alpha)?;
+            }
+            Profile::Emulation => {
+                let xh = self.scratch("xq32", m * k * 4)?;
+                self.launch(
+                    "act_quant_nvfp4",
+                    mk / 16,
+                    &[
+                        A::P(x),
+                        A::U(mk / 16),
+                        A::F(p.g_x),
+                        A::P(0),
+                        A::P(0),
+                        A::P(0),
+                        A::P(xh),
+                        A::I(1),
+                        A::P(h),
+                    ],
+                )?;
+                let xp = self.to_bf16("x16", xh, m * k)?;
+                self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
+                self.epilogue(y, m, nr, ldy, 1.0)?;
+            }
+            Profile::HopperW4a16 => {
+                // activations stay BF16; the amax is still observed
+                self.launch(
+                    "act_quant_nvfp4",
+                    mk / 16,
+                    &[
+                        A::P(x),
+                        A::U(mk / 16),
+                        A::F(p.g_x),
+                        A::P(0),
+                        A::P(0),
+                        A::P(0),
+                        A::P(0),
+                        A::I(0),
+                        A::P(h),
+                    ],
+                )?;
+                if x_bf16 {
+                    let xp = self.to_bf16("x16", x, m * k)?;
+                    self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
+                } else {
+                    let wp = self.scratch("w32", nk * 4)?;
+                    self.dequant(w, wp, Ty::F32, true, false, None)?;
+                    self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+                }
+                self.epilogue(y, m, nr, ldy, p.d_w)?;
+            }
+        }
+        Ok(Some(p))
+    }
+
+    /// Observation of one served NVFP4 linear from its device counters.
+    fn observation(p: Option<Nvfp4Params>, h: &[u64], profile: Profile) -> LinearObs {
+        let Some(p) = p else {
+            return LinearObs::default();
+        };
+        let amax = f32::from_bits(h[7] as u32) as f64;
+        let calib = 2688.0 / p.g_x as f64;
+        let health = (profile != Profile::HopperW4a16).then_some(QuantHealth {
+            blocks: h[0],
+            scale_zero: h[1],
+            scale_max: h[2],
+            scale_nan: h[3],
+            clipped: h[4],
+            dead_zone: h[5],
+            elements: h[6],
+        });
+        LinearObs {
+            health,
+            act_amax_over_calib: (calib.is_finite() && calib > 0.0).then_some(amax / calib),
+            params: Some(p),
+        }
+    }
+
+    /// y = x · Wᵀ for host x [m, k]: the per-linear entry of `PathEnv`.
+    pub fn linear(
+        &mut self,
+        lc: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &[f32],
+        m: usize,
+    ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
+        self.ensure_weight(lc, base)?;
+        let (n, k) = {
+            let w = &self.weights[base];
+            (w.n, w.k)
+        };
+        if x.len() != m * k {
+            return Err(Error::bad(
+                lc.ckpt.location(),
+                Some(base),
+                format!(
+                    "weight has {k} input features but the activation has {} per row",
+                    x.len() / m.max(1)
+                ),
+            ));
+        }
+        let xb = self.upload(x)?;
+        let yb = self.alloc(m * n * 4)?;
+        let hb = self.alloc(H_SLOTS * 8)?;
+        self.memset(hb.ptr, 0, H_SLOTS * 8)?;
+        let exact = is_bf16_exact(x);
+        let p = self.linear_dev(
+            lc,
+            kind,
+            base,
+            xb.ptr,
+            m,
+            exact,
+            None,
+            yb.ptr,
+            n,
+            Some(hb.ptr),
+        )?;
+        let y: Vec<f32> = self.download(yb.ptr, m * n)?;
+        let obs = if kind == PathKind::Served && p.is_some() {
+            let h: Vec<u64> = self.download(hb.ptr, H_SLOTS)?;
+            Some(Self::observation(p, &h, lc.profile))
+        } else if kind == PathKind::Served {
+            Some(LinearObs::default())
+        } else {
+            None
+        };
+        Ok((y, n, obs))
+    }
+
+    /// Grouped projection (wo_a): x [rows, G, K], weight [G·R, K] → [rows, G, R]; returns the
+    /// output and one observation for the whole projection (counters summed over groups).
+    pub fn linear_grouped(
+        &mut self,
+        lc: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &[f32],
+        rows: usize,
+        groups: usize,
+    ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
+        self.ensure_weight(lc, base)?;
+        let (n, k) = {
+            let w = &self.weights[base];
+            (w.n, w.k)
+        };
+        if n % groups != 0 || x.len() != rows * groups * k {
+            return Err(Error::bad(
+                lc.ckpt.location(),
+                Some(base),
+                format!("grouped projection: weight [{n}, {k}] does not fit {groups} groups of {k} inputs"),
+            ));
+        }
+        let r = n / groups;
+        let xb = self.upload(x)?;
+        let xg = self.alloc(rows * k * 4)?;
+        let yb = self.alloc(rows * n * 4)?;
+        let hb = self.alloc(H_SLOTS * 8)?;
+        self.memset(hb.ptr, 0, H_SLOTS * 8)?;
+        let exact = is_bf16_exact(x);
+        let mut p = None;
+        for g in 0..groups {
+            let idx: Vec<i32> = (0..rows).map(|t| (t * groups + g) as i32).collect();
+            let ib = self.upload(&idx)?;
+            self.launch(
+                "gather_rows",
+                (rows * k) as u64,
+                &[
+                    A::P(xb.ptr),
+                    A::P(ib.ptr),
+                    A::U(rows as u64),
+                    A::U(k as u64),
+                    A::P(xg.ptr),
+                ],
+            )?;
+            p = self.linear_dev(
+                lc,
+                kind,
+                base,
+                xg.ptr,
+                rows,
+                exact,
+                Some((g * r, r)),
+                yb.ptr + (g * r * 4) as u64,
+                n,
+                Some(hb.ptr),
+            )?;
+            self.sync()?; // `ib` and the shared gather buffer are reused next group
+        }
+        let y: Vec<f32> = self.download(yb.ptr, rows * n)?;
+        let obs = if kind == PathKind::Served {
+            let h: Vec<u64> = self.download(hb.ptr, H_SLOTS)?;
+            Some(Self::observation(p, &h, lc.profile))
+        } else {
+            None
+        };
+        Ok((y, r, obs))
+    }
+
+    /// The routed-experts op of one path on the device: x [t, d], routing weights and expert ids
+    /// [t, k]; `bases[3e..3e+3]` = (w1, w3, w2) of expert e. Returns [t, d] and the served
+    /// observations per expert linear (sub ids as the CPU path names them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn experts(
+        &mut self,
+        lc: &LinearCtx,
+        kind: PathKind,
+        layer: usize,
+        x: &Tensor,
+        per: &[Vec<(usize, f32)>],
+        k_slots: usize,
+        bases: &[&str],
+        limit: f32,
+    ) -> Result<(Tensor, Vec<(String, LinearObs)>, Vec<String>)> {
+        self.counters.expert_ops += 1;
+        let t = x.rows();
+        let d = x.cols();
+        let round = kind != PathKind::OracleFp32;
+        // rows of the gathered input in expert order
+        let mut order: Vec<i32> = Vec::new();
+        let mut starts = Vec::new();
+        let mut slot_row = vec![-1i32; t * k_slots];
+        let mut slot_w = vec![0f32; t * k_slots];
+        let mut fill = vec![0usize; t];
+        for (e, toks) in per.iter().enumerate() {
+            starts.push(order.len());
+            for &(ti, wv) in toks {
+                let j = fill[ti];
+                if j < k_slots {
+                    slot_row[ti * k_slots + j] = order.len() as i32;
+                    slot_w[ti * k_slots + j] = wv;
+                    fill[ti] += 1;
+                }
+                order.push(ti as i32);
+            }
+            let _ = e;
+        }
+        starts.push(order.len());
+        let total = order.len();
+        let xb = self.upload(&x.data)?;
+        let ob = self.upload(&order)?;
+        let xs = self.alloc(total * d * 4)?;
+        self.launch(
+            "gather_rows",
+            (total * d) as u64,
+            &[
+                A::P(xb.ptr),
+                A::P(ob.ptr),
+                A::U(total as u64),
+                A::U(d as u64),
+                A::P(xs.ptr),
+            ],
+        )?;
+        let ys = self.alloc(total * d * 4)?;
+        let used: Vec<usize> = (0..per.len()).filter(|&e| !per[e].is_empty()).collect();
+        let hb = self.alloc(used.len() * 3 * H_SLOTS * 8)?;
+        self.memset(hb.ptr, 0, used.len() * 3 * H_SLOTS * 8)?;
+        let mut params = Vec::new();
+        let mut touched = Vec::new();
+        let exact = kind != PathKind::OracleFp32;
+        let routed: Vec<&str> = used
+            .iter()
+            .flat_map(|&e| [bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]])
+            .collect();
+        self.preload(lc.ckpt, &routed)?;
+        for (ui, &e) in used.iter().enumerate() {
+            let (s0, s1) = (starts[e], starts[e + 1]);
+            let rows = s1 - s0;
+            let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
+            for b in [b1, b3, b2] {
+                self.ensure_weight(lc, b)?;
+                touched.push(b.to_string());
+            }
+            let inter = self.weights[b1].n;
+            if self.weights[b3].n != inter || self.weights[b1].k != d || self.weights[b2].k != inter
+            {
+                return Err(Error::bad(
+                    lc.ckpt.location(),
+                    Some(b1),
+                    format!("expert {e}: w1/w3/w2 shapes do not fit hidden size {d}"),
+                ));
+            }
+            let gt = self.scratch("gt", rows * inter * 4)?;
+            let up = self.scratch("up", rows * inter * 4)?;
+            let act = self.scratch("act", rows * inter * 4)?;
+            let xe = xs.ptr + (s0 * d * 4) as u64;
+            let h = |j: usize| hb.ptr + (((ui * 3 + j) * H_SLOTS) * 8) as u64;
+            let p1 = self.linear_dev(lc, kind, b1, xe, rows, exact, None, gt, inter, Some(h(0)))?;
+            let p3 = self.linear_dev(lc, kind, b3, xe, rows, exact, None, up, inter, Some(h(1)))?;
+            // the store of gt/up, then SwiGLU with the clamp and its store
+            let n_el = (rows * inter) as u64;
+            if round {
+                self.launch("round_bf16", n_el, &[A::P(gt), A::U(n_el), A::P(0)])?;
+                self.launch("round_bf16", n_el, &[A::P(up), A::U(n_el), A::P(0)])?;
+            }
+            self.launch(
+                "swiglu_clamp",
+                n_el,
+                &[
+                    A::P(gt),
+                    A::P(up),
+                    A::U(n_el),
+                    A::F(limit),
+                    A::I(round as i32),
+                    A::P(act),
+                ],
+            )?;
+            let ye = ys.ptr + (s0 * d * 4) as u64;
+            let p2 = self.linear_dev(lc, kind, b2, act, rows, exact, None, ye, d, Some(h(2)))?;
+            if self.weights[b2].n != d {
+                return Err(Error::bad(
+                    lc.ckpt.location(),
+                    Some(b2),
+                    format!(
+                        "expert {e}: w2 has {} outputs, expected {d}",
+                        self.weights[b2].n
+                    ),
+                ));
+            }
+            params.push((e, [p1, p3, p2]));
+        }
+        let srb = self.upload(&slot_row)?;
+        let swb = self.upload(&slot_w)?;
+        let out = self.alloc(t * d * 4)?;
+        self.launch(
+            "moe_combine",
+            (t * d) as u64,
+            &[
+                A::P(ys.ptr),
+                A::P(srb.ptr),
+                A::P(swb.ptr),
+                A::U(t as u64),
+                A::U(k_slots as u64),
+                A::U(d as u64),
+                A::P(out.ptr),
+            ],
+        )?;
+        let y: Vec<f32> = self.download(out.ptr, t * d)?;
+        let mut obs = Vec::new();
+        if kind == PathKind::Served {
+            let h: Vec<u64> = self.download(hb.ptr, used.len() * 3 * H_SLOTS)?;
+            for (ui, (e, ps)) in params.iter().enumerate() {
+                for (j, (p, nm)) in ps.iter().zip(["w1", "w3", "w2"]).enumerate() {
+                    let s = (ui * 3 + j) * H_SLOTS;
+                    obs.push((
+                        format!("L{layer}.ffn.expert.{e}.{nm}"),
+                        Self::observation(*p, &h[s..s + H_SLOTS], lc.profile),
+                    ));
+                }
+            }
+        }
+        Ok((Tensor::new(vec![t, d], y), obs, touched))
+    }
+
+    // ---- statistics -----------------------------------------------------------------------------
+
+    /// Statistics of `x` and, with a reference, the comparison, in one pass on the device.
+    pub fn stats_compare(
+        &mut self,
+        x: u64,
+        r: Option<u64>,
+        n: usize,
+    ) -> Result<(Stats, Option<Compare>)> {
+        self.counters.metric_passes += 1;
+        let acc = self.scratch("stat_acc", 5 * 8 + 11 * 8)?;
+        let cnt = acc + 40;
+        self.memset(acc, 0, 5 * 8 + 11 * 8)?;
+        self.launch(
+            "fused_stats",
+            n as u64,
+            &[
+                A::P(x),
+                A::P(r.unwrap_or(0)),
+                A::U(n as u64),
+                A::P(acc),
+                A::P(cnt),
+            ],
+        )?;
+        let a: Vec<f64> = self.download(acc, 5)?;
+        let c: Vec<u64> = self.download(cnt, 11)?;
+        let f = |v: u64| f32::from_bits(v as u32) as f64;
+        let finite = c[3] as usize;
+        let stats = Stats {
+            numel: n,
+            amax: f(c[6]),
+            mean_abs: if finite > 0 {
+                a[0] / finite as f64
+            } else {
+                0.0
+            },
+            nan: c[0] as usize,
+            inf: c[1] as usize,
+            zeros: c[2] as usize,
+        };
+        let cmp = r.map(|rp| {
+            let max_err = (c[10] > 0).then(|| {
+                let idx = (0xFFFF_FFFFu64 - (c[9] & 0xFFFF_FFFF)) as usize;
+                (idx, rp)
+            });
+            let max_err = max_err.and_then(|(idx, rp)| {
+                let xa: Vec<f32> = self.download(x + (idx * 4) as u64, 1).ok()?;
+                let ra: Vec<f32> = self.download(rp + (idx * 4) as u64, 1).ok()?;
+                Some(((xa[0] as f64 - ra[0] as f64).abs(), idx))
+            });
+            Compare::from_sums(&PairSums {
+                dot: a[1],
+                nx: a[2],
+                nr: a[3],
+                ne: a[4],
+                ax: f(c[7]),
+                ar: f(c[8]),
+                max_err,
+                any_non_finite: c[5] > 0,
+                new_non_finite: c[4] as usize,
+            })
+        });
+        Ok((stats, cmp))
+    }
+
+    /// Upload host tensors once and compute, for each (x, reference) pair, x's statistics and the
+    /// comparison; pairs with `None` give statistics only.
+    pub fn metrics(
+        &mut self,
+        tensors: &[&[f32]],
+        pairs: &[(usize, Option<usize>)],
+    ) -> Result<Vec<(Stats, Option<Compare>)>> {
+        let bufs: Vec<Buf> = tensors
+            .iter()
+            .map(|t| self.upload(t))
+            .collect::<Result<_>>()?;
+        let mut out = Vec::with_capacity(pairs.len());
+        for &(i, j) in pairs {
+            let n = tensors[i].len();
+            if let Some(j) = j {
+                if tensors[j].len() != n {
+                    return Err(Error::Backend(format!(
+                        "metrics: length mismatch {n} vs {}",
+                        tensors[j].len()
+                    )));
+                }
+            }
+            out.push(self.stats_compare(bufs[i].ptr, j.map(|j| bufs[j].ptr), n)?);
+        }
+        Ok(out)
+    }
+}
+
+/// Where the PTX compiled for (source, arch) is cached: `$XDG_CACHE_HOME/nvfp4-probe` or
+/// `~/.cache/nvfp4-probe`, keyed by a hash of the source and the architecture. NVRTC takes about a
+/// second; loading cached PTX (the driver caches its own SASS) takes milliseconds.
+fn ptx_cache_path(src: &str, arch: &str) -> Option<std::path::PathBuf> {
+    use sha2::{Digest, Sha256};
+    let dir = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))?
+        .join("nvfp4-probe");
+    let mut h = Sha256::new();
+    h.update(src.as_bytes());
+    h.update(arch.as_bytes());
+    let d = h.finalize();
+    let hex: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
+    Some(dir.join(format!("kernels-{arch}-{hex}.ptx")))
+}
+
+/// The cached PTX text and its path, when present.
+fn cached_ptx(src: &str, arch: &str) -> Option<(String, std::path::PathBuf)> {
+    let p = ptx_cache_path(src, arch)?;
+    let t = std::fs::read_to_string(&p).ok()?;
+    t.contains(".entry").then_some((t, p))
+}
+
+/// Best effort: a cache that cannot be written only costs the next start a compile.
+fn store_ptx(path: &std::path::Path, ptx: &str) {
+    if let Some(d) = path.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, ptx).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+/// True when every element is a BF16 value (NaN counts: the GEMM propagates it either way).
+pub fn is_bf16_exact(x: &[f32]) -> bool {
+    x.iter()
+        .all(|&v| v.is_nan() || crate::numerics::bf16::round(v) == v)
+}

@@ -1,0 +1,70 @@
+//! Where the numerics run. The CPU reference is the op math in `model::exec` with the linears,
+//! activation quantizers and statistics in `probe` and `metrics`; the CUDA backend
+//! ([`cuda::Gpu`]) runs the weight dequantization, activation quantization, GEMMs, the routed
+//! experts and the per-op statistics on the device, under the same `OpEnv` interface, so both
+//! backends share one definition of every op and one runner.
+
+pub mod cuda;
+pub mod selftest;
+
+use std::sync::{Arc, Mutex};
+
+/// A usable CUDA device, or why there is none. Never panics: the CUDA libraries are loaded
+/// dynamically and cudarc panics on a missing library or symbol, so presence is checked first
+/// and the first calls run under `catch_unwind`.
+pub fn open_cuda() -> std::result::Result<Arc<Mutex<cuda::Gpu>>, String> {
+    let present = unsafe {
+        cudarc::driver::sys::is_culib_present()
+            && cudarc::nvrtc::sys::is_culib_present()
+            && cudarc::cublas::sys::is_culib_present()
+    };
+    if !present {
+        return Err(
+            "no CUDA driver/NVRTC/cuBLAS libraries found (libcuda.so.1, libnvrtc.so.13, libcublas.so.13)"
+                .into(),
+        );
+    }
+    match std::panic::catch_unwind(cuda::Gpu::new) {
+        Ok(Ok(g)) => Ok(Arc::new(Mutex::new(g))),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(p) => Err(format!(
+            "the CUDA libraries failed to load: {}",
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into())
+        )),
+    }
+}
+
+/// The backend a run uses.
+#[derive(Clone, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    Cuda(Arc<Mutex<cuda::Gpu>>),
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Cpu => write!(f, "Cpu"),
+            Backend::Cuda(_) => write!(f, "Cuda"),
+        }
+    }
+}
+
+impl Backend {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda(_) => "cuda",
+        }
+    }
+    pub fn gpu(&self) -> Option<&Arc<Mutex<cuda::Gpu>>> {
+        match self {
+            Backend::Cpu => None,
+            Backend::Cuda(g) => Some(g),
+        }
+    }
+}

@@ -1,0 +1,1059 @@
+//! `nvfp4-probe selftest --backend cuda`: every device kernel against the CPU reference on fresh
+//! random inputs (never zeros), each output buffer poisoned with 0xFF bytes (NaN for f32) before
+//! the kernel writes it, then whole runs on both backends compared op by op.
+//!
+//! Format conversions, quantization and health counters must match bit for bit; f32 reductions
+//! to 1e-6 relative; GEMMs to the rounding of a different summation order.
+
+use crate::backend::cuda::{Gpu, A, H_SLOTS};
+use crate::metrics::{Compare, Stats};
+use crate::model::mem_env::Rng;
+use crate::numerics::nvfp4::{self, Convention};
+use crate::numerics::{bf16, e2m1, e4m3, fp8_block, mxfp4, ue8m0};
+use crate::probe::RunResult;
+use crate::Result;
+
+/// One line of the self-test table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Check {
+    pub name: String,
+    pub cases: usize,
+    pub mismatches: usize,
+    /// Worst relative error where a tolerance applies (0 for bit-exact checks).
+    pub worst: f64,
+    pub tolerance: f64,
+    pub note: String,
+}
+
+impl Check {
+    pub fn pass(&self) -> bool {
+        self.mismatches == 0 && self.worst <= self.tolerance
+    }
+}
+
+fn same_bits(a: f32, b: f32) -> bool {
+    (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits()
+}
+
+fn exact(name: &str, got: &[f32], want: &[f32]) -> Check {
+    let mm = got
+        .iter()
+        .zip(want)
+        .filter(|(a, b)| !same_bits(**a, **b))
+        .count()
+        + got.len().abs_diff(want.len());
+    Check {
+        name: name.into(),
+        cases: want.len(),
+        mismatches: mm,
+        worst: 0.0,
+        tolerance: 0.0,
+        note: String::new(),
+    }
+}
+
+/// BF16 bit patterns, every NaN pattern counting as equal (the GPU's arithmetic produces the
+/// canonical NaN 0x7FFFFFFF where the CPU propagates the input's payload).
+fn exact_bf16(name: &str, got: &[u16], want: &[u16]) -> Check {
+    let a: Vec<f32> = got.iter().map(|&h| bf16::from_bits(h)).collect();
+    let b: Vec<f32> = want.iter().map(|&h| bf16::from_bits(h)).collect();
+    exact(name, &a, &b)
+}
+
+fn exact_u<T: PartialEq>(name: &str, got: &[T], want: &[T]) -> Check {
+    let mm = got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
+    Check {
+        name: name.into(),
+        cases: want.len(),
+        mismatches: mm,
+        worst: 0.0,
+        tolerance: 0.0,
+        note: String::new(),
+    }
+}
+
+/// Relative L2 of got vs want (NaN positions must agree).
+fn close(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
+    let mut nan_mm = 0;
+    let (mut ne, mut nr) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        if a.is_nan() != b.is_nan() {
+            nan_mm += 1;
+            continue;
+        }
+        if a.is_finite() && b.is_finite() {
+            ne += (*a as f64 - *b as f64).powi(2);
+            nr += (*b as f64).powi(2);
+        }
+    }
+    Check {
+        name: name.into(),
+        cases: want.len(),
+        mismatches: nan_mm + got.len().abs_diff(want.len()),
+        worst: if nr > 0.0 {
+            (ne / nr).sqrt()
+        } else {
+            ne.sqrt()
+        },
+        tolerance: tol,
+        note: "rel-L2".into(),
+    }
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    if a == b {
+        0.0
+    } else {
+        (a - b).abs() / a.abs().max(b.abs()).max(1e-300)
+    }
+}
+
+/// Random f32 values spread over many binades, with signed zeros, subnormals, exact grid
+/// midpoints of E4M3 and E2M1, the saturation edges, inf and NaN.
+fn nasty_floats(rng: &mut Rng, n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        let k = rng.below(12);
+        let x: f32 = match k {
+            0 => (rng.normal() * 10f64.powf(rng.uniform() * 12.0 - 6.0)) as f32,
+            1 => {
+                // E2M1 midpoints and their neighbours
+                let m = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0][rng.below(9)];
+                let b = m.to_bits() as i64 + rng.below(3) as i64 - 1;
+                f32::from_bits(b as u32)
+            }
+            2 => {
+                // E4M3 midpoints: halfway between consecutive codes
+                let c = rng.below(126) as u8;
+                let a = e4m3::decode(c);
+                let b = e4m3::decode(c + 1);
+                let mid = (a + b) / 2.0;
+                f32::from_bits((mid.to_bits() as i64 + rng.below(3) as i64 - 1) as u32)
+            }
+            3 => [0.0f32, -0.0, 448.0, 464.0, 480.0, -449.0, 1e-30, -3e-39][rng.below(8)],
+            4 => f32::from_bits(rng.next_u64() as u32 & 0x007F_FFFF), // subnormal
+            5 => {
+                if rng.below(4) == 0 {
+                    f32::NAN
+                } else if rng.below(2) == 0 {
+                    f32::INFINITY
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }
+            _ => (rng.normal() * 3.0) as f32,
+        };
+        v.push(if rng.below(2) == 0 { x } else { -x });
+    }
+    v
+}
+
+fn bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| rng.next_u64() as u8).collect()
+}
+
+/// E4M3 scale bytes with realistic magnitudes (no NaN unless `nan`).
+fn scale_bytes(rng: &mut Rng, n: usize, nan: bool) -> Vec<u8> {
+    (0..n)
+        .map(|i| {
+            if nan && i % 97 == 5 {
+                0x7F
+            } else {
+                (0x20 + rng.below(0x5E)) as u8
+            }
+        })
+        .collect()
+}
+
+/// bf16-valued activations, rows at very different magnitudes, some all-zero blocks, one NaN.
+fn activations(rng: &mut Rng, m: usize, k: usize, nan: bool) -> Vec<f32> {
+    let mut x = vec![0f32; m * k];
+    for r in 0..m {
+        let s = 10f64.powf(rng.uniform() * 6.0 - 3.0);
+        for c in 0..k {
+            let v = if (c / 16) % 11 == 3 && r % 2 == 0 {
+                0.0
+            } else {
+                (rng.normal() * s) as f32
+            };
+            x[r * k + c] = bf16::round(if c % 173 == 7 { v * 300.0 } else { v });
+        }
+    }
+    if nan && m * k > 40 {
+        x[37] = f32::NAN;
+    }
+    x
+}
+
+struct T<'a> {
+    g: &'a mut Gpu,
+}
+
+impl T<'_> {
+    fn up<X: Copy>(&self, v: &[X]) -> Result<crate::backend::cuda::Buf> {
+        self.g.upload(v)
+    }
+    /// A poisoned output buffer.
+    fn out(&self, bytes: usize) -> Result<crate::backend::cuda::Buf> {
+        let b = self.g.alloc(bytes)?;
+        self.g.memset(b.ptr, 0xFF, bytes)?;
+        Ok(b)
+    }
+    fn get_f32(&self, b: &crate::backend::cuda::Buf, n: usize) -> Result<Vec<f32>> {
+        self.g.download(b.ptr, n)
+    }
+    fn get_u8(&self, b: &crate::backend::cuda::Buf, n: usize) -> Result<Vec<u8>> {
+        self.g.download(b.ptr, n)
+    }
+    fn get_u16(&self, b: &crate::backend::cuda::Buf, n: usize) -> Result<Vec<u16>> {
+        self.g.download(b.ptr, n)
+    }
+}
+
+/// Run every kernel check. `scale` multiplies the tensor sizes.
+pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
+    let mut rng = Rng::new(seed ^ 0x5E1F_7E57);
+    let t = T { g };
+    let s = scale.max(1);
+    let mut out = Vec::new();
+
+    // ---- decoders: every byte, several times over ----
+    let all: Vec<u8> = (0..256 * 16 * s).map(|i| i as u8).collect();
+    let n = all.len();
+    let b = t.up(&all)?;
+    for (fmt, name, f) in [
+        (0, "decode e4m3 (all bytes)", e4m3::decode as fn(u8) -> f32),
+        (1, "decode ue8m0 (all bytes)", ue8m0::decode),
+        (2, "decode e2m1 (all nibbles)", e2m1::decode),
+    ] {
+        let o = t.out(n * 4)?;
+        t.g.launch(
+            "decode_bytes",
+            n as u64,
+            &[A::P(b.ptr), A::U(n as u64), A::I(fmt), A::P(o.ptr)],
+        )?;
+        let want: Vec<f32> = all.iter().map(|&x| f(x)).collect();
+        out.push(exact(name, &t.get_f32(&o, n)?, &want));
+    }
+    let bits: Vec<u16> = (0..=u16::MAX).collect();
+    let b16 = t.up(&bits)?;
+    let o = t.out(bits.len() * 4)?;
+    t.g.launch(
+        "decode_bytes",
+        bits.len() as u64,
+        &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(3), A::P(o.ptr)],
+    )?;
+    let want: Vec<f32> = bits.iter().map(|&h| bf16::from_bits(h)).collect();
+    out.push(exact(
+        "decode bf16 (all 65536)",
+        &t.get_f32(&o, bits.len())?,
+        &want,
+    ));
+    let o = t.out(bits.len() * 4)?;
+    t.g.launch(
+        "decode_bytes",
+        bits.len() as u64,
+        &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(4), A::P(o.ptr)],
+    )?;
+    let want: Vec<f32> = bits
+        .iter()
+        .map(|&h| half::f16::from_bits(h).to_f32())
+        .collect();
+    out.push(exact(
+        "decode f16 (all 65536)",
+        &t.get_f32(&o, bits.len())?,
+        &want,
+    ));
+
+    // ---- encoders on nasty values ----
+    let xs = nasty_floats(&mut rng, 200_000 * s);
+    let n = xs.len();
+    let xb = t.up(&xs)?;
+    for (fmt, name) in [
+        (0, "encode e4m3 satfinite"),
+        (1, "encode e2m1 (kernel sign rule)"),
+    ] {
+        let o = t.out(n)?;
+        t.g.launch(
+            "encode_floats",
+            n as u64,
+            &[A::P(xb.ptr), A::U(n as u64), A::I(fmt), A::P(o.ptr)],
+        )?;
+        let want: Vec<u8> = xs
+            .iter()
+            .map(|&x| {
+                if fmt == 0 {
+                    e4m3::encode_satfinite(x)
+                } else {
+                    e2m1::encode(x)
+                }
+            })
+            .collect();
+        out.push(exact_u(name, &t.get_u8(&o, n)?, &want));
+    }
+    let o = t.out(n * 2)?;
+    t.g.launch(
+        "encode_floats",
+        n as u64,
+        &[A::P(xb.ptr), A::U(n as u64), A::I(2), A::P(o.ptr)],
+    )?;
+    let want: Vec<u16> = xs.iter().map(|&x| bf16::to_bits(x)).collect();
+    out.push(exact_u("encode bf16 RNE", &t.get_u16(&o, n)?, &want));
+
+    // ---- rcp.approx.ftz vs the CPU emulation (correctly rounded) ----
+    let o = t.out(n * 4)?;
+    t.g.launch(
+        "rcp_approx_map",
+        n as u64,
+        &[A::P(xb.ptr), A::U(n as u64), A::P(o.ptr)],
+    )?;
+    let want: Vec<f32> = xs.iter().map(|&x| nvfp4::rcp_approx(x)).collect();
+    let mut c = exact(
+        "rcp.approx.ftz vs CPU emulation (random)",
+        &t.get_f32(&o, n)?,
+        &want,
+    );
+    let (sweep_mm, examples) = rcp_sweep(t.g, -8..=12)?;
+    c.note = format!(
+        "full mantissa sweep of 2^-8..2^12: {sweep_mm} of {} inputs differ from the correctly rounded reciprocal{}",
+        21u64 << 23,
+        if examples.is_empty() {
+            String::new()
+        } else {
+            format!(" (e.g. {})", examples.join(", "))
+        }
+    );
+    c.mismatches += sweep_mm as usize;
+    out.push(c);
+
+    // ---- NVFP4 weight dequantization, both conventions, f32 and BF16 output ----
+    let (rows, cols) = (96 * s, 512);
+    let packed = bytes(&mut rng, rows * cols / 2);
+    let scales = scale_bytes(&mut rng, rows * cols / 16, true);
+    let pb = t.up(&packed)?;
+    let sb = t.up(&scales)?;
+    let nb = (rows * cols / 16) as u64;
+    for (conv, cname, global) in [
+        (Convention::CompressedTensors, "ct", 1234.567f32),
+        (Convention::ModelOpt, "modelopt", 3.1e-4f32),
+    ] {
+        let want = nvfp4::dequantize(&packed, &scales, global, conv, rows, cols);
+        let ci = if conv == Convention::CompressedTensors {
+            0
+        } else {
+            1
+        };
+        let o = t.out(rows * cols * 4)?;
+        t.g.launch(
+            "dequant_nvfp4",
+            nb,
+            &[
+                A::P(pb.ptr),
+                A::P(sb.ptr),
+                A::U(nb),
+                A::F(global),
+                A::I(ci),
+                A::F(1.0),
+                A::I(0),
+                A::I(0),
+                A::I(0),
+                A::P(o.ptr),
+            ],
+        )?;
+        out.push(exact(
+            &format!("dequant nvfp4 {cname} -> f32"),
+            &t.get_f32(&o, rows * cols)?,
+            &want,
+        ));
+        let o = t.out(rows * cols * 2)?;
+        t.g.launch(
+            "dequant_nvfp4",
+            nb,
+            &[
+                A::P(pb.ptr),
+                A::P(sb.ptr),
+                A::U(nb),
+                A::F(global),
+                A::I(ci),
+                A::F(1.0),
+                A::I(0),
+                A::I(0),
+                A::I(1),
+                A::P(o.ptr),
+            ],
+        )?;
+        let w16: Vec<u16> = want.iter().map(|&v| bf16::to_bits(v)).collect();
+        out.push(exact_bf16(
+            &format!("dequant nvfp4 {cname} -> bf16"),
+            &t.get_u16(&o, rows * cols)?,
+            &w16,
+        ));
+    }
+    // served operand e2m1·s (bf16 exact) with nibbles swapped, as a layout fault reads it
+    let o = t.out(rows * cols * 2)?;
+    t.g.launch(
+        "dequant_nvfp4",
+        nb,
+        &[
+            A::P(pb.ptr),
+            A::P(sb.ptr),
+            A::U(nb),
+            A::F(1.0),
+            A::I(2),
+            A::F(0.37),
+            A::I(1),
+            A::I(1),
+            A::I(1),
+            A::P(o.ptr),
+        ],
+    )?;
+    let mut want16 = Vec::with_capacity(rows * cols);
+    for (i, &byte) in packed.iter().enumerate() {
+        let sc = e4m3::decode(scales[i / 8]);
+        let (lo, hi) = e2m1::unpack(byte);
+        for c in [hi, lo] {
+            want16.push(bf16::to_bits((e2m1::decode(c) * sc) * 0.37));
+        }
+    }
+    out.push(exact_bf16(
+        "dequant nvfp4 served operand (swapped, x d_w) -> bf16",
+        &t.get_u16(&o, rows * cols)?,
+        &want16,
+    ));
+
+    // ---- MXFP4 ----
+    let mxs: Vec<u8> = (0..rows * cols / 32)
+        .map(|i| {
+            if i % 53 == 1 {
+                0xFF
+            } else {
+                (100 + rng.below(50)) as u8
+            }
+        })
+        .collect();
+    let mb = t.up(&mxs)?;
+    let o = t.out(rows * cols * 4)?;
+    let nb32 = (rows * cols / 32) as u64;
+    t.g.launch(
+        "dequant_mxfp4",
+        nb32,
+        &[A::P(pb.ptr), A::P(mb.ptr), A::U(nb32), A::I(0), A::P(o.ptr)],
+    )?;
+    out.push(exact(
+        "dequant mxfp4 -> f32",
+        &t.get_f32(&o, rows * cols)?,
+        &mxfp4::dequantize(&packed, &mxs, rows, cols),
+    ));
+
+    // ---- FP8 block (edge blocks) ----
+    let (fr, fc) = (200 * s, 300);
+    let w8: Vec<u8> = bytes(&mut rng, fr * fc)
+        .into_iter()
+        .map(|b| if b & 0x7F == 0x7F { 0x3C } else { b })
+        .collect();
+    let nsc = fr.div_ceil(128) * fc.div_ceil(128);
+    let sc: Vec<f32> = (0..nsc)
+        .map(|_| (rng.uniform() * 0.01 + 1e-4) as f32)
+        .collect();
+    let (wb, scb) = (t.up(&w8)?, t.up(&sc)?);
+    let o = t.out(fr * fc * 4)?;
+    t.g.launch(
+        "dequant_fp8_block",
+        (fr * fc) as u64,
+        &[
+            A::P(wb.ptr),
+            A::P(scb.ptr),
+            A::U(fr as u64),
+            A::U(fc as u64),
+            A::U(128),
+            A::U(128),
+            A::I(0),
+            A::I(0),
+            A::P(o.ptr),
+        ],
+    )?;
+    out.push(exact(
+        "dequant fp8 block 128x128 -> f32",
+        &t.get_f32(&o, fr * fc)?,
+        &fp8_block::dequantize(&w8, &sc, fr, fc, 128, 128),
+    ));
+
+    // ---- NVFP4 activation quantization (serving kernel op order) ----
+    for (gi, gname) in [
+        (1.0f32, "calibrated"),
+        (64.0, "x64 (saturating)"),
+        (1.0 / 512.0, "1/512 (underflowing)"),
+    ] {
+        let (m, k) = (64 * s, 1024);
+        let x = activations(&mut rng, m, k, true);
+        let amax = nvfp4::amax(&x);
+        let gx = 2688.0 / amax * gi;
+        let xb = t.up(&x)?;
+        let nb = (m * k / 16) as u64;
+        let (po, so, qo, ho) = (
+            t.out(m * k / 2)?,
+            t.out(m * k / 16)?,
+            t.out(m * k * 2)?,
+            t.out(m * k * 4)?,
+        );
+        let hb = t.g.alloc(H_SLOTS * 8)?;
+        t.g.memset(hb.ptr, 0, H_SLOTS * 8)?;
+        t.g.launch(
+            "act_quant_nvfp4",
+            nb,
+            &[
+                A::P(xb.ptr),
+                A::U(nb),
+                A::F(gx),
+                A::P(po.ptr),
+                A::P(so.ptr),
+                A::P(qo.ptr),
+                A::P(ho.ptr),
+                A::I(0),
+                A::P(hb.ptr),
+            ],
+        )?;
+        let want = nvfp4::quantize_activation(&x, m, k, gx);
+        let (fake, health) = nvfp4::fake_quant_activation(&x, m, k, gx);
+        out.push(exact_u(
+            &format!("act quant nvfp4 packed codes, g {gname}"),
+            &t.get_u8(&po, m * k / 2)?,
+            &want.packed,
+        ));
+        out.push(exact_u(
+            &format!("act quant nvfp4 scale bytes, g {gname}"),
+            &t.get_u8(&so, m * k / 16)?,
+            &want.scales,
+        ));
+        let mut xq = Vec::with_capacity(m * k);
+        for (i, &byte) in want.packed.iter().enumerate() {
+            let sc = e4m3::decode(want.scales[i / 8]);
+            let (lo, hi) = e2m1::unpack(byte);
+            xq.push(bf16::to_bits(e2m1::decode(lo) * sc));
+            xq.push(bf16::to_bits(e2m1::decode(hi) * sc));
+        }
+        out.push(exact_bf16(
+            &format!("act quant nvfp4 GEMM operand e2m1*s (bf16), g {gname}"),
+            &t.get_u16(&qo, m * k)?,
+            &xq,
+        ));
+        out.push(exact(
+            &format!("act quant nvfp4 quantize-dequantize, g {gname}"),
+            &t.get_f32(&ho, m * k)?,
+            &fake,
+        ));
+        let h: Vec<u64> = t.g.download(hb.ptr, H_SLOTS)?;
+        let want_h = [
+            health.blocks,
+            health.scale_zero,
+            health.scale_max,
+            health.scale_nan,
+            health.clipped,
+            health.dead_zone,
+            health.elements,
+            amax.to_bits() as u64,
+        ];
+        let mut c = exact_u(
+            &format!("act quant nvfp4 health counters + amax, g {gname}"),
+            &h,
+            &want_h,
+        );
+        c.note = format!(
+            "blocks {} zero {} max {} clipped {} dead {}",
+            health.blocks, health.scale_zero, health.scale_max, health.clipped, health.dead_zone
+        );
+        out.push(c);
+    }
+
+    // ---- FP8 1x128 activation quantization ----
+    let (m, k) = (48 * s, 640 + 64);
+    let x = activations(&mut rng, m, k, true);
+    let xb = t.up(&x)?;
+    for (np, name) in [
+        (0, "act quant fp8 1x128 (pow2 scales)"),
+        (1, "act quant fp8 1x128 (non-pow2 fault)"),
+    ] {
+        let o = t.out(m * k * 4)?;
+        t.g.launch(
+            "act_quant_fp8",
+            (m * k.div_ceil(128)) as u64,
+            &[
+                A::P(xb.ptr),
+                A::U(m as u64),
+                A::U(k as u64),
+                A::I(np),
+                A::P(o.ptr),
+            ],
+        )?;
+        let want = if np == 0 {
+            fp8_block::fake_quant_act_1x128(&x, m, k, fp8_block::ActScale::DeepSeekPow2)
+        } else {
+            crate::probe::served::fake_quant_fp8_non_pow2(&x, m, k)
+        };
+        out.push(exact(name, &t.get_f32(&o, m * k)?, &want));
+    }
+
+    // ---- BF16 rounding and the GEMM epilogue ----
+    let n = xs.len();
+    let xb = t.up(&xs)?;
+    t.g.launch(
+        "scale_round",
+        n as u64,
+        &[A::P(xb.ptr), A::U(n as u64), A::F(0.731), A::I(1)],
+    )?;
+    let want: Vec<f32> = xs.iter().map(|&v| bf16::round(v * 0.731)).collect();
+    out.push(exact(
+        "epilogue bf16(y * alpha)",
+        &t.get_f32(&xb, n)?,
+        &want,
+    ));
+
+    // ---- fused statistics ----
+    for (name, poison) in [
+        ("fused stats + compare (finite)", false),
+        ("fused stats + compare (NaN/Inf)", true),
+    ] {
+        let n = 1_000_003 * s;
+        let r: Vec<f32> = (0..n).map(|_| (rng.normal() * 2.0) as f32).collect();
+        let mut x: Vec<f32> = r
+            .iter()
+            .map(|&v| v + (rng.normal() * 0.01) as f32)
+            .collect();
+        x[12345] = 0.0;
+        if poison {
+            x[777] = f32::NAN;
+            x[999] = f32::INFINITY;
+        }
+        let (xb, rb) = (t.up(&x)?, t.up(&r)?);
+        let (st, cmp) = t.g.stats_compare(xb.ptr, Some(rb.ptr), n)?;
+        let cmp = cmp.unwrap_or_default();
+        let (ws, wc) = (Stats::of(&x), Compare::of(&x, &r));
+        let counts_ok = st.nan == ws.nan
+            && st.inf == ws.inf
+            && st.zeros == ws.zeros
+            && st.amax == ws.amax
+            && cmp.new_non_finite == wc.new_non_finite
+            && cmp.cos.is_some() == wc.cos.is_some()
+            && cmp.max_abs_idx == wc.max_abs_idx;
+        let opt = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) => rel(a, b),
+            (None, None) => 0.0,
+            _ => f64::INFINITY,
+        };
+        let worst = [
+            rel(st.mean_abs, ws.mean_abs),
+            opt(cmp.cos.map(|c| 1.0 - c), wc.cos.map(|c| 1.0 - c)),
+            opt(cmp.rel_l2, wc.rel_l2),
+            opt(cmp.amax_ratio, wc.amax_ratio),
+            opt(cmp.max_abs_err, wc.max_abs_err),
+        ]
+        .into_iter()
+        .fold(0.0, f64::max);
+        out.push(Check {
+            name: name.into(),
+            cases: n,
+            mismatches: (!counts_ok) as usize,
+            worst,
+            tolerance: 1e-6,
+            note: format!(
+                "counts/amax/argmax exact; 1-cos {:.3e}, rel-L2 {:.3e}",
+                wc.one_minus_cos(),
+                wc.rel_l2.unwrap_or(f64::NAN)
+            ),
+        });
+    }
+
+    // ---- GEMMs ----
+    let (m, k, nn) = (37, 1024 + 96, 300 * s);
+    let x: Vec<f32> = (0..m * k)
+        .map(|_| bf16::round(rng.normal() as f32))
+        .collect();
+    let w: Vec<f32> = (0..nn * k)
+        .map(|_| bf16::round(rng.normal() as f32))
+        .collect();
+    let want = crate::probe::served::matmul_nt(&x, &w, m, k, nn);
+    let (xb, wb) = (t.up(&x)?, t.up(&w)?);
+    let o = t.out(m * nn * 4)?;
+    t.g.gemm(
+        crate::backend::cuda::Ty::F32,
+        xb.ptr,
+        k,
+        wb.ptr,
+        o.ptr,
+        nn,
+        m,
+        nn,
+        k,
+    )?;
+    out.push(close(
+        "GEMM f32 (pedantic, no TF32)",
+        &t.get_f32(&o, m * nn)?,
+        &want,
+        1e-6,
+    ));
+    let x16: Vec<u16> = x.iter().map(|&v| bf16::to_bits(v)).collect();
+    let w16: Vec<u16> = w.iter().map(|&v| bf16::to_bits(v)).collect();
+    let (xb, wb) = (t.up(&x16)?, t.up(&w16)?);
+    let o = t.out(m * nn * 4)?;
+    t.g.gemm(
+        crate::backend::cuda::Ty::Bf16,
+        xb.ptr,
+        k,
+        wb.ptr,
+        o.ptr,
+        nn,
+        m,
+        nn,
+        k,
+    )?;
+    out.push(close(
+        "GEMM bf16 x bf16 -> f32",
+        &t.get_f32(&o, m * nn)?,
+        &want,
+        1e-6,
+    ));
+
+    // ---- MoE: gather, SwiGLU clamp, combine ----
+    let (tt, d) = (50, 256);
+    let x: Vec<f32> = (0..tt * d).map(|_| rng.normal() as f32).collect();
+    let idx: Vec<i32> = (0..120).map(|_| rng.below(tt) as i32).collect();
+    let (xb, ib) = (t.up(&x)?, t.up(&idx)?);
+    let o = t.out(idx.len() * d * 4)?;
+    t.g.launch(
+        "gather_rows",
+        (idx.len() * d) as u64,
+        &[
+            A::P(xb.ptr),
+            A::P(ib.ptr),
+            A::U(idx.len() as u64),
+            A::U(d as u64),
+            A::P(o.ptr),
+        ],
+    )?;
+    let want: Vec<f32> = idx
+        .iter()
+        .flat_map(|&r| x[r as usize * d..(r as usize + 1) * d].to_vec())
+        .collect();
+    out.push(exact(
+        "expert gather",
+        &t.get_f32(&o, idx.len() * d)?,
+        &want,
+    ));
+    let n = 100_000;
+    let gv: Vec<f32> = (0..n)
+        .map(|_| bf16::round((rng.normal() * 6.0) as f32))
+        .collect();
+    let uv: Vec<f32> = (0..n)
+        .map(|_| bf16::round((rng.normal() * 6.0) as f32))
+        .collect();
+    let (gb, ub) = (t.up(&gv)?, t.up(&uv)?);
+    let o = t.out(n * 4)?;
+    let limit = 7.0f32;
+    t.g.launch(
+        "swiglu_clamp",
+        n as u64,
+        &[
+            A::P(gb.ptr),
+            A::P(ub.ptr),
+            A::U(n as u64),
+            A::F(limit),
+            A::I(0),
+            A::P(o.ptr),
+        ],
+    )?;
+    let want: Vec<f32> = gv
+        .iter()
+        .zip(&uv)
+        .map(|(&g, &u)| crate::model::ops::silu(g.min(limit)) * u.clamp(-limit, limit))
+        .collect();
+    out.push(close(
+        "SwiGLU with clamp (f32)",
+        &t.get_f32(&o, n)?,
+        &want,
+        1e-6,
+    ));
+    let k_slots = 3;
+    let rows_y = 90;
+    let y: Vec<f32> = (0..rows_y * d).map(|_| rng.normal() as f32).collect();
+    let mut srow = vec![-1i32; tt * k_slots];
+    let mut sw = vec![0f32; tt * k_slots];
+    for (i, (r, w)) in srow.iter_mut().zip(sw.iter_mut()).enumerate() {
+        if i % 7 != 3 {
+            *r = rng.below(rows_y) as i32;
+            *w = rng.uniform() as f32;
+        }
+    }
+    let (yb, rb, wb) = (t.up(&y)?, t.up(&srow)?, t.up(&sw)?);
+    let o = t.out(tt * d * 4)?;
+    t.g.launch(
+        "moe_combine",
+        (tt * d) as u64,
+        &[
+            A::P(yb.ptr),
+            A::P(rb.ptr),
+            A::P(wb.ptr),
+            A::U(tt as u64),
+            A::U(k_slots as u64),
+            A::U(d as u64),
+            A::P(o.ptr),
+        ],
+    )?;
+    let mut want = vec![0f32; tt * d];
+    for ti in 0..tt {
+        for j in 0..k_slots {
+            let r = srow[ti * k_slots + j];
+            if r >= 0 {
+                for c in 0..d {
+                    want[ti * d + c] += sw[ti * k_slots + j] * y[r as usize * d + c];
+                }
+            }
+        }
+    }
+    out.push(exact(
+        "expert combine (CPU order)",
+        &t.get_f32(&o, tt * d)?,
+        &want,
+    ));
+    Ok(out)
+}
+
+/// Count, over whole binades, where rcp.approx.ftz differs from the correctly rounded reciprocal.
+fn rcp_sweep(g: &mut Gpu, exps: std::ops::RangeInclusive<i32>) -> Result<(u64, Vec<String>)> {
+    let cnt = g.alloc(8)?;
+    g.memset(cnt.ptr, 0, 8)?;
+    let cap = 8u32;
+    let first = g.alloc(cap as usize * 4)?;
+    for e in exps {
+        g.launch(
+            "rcp_sweep",
+            1 << 23,
+            &[A::I(e), A::P(cnt.ptr), A::P(first.ptr), A::U32(cap)],
+        )?;
+    }
+    let c: Vec<u64> = g.download(cnt.ptr, 1)?;
+    let f: Vec<u32> = g.download(first.ptr, cap as usize)?;
+    let ex = f
+        .iter()
+        .take(c[0].min(cap as u64) as usize)
+        .map(|&b| format!("{:e} (0x{b:08X})", f32::from_bits(b)))
+        .collect();
+    Ok((c[0], ex))
+}
+
+/// Per-op agreement of two runs of the same job (CPU and CUDA backends).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RunAgreement {
+    pub ops: usize,
+    /// Ops whose amax differs beyond 1e-4 relative, or whose NaN/Inf counts differ, in any path.
+    pub stat_mismatches: Vec<String>,
+    /// Worst |Δcos| over ops and comparisons.
+    pub worst_cos_delta: f64,
+    pub worst_cos_op: String,
+    pub worst_amax_rel: f64,
+    pub divergent_cpu: usize,
+    pub divergent_gpu: usize,
+}
+
+/// Compare two run results op by op: NaN/Inf counts exactly, amax and cosines within tolerance.
+pub fn compare_runs(cpu: &RunResult, gpu: &RunResult) -> RunAgreement {
+    let mut a = RunAgreement {
+        ops: cpu.records.len(),
+        stat_mismatches: Vec::new(),
+        worst_cos_delta: 0.0,
+        worst_cos_op: String::new(),
+        worst_amax_rel: 0.0,
+        divergent_cpu: cpu.records.iter().filter(|r| r.divergent).count(),
+        divergent_gpu: gpu.records.iter().filter(|r| r.divergent).count(),
+    };
+    if cpu.records.len() != gpu.records.len() {
+        a.stat_mismatches.push(format!(
+            "op count {} vs {}",
+            cpu.records.len(),
+            gpu.records.len()
+        ));
+        return a;
+    }
+    for (c, g) in cpu.records.iter().zip(&gpu.records) {
+        for (path, sc) in &c.stats {
+            let Some(sg) = g.stats.get(path) else {
+                a.stat_mismatches.push(format!("{} {path}: missing", c.id));
+                continue;
+            };
+            let ar = rel(sc.amax, sg.amax);
+            a.worst_amax_rel = a.worst_amax_rel.max(ar);
+            if sc.nan != sg.nan || sc.inf != sg.inf || ar > 1e-4 {
+                a.stat_mismatches.push(format!(
+                    "{} {path}: amax {:.6e} vs {:.6e}, NaN {} vs {}, Inf {} vs {}",
+                    c.id, sc.amax, sg.amax, sc.nan, sg.nan, sc.inf, sg.inf
+                ));
+            }
+        }
+        for (x, y) in [
+            (&c.bf16_vs_fp32, &g.bf16_vs_fp32),
+            (&c.served_isolated_vs_bf16, &g.served_isolated_vs_bf16),
+            (&c.served_propagated_vs_bf16, &g.served_propagated_vs_bf16),
+            (&c.served_isolated_vs_fp32, &g.served_isolated_vs_fp32),
+        ] {
+            let d = match (x.cos, y.cos) {
+                (Some(p), Some(q)) => (p - q).abs(),
+                (None, None) => 0.0,
+                _ => f64::INFINITY,
+            };
+            if d > a.worst_cos_delta {
+                a.worst_cos_delta = d;
+                a.worst_cos_op = c.id.clone();
+            }
+        }
+    }
+    a
+}
+
+/// One kernel-bandwidth measurement.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchLine {
+    pub what: String,
+    /// Bytes read plus bytes written per call.
+    pub bytes: u64,
+    pub median_ms: f64,
+    pub gb_per_s: f64,
+    /// Against the measured device-to-device copy (read + write) bandwidth.
+    pub vs_d2d: f64,
+}
+
+fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let err = |e| crate::Error::Backend(format!("cuda: event: {e:?}"));
+    f()?; // warm-up
+    g.sync()?;
+    let mut ts = Vec::new();
+    for _ in 0..reps {
+        let flag = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = g.ctx.new_event(flag).map_err(err)?;
+        let b = g.ctx.new_event(flag).map_err(err)?;
+        a.record(&g.stream).map_err(err)?;
+        f()?;
+        b.record(&g.stream).map_err(err)?;
+        b.synchronize().map_err(err)?;
+        ts.push(a.elapsed_ms(&b).map_err(err)? as f64);
+    }
+    ts.sort_by(f64::total_cmp);
+    Ok(ts[ts.len() / 2])
+}
+
+/// Bandwidth of the dequantization and activation-quantization kernels on multi-GB tensors,
+/// against a device-to-device copy of the same order of size. `gib`: packed weight size.
+pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
+    let mut out = Vec::new();
+    let reps = 5;
+    // device-to-device copy
+    let cb = (gib * (1u64 << 30) as f64) as usize * 2;
+    let (a, b) = (g.alloc(cb)?, g.alloc(cb)?);
+    g.memset(a.ptr, 0x3F, cb)?;
+    let ms = time_ms(g, reps, || {
+        unsafe { cudarc::driver::result::memcpy_dtod_async(b.ptr, a.ptr, cb, g.stream.cu_stream()) }
+            .map_err(|e| crate::Error::Backend(format!("cuda: dtod: {e:?}")))
+    })?;
+    let d2d = 2.0 * cb as f64 / (ms * 1e-3) / 1e9;
+    out.push(BenchLine {
+        what: format!(
+            "device-to-device copy {:.1} GiB",
+            cb as f64 / (1u64 << 30) as f64
+        ),
+        bytes: 2 * cb as u64,
+        median_ms: ms,
+        gb_per_s: d2d,
+        vs_d2d: 1.0,
+    });
+    drop((a, b));
+    // NVFP4 weight dequantization
+    let pk = (gib * (1u64 << 30) as f64) as usize / 8 * 8;
+    let nb = (pk / 8) as u64;
+    let (p, s) = (g.alloc(pk)?, g.alloc(pk / 8)?);
+    g.memset(p.ptr, 0x5A, pk)?;
+    g.memset(s.ptr, 0x38, pk / 8)?;
+    for (ok, elem, name) in [(1, 2usize, "bf16"), (0, 4, "f32")] {
+        let o = g.alloc(pk * 2 * elem)?;
+        let ms = time_ms(g, reps, || {
+            g.launch(
+                "dequant_nvfp4",
+                nb,
+                &[
+                    A::P(p.ptr),
+                    A::P(s.ptr),
+                    A::U(nb),
+                    A::F(1.5),
+                    A::I(0),
+                    A::F(1.0),
+                    A::I(0),
+                    A::I(0),
+                    A::I(ok),
+                    A::P(o.ptr),
+                ],
+            )
+        })?;
+        let bytes = (pk + pk / 8 + pk * 2 * elem) as u64;
+        let bw = bytes as f64 / (ms * 1e-3) / 1e9;
+        out.push(BenchLine {
+            what: format!(
+                "dequant_nvfp4 {:.1} GiB packed -> {name} ({:.1} GiB)",
+                pk as f64 / (1u64 << 30) as f64,
+                (pk * 2 * elem) as f64 / (1u64 << 30) as f64
+            ),
+            bytes,
+            median_ms: ms,
+            gb_per_s: bw,
+            vs_d2d: bw / d2d,
+        });
+    }
+    drop((p, s));
+    // NVFP4 activation quantization: f32 in, codes + scale bytes (+ the BF16 GEMM operand) out
+    let n = (gib * (1u64 << 30) as f64) as usize / 16 * 16; // elements: 4·gib GiB of f32
+    let x = g.alloc(n * 4)?;
+    g.memset(x.ptr, 0x3F, n * 4)?;
+    let (po, so, qo) = (g.alloc(n / 2)?, g.alloc(n / 16)?, g.alloc(n * 2)?);
+    let h = g.alloc(H_SLOTS * 8)?;
+    g.memset(h.ptr, 0, H_SLOTS * 8)?;
+    let nb = (n / 16) as u64;
+    for (with_q, name) in [
+        (false, "codes + scales"),
+        (true, "codes + scales + bf16 GEMM operand"),
+    ] {
+        let ms = time_ms(g, reps, || {
+            g.launch(
+                "act_quant_nvfp4",
+                nb,
+                &[
+                    A::P(x.ptr),
+                    A::U(nb),
+                    A::F(3.0),
+                    A::P(po.ptr),
+                    A::P(so.ptr),
+                    A::P(if with_q { qo.ptr } else { 0 }),
+                    A::P(0),
+                    A::I(0),
+                    A::P(h.ptr),
+                ],
+            )
+        })?;
+        let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
+        let bw = bytes as f64 / (ms * 1e-3) / 1e9;
+        out.push(BenchLine {
+            what: format!(
+                "act_quant_nvfp4 {:.1} GiB f32 -> {name}",
+                (n * 4) as f64 / (1u64 << 30) as f64
+            ),
+            bytes,
+            median_ms: ms,
+            gb_per_s: bw,
+            vs_d2d: bw / d2d,
+        });
+    }
+    Ok(out)
+}
+
+/// rcp.approx.ftz − correctly rounded reciprocal, in ulps, for every mantissa of [1, 2).
+pub fn rcp_table(g: &mut Gpu) -> Result<Vec<i8>> {
+    let o = g.alloc(1 << 23)?;
+    g.memset(o.ptr, 0x7F, 1 << 23)?;
+    g.launch("rcp_table", 1 << 23, &[A::P(o.ptr)])?;
+    g.download(o.ptr, 1 << 23)
+}
