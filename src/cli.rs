@@ -184,6 +184,10 @@ pub struct BisectArgs {
     pub loader_faults: Vec<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// How to find the first divergent op: `linear` (one full run), `layers` (binary search over
+    /// layers on propagated error, then one layer in full), `auto` (`layers` for big checkpoints).
+    #[arg(long, value_enum, default_value_t = crate::bisect::Search::Auto)]
+    pub search: crate::bisect::Search,
 }
 
 #[derive(Args, Debug, Clone, Default)]

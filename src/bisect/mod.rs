@@ -8,6 +8,7 @@
 //! bisect also looks for magnitude anomalies across layers.
 
 pub mod render;
+pub mod search;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
@@ -17,7 +18,8 @@ use serde::Serialize;
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
 use crate::metrics::Compare;
 use crate::numerics::nvfp4::{Convention, QuantHealth};
-use crate::probe::replay::{self, Patch, Replayer};
+use crate::probe::replay::{self, Capture, Patch, Replayer};
+use crate::probe::scan::{self as pscan, OracleOp};
 use crate::probe::served::{Nvfp4Params, Override};
 use crate::probe::{self, OpRecord, RunOptions, RunResult, Summary};
 use crate::Result;
@@ -134,6 +136,80 @@ pub struct BisectResult {
     pub ops: usize,
     pub seconds_run: f64,
     pub seconds_bisect: f64,
+    /// How the divergent op was found: which search ran, its steps, time and op executions per phase.
+    pub search: SearchReport,
+}
+
+/// How bisect looks for the first divergent op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Search {
+    /// `layers` when the run covers at least 3 layers of at least 256 MiB of weights each, else `linear`.
+    #[default]
+    Auto,
+    /// One full run, then hypotheses at the first divergent op.
+    Linear,
+    /// Binary search over layers on propagated error, then one layer measured in full; falls back
+    /// to `linear` when it finds nothing conclusive.
+    Layers,
+}
+
+/// One phase of a bisect: wall time and op executions (one op on one numerics path = 1).
+#[derive(Clone, Debug, Serialize)]
+pub struct Phase {
+    pub name: String,
+    pub seconds: f64,
+    pub execs: usize,
+}
+
+/// One probe of the layer search.
+#[derive(Clone, Debug, Serialize)]
+pub struct Step {
+    /// `scan` (oracle + served from the first layer), `probe` (served alone from the oracle's state
+    /// at `layers.0`), `measure` (one layer, full isolated measurement).
+    pub kind: String,
+    /// Inclusive layer range executed.
+    pub layers: (usize, usize),
+    /// Where the served output was compared (`L3.out`), or the measured layer's first divergent op.
+    pub at: Option<String>,
+    pub rel_l2: Option<f64>,
+    pub cos: Option<f64>,
+    /// Clearly broken there (why), or not.
+    pub broken: Option<String>,
+    pub execs: usize,
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SearchReport {
+    pub requested: Search,
+    /// The search whose result is reported: `linear` or `layers`.
+    pub ran: Search,
+    /// Why this search (auto's rule, or a fallback).
+    pub why: String,
+    /// Set when the layer search ran, found nothing conclusive, and the linear search took over.
+    pub fell_back: Option<String>,
+    /// The layer the layer search named (before the in-layer scan).
+    pub layer: Option<usize>,
+    pub steps: Vec<Step>,
+    pub phases: Vec<Phase>,
+}
+
+impl SearchReport {
+    pub fn total_execs(&self) -> usize {
+        self.phases.iter().map(|p| p.execs).sum()
+    }
+    fn linear(why: &str) -> SearchReport {
+        SearchReport {
+            requested: Search::Linear,
+            ran: Search::Linear,
+            why: why.into(),
+            fell_back: None,
+            layer: None,
+            steps: Vec::new(),
+            phases: Vec::new(),
+        }
+    }
 }
 
 impl BisectResult {
@@ -149,12 +225,32 @@ pub fn bisect(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult> {
     bisect_run(ckpt, opts, &res)
 }
 
+/// Bisect with a chosen search (`Auto` decides by [`search::auto_choice`]).
+pub fn bisect_with(ckpt: &Checkpoint, opts: &RunOptions, how: Search) -> Result<BisectResult> {
+    let (ran, why) = match how {
+        Search::Auto => search::auto_choice(ckpt, opts)?,
+        Search::Linear => (Search::Linear, "requested".to_string()),
+        Search::Layers => (Search::Layers, "requested".to_string()),
+    };
+    if ran == Search::Layers {
+        let mut r = search::layer_search(ckpt, opts)?;
+        r.search.requested = how;
+        r.search.why = why;
+        return Ok(r);
+    }
+    let mut r = bisect(ckpt, opts)?;
+    r.search.requested = how;
+    r.search.why = why;
+    Ok(r)
+}
+
 /// Bisect given a finished run over `opts` (the run's options must be these).
 pub fn bisect_run(ckpt: &Checkpoint, opts: &RunOptions, res: &RunResult) -> Result<BisectResult> {
     let t0 = Instant::now();
+    let mut cost = Cost::default();
     let first = res.records.iter().find(|r| r.divergent);
     let divergence = match first {
-        Some(r) => Some(explain(ckpt, opts, res, r)?),
+        Some(r) => Some(explain(ckpt, opts, &res.records, r, None, &mut cost)?),
         None => None,
     };
     // an anomaly at or before the divergent op means the oracle itself is off there: the divergence
@@ -166,14 +262,57 @@ pub fn bisect_run(ckpt: &Checkpoint, opts: &RunOptions, res: &RunResult) -> Resu
             .map_or(0, |i| i + 1)
     });
     let anomalies = find_anomalies(&res.records[..upto]);
+    let ops_run = match &opts.stop_after {
+        Some(_) => res.records.last().map_or(0, |r| r.step + 1),
+        None => {
+            let cfg = ckpt.model_config()?;
+            let b = opts.layers.1;
+            let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+            crate::model::graph::build_graph(cfg, b, with_head).len()
+        }
+    };
+    let seconds_bisect = t0.elapsed().as_secs_f64();
+    let mut search = SearchReport::linear("requested");
+    search.phases.push(Phase {
+        name: "run".into(),
+        seconds: res.seconds,
+        execs: pscan::run_execs(ckpt, ops_run, &res.records),
+    });
+    cost.phases(seconds_bisect, &mut search.phases);
     Ok(BisectResult {
         summary: res.summary.clone(),
         divergence,
         anomalies,
         ops: res.records.len(),
         seconds_run: res.seconds,
-        seconds_bisect: t0.elapsed().as_secs_f64(),
+        seconds_bisect,
+        search,
     })
+}
+
+/// Op executions and time of the attribution (capture + hypothesis replays).
+#[derive(Default)]
+struct Cost {
+    capture_execs: usize,
+    capture_seconds: f64,
+    evals: usize,
+}
+
+impl Cost {
+    fn phases(&self, seconds_total: f64, out: &mut Vec<Phase>) {
+        if self.capture_execs > 0 {
+            out.push(Phase {
+                name: "capture".into(),
+                seconds: self.capture_seconds,
+                execs: self.capture_execs,
+            });
+        }
+        out.push(Phase {
+            name: "hypotheses".into(),
+            seconds: (seconds_total - self.capture_seconds).max(0.0),
+            execs: self.evals,
+        });
+    }
 }
 
 fn restores(c: &Compare, tol: f64, amax_ratio: f64) -> bool {
@@ -183,16 +322,32 @@ fn restores(c: &Compare, tol: f64, amax_ratio: f64) -> bool {
             .is_none_or(|q| q <= amax_ratio && q >= 1.0 / amax_ratio)
 }
 
+/// Hypotheses at `rec`. `cap` is the oracle's view of the op when the caller has it already (the
+/// layer search does); otherwise it is captured by running the oracle up to the op. `records` are
+/// the measured ops the propagated picture is read from.
 fn explain(
     ckpt: &Checkpoint,
     opts: &RunOptions,
-    res: &RunResult,
+    records: &[OpRecord],
     rec: &OpRecord,
+    cap: Option<Capture>,
+    cost: &mut Cost,
 ) -> Result<Divergence> {
     let th = &opts.spec.thresholds;
-    let cap = replay::capture(ckpt, opts, &rec.id)?;
+    let cap = match cap {
+        Some(c) => c,
+        None => {
+            let t = Instant::now();
+            let c = replay::capture(ckpt, opts, &rec.id)?;
+            cost.capture_seconds = t.elapsed().as_secs_f64();
+            // the oracle over every op before it, then the op
+            cost.capture_execs = rec.step + 1;
+            c
+        }
+    };
     let mut rp = Replayer::new(ckpt, opts, cap)?;
     let base = rp.eval(&[])?;
+    cost.evals += 1;
     let nvfp4: Vec<String> = rec
         .weights
         .iter()
@@ -204,6 +359,7 @@ fn explain(
         HashMap::new()
     } else {
         let all: Vec<(String, Patch)> = nvfp4.iter().map(|b| (b.clone(), Patch::Oracle)).collect();
+        cost.evals += 1;
         rp.eval(&all)?.act_amax
     };
     let mut hyps = Vec::new();
@@ -219,6 +375,7 @@ fn explain(
             continue;
         }
         let ev = rp.eval(&h.patches)?;
+        cost.evals += 1;
         let ok = restores(&ev.vs_bf16, rec.tolerance, th.amax_ratio);
         ranked.push(Ranked {
             hypothesis: h,
@@ -272,7 +429,7 @@ fn explain(
             per_linear.push((sub.clone(), *h));
         }
     }
-    let after_op = res.records.iter().skip_while(|r| r.id != rec.id);
+    let after_op = records.iter().skip_while(|r| r.id != rec.id);
     let shows_at = after_op.clone().find(|r| r.shows).map(|r| r.id.clone());
     let shows_at_layer_out = after_op
         .filter(|r| r.id.ends_with(".out") && r.shows)
@@ -722,10 +879,26 @@ fn sentence(op: &str, h: &Hypothesis, before: &Compare, after: &Compare) -> Stri
 /// Ops whose (oracle) output amax jumps by orders of magnitude against their input and against the
 /// same op in the other layers, or whose oracle output is non-finite on finite input.
 pub fn find_anomalies(records: &[OpRecord]) -> Vec<Anomaly> {
-    let by_id: HashMap<&str, &OpRecord> = records.iter().map(|r| (r.id.as_str(), r)).collect();
+    let view: Vec<OracleOp> = records
+        .iter()
+        .filter_map(|r| {
+            Some(OracleOp {
+                id: r.id.clone(),
+                layer: r.layer,
+                weights: r.weights.clone(),
+                stats: r.stats.get("oracle_bf16")?.clone(),
+            })
+        })
+        .collect();
+    find_anomalies_in(&view)
+}
+
+/// [`find_anomalies`] over the BF16 oracle's statistics alone (what a layer scan keeps).
+pub fn find_anomalies_in(records: &[OracleOp]) -> Vec<Anomaly> {
+    let by_id: HashMap<&str, &OracleOp> = records.iter().map(|r| (r.id.as_str(), r)).collect();
     let suffix = |id: &str| id.split_once('.').map(|(_, s)| s.to_string());
-    let amax = |r: &OpRecord| r.stats.get("oracle_bf16").map(|s| s.amax);
-    let nf = |r: &OpRecord| r.stats.get("oracle_bf16").is_some_and(|s| s.non_finite());
+    let amax = |r: &OracleOp| Some(r.stats.amax);
+    let nf = |r: &OracleOp| r.stats.non_finite();
     // gain of each quantized op: amax(out) / amax(its input)
     let mut gains: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
     let mut gain_of: HashMap<String, f64> = HashMap::new();
@@ -811,7 +984,7 @@ pub fn find_anomalies(records: &[OpRecord]) -> Vec<Anomaly> {
 }
 
 /// The main data input of an op id, by the graph's conventions.
-fn input_of(r: &OpRecord) -> Option<String> {
+fn input_of(r: &OracleOp) -> Option<String> {
     let (l, rest) = r.id.split_once('.')?;
     let inp = match rest {
         "attn.q_a" | "attn.kv" => "attn.norm",

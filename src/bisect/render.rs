@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use super::{BisectResult, Ranked};
+use super::{BisectResult, Ranked, Search, SearchReport, Step};
 use crate::report::RunMeta;
 
 fn cos(c: &crate::metrics::Compare) -> String {
@@ -111,9 +111,62 @@ pub fn terminal(r: &BisectResult) -> String {
             }
         }
     }
+    out.push_str(&search_lines(&r.search));
     out.push_str(&format!(
         "{} ops; run {:.2} s, bisect {:.2} s\n",
         r.ops, r.seconds_run, r.seconds_bisect
+    ));
+    out
+}
+
+fn mode(s: Search) -> &'static str {
+    match s {
+        Search::Auto => "auto",
+        Search::Linear => "linear",
+        Search::Layers => "layers",
+    }
+}
+
+fn step_line(st: &Step) -> String {
+    format!(
+        "{} L{}..L{} → {}: {}{} ({} execs, {:.2} s)",
+        st.kind,
+        st.layers.0,
+        st.layers.1,
+        st.at.as_deref().unwrap_or("—"),
+        st.broken.as_deref().unwrap_or("not broken"),
+        st.rel_l2
+            .filter(|_| st.broken.is_none())
+            .map(|v| format!(", rel-L2 {v:.3e}"))
+            .unwrap_or_default(),
+        st.execs,
+        st.seconds
+    )
+}
+
+/// Which search ran, its steps and the cost per phase.
+fn search_lines(s: &SearchReport) -> String {
+    let mut out = format!(
+        "search: {} (requested {}; {})\n",
+        mode(s.ran),
+        mode(s.requested),
+        s.why
+    );
+    for st in &s.steps {
+        out.push_str(&format!("  {}\n", step_line(st)));
+    }
+    if let Some(f) = &s.fell_back {
+        out.push_str(&format!("  fell back to the linear search: {f}\n"));
+    }
+    let phases: Vec<String> = s
+        .phases
+        .iter()
+        .map(|p| format!("{} {:.2} s / {} execs", p.name, p.seconds, p.execs))
+        .collect();
+    out.push_str(&format!(
+        "  phases: {} (total {} op executions)\n",
+        phases.join(", "),
+        s.total_execs()
     ));
     out
 }
@@ -130,6 +183,8 @@ pub fn json(meta: &RunMeta, r: &BisectResult) -> String {
         "ops": r.ops,
         "seconds_run": r.seconds_run,
         "seconds_bisect": r.seconds_bisect,
+        "search": r.search,
+        "op_executions": r.search.total_execs(),
     });
     serde_json::to_string_pretty(&v).unwrap_or_else(|_| "{}".into())
 }
@@ -185,5 +240,26 @@ pub fn markdown(meta: &RunMeta, r: &BisectResult) -> String {
             }
         }
     }
+    let se = &r.search;
+    s.push_str(&format!(
+        "## Search\n\n`{}` (requested `{}`; {}).\n\n",
+        mode(se.ran),
+        mode(se.requested),
+        se.why
+    ));
+    for st in &se.steps {
+        s.push_str(&format!("- {}\n", step_line(st)));
+    }
+    if let Some(f) = &se.fell_back {
+        s.push_str(&format!("- fell back to the linear search: {f}\n"));
+    }
+    s.push_str("\n| phase | seconds | op executions |\n|---|---|---|\n");
+    for p in &se.phases {
+        s.push_str(&format!(
+            "| {} | {:.2} | {} |\n",
+            p.name, p.seconds, p.execs
+        ));
+    }
+    s.push_str(&format!("| **total** | | {} |\n", se.total_execs()));
     s
 }

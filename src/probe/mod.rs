@@ -5,6 +5,7 @@
 pub mod env;
 pub mod faults;
 pub mod replay;
+pub mod scan;
 pub mod served;
 pub mod spec;
 
