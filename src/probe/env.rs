@@ -313,7 +313,7 @@ impl OpEnv for PathEnv<'_, '_> {
                     served::matmul_nt(xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
                 }
                 WeightView::Served(sw, profile) => {
-                    let sub = slice_served(sw, g * r, r, k);
+                    let sub = sw.rows(g * r, r, k);
                     let (y, obs) = served::apply(&sub, *profile, xg, rows, k, r);
                     if shared.record_observations {
                         shared.observed.push((format!("{sub_id}.g{g}"), obs));
@@ -370,19 +370,6 @@ fn lock(
     g.lock().map_err(|_| {
         crate::Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
     })
-}
-
-/// Rows `r0..r0+n` of a served weight (for grouped projections).
-fn slice_served(sw: &ServedWeight, r0: usize, n: usize, k: usize) -> ServedWeight {
-    let sl = |w: &Vec<f32>| w[r0 * k..(r0 + n) * k].to_vec();
-    match sw {
-        ServedWeight::Dense { w } => ServedWeight::Dense { w: sl(w) },
-        ServedWeight::Fp8Act { w, non_pow2_act } => ServedWeight::Fp8Act {
-            w: sl(w),
-            non_pow2_act: *non_pow2_act,
-        },
-        ServedWeight::Nvfp4 { wq, p } => ServedWeight::Nvfp4 { wq: sl(wq), p: *p },
-    }
 }
 
 /// Sum of the health counters of an op's served linears and the worst activation-over-calibration ratio.

@@ -8,6 +8,7 @@
 //! bytes, and whole weights swapped for the oracle's (to localise the culprit weight of a fused op).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
 use crate::metrics::Compare;
@@ -118,7 +119,7 @@ pub struct Eval {
 struct Entry {
     qw: QuantWeight,
     /// BF16 oracle weight.
-    bf16: Vec<f32>,
+    bf16: Arc<Vec<f32>>,
     /// The served reading with the loader's faults and no patches.
     served: ServedWeight,
 }
@@ -153,7 +154,7 @@ impl<'a> Replayer<'a> {
             let f32 = qw.dequantize()?.data;
             let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(base)).collect();
             let served = served::prepare(self.ckpt, &qw, &f32, true, &faults, &[])?;
-            let bf16 = f32.iter().map(|&v| bf16::round(v)).collect();
+            let bf16 = Arc::new(f32.iter().map(|&v| bf16::round(v)).collect());
             self.cache
                 .insert(base.to_string(), Entry { qw, bf16, served });
         }
@@ -185,7 +186,7 @@ impl<'a> Replayer<'a> {
         let e = self.entry(base)?;
         let (wq0, p0) = match &e.served {
             ServedWeight::Nvfp4 { wq, p } => (wq, *p),
-            ServedWeight::Dense { w } => return Ok(ServedWeight::Dense { w: w.clone() }),
+            ServedWeight::Dense { w } => return Ok(ServedWeight::Dense { w: w.clone() }), // shared
             ServedWeight::Fp8Act { w, non_pow2_act } => {
                 return Ok(ServedWeight::Fp8Act {
                     w: w.clone(),
@@ -204,7 +205,7 @@ impl<'a> Replayer<'a> {
             .collect();
         let stored = patches.iter().any(|p| **p == Patch::StoredBlockScales);
         let mut wq = if stored {
-            stored_block_scale_wq(&e.qw)?
+            Arc::new(stored_block_scale_wq(&e.qw)?)
         } else if !layout.is_empty() {
             let fr: Vec<&Fault> = faults.iter().collect();
             match served::prepare(ckpt, &e.qw, &[], true, &fr, &layout)? {
@@ -217,7 +218,7 @@ impl<'a> Replayer<'a> {
         if stored && !layout.is_empty() {
             // layout repairs on top of the stored bytes: only the nibble order applies
             if layout.contains(&Override::NibbleSwap) {
-                wq = swap_pairs_nibbles(&e.qw)?;
+                wq = Arc::new(swap_pairs_nibbles(&e.qw)?);
             }
         }
         let mut p = p0;
@@ -306,7 +307,7 @@ fn decode_nvfp4(qw: &QuantWeight, packed: &[u8], scales: &[u8], swap: bool) -> R
 }
 
 enum Prepared {
-    Oracle(Vec<f32>),
+    Oracle(Arc<Vec<f32>>),
     Served(ServedWeight),
 }
 
@@ -382,7 +383,7 @@ impl ReplayEnv<'_, '_, '_> {
             Prepared::Served(sw) => {
                 let sub;
                 let sw = if n_rows.is_some() {
-                    sub = slice(sw, row0, n, k);
+                    sub = sw.rows(row0, n, k);
                     &sub
                 } else {
                     sw
@@ -393,18 +394,6 @@ impl ReplayEnv<'_, '_, '_> {
             }
         };
         Ok((y, n))
-    }
-}
-
-fn slice(sw: &ServedWeight, r0: usize, n: usize, k: usize) -> ServedWeight {
-    let sl = |w: &Vec<f32>| w[r0 * k..(r0 + n) * k].to_vec();
-    match sw {
-        ServedWeight::Dense { w } => ServedWeight::Dense { w: sl(w) },
-        ServedWeight::Fp8Act { w, non_pow2_act } => ServedWeight::Fp8Act {
-            w: sl(w),
-            non_pow2_act: *non_pow2_act,
-        },
-        ServedWeight::Nvfp4 { wq, p } => ServedWeight::Nvfp4 { wq: sl(wq), p: *p },
     }
 }
 

@@ -8,6 +8,8 @@
 //! FP8 block and MXFP4 weights use DeepSeek's FP8 1×128 activation quantization (power-of-two
 //! scales, DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
 
+use std::sync::Arc;
+
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
 use crate::numerics::nvfp4::{self, Convention, QuantHealth};
 use crate::numerics::{e2m1, e4m3, fp8_block, swizzle};
@@ -87,14 +89,33 @@ impl Nvfp4Params {
     }
 }
 
-/// A weight prepared for the served GEMM.
+/// A weight prepared for the served GEMM. The decoded arrays are shared (`Arc`): bisect's
+/// scalar hypotheses re-use them for every evaluation instead of copying gigabytes of experts.
 pub enum ServedWeight {
     /// BF16/F16/F32 weight: BF16 GEMM, f32 output (no rounding inside the linear).
-    Dense { w: Vec<f32> },
+    Dense { w: Arc<Vec<f32>> },
     /// FP8 block / MXFP4: exact dequantized weight, FP8 1×128 activation quantization, BF16 output.
-    Fp8Act { w: Vec<f32>, non_pow2_act: bool },
+    Fp8Act {
+        w: Arc<Vec<f32>>,
+        non_pow2_act: bool,
+    },
     /// NVFP4: `wq = e2m1 · s_w` (no tensor scale) plus the loader's scalars.
-    Nvfp4 { wq: Vec<f32>, p: Nvfp4Params },
+    Nvfp4 { wq: Arc<Vec<f32>>, p: Nvfp4Params },
+}
+
+impl ServedWeight {
+    /// Rows `r0..r0+n` of a weight with `k` inputs (one group of a grouped projection).
+    pub fn rows(&self, r0: usize, n: usize, k: usize) -> ServedWeight {
+        let sl = |w: &Arc<Vec<f32>>| Arc::new(w[r0 * k..(r0 + n) * k].to_vec());
+        match self {
+            ServedWeight::Dense { w } => ServedWeight::Dense { w: sl(w) },
+            ServedWeight::Fp8Act { w, non_pow2_act } => ServedWeight::Fp8Act {
+                w: sl(w),
+                non_pow2_act: *non_pow2_act,
+            },
+            ServedWeight::Nvfp4 { wq, p } => ServedWeight::Nvfp4 { wq: sl(wq), p: *p },
+        }
+    }
 }
 
 /// What one served linear observed (for the op's health counters).
@@ -272,10 +293,12 @@ pub fn prepare(
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     Ok(match &qw.format {
         WeightFormat::Dense { .. } => ServedWeight::Dense {
-            w: dequant_f32
-                .iter()
-                .map(|&v| crate::numerics::bf16::round(v))
-                .collect(),
+            w: Arc::new(
+                dequant_f32
+                    .iter()
+                    .map(|&v| crate::numerics::bf16::round(v))
+                    .collect(),
+            ),
         },
         WeightFormat::Fp8Block { .. } | WeightFormat::Mxfp4 { .. } => {
             let mut w = dequant_f32.to_vec();
@@ -291,7 +314,7 @@ pub fn prepare(
                 }
             }
             ServedWeight::Fp8Act {
-                w,
+                w: Arc::new(w),
                 non_pow2_act: has(FaultKind::NonPow2Ue8m0),
             }
         }
@@ -322,7 +345,10 @@ pub fn prepare(
                 faults,
                 overrides,
             );
-            ServedWeight::Nvfp4 { wq, p }
+            ServedWeight::Nvfp4 {
+                wq: Arc::new(wq),
+                p,
+            }
         }
     })
 }
