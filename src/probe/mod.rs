@@ -176,7 +176,6 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
     }
     let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
     let ops = build_graph(&cfg, b, with_head);
-    let th = &opts.spec.thresholds;
 
     // last step at which each tensor id is consumed, so tensors can be dropped after it
     let mut last_use: HashMap<&str, usize> = HashMap::new();
@@ -270,102 +269,11 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                         };
                         exec(op, &inputs, &mut env)?
                     };
-                    let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
                     let t_m = Instant::now();
-                    let ms = measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?;
+                    records.push(op_record(
+                        ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
+                    )?);
                     *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
-                    let mut stats = BTreeMap::new();
-                    stats.insert("oracle_fp32".to_string(), ms.fp);
-                    stats.insert("oracle_bf16".to_string(), ms.bf);
-                    stats.insert("served".to_string(), ms.sv);
-                    stats.insert("served_isolated".to_string(), ms.is);
-                    let weights: Vec<(String, String)> = touched
-                        .iter()
-                        .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
-                        .collect();
-                    let formats: Vec<String> = weights
-                        .iter()
-                        .map(|(_, s)| {
-                            if s.starts_with("nvfp4") {
-                                "nvfp4".to_string()
-                            } else {
-                                s.clone()
-                            }
-                        })
-                        .collect();
-                    let class = format!("{:?}", op.class);
-                    let (noise, noise_iso, iso_bf, prop_bf) =
-                        (ms.noise, ms.noise_iso, ms.iso_bf, ms.prop_bf);
-                    let (health, act_ratio) = env::aggregate_health(&observed);
-                    let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
-                        .max(format_tolerance(th, opts.profile, &formats, &class))
-                        .max(th.min_rel_l2);
-                    let agreement = if is_index_output(op) {
-                        Some(Agreement {
-                            served_isolated: agreement(&is.data, &bf.data),
-                            served_propagated: agreement(&sv.data, &bf.data),
-                            oracle_bf16: agreement(&bf.data, &fp.data),
-                        })
-                    } else {
-                        None
-                    };
-                    let bf_nf = stats["oracle_bf16"].non_finite();
-                    let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
-                        (
-                            true,
-                            Some("non-finite values where the BF16 oracle has none".to_string()),
-                        )
-                    } else if agreement.is_some() {
-                        (false, None)
-                    } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
-                        (
-                            true,
-                            Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")),
-                        )
-                    } else if let Some(q) = iso_bf
-                        .amax_ratio
-                        .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
-                    {
-                        (
-                            true,
-                            Some(format!(
-                                "isolated amax ratio {q:.3e} outside [1/{0}, {0}]",
-                                th.amax_ratio
-                            )),
-                        )
-                    } else if iso_bf.rel_l2.is_none()
-                        && !bf_nf
-                        && stats["served_isolated"].non_finite()
-                    {
-                        (true, Some("undefined error".into()))
-                    } else {
-                        (false, None)
-                    };
-                    let shows = agreement.is_none()
-                        && ((stats["served"].non_finite() && !bf_nf)
-                            || prop_bf.rel_l2.is_none_or(|r| r > th.propagated_rel_l2));
-                    records.push(OpRecord {
-                        step,
-                        id: op.id.clone(),
-                        class,
-                        layer: op.layer,
-                        shape: sv.shape.clone(),
-                        weights,
-                        stats,
-                        bf16_vs_fp32: noise,
-                        bf16_vs_fp32_isolated: noise_iso,
-                        served_isolated_vs_fp32: ms.iso_fp,
-                        served_isolated_vs_bf16: iso_bf,
-                        served_propagated_vs_fp32: ms.prop_fp,
-                        served_propagated_vs_bf16: prop_bf,
-                        agreement,
-                        health,
-                        act_amax_over_calib: act_ratio,
-                        tolerance: tol,
-                        divergent,
-                        reason,
-                        shows,
-                    });
                     if opts.keep_outputs {
                         for (name, ts) in [
                             ("oracle_fp32", &outs[0]),
@@ -460,6 +368,115 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         outputs,
         seconds: t0.elapsed().as_secs_f64(),
         bytes_read: ckpt.bytes_read() - bytes0,
+    })
+}
+
+/// The record of one reported op from its executions: the three propagated paths' outputs
+/// (`outs`: FP32 oracle, BF16 oracle, served), the served op on the BF16 oracle's inputs (`iso`)
+/// and the FP32 numerics on them (`fp_on_bf`); `touched`/`observed` are what its served linears
+/// read and saw. The runner and bisect's one-layer measurement share it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn op_record(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    step: usize,
+    op: &Op,
+    outs: &[Vec<Tensor>],
+    iso: &[Tensor],
+    fp_on_bf: &[Tensor],
+    touched: &[String],
+    observed: &[(String, served::LinearObs)],
+) -> Result<OpRecord> {
+    let th = &opts.spec.thresholds;
+    let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
+    let ms = measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?;
+    let mut stats = BTreeMap::new();
+    stats.insert("oracle_fp32".to_string(), ms.fp);
+    stats.insert("oracle_bf16".to_string(), ms.bf);
+    stats.insert("served".to_string(), ms.sv);
+    stats.insert("served_isolated".to_string(), ms.is);
+    let weights: Vec<(String, String)> = touched
+        .iter()
+        .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
+        .collect();
+    let formats: Vec<String> = weights
+        .iter()
+        .map(|(_, s)| {
+            if s.starts_with("nvfp4") {
+                "nvfp4".to_string()
+            } else {
+                s.clone()
+            }
+        })
+        .collect();
+    let class = format!("{:?}", op.class);
+    let (noise, noise_iso, iso_bf, prop_bf) = (ms.noise, ms.noise_iso, ms.iso_bf, ms.prop_bf);
+    let (health, act_ratio) = env::aggregate_health(observed);
+    let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
+        .max(format_tolerance(th, opts.profile, &formats, &class))
+        .max(th.min_rel_l2);
+    let agreement = if is_index_output(op) {
+        Some(Agreement {
+            served_isolated: agreement(&is.data, &bf.data),
+            served_propagated: agreement(&sv.data, &bf.data),
+            oracle_bf16: agreement(&bf.data, &fp.data),
+        })
+    } else {
+        None
+    };
+    let bf_nf = stats["oracle_bf16"].non_finite();
+    let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
+        (
+            true,
+            Some("non-finite values where the BF16 oracle has none".to_string()),
+        )
+    } else if agreement.is_some() {
+        (false, None)
+    } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
+        (
+            true,
+            Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")),
+        )
+    } else if let Some(q) = iso_bf
+        .amax_ratio
+        .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
+    {
+        (
+            true,
+            Some(format!(
+                "isolated amax ratio {q:.3e} outside [1/{0}, {0}]",
+                th.amax_ratio
+            )),
+        )
+    } else if iso_bf.rel_l2.is_none() && !bf_nf && stats["served_isolated"].non_finite() {
+        (true, Some("undefined error".into()))
+    } else {
+        (false, None)
+    };
+    let shows = agreement.is_none()
+        && ((stats["served"].non_finite() && !bf_nf)
+            || prop_bf.rel_l2.is_none_or(|r| r > th.propagated_rel_l2));
+    Ok(OpRecord {
+        step,
+        id: op.id.clone(),
+        class,
+        layer: op.layer,
+        shape: sv.shape.clone(),
+        weights,
+        stats,
+        bf16_vs_fp32: noise,
+        bf16_vs_fp32_isolated: noise_iso,
+        served_isolated_vs_fp32: ms.iso_fp,
+        served_isolated_vs_bf16: iso_bf,
+        served_propagated_vs_fp32: ms.prop_fp,
+        served_propagated_vs_bf16: prop_bf,
+        agreement,
+        health,
+        act_amax_over_calib: act_ratio,
+        tolerance: tol,
+        divergent,
+        reason,
+        shows,
     })
 }
 

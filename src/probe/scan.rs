@@ -18,11 +18,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::env::{self, PathEnv, PathKind, Shared};
+use super::env::{PathEnv, PathKind, Shared};
 use super::replay::Capture;
-use super::served::Profile;
 use super::spec::Thresholds;
-use super::{Agreement, OpRecord, RunOptions};
+use super::{OpRecord, RunOptions};
 use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, Stats};
 use crate::model::exec::exec;
@@ -477,34 +476,6 @@ pub fn served_from(
     })
 }
 
-/// Expected rel-L2 of the served op in isolation (the runner's rule, `probe::format_tolerance`).
-fn format_tolerance(th: &Thresholds, profile: Profile, formats: &[String], class: &str) -> f64 {
-    let mut t: f64 = 0.0;
-    for f in formats {
-        let x = match f.as_str() {
-            "nvfp4" => match profile {
-                Profile::BlackwellW4a4 | Profile::Emulation => th.nvfp4_w4a4_rel_l2,
-                Profile::HopperW4a16 => th.nvfp4_w4a16_rel_l2,
-            },
-            "fp8-block" => th.fp8_rel_l2,
-            "mxfp4" => th.mxfp4_rel_l2,
-            _ => 0.0,
-        };
-        t = t.max(x);
-    }
-    if class == "Moe" || class == "Attention" {
-        t *= th.chain_factor;
-    }
-    t
-}
-
-fn agreement(a: &[f32], b: &[f32]) -> f64 {
-    if a.is_empty() {
-        return 1.0;
-    }
-    a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64
-}
-
 /// One layer measured the way `probe::run` measures a reported op (five executions per quantized
 /// op), with the BF16 oracle and the served path resumed from `start` (the scan's states, so the
 /// isolated measurements and the served propagated picture equal a full run's when the scan began
@@ -520,7 +491,6 @@ pub fn measure_layer(
     let t0 = Instant::now();
     let g = LayerGraph::new(ckpt, opts)?;
     let (s0, s1) = g.span_of(layer)?;
-    let th = &opts.spec.thresholds;
     let mut sh = shared(ckpt, opts)?;
     let mut maps: [HashMap<String, Tensor>; 3] = [
         start.oracle.clone(),
@@ -552,101 +522,17 @@ pub fn measure_layer(
             };
             let fp_on_bf = run_op(op, &maps[1], PathKind::OracleFp32, &mut sh)?;
             execs += 1;
-            let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
-            let mut stats = BTreeMap::new();
-            stats.insert("oracle_fp32".to_string(), Stats::of(&fp.data));
-            stats.insert("oracle_bf16".to_string(), Stats::of(&bf.data));
-            stats.insert("served".to_string(), Stats::of(&sv.data));
-            stats.insert("served_isolated".to_string(), Stats::of(&is.data));
-            let weights: Vec<(String, String)> = touched
-                .iter()
-                .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
-                .collect();
-            let formats: Vec<String> = weights
-                .iter()
-                .map(|(_, s)| {
-                    if s.starts_with("nvfp4") {
-                        "nvfp4".to_string()
-                    } else {
-                        s.clone()
-                    }
-                })
-                .collect();
-            let class = format!("{:?}", op.class);
-            let noise = Compare::of(&bf.data, &fp.data);
-            let noise_iso = Compare::of(&bf.data, &fp_on_bf[0].data);
-            let iso_bf = Compare::of(&is.data, &bf.data);
-            let prop_bf = Compare::of(&sv.data, &bf.data);
-            let (health, act_ratio) = env::aggregate_health(&observed);
-            let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
-                .max(format_tolerance(th, opts.profile, &formats, &class))
-                .max(th.min_rel_l2);
-            let agreement = op.id.ends_with(".attn.indexer").then(|| Agreement {
-                served_isolated: agreement(&is.data, &bf.data),
-                served_propagated: agreement(&sv.data, &bf.data),
-                oracle_bf16: agreement(&bf.data, &fp.data),
-            });
-            let bf_nf = stats["oracle_bf16"].non_finite();
-            let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
-                (
-                    true,
-                    Some("non-finite values where the BF16 oracle has none".to_string()),
-                )
-            } else if agreement.is_some() {
-                (false, None)
-            } else if let Some(r) = iso_bf.rel_l2.filter(|r| *r > tol) {
-                (
-                    true,
-                    Some(format!("isolated rel-L2 {r:.3e} > tolerance {tol:.3e}")),
-                )
-            } else if let Some(q) = iso_bf
-                .amax_ratio
-                .filter(|q| *q > th.amax_ratio || *q < 1.0 / th.amax_ratio)
-            {
-                (
-                    true,
-                    Some(format!(
-                        "isolated amax ratio {q:.3e} outside [1/{0}, {0}]",
-                        th.amax_ratio
-                    )),
-                )
-            } else if iso_bf.rel_l2.is_none() && !bf_nf && stats["served_isolated"].non_finite() {
-                (true, Some("undefined error".into()))
-            } else {
-                (false, None)
-            };
-            let shows = agreement.is_none()
-                && ((stats["served"].non_finite() && !bf_nf)
-                    || prop_bf.rel_l2.is_none_or(|r| r > th.propagated_rel_l2));
-            if divergent && capture.is_none() {
+            let rec = super::op_record(
+                ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
+            )?;
+            if rec.divergent && capture.is_none() {
                 capture = Some(Capture {
                     op: op.clone(),
                     inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
                     oracle_bf16: outs[1].clone(),
                 });
             }
-            records.push(OpRecord {
-                step,
-                id: op.id.clone(),
-                class,
-                layer: op.layer,
-                shape: sv.shape.clone(),
-                weights,
-                stats,
-                bf16_vs_fp32: noise,
-                bf16_vs_fp32_isolated: noise_iso,
-                served_isolated_vs_fp32: Compare::of(&is.data, &fp.data),
-                served_isolated_vs_bf16: iso_bf,
-                served_propagated_vs_fp32: Compare::of(&sv.data, &fp.data),
-                served_propagated_vs_bf16: prop_bf,
-                agreement,
-                health,
-                act_amax_over_calib: act_ratio,
-                tolerance: tol,
-                divergent,
-                reason,
-                shows,
-            });
+            records.push(rec);
         }
         sh.clear();
         for (pi, out) in outs.into_iter().enumerate() {

@@ -391,6 +391,43 @@ pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32>
     if m == 0 || n == 0 || k == 0 {
         return y;
     }
+    if m <= 8 {
+        // a few rows (a routed expert's tokens): dot products straight from the f32 weight,
+        // parallel over output columns; no f64 copy of the weight
+        use rayon::prelude::*;
+        let dot = |wr: &[f32]| {
+            let mut acc = [0f64; 8];
+            for (r, a) in acc.iter_mut().enumerate().take(m) {
+                let xr = &x[r * k..(r + 1) * k];
+                // four partial sums: the f64 order does not change the rounded result
+                let mut p = [0f64; 4];
+                let mut it = xr.chunks_exact(4).zip(wr.chunks_exact(4));
+                for (xs, ws) in &mut it {
+                    for j in 0..4 {
+                        p[j] += xs[j] as f64 * ws[j] as f64;
+                    }
+                }
+                let tail = k - k % 4;
+                let mut t = 0f64;
+                for i in tail..k {
+                    t += xr[i] as f64 * wr[i] as f64;
+                }
+                *a = (p[0] + p[1]) + (p[2] + p[3]) + t;
+            }
+            acc
+        };
+        let cols: Vec<[f64; 8]> = if n * k >= 1 << 20 {
+            w[..n * k].par_chunks(k).map(dot).collect()
+        } else {
+            w[..n * k].chunks(k).map(dot).collect()
+        };
+        for (c, acc) in cols.iter().enumerate() {
+            for r in 0..m {
+                y[r * n + c] = acc[r] as f32;
+            }
+        }
+        return y;
+    }
     let xd: Vec<f64> = x[..m * k].iter().map(|&v| v as f64).collect();
     const ROWS: usize = 1024;
     let mut yd = vec![0f64; m * ROWS.min(n)];
