@@ -477,35 +477,17 @@ impl Checkpoint {
 
     /// Bytes of a canonical tensor; a fused-expert slice touches only that expert's rows.
     pub fn canonical_bytes(&self, canonical: &str) -> Result<&[u8]> {
-        match self
-            .canon
-            .get(canonical)
-            .ok_or_else(|| self.missing(canonical, ""))?
-        {
-            Source::Whole(r) => self.bytes(r),
-            Source::Slice { raw, expert, part } => {
-                let e = &self.raw[raw];
-                let es = convert::elem_size(e.dtype).unwrap_or(1);
-                let (rows, cols) = slice_dims(&e.shape, *part);
-                let per_expert = e.shape[1] * e.shape[2] * es;
-                let off = match part {
-                    FusedPart::Up => rows * cols * es,
-                    _ => 0,
-                };
-                let start = e.start + expert * per_expert + off;
-                let shard = &self.shards[e.shard];
-                shard.prefetch(start, rows * cols * es);
-                let b = &shard.buf()[start..start + rows * cols * es];
-                self.note_read(b.len());
-                Ok(b)
-            }
-        }
+        let (shard_i, start, len) = self.locate(canonical)?;
+        let shard = &self.shards[shard_i];
+        shard.prefetch(start, len);
+        let b = &shard.buf()[start..start + len];
+        self.note_read(b.len());
+        Ok(b)
     }
 
-    /// Where a canonical tensor's bytes lie, without touching them: a file range for mapped
-    /// shards (backends read it with large positioned reads, which get the kernel's readahead
-    /// where page faults on the mapping would not), the bytes themselves for in-memory shards.
-    pub fn canonical_span(&self, canonical: &str) -> Result<Span<'_>> {
+    /// (shard, byte offset, length) of a canonical tensor; a fused-expert slice is that expert's
+    /// part of the fused tensor. Checks the range lies inside the file.
+    fn locate(&self, canonical: &str) -> Result<(usize, usize, usize)> {
         let (shard_i, start, len) = match self
             .canon
             .get(canonical)
@@ -532,18 +514,26 @@ impl Checkpoint {
             }
         };
         let shard = &self.shards[shard_i];
-        let buf = shard.buf();
-        if start + len > buf.len() {
+        if start + len > shard.buf().len() {
             return Err(Error::bad(
                 &shard.path,
                 Some(canonical),
                 format!(
                     "data range {start}..{} lies past the end of the file ({} bytes)",
                     start + len,
-                    buf.len()
+                    shard.buf().len()
                 ),
             ));
         }
+        Ok((shard_i, start, len))
+    }
+
+    /// Where a canonical tensor's bytes lie, without touching them: a file range for mapped
+    /// shards (backends read it with large positioned reads, which get the kernel's readahead
+    /// where page faults on the mapping would not), the bytes themselves for in-memory shards.
+    pub fn canonical_span(&self, canonical: &str) -> Result<Span<'_>> {
+        let (shard_i, start, len) = self.locate(canonical)?;
+        let shard = &self.shards[shard_i];
         Ok(if shard.is_mapped() {
             Span::File {
                 path: &shard.path,
@@ -551,7 +541,7 @@ impl Checkpoint {
                 len,
             }
         } else {
-            Span::Mem(&buf[start..start + len])
+            Span::Mem(&shard.buf()[start..start + len])
         })
     }
 
@@ -559,18 +549,13 @@ impl Checkpoint {
     /// (MADV_WILLNEED on the mapping: asynchronous readahead of the whole range). Returns the
     /// length asked for; 0 for in-memory shards.
     pub fn readahead(&self, canonical: &str) -> usize {
-        let Ok(Span::File { offset, len, .. }) = self.canonical_span(canonical) else {
-            return 0;
-        };
-        let Some(Source::Whole(r) | Source::Slice { raw: r, .. }) = self.canon.get(canonical)
-        else {
-            return 0;
-        };
-        let Some(e) = self.raw.get(r) else {
-            return 0;
-        };
-        self.shards[e.shard].readahead(offset as usize, len);
-        len
+        match self.locate(canonical) {
+            Ok((shard_i, start, len)) if self.shards[shard_i].is_mapped() => {
+                self.shards[shard_i].readahead(start, len);
+                len
+            }
+            _ => 0,
+        }
     }
 
     /// A canonical tensor as f32 with its shape (any numeric dtype; see `convert`).
