@@ -74,6 +74,10 @@ pub struct Buf {
     pub bytes: usize,
 }
 
+/// The routed-experts op's output, the served observations per expert linear (sub id, what it
+/// saw) and the weight bases it read.
+pub type ExpertsOut = (Tensor, Vec<(String, LinearObs)>, Vec<String>);
+
 /// A kernel argument.
 #[derive(Clone, Copy)]
 pub enum A {
@@ -1049,7 +1053,7 @@ impl Gpu {
     }
 
     /// f32 → BF16 bits into a scratch buffer.
-    fn to_bf16(&mut self, name: &'static str, x: u64, n: usize) -> Result<u64> {
+    fn bf16_copy(&mut self, name: &'static str, x: u64, n: usize) -> Result<u64> {
         let p = self.scratch(name, n * 2)?;
         self.launch("round_bf16", n as u64, &[A::P(x), A::U(n as u64), A::P(p)])?;
         Ok(p)
@@ -1111,7 +1115,7 @@ impl Gpu {
                 if x_bf16 {
                     let wp = self.scratch("w16", nk * 2)?;
                     self.dequant(w, wp, Ty::Bf16, false, true, None)?;
-                    let xp = self.to_bf16("x16", x, m * k)?;
+                    let xp = self.bf16_copy("x16", x, m * k)?;
                     self.gemm(Ty::Bf16, xp, k, off(wp, 2), y, ldy, m, nr, k)?;
                 } else {
                     let wp = self.scratch("w32", nk * 4)?;
@@ -1291,7 +1295,7 @@ impl Gpu {
                         A::P(h),
                     ],
                 )?;
-                let xp = self.to_bf16("x16", xh, m * k)?;
+                let xp = self.bf16_copy("x16", xh, m * k)?;
                 self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
                 self.epilogue(y, m, nr, ldy, 1.0)?;
             }
@@ -1313,7 +1317,7 @@ impl Gpu {
                     ],
                 )?;
                 if x_bf16 {
-                    let xp = self.to_bf16("x16", x, m * k)?;
+                    let xp = self.bf16_copy("x16", x, m * k)?;
                     self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
                 } else {
                     let wp = self.scratch("w32", nk * 4)?;
@@ -1485,7 +1489,7 @@ impl Gpu {
         k_slots: usize,
         bases: &[&str],
         limit: f32,
-    ) -> Result<(Tensor, Vec<(String, LinearObs)>, Vec<String>)> {
+    ) -> Result<ExpertsOut> {
         self.counters.expert_ops += 1;
         let t = x.rows();
         let d = x.cols();
@@ -1496,7 +1500,7 @@ impl Gpu {
         let mut slot_row = vec![-1i32; t * k_slots];
         let mut slot_w = vec![0f32; t * k_slots];
         let mut fill = vec![0usize; t];
-        for (e, toks) in per.iter().enumerate() {
+        for toks in per {
             starts.push(order.len());
             for &(ti, wv) in toks {
                 let j = fill[ti];
@@ -1507,7 +1511,6 @@ impl Gpu {
                 }
                 order.push(ti as i32);
             }
-            let _ = e;
         }
         starts.push(order.len());
         let total = order.len();

@@ -569,51 +569,45 @@ fn measure(
     is: &Tensor,
     fp_on_bf: &Tensor,
 ) -> Result<Measured> {
-    let same = [bf, sv, is, fp_on_bf]
-        .iter()
-        .all(|t| t.data.len() == fp.data.len());
-    if let (Some(g), true) = (backend.gpu(), same) {
-        let mut g = g
-            .lock()
-            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-        let t: [&[f32]; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
-        let r = g.metrics(
-            &t,
-            &[
-                (0, None),
-                (1, Some(0)),
-                (2, Some(1)),
-                (3, Some(1)),
-                (1, Some(4)),
-                (3, Some(0)),
-                (2, Some(0)),
-            ],
-        )?;
-        let c = |i: usize| r[i].1.clone().unwrap_or_default();
-        return Ok(Measured {
-            fp: r[0].0.clone(),
-            bf: r[1].0.clone(),
-            sv: r[2].0.clone(),
-            is: r[3].0.clone(),
-            noise: c(1),
-            prop_bf: c(2),
-            iso_bf: c(3),
-            noise_iso: c(4),
-            iso_fp: c(5),
-            prop_fp: c(6),
-        });
-    }
+    let t: [&[f32]; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
+    // (x, reference): statistics of x and, with a reference, the comparison
+    const PAIRS: [(usize, Option<usize>); 7] = [
+        (0, None),
+        (1, Some(0)),
+        (2, Some(1)),
+        (3, Some(1)),
+        (1, Some(4)),
+        (3, Some(0)),
+        (2, Some(0)),
+    ];
+    let same = t.iter().all(|x| x.len() == t[0].len());
+    let r: Vec<(Stats, Option<Compare>)> = match backend.gpu() {
+        Some(g) if same => {
+            let mut g = g
+                .lock()
+                .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+            g.metrics(&t, &PAIRS)?
+        }
+        _ => {
+            use rayon::prelude::*;
+            PAIRS
+                .par_iter()
+                .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
+                .collect()
+        }
+    };
+    let c = |i: usize| r[i].1.clone().unwrap_or_default();
     Ok(Measured {
-        fp: Stats::of(&fp.data),
-        bf: Stats::of(&bf.data),
-        sv: Stats::of(&sv.data),
-        is: Stats::of(&is.data),
-        noise: Compare::of(&bf.data, &fp.data),
-        noise_iso: Compare::of(&bf.data, &fp_on_bf.data),
-        iso_bf: Compare::of(&is.data, &bf.data),
-        prop_bf: Compare::of(&sv.data, &bf.data),
-        iso_fp: Compare::of(&is.data, &fp.data),
-        prop_fp: Compare::of(&sv.data, &fp.data),
+        fp: r[0].0.clone(),
+        bf: r[1].0.clone(),
+        sv: r[2].0.clone(),
+        is: r[3].0.clone(),
+        noise: c(1),
+        prop_bf: c(2),
+        iso_bf: c(3),
+        noise_iso: c(4),
+        iso_fp: c(5),
+        prop_fp: c(6),
     })
 }
 
