@@ -229,31 +229,17 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
     let seconds_bisect = t1.elapsed().as_secs_f64();
     cost.phases(seconds_bisect, &mut rep.phases);
 
-    let mut summary = Summary {
-        ops: meas.records.len(),
-        first_divergent: Some(rec.id.clone()),
-        first_divergent_reason: rec.reason.clone(),
-        ..Default::default()
-    };
+    // the measured layer's counts; the first divergence is the located op, and the error may
+    // already show in an earlier layer's output (from the scan)
+    let mut summary = Summary::of(&meas.records);
+    summary.first_divergent = Some(rec.id.clone());
+    summary.first_divergent_reason = rec.reason.clone();
     summary.first_shows = sc
         .outs
         .iter()
         .find(|o| o.layer < layer && o.shows)
         .map(|o| o.id.clone())
-        .or_else(|| meas.records.iter().find(|r| r.shows).map(|r| r.id.clone()));
-    for r in &meas.records {
-        summary.divergent_ops += usize::from(r.divergent);
-        let nf: Vec<&str> = ["oracle_fp32", "oracle_bf16", "served"]
-            .into_iter()
-            .filter(|p| r.stats[*p].non_finite())
-            .collect();
-        if !nf.is_empty() {
-            summary.non_finite_ops += 1;
-            if summary.first_non_finite.is_none() {
-                summary.first_non_finite = Some((nf.join(","), r.id.clone()));
-            }
-        }
-    }
+        .or(summary.first_shows);
     Ok(BisectResult {
         summary,
         divergence: Some(div),

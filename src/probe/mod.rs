@@ -110,6 +110,39 @@ pub struct Summary {
     pub non_finite_ops: usize,
 }
 
+impl Summary {
+    /// Counts and firsts over a run's records, in execution order.
+    pub fn of(records: &[OpRecord]) -> Summary {
+        let mut summary = Summary {
+            ops: records.len(),
+            ..Default::default()
+        };
+        for r in records {
+            if r.divergent {
+                summary.divergent_ops += 1;
+                if summary.first_divergent.is_none() {
+                    summary.first_divergent = Some(r.id.clone());
+                    summary.first_divergent_reason = r.reason.clone();
+                }
+            }
+            if r.shows && summary.first_shows.is_none() {
+                summary.first_shows = Some(r.id.clone());
+            }
+            let nf: Vec<&str> = ["oracle_fp32", "oracle_bf16", "served"]
+                .into_iter()
+                .filter(|p| r.stats[*p].non_finite())
+                .collect();
+            if !nf.is_empty() {
+                summary.non_finite_ops += 1;
+                if summary.first_non_finite.is_none() {
+                    summary.first_non_finite = Some((nf.join(","), r.id.clone()));
+                }
+            }
+        }
+        summary
+    }
+}
+
 pub struct RunResult {
     pub records: Vec<OpRecord>,
     pub summary: Summary,
@@ -336,32 +369,7 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
         }
     }
 
-    let mut summary = Summary {
-        ops: records.len(),
-        ..Default::default()
-    };
-    for r in &records {
-        if r.divergent {
-            summary.divergent_ops += 1;
-            if summary.first_divergent.is_none() {
-                summary.first_divergent = Some(r.id.clone());
-                summary.first_divergent_reason = r.reason.clone();
-            }
-        }
-        if r.shows && summary.first_shows.is_none() {
-            summary.first_shows = Some(r.id.clone());
-        }
-        let nf: Vec<&str> = ["oracle_fp32", "oracle_bf16", "served"]
-            .into_iter()
-            .filter(|p| r.stats[*p].non_finite())
-            .collect();
-        if !nf.is_empty() {
-            summary.non_finite_ops += 1;
-            if summary.first_non_finite.is_none() {
-                summary.first_non_finite = Some((nf.join(","), r.id.clone()));
-            }
-        }
-    }
+    let summary = Summary::of(&records);
     Ok(RunResult {
         records,
         summary,
