@@ -20,31 +20,11 @@ pub struct Stats {
 
 impl Stats {
     pub fn of(x: &[f32]) -> Stats {
-        let mut s = Stats {
-            numel: x.len(),
-            ..Default::default()
-        };
-        let mut sum = 0f64;
-        let mut finite = 0usize;
+        let mut acc = StatAcc::default();
         for &v in x {
-            if v.is_nan() {
-                s.nan += 1;
-            } else if v.is_infinite() {
-                s.inf += 1;
-            } else {
-                let a = v.abs() as f64;
-                if a > s.amax {
-                    s.amax = a;
-                }
-                if v == 0.0 {
-                    s.zeros += 1;
-                }
-                sum += a;
-                finite += 1;
-            }
+            acc.add(v);
         }
-        s.mean_abs = if finite > 0 { sum / finite as f64 } else { 0.0 };
-        s
+        acc.finish(x.len())
     }
     /// True when any element is NaN or ±inf.
     pub fn non_finite(&self) -> bool {
@@ -87,47 +67,169 @@ pub struct PairSums {
     pub new_non_finite: usize,
 }
 
+/// Running statistics of one tensor (mergeable across chunks).
+#[derive(Clone, Copy, Debug, Default)]
+struct StatAcc {
+    nan: usize,
+    inf: usize,
+    zeros: usize,
+    finite: usize,
+    amax: f64,
+    sum: f64,
+}
+
+impl StatAcc {
+    #[inline]
+    fn add(&mut self, v: f32) {
+        if v.is_nan() {
+            self.nan += 1;
+        } else if v.is_infinite() {
+            self.inf += 1;
+        } else {
+            let a = v.abs() as f64;
+            if a > self.amax {
+                self.amax = a;
+            }
+            self.zeros += (v == 0.0) as usize;
+            self.sum += a;
+            self.finite += 1;
+        }
+    }
+    fn merge(&mut self, o: &StatAcc) {
+        self.nan += o.nan;
+        self.inf += o.inf;
+        self.zeros += o.zeros;
+        self.finite += o.finite;
+        self.amax = self.amax.max(o.amax);
+        self.sum += o.sum;
+    }
+    fn finish(&self, numel: usize) -> Stats {
+        Stats {
+            numel,
+            amax: self.amax,
+            mean_abs: if self.finite > 0 {
+                self.sum / self.finite as f64
+            } else {
+                0.0
+            },
+            nan: self.nan,
+            inf: self.inf,
+            zeros: self.zeros,
+        }
+    }
+}
+
+/// Running sums of a comparison (mergeable across chunks in index order).
+#[derive(Clone, Copy, Debug, Default)]
+struct PairAcc(PairSums);
+
+impl PairAcc {
+    #[inline]
+    fn add(&mut self, i: usize, a: f32, b: f32) {
+        let p = &mut self.0;
+        if !a.is_finite() || !b.is_finite() {
+            p.any_non_finite = true;
+            p.new_non_finite += (!a.is_finite() && b.is_finite()) as usize;
+            return;
+        }
+        let (a, b) = (a as f64, b as f64);
+        p.dot += a * b;
+        p.nx += a * a;
+        p.nr += b * b;
+        let e = a - b;
+        p.ne += e * e;
+        if p.max_err.is_none_or(|(m, _)| e.abs() > m) {
+            p.max_err = Some((e.abs(), i));
+        }
+        p.ax = p.ax.max(a.abs());
+        p.ar = p.ar.max(b.abs());
+    }
+    /// `o` covers later indices than `self`: on equal errors the earlier index stays.
+    fn merge(&mut self, o: &PairAcc) {
+        let (p, q) = (&mut self.0, &o.0);
+        p.dot += q.dot;
+        p.nx += q.nx;
+        p.nr += q.nr;
+        p.ne += q.ne;
+        p.ax = p.ax.max(q.ax);
+        p.ar = p.ar.max(q.ar);
+        if let Some((e, i)) = q.max_err {
+            if p.max_err.is_none_or(|(m, _)| e > m) {
+                p.max_err = Some((e, i));
+            }
+        }
+        p.any_non_finite |= q.any_non_finite;
+        p.new_non_finite += q.new_non_finite;
+    }
+}
+
+/// Statistics of several same-length tensors and comparisons between them in one pass over
+/// the data, parallel over chunks: for each `(x, reference)` of `pairs`, x's statistics and, with
+/// a reference, the comparison. Sums are merged in chunk order, so results are deterministic.
+pub fn stats_and_compares(
+    t: &[&[f32]],
+    pairs: &[(usize, Option<usize>)],
+) -> Vec<(Stats, Option<Compare>)> {
+    use rayon::prelude::*;
+    let n = t.first().map_or(0, |x| x.len());
+    assert!(
+        t.iter().all(|x| x.len() == n),
+        "stats_and_compares: length mismatch"
+    );
+    const CHUNK: usize = 1 << 16;
+    let chunk = |c0: usize| {
+        let c1 = (c0 + CHUNK).min(n);
+        let mut st = vec![StatAcc::default(); t.len()];
+        let mut pa = vec![PairAcc::default(); pairs.len()];
+        for (k, x) in t.iter().enumerate() {
+            for &v in &x[c0..c1] {
+                st[k].add(v);
+            }
+        }
+        for (acc, &(i, j)) in pa.iter_mut().zip(pairs) {
+            if let Some(j) = j {
+                for (idx, (&a, &b)) in t[i][c0..c1].iter().zip(&t[j][c0..c1]).enumerate() {
+                    acc.add(c0 + idx, a, b);
+                }
+            }
+        }
+        (st, pa)
+    };
+    let parts: Vec<(Vec<StatAcc>, Vec<PairAcc>)> = if n > CHUNK {
+        (0..n)
+            .step_by(CHUNK)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(chunk)
+            .collect()
+    } else {
+        vec![chunk(0)]
+    };
+    let mut st = vec![StatAcc::default(); t.len()];
+    let mut pa = vec![PairAcc::default(); pairs.len()];
+    for (s, p) in &parts {
+        for (a, b) in st.iter_mut().zip(s) {
+            a.merge(b);
+        }
+        for (a, b) in pa.iter_mut().zip(p) {
+            a.merge(b);
+        }
+    }
+    pairs
+        .iter()
+        .zip(&pa)
+        .map(|(&(i, j), acc)| (st[i].finish(n), j.map(|_| Compare::from_sums(&acc.0))))
+        .collect()
+}
+
 impl Compare {
     pub fn of(x: &[f32], reference: &[f32]) -> Compare {
         assert_eq!(x.len(), reference.len(), "compare: length mismatch");
-        let (mut dot, mut nx, mut nr, mut ne) = (0f64, 0f64, 0f64, 0f64);
-        let (mut ax, mut ar) = (0f64, 0f64);
-        let mut max_err = -1f64;
-        let mut max_idx = 0usize;
-        let mut bad = false;
-        let mut new_nf = 0usize;
+        let mut acc = PairAcc::default();
         for (i, (&a, &b)) in x.iter().zip(reference).enumerate() {
-            if !a.is_finite() || !b.is_finite() {
-                bad = true;
-                if !a.is_finite() && b.is_finite() {
-                    new_nf += 1;
-                }
-                continue;
-            }
-            let (a, b) = (a as f64, b as f64);
-            dot += a * b;
-            nx += a * a;
-            nr += b * b;
-            let e = a - b;
-            ne += e * e;
-            if e.abs() > max_err {
-                max_err = e.abs();
-                max_idx = i;
-            }
-            ax = ax.max(a.abs());
-            ar = ar.max(b.abs());
+            acc.add(i, a, b);
         }
-        Compare::from_sums(&PairSums {
-            dot,
-            nx,
-            nr,
-            ne,
-            ax,
-            ar,
-            max_err: (max_err >= 0.0).then_some((max_err, max_idx)),
-            any_non_finite: bad,
-            new_non_finite: new_nf,
-        })
+        Compare::from_sums(&acc.0)
     }
 
     /// The metrics from one pass's sums (shared by the CPU pass above and the GPU's fused kernel).
@@ -237,5 +339,47 @@ mod tests {
         let c = Compare::of(&x, &r);
         assert!((c.cos.unwrap() - 1.0).abs() < 1e-12);
         assert!((c.amax_ratio.unwrap() - 2688.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn fused_pass_equals_the_single_metrics() {
+        // three tensors over several chunks, NaN/Inf in one, a repeated maximum error
+        let n = (1 << 16) * 3 + 123;
+        let r: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        let x: Vec<f32> = r
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + (i % 13) as f32 * 1e-3)
+            .collect();
+        let mut y = x.clone();
+        y[70_000] = f32::NAN;
+        y[150_000] = f32::INFINITY;
+        let t: [&[f32]; 3] = [&x, &r, &y];
+        let pairs = [(0, Some(1)), (2, Some(1)), (1, None), (2, Some(0))];
+        let got = stats_and_compares(&t, &pairs);
+        for ((s, c), &(i, j)) in got.iter().zip(&pairs) {
+            let want = Stats::of(t[i]);
+            assert_eq!(
+                (s.nan, s.inf, s.zeros, s.amax),
+                (want.nan, want.inf, want.zeros, want.amax)
+            );
+            assert!((s.mean_abs - want.mean_abs).abs() <= 1e-12 * want.mean_abs.max(1.0));
+            if let Some(j) = j {
+                let w = Compare::of(t[i], t[j]);
+                let c = c.as_ref().expect("compare");
+                assert_eq!(c.max_abs_idx, w.max_abs_idx);
+                assert_eq!(c.max_abs_err, w.max_abs_err);
+                assert_eq!(c.new_non_finite, w.new_non_finite);
+                assert_eq!(c.amax_ratio, w.amax_ratio);
+                assert_eq!(c.cos.is_some(), w.cos.is_some());
+                if let (Some(a), Some(b)) = (c.rel_l2, w.rel_l2) {
+                    assert!((a - b).abs() <= 1e-12 * b.max(1e-300));
+                }
+            } else {
+                assert!(c.is_none());
+            }
+        }
     }
 }

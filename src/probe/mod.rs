@@ -596,13 +596,11 @@ fn measure(
                 .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
             g.metrics(&t, &PAIRS)?
         }
-        _ => {
-            use rayon::prelude::*;
-            PAIRS
-                .par_iter()
-                .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
-                .collect()
-        }
+        _ if same => crate::metrics::stats_and_compares(&t, &PAIRS),
+        _ => PAIRS
+            .iter()
+            .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
+            .collect(),
     };
     let c = |i: usize| r[i].1.clone().unwrap_or_default();
     Ok(Measured {
