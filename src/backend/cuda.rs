@@ -78,6 +78,32 @@ pub struct Buf {
 /// saw) and the weight bases it read.
 pub type ExpertsOut = (Tensor, Vec<(String, LinearObs)>, Vec<String>);
 
+/// How `dequant_nvfp4` decodes: per-block multiplier `conv` (0 = s / global, compressed-tensors;
+/// 1 = s · global, ModelOpt; 2 = s, the served operand), an optional multiplier after decoding,
+/// the nibble order, and the output (BF16 bits or f32).
+#[derive(Clone, Copy, Debug)]
+pub struct Nvfp4Decode {
+    pub global: f32,
+    pub conv: i32,
+    pub post: Option<f32>,
+    pub swap: bool,
+    pub out_bf16: bool,
+}
+
+/// Outputs of `act_quant_nvfp4` (device addresses; 0 = not written).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ActQuantOut {
+    pub packed: u64,
+    pub scales: u64,
+    /// BF16 bits of e2m1 · s (the W4A4 GEMM operand).
+    pub xq16: u64,
+    /// Quantize-dequantize e2m1 · s / g, rounded to BF16 when `xhat_bf16`.
+    pub xhat: u64,
+    pub xhat_bf16: bool,
+    /// H_SLOTS counters.
+    pub health: u64,
+}
+
 /// A kernel argument.
 #[derive(Clone, Copy)]
 pub enum A {
@@ -423,6 +449,76 @@ impl Gpu {
         Ok(())
     }
 
+    /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu).
+    pub fn dequant_nvfp4(
+        &self,
+        packed: u64,
+        scales: u64,
+        nblocks: u64,
+        d: Nvfp4Decode,
+        out: u64,
+    ) -> Result<()> {
+        self.launch(
+            "dequant_nvfp4",
+            nblocks * 4,
+            &[
+                A::P(packed),
+                A::P(scales),
+                A::U(nblocks),
+                A::F(d.global),
+                A::I(d.conv),
+                A::F(d.post.unwrap_or(1.0)),
+                A::I(d.post.is_some() as i32),
+                A::I(d.swap as i32),
+                A::I(d.out_bf16 as i32),
+                A::P(out),
+            ],
+        )
+    }
+
+    /// `act_quant_nvfp4` of `nblocks` 16-element blocks at `x` with encode scale `g`.
+    pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
+        self.launch(
+            "act_quant_nvfp4",
+            nblocks * 4,
+            &[
+                A::P(x),
+                A::U(nblocks),
+                A::F(g),
+                A::P(o.packed),
+                A::P(o.scales),
+                A::P(o.xq16),
+                A::P(o.xhat),
+                A::I(o.xhat_bf16 as i32),
+                A::P(o.health),
+            ],
+        )
+    }
+
+    /// f32 or BF16-bits [rows, cols] with row stride `ld` → contiguous f64.
+    fn widen(
+        &self,
+        src: u64,
+        bf: i32,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        dst: u64,
+    ) -> Result<()> {
+        self.launch(
+            "to_f64",
+            (rows * cols) as u64,
+            &[
+                A::P(src),
+                A::I(bf),
+                A::U(rows as u64),
+                A::U(cols as u64),
+                A::U(ld as u64),
+                A::P(dst),
+            ],
+        )
+    }
+
     /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major, operands of type
     /// `ty`. With `exact64` (the default) the operands are widened to f64 and multiplied by cuBLAS
     /// DGEMM, then rounded once to f32 — the CPU reference's accumulation
@@ -469,30 +565,8 @@ impl Gpu {
         let xd = self.scratch("gx64", m * k.max(1) * 8)?;
         let wd = self.scratch("gw64", n * k.max(1) * 8)?;
         let yd = self.scratch("gy64", m * n * 8)?;
-        self.launch(
-            "to_f64",
-            (m * k) as u64,
-            &[
-                A::P(x),
-                A::I(bf),
-                A::U(m as u64),
-                A::U(k as u64),
-                A::U(ldx as u64),
-                A::P(xd),
-            ],
-        )?;
-        self.launch(
-            "to_f64",
-            (n * k) as u64,
-            &[
-                A::P(w),
-                A::I(bf),
-                A::U(n as u64),
-                A::U(k as u64),
-                A::U(k as u64),
-                A::P(wd),
-            ],
-        )?;
+        self.widen(x, bf, m, k, ldx, xd)?;
+        self.widen(w, bf, n, k, k, wd)?;
         if k == 0 {
             self.memset(yd, 0, m * n * 8)?;
         } else {
@@ -1027,21 +1101,18 @@ impl Gpu {
                         Convention::ModelOpt => 1,
                     }
                 };
-                self.launch(
-                    "dequant_nvfp4",
-                    nk / 16 * 4,
-                    &[
-                        A::P(packed.ptr),
-                        A::P(scales.ptr),
-                        A::U(nk / 16),
-                        A::F(*global),
-                        A::I(c),
-                        A::F(post.unwrap_or(1.0)),
-                        A::I(post.is_some() as i32),
-                        A::I((served_operand && flags.0) as i32),
-                        A::I(ok),
-                        A::P(out),
-                    ],
+                self.dequant_nvfp4(
+                    packed.ptr,
+                    scales.ptr,
+                    nk / 16,
+                    Nvfp4Decode {
+                        global: *global,
+                        conv: c,
+                        post,
+                        swap: served_operand && flags.0,
+                        out_bf16: ok == 1,
+                    },
+                    out,
                 )?
             }
         }
@@ -1260,62 +1331,35 @@ impl Gpu {
         match _lc.profile {
             Profile::BlackwellW4a4 => {
                 let xq = self.scratch("xq16", m * k * 2)?;
-                self.launch(
-                    "act_quant_nvfp4",
-                    mk / 16 * 4,
-                    &[
-                        A::P(x),
-                        A::U(mk / 16),
-                        A::F(p.g_x),
-                        A::P(0),
-                        A::P(0),
-                        A::P(xq),
-                        A::P(0),
-                        A::I(0),
-                        A::P(h),
-                    ],
-                )?;
+                let o = ActQuantOut {
+                    xq16: xq,
+                    health: h,
+                    ..Default::default()
+                };
+                self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
                 self.gemm(Ty::Bf16, xq, k, off(wq16, 2), y, ldy, m, nr, k)?;
                 self.epilogue(y, m, nr, ldy, p.alpha)?;
             }
             Profile::Emulation => {
                 let xh = self.scratch("xq32", m * k * 4)?;
-                self.launch(
-                    "act_quant_nvfp4",
-                    mk / 16 * 4,
-                    &[
-                        A::P(x),
-                        A::U(mk / 16),
-                        A::F(p.g_x),
-                        A::P(0),
-                        A::P(0),
-                        A::P(0),
-                        A::P(xh),
-                        A::I(1),
-                        A::P(h),
-                    ],
-                )?;
+                let o = ActQuantOut {
+                    xhat: xh,
+                    xhat_bf16: true,
+                    health: h,
+                    ..Default::default()
+                };
+                self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
                 let xp = self.bf16_copy("x16", xh, m * k)?;
                 self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
                 self.epilogue(y, m, nr, ldy, 1.0)?;
             }
             Profile::HopperW4a16 => {
                 // activations stay BF16; the amax is still observed
-                self.launch(
-                    "act_quant_nvfp4",
-                    mk / 16 * 4,
-                    &[
-                        A::P(x),
-                        A::U(mk / 16),
-                        A::F(p.g_x),
-                        A::P(0),
-                        A::P(0),
-                        A::P(0),
-                        A::P(0),
-                        A::I(0),
-                        A::P(h),
-                    ],
-                )?;
+                let o = ActQuantOut {
+                    health: h,
+                    ..Default::default()
+                };
+                self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
                 if x_bf16 {
                     let xp = self.bf16_copy("x16", x, m * k)?;
                     self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;

@@ -5,7 +5,7 @@
 //! Format conversions, quantization and health counters must match bit for bit; f32 reductions
 //! to 1e-6 relative; GEMMs to the rounding of a different summation order.
 
-use crate::backend::cuda::{Gpu, A, H_SLOTS};
+use crate::backend::cuda::{ActQuantOut, Gpu, Nvfp4Decode, A, H_SLOTS};
 use crate::metrics::{Compare, Stats};
 use crate::model::mem_env::Rng;
 use crate::numerics::nvfp4::{self, Convention};
@@ -343,45 +343,22 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         } else {
             1
         };
+        let dec = |out_bf16| Nvfp4Decode {
+            global,
+            conv: ci,
+            post: None,
+            swap: false,
+            out_bf16,
+        };
         let o = t.out(rows * cols * 4)?;
-        t.g.launch(
-            "dequant_nvfp4",
-            nb * 4,
-            &[
-                A::P(pb.ptr),
-                A::P(sb.ptr),
-                A::U(nb),
-                A::F(global),
-                A::I(ci),
-                A::F(1.0),
-                A::I(0),
-                A::I(0),
-                A::I(0),
-                A::P(o.ptr),
-            ],
-        )?;
+        t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec(false), o.ptr)?;
         out.push(exact(
             &format!("dequant nvfp4 {cname} -> f32"),
             &t.get_f32(&o, rows * cols)?,
             &want,
         ));
         let o = t.out(rows * cols * 2)?;
-        t.g.launch(
-            "dequant_nvfp4",
-            nb * 4,
-            &[
-                A::P(pb.ptr),
-                A::P(sb.ptr),
-                A::U(nb),
-                A::F(global),
-                A::I(ci),
-                A::F(1.0),
-                A::I(0),
-                A::I(0),
-                A::I(1),
-                A::P(o.ptr),
-            ],
-        )?;
+        t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec(true), o.ptr)?;
         let w16: Vec<u16> = want.iter().map(|&v| bf16::to_bits(v)).collect();
         out.push(exact_bf16(
             &format!("dequant nvfp4 {cname} -> bf16"),
@@ -391,22 +368,14 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     }
     // served operand e2m1·s (bf16 exact) with nibbles swapped, as a layout fault reads it
     let o = t.out(rows * cols * 2)?;
-    t.g.launch(
-        "dequant_nvfp4",
-        nb * 4,
-        &[
-            A::P(pb.ptr),
-            A::P(sb.ptr),
-            A::U(nb),
-            A::F(1.0),
-            A::I(2),
-            A::F(0.37),
-            A::I(1),
-            A::I(1),
-            A::I(1),
-            A::P(o.ptr),
-        ],
-    )?;
+    let dec = Nvfp4Decode {
+        global: 1.0,
+        conv: 2,
+        post: Some(0.37),
+        swap: true,
+        out_bf16: true,
+    };
+    t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec, o.ptr)?;
     let mut want16 = Vec::with_capacity(rows * cols);
     for (i, &byte) in packed.iter().enumerate() {
         let sc = e4m3::decode(scales[i / 8]);
@@ -498,21 +467,15 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         );
         let hb = t.g.alloc(H_SLOTS * 8)?;
         t.g.memset(hb.ptr, 0, H_SLOTS * 8)?;
-        t.g.launch(
-            "act_quant_nvfp4",
-            nb * 4,
-            &[
-                A::P(xb.ptr),
-                A::U(nb),
-                A::F(gx),
-                A::P(po.ptr),
-                A::P(so.ptr),
-                A::P(qo.ptr),
-                A::P(ho.ptr),
-                A::I(0),
-                A::P(hb.ptr),
-            ],
-        )?;
+        let outs = ActQuantOut {
+            packed: po.ptr,
+            scales: so.ptr,
+            xq16: qo.ptr,
+            xhat: ho.ptr,
+            xhat_bf16: false,
+            health: hb.ptr,
+        };
+        t.g.act_quant_nvfp4(xb.ptr, nb, gx, outs)?;
         let want = nvfp4::quantize_activation(&x, m, k, gx);
         let (fake, health) = nvfp4::fake_quant_activation(&x, m, k, gx);
         out.push(exact_u(
@@ -979,22 +942,14 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
     for (ok, elem, name) in [(1, 2usize, "bf16"), (0, 4, "f32")] {
         let o = g.alloc(pk * 2 * elem)?;
         let ms = time_ms(g, reps, || {
-            g.launch(
-                "dequant_nvfp4",
-                nb * 4,
-                &[
-                    A::P(p.ptr),
-                    A::P(s.ptr),
-                    A::U(nb),
-                    A::F(1.5),
-                    A::I(0),
-                    A::F(1.0),
-                    A::I(0),
-                    A::I(0),
-                    A::I(ok),
-                    A::P(o.ptr),
-                ],
-            )
+            let dec = Nvfp4Decode {
+                global: 1.5,
+                conv: 0,
+                post: None,
+                swap: false,
+                out_bf16: ok == 1,
+            };
+            g.dequant_nvfp4(p.ptr, s.ptr, nb, dec, o.ptr)
         })?;
         let bytes = (pk + pk / 8 + pk * 2 * elem) as u64;
         let bw = bytes as f64 / (ms * 1e-3) / 1e9;
@@ -1024,21 +979,14 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         (true, "codes + scales + bf16 GEMM operand"),
     ] {
         let ms = time_ms(g, reps, || {
-            g.launch(
-                "act_quant_nvfp4",
-                nb * 4,
-                &[
-                    A::P(x.ptr),
-                    A::U(nb),
-                    A::F(3.0),
-                    A::P(po.ptr),
-                    A::P(so.ptr),
-                    A::P(if with_q { qo.ptr } else { 0 }),
-                    A::P(0),
-                    A::I(0),
-                    A::P(h.ptr),
-                ],
-            )
+            let outs = ActQuantOut {
+                packed: po.ptr,
+                scales: so.ptr,
+                xq16: if with_q { qo.ptr } else { 0 },
+                health: h.ptr,
+                ..Default::default()
+            };
+            g.act_quant_nvfp4(x.ptr, nb, 3.0, outs)
         })?;
         let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
         let bw = bytes as f64 / (ms * 1e-3) / 1e9;
