@@ -17,6 +17,7 @@ pub mod model;
 pub mod numerics;
 pub mod plot;
 pub mod probe;
+pub mod profile;
 pub mod report;
 pub mod synth;
 pub mod tensor;

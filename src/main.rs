@@ -5,6 +5,7 @@ use clap::Parser;
 use nvfp4_probe::cli::Cli;
 
 fn main() {
+    nvfp4_probe::profile::mark("start");
     let cli = Cli::parse();
     let code = match std::panic::catch_unwind(|| nvfp4_probe::commands::dispatch(cli)) {
         Ok(Ok(code)) => code,
@@ -17,5 +18,6 @@ fn main() {
             nvfp4_probe::error::EXIT_UNUSABLE
         }
     };
+    nvfp4_probe::profile::mark("exit");
     std::process::exit(code);
 }

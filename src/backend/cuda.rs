@@ -31,10 +31,11 @@ use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, Serv
 use crate::{Error, Result, Tensor};
 
 /// The device source, embedded in the binary and compiled at run time.
-pub const KERNEL_SOURCE: [&str; 3] = [
+pub const KERNEL_SOURCE: [&str; 4] = [
     include_str!("../../kernels/formats.cu"),
     include_str!("../../kernels/quant.cu"),
     include_str!("../../kernels/stats.cu"),
+    include_str!("../../kernels/layer.cu"),
 ];
 
 const KERNELS: &[&str] = &[
@@ -58,6 +59,16 @@ const KERNELS: &[&str] = &[
     "to_f64",
     "from_f64",
     "gemm_small_f64",
+    "row_rms",
+    "rms_apply",
+    "rope_rows",
+    "hc_coeffs",
+    "hc_wsum",
+    "hc_post",
+    "attn_core",
+    "compress_pool",
+    "indexer_scores",
+    "route_topk",
 ];
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
@@ -431,6 +442,11 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
+        self.launch_cfg(name, self.grid(name, n), args)
+    }
+
+    /// Launch kernel `name` with an explicit grid, block and dynamic shared memory.
+    pub fn launch_cfg(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
         let f = self
             .funcs
             .get(name)
@@ -444,8 +460,7 @@ impl Gpu {
                 A::U32(v) => b.arg(v),
             };
         }
-        unsafe { b.launch(self.grid(name, n)) }
-            .map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
         Ok(())
     }
 

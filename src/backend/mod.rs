@@ -5,6 +5,7 @@
 //! backends share one definition of every op and one runner.
 
 pub mod cuda;
+pub mod layer;
 pub mod selftest;
 
 use std::sync::{Arc, Mutex};

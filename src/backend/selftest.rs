@@ -13,6 +13,8 @@ use crate::numerics::{bf16, e2m1, e4m3, fp8_block, mxfp4, ue8m0};
 use crate::probe::RunResult;
 use crate::Result;
 
+mod layer;
+
 /// One line of the self-test table.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Check {
@@ -783,6 +785,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         &t.get_f32(&o, tt * d)?,
         &want,
     ));
+    drop(o);
+    layer::checks(t.g, &mut rng, s, &mut out)?;
     Ok(out)
 }
 

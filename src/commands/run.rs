@@ -111,7 +111,9 @@ pub fn prepare(
         None => ProbeSpec::builtin(),
     };
     let (backend_sel, backend, device) = select_backend(backend)?;
+    crate::profile::mark("backend ready");
     let ckpt = open_model(model, seed)?;
+    crate::profile::mark("checkpoint opened");
     let cfg = ckpt.model_config()?.clone();
     let layer_s = layers.map(str::to_string).or(spec.layers.clone());
     let (a, b) = match layer_s {
@@ -191,7 +193,9 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         report::check_not_in_model_dir(&d.join("x"), p.model_dir.as_deref())?;
     }
     p.opts.keep_outputs = args.dump.is_some();
+    crate::profile::mark("prepared");
     let res: RunResult = probe::run(&p.ckpt, &p.opts)?;
+    crate::profile::mark("runner done");
     p.meta.seconds = res.seconds;
     p.meta.bytes_read = res.bytes_read;
     if !args.quiet {
@@ -219,6 +223,10 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     if let Some(pl) = &args.plot {
         crate::plot::plot_run(&report::run_json(&p.meta, &res), pl)?;
     }
+    crate::profile::mark("reports written");
     let findings = res.summary.divergent_ops > 0 || res.summary.non_finite_ops > 0;
+    drop(res);
+    drop(p);
+    crate::profile::mark("released");
     Ok(if findings { EXIT_FINDINGS } else { EXIT_OK })
 }

@@ -1,8 +1,7 @@
 //! Attention core and the CSA indexer (DSV4-LAYER.md §3.4 steps 7–9, §3.5.3).
 //!
-//! Both work on blocks of queries so the score matrices are GEMMs (`matrixmultiply`) over only
-//! the keys a block can see: the sliding window [t0−W+1, t1) and the compressed rows visible at
-//! t1−1. Blocks run in parallel with rayon; each writes its own rows of the output.
+//! The numerics live in `model::kern` (host) and `backend::layer` (device), which agree bit for
+//! bit: scores and weighted sums accumulate in f64, softmax exponentials are evaluated in f64.
 
 use rayon::prelude::*;
 
@@ -10,12 +9,10 @@ use super::exec::{
     check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
 };
 use super::graph::Op;
-use super::ops::{gemm, topk_order, RopeTable};
+use super::kern::{self, AttnDims};
+use super::ops::{topk_order, RopeTable};
 use super::ModelConfig;
 use crate::{Result, Tensor};
-
-/// Queries per parallel block.
-const QB: usize = 32;
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
 /// ascending (a set: its order carries no meaning, and sorted sets compare directly across paths).
@@ -95,58 +92,26 @@ pub(crate) fn indexer(
     let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
     w.data.iter_mut().for_each(|v| *v *= sc);
 
-    out.par_chunks_mut(QB * kk)
-        .enumerate()
-        .for_each(|(cb, oc)| {
-            let t0 = cb * QB;
-            let nb = oc.len() / kk;
-            let nvis = causal(t0 + nb - 1);
-            if nvis == 0 {
-                return;
-            }
-            let mut s = vec![0.0f32; nb * hi * nvis];
-            gemm(
-                nb * hi,
-                di,
-                nvis,
-                &q.data[t0 * hi * di..],
-                (di, 1),
-                &ki.data,
-                (1, di),
-                &mut s,
-                (nvis, 1),
-                false,
-            );
-            let mut score = vec![0.0f32; nvis];
-            let mut order: Vec<usize> = Vec::with_capacity(nvis);
-            for i in 0..nb {
-                let ti = t0 + i;
-                let m = causal(ti);
-                let o = &mut oc[i * kk..(i + 1) * kk];
-                if m <= kk {
-                    (0..m).for_each(|s| o[s] = s as f32);
-                    continue;
-                }
-                score[..m].iter_mut().for_each(|v| *v = 0.0);
-                for h in 0..hi {
-                    let wh = w.data[ti * hi + h];
-                    let row = &s[(i * hi + h) * nvis..(i * hi + h) * nvis + m];
-                    score[..m]
-                        .iter_mut()
-                        .zip(row)
-                        .for_each(|(a, b)| *a += b.max(0.0) * wh);
-                }
-                order.clear();
-                order.extend(0..m);
-                // Descending score, exact ties toward the lower index; NaN never wins.
-                order.sort_by(|&a, &b| topk_order(score[a], a, score[b], b));
-                let mut pick = order[..kk].to_vec();
-                pick.sort_unstable();
-                for (slot, p) in o.iter_mut().zip(pick) {
-                    *slot = p as f32;
-                }
-            }
-        });
+    let scores = match env.device() {
+        Some(dev) => dev.with(|g| g.indexer_scores(&q.data, &ki.data, &w.data, t, hi, di, n_c))?,
+        None => kern::indexer_scores(&q.data, &ki.data, &w.data, t, hi, di, n_c),
+    };
+    out.par_chunks_mut(kk).enumerate().for_each(|(ti, o)| {
+        let m = causal(ti);
+        if m <= kk {
+            (0..m).for_each(|s| o[s] = s as f32);
+            return;
+        }
+        let score = &scores[ti * n_c..ti * n_c + m];
+        let mut order: Vec<usize> = (0..m).collect();
+        // Descending score, exact ties toward the lower index; NaN never wins.
+        order.sort_by(|&a, &b| topk_order(score[a], a, score[b], b));
+        let mut pick = order[..kk].to_vec();
+        pick.sort_unstable();
+        for (slot, p) in o.iter_mut().zip(pick) {
+            *slot = p as f32;
+        }
+    });
     Ok(Tensor::new(vec![t, kk], out))
 }
 
@@ -167,11 +132,11 @@ pub(crate) fn attention(
     check_shape(op, "q", q, &[t, hd])?;
     check_shape(op, "kv", kv, &[t, dh])?;
     let empty = Tensor::new(vec![0, dh], vec![]);
-    let cmp = if ratio > 0 {
+    let cmp = if let Some(n_c) = t.checked_div(ratio) {
         let c = inputs
             .get(2)
             .ok_or_else(|| internal(op, "compressed KV input missing"))?;
-        check_shape(op, "compressed kv", c, &[t / ratio, dh])?;
+        check_shape(op, "compressed kv", c, &[n_c, dh])?;
         *c
     } else {
         &empty
@@ -196,135 +161,30 @@ pub(crate) fn attention(
         }
     }
     let sink = param_n(env, weight(op, 0)?, h)?;
-    let win = cfg.sliding_window;
-    let scale = (dh as f64).powf(-0.5) as f32;
-    let kk = cfg.index_topk;
-
-    // One task per (query block, head): enough tasks for many cores even at small T.
-    let n_blocks = t.div_ceil(QB);
-    let parts: Vec<Vec<f32>> = (0..n_blocks * h)
-        .into_par_iter()
-        .map(|task| {
-            let (cb, head) = (task / h, task % h);
-            let t0 = cb * QB;
-            let t1 = (t0 + QB).min(t);
-            let nb = t1 - t0;
-            let mut oc = vec![0.0f32; nb * dh];
-            let wlo = t0.saturating_sub(win.saturating_sub(1));
-            let nw = t1 - wlo;
-            let nvis = t1.checked_div(ratio).unwrap_or(0).min(n_c);
-            let ncol = nw + nvis;
-            // Which compressed rows each query may use.
-            let mut allowed = vec![false; nb * nvis];
-            for i in 0..nb {
-                let ti = t0 + i;
-                let m = (ti + 1).checked_div(ratio).unwrap_or(0).min(nvis);
-                let a = &mut allowed[i * nvis..(i + 1) * nvis];
-                match sel {
-                    Some(s) => {
-                        for &v in &s.data[ti * kk..(ti + 1) * kk] {
-                            if v >= 0.0 && (v as usize) < m {
-                                a[v as usize] = true;
-                            }
-                        }
-                    }
-                    None => a[..m].iter_mut().for_each(|x| *x = true),
-                }
-            }
-            let mut p = vec![0.0f32; nb * ncol];
-            {
-                let qa = &q.data[t0 * hd + head * dh..];
-                gemm(
-                    nb,
-                    dh,
-                    nw,
-                    qa,
-                    (hd, 1),
-                    &kv.data[wlo * dh..],
-                    (1, dh),
-                    &mut p,
-                    (ncol, 1),
-                    false,
-                );
-                if nvis > 0 {
-                    gemm(
-                        nb,
-                        dh,
-                        nvis,
-                        qa,
-                        (hd, 1),
-                        &cmp.data,
-                        (1, dh),
-                        &mut p[nw..],
-                        (ncol, 1),
-                        false,
-                    );
-                }
-                let sk = sink.data[head];
-                for i in 0..nb {
-                    let ti = t0 + i;
-                    let row = &mut p[i * ncol..(i + 1) * ncol];
-                    let mut mx = sk;
-                    for (j, v) in row.iter_mut().enumerate() {
-                        let ok = if j < nw {
-                            let key = wlo + j;
-                            key <= ti && ti - key < win
-                        } else {
-                            allowed[i * nvis + j - nw]
-                        };
-                        *v = if ok { *v * scale } else { f32::NEG_INFINITY };
-                        mx = mx.max(*v);
-                    }
-                    let mut den = (sk - mx).exp();
-                    for v in row.iter_mut() {
-                        *v = (*v - mx).exp();
-                        den += *v;
-                    }
-                    row.iter_mut().for_each(|v| *v /= den);
-                }
-                let oh = &mut oc[..];
-                gemm(
-                    nb,
-                    nw,
-                    dh,
-                    &p,
-                    (ncol, 1),
-                    &kv.data[wlo * dh..],
-                    (dh, 1),
-                    oh,
-                    (dh, 1),
-                    false,
-                );
-                if nvis > 0 {
-                    gemm(
-                        nb,
-                        nvis,
-                        dh,
-                        &p[nw..],
-                        (ncol, 1),
-                        &cmp.data,
-                        (dh, 1),
-                        oh,
-                        (dh, 1),
-                        true,
-                    );
-                }
-            }
-            oc
-        })
-        .collect();
-    let mut out = vec![0.0f32; t * hd];
-    for (task, part) in parts.iter().enumerate() {
-        let (cb, head) = (task / h, task % h);
-        for (i, row) in part.chunks(dh).enumerate() {
-            let o = (cb * QB + i) * hd + head * dh;
-            out[o..o + dh].copy_from_slice(row);
-        }
-    }
-    let mut out = Tensor::new(vec![t, hd], out);
-    env.store(&mut out);
+    let dims = AttnDims {
+        t,
+        h,
+        dh,
+        n_c,
+        win: cfg.sliding_window,
+        scale: (dh as f64).powf(-0.5) as f32,
+    };
+    let allowed = kern::allowed_rows(t, n_c, ratio, sel.map(|s| (&s.data[..], cfg.index_topk)));
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
     let nope = cfg.nope_dim();
+    if let Some(dev) = env.device() {
+        let y = dev.with(|g| {
+            g.attention(
+                &q.data, &kv.data, &cmp.data, &allowed, &sink.data, dims, nope, &tab, dev.round,
+            )
+        })?;
+        if let Some(y) = y {
+            return Ok(Tensor::new(vec![t, hd], y));
+        }
+    }
+    let out = kern::attention_core(&q.data, &kv.data, &cmp.data, &allowed, &sink.data, dims);
+    let mut out = Tensor::new(vec![t, hd], out);
+    env.store(&mut out);
     for (pos, row) in out.data.chunks_mut(hd).enumerate() {
         for head in row.chunks_mut(dh) {
             tab.apply(&mut head[nope..], pos, true);

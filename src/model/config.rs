@@ -262,13 +262,13 @@ impl ModelConfig {
                 "config: hidden_size, num_attention_heads and head_dim must be positive".into(),
             );
         }
-        if self.qk_rope_head_dim % 2 != 0 || self.qk_rope_head_dim > self.head_dim {
+        if !self.qk_rope_head_dim.is_multiple_of(2) || self.qk_rope_head_dim > self.head_dim {
             return bad(format!(
                 "config: qk_rope_head_dim {} must be even and ≤ head_dim {}",
                 self.qk_rope_head_dim, self.head_dim
             ));
         }
-        if self.o_groups == 0 || self.num_attention_heads % self.o_groups != 0 {
+        if self.o_groups == 0 || !self.num_attention_heads.is_multiple_of(self.o_groups) {
             return bad(format!(
                 "config: num_attention_heads {} not divisible by o_groups {}",
                 self.num_attention_heads, self.o_groups

@@ -8,8 +8,10 @@ use std::collections::HashMap;
 use rayon::prelude::*;
 
 use super::graph::{Op, OpClass, OpKind};
-use super::ops::{self, matmul_nt, rmsnorm_rows, sigmoid, silu, softplus, RopeTable};
+use super::kern::{self, HcParams};
+use super::ops::{self, rmsnorm_rows, sigmoid, silu, RopeTable};
 use super::ModelConfig;
+use crate::backend::layer::Dev;
 use crate::{Error, Result, Tensor};
 
 /// What a numerics path provides to the op math.
@@ -57,6 +59,11 @@ pub trait OpEnv {
         _bases: &[&str],
         _limit: f32,
     ) -> Option<Result<Tensor>> {
+        None
+    }
+    /// The device the non-linear ops run on (`backend::layer`), with this path's storage rounding;
+    /// `None` = the host (`model::kern`).
+    fn device(&self) -> Option<Dev> {
         None
     }
 }
@@ -183,6 +190,12 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tens
         OpKind::RmsNorm => {
             let x = inputs[0];
             let w = param_n(env, weight(op, 0)?, x.cols())?;
+            if let Some(dev) = env.device() {
+                let eps = cfg.rms_norm_eps as f32;
+                let y =
+                    dev.with(|g| g.rmsnorm(&x.data, x.cols(), Some(&w.data), eps, dev.round))?;
+                return Ok(vec![Tensor::new(x.shape.clone(), y)]);
+            }
             let mut y = x.clone();
             rmsnorm_rows(
                 &mut y.data,
@@ -242,12 +255,21 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tens
             let t = x.rows();
             check_shape(op, "kv", x, &[t, cfg.head_dim])?;
             let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), 0..t);
-            let mut y = x.clone();
             let nope = cfg.nope_dim();
-            for (p, row) in y.data.chunks_mut(cfg.head_dim).enumerate() {
-                tab.apply(&mut row[nope..], p, false);
-            }
-            env.store(&mut y);
+            let mut y = match env.device() {
+                Some(dev) => Tensor::new(
+                    x.shape.clone(),
+                    dev.with(|g| g.rope(&x.data, 1, cfg.head_dim, nope, &tab, false, dev.round))?,
+                ),
+                None => {
+                    let mut y = x.clone();
+                    for (p, row) in y.data.chunks_mut(cfg.head_dim).enumerate() {
+                        tab.apply(&mut row[nope..], p, false);
+                    }
+                    env.store(&mut y);
+                    y
+                }
+            };
             env.cache_store(&op.id, &mut y);
             vec![y]
         }
@@ -327,16 +349,13 @@ pub fn run_graph(ops: &[Op], env: &mut dyn OpEnv) -> Result<HashMap<String, Tens
     Ok(vals)
 }
 
-/// (t, ρ) with ρ = rsqrt(mean(xf²) + eps) per token and m = (xf @ fnᵀ)·ρ, all fp32.
+/// m = (xf @ fnᵀ)·ρ per token with ρ = rsqrt(mean(xf²) + eps): the GEMM accumulates in f64 like
+/// every linear, ρ is `kern::rms_inv`.
 fn hc_mix(x: &Tensor, f: &Tensor, rows_out: usize, eps: f32) -> Vec<f32> {
     let t = x.shape[0];
     let w = x.numel() / t.max(1);
-    let mut m = matmul_nt(&x.data, t, w, &f.data, rows_out);
-    for (xr, mr) in x.data.chunks(w).zip(m.chunks_mut(rows_out)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum();
-        let rho = 1.0 / (ss / w as f32 + eps).sqrt();
-        mr.iter_mut().for_each(|v| *v *= rho);
-    }
+    let mut m = crate::probe::served::matmul_nt(&x.data, &f.data, t, w, rows_out);
+    kern::hc_scale_rows(&mut m, &x.data, t, rows_out, eps);
     m
 }
 
@@ -348,33 +367,37 @@ fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let f = param_n(env, weight(op, 0)?, mix * hc * d)?;
     let base = param_n(env, weight(op, 1)?, mix)?;
     let scale = param_n(env, weight(op, 2)?, 3)?;
-    let eps = cfg.hc_eps as f32;
-    let m = hc_mix(x, &f, mix, cfg.rms_norm_eps as f32);
-    let mut pre = vec![0.0f32; hc];
-    let mut post = vec![0.0f32; t * hc];
-    let mut comb = vec![0.0f32; t * hc * hc];
-    let mut y = vec![0.0f32; t * d];
-    for ti in 0..t {
-        let mr = &m[ti * mix..(ti + 1) * mix];
-        for j in 0..hc {
-            pre[j] = sigmoid(mr[j] * scale.data[0] + base.data[j]) + eps;
-            post[ti * hc + j] = 2.0 * sigmoid(mr[hc + j] * scale.data[1] + base.data[hc + j]);
+    let p = HcParams {
+        hc,
+        scale: &scale.data,
+        base: &base.data,
+        iters: cfg.hc_sinkhorn_iters,
+        eps: cfg.hc_eps as f32,
+    };
+    let rms_eps = cfg.rms_norm_eps as f32;
+    let (y, post, comb) = match env.device() {
+        Some(dev) => dev.with(|g| g.hc_pre(&x.data, t, d, &f.data, &p, rms_eps, dev.round))?,
+        None => {
+            let m = hc_mix(x, &f, mix, rms_eps);
+            let mut pre = vec![0.0f32; t * hc];
+            let mut post = vec![0.0f32; t * hc];
+            let mut comb = vec![0.0f32; t * hc * hc];
+            for ti in 0..t {
+                kern::hc_coeffs(
+                    &m[ti * mix..(ti + 1) * mix],
+                    &p,
+                    &mut pre[ti * hc..(ti + 1) * hc],
+                    &mut post[ti * hc..(ti + 1) * hc],
+                    &mut comb[ti * hc * hc..(ti + 1) * hc * hc],
+                );
+            }
+            let mut y = Tensor::new(vec![t, d], kern::hc_weighted_sum(&x.data, &pre, t, hc, d));
+            env.store(&mut y);
+            (y.data, post, comb)
         }
-        let c = &mut comb[ti * hc * hc..(ti + 1) * hc * hc];
-        for (i, cv) in c.iter_mut().enumerate() {
-            *cv = mr[2 * hc + i] * scale.data[2] + base.data[2 * hc + i];
-        }
-        ops::sinkhorn(c, hc, cfg.hc_sinkhorn_iters, eps);
-        let yr = &mut y[ti * d..(ti + 1) * d];
-        for (j, pj) in pre.iter().enumerate() {
-            let xr = &x.data[(ti * hc + j) * d..(ti * hc + j + 1) * d];
-            yr.iter_mut().zip(xr).for_each(|(a, b)| *a += pj * b);
-        }
-    }
-    let mut y = Tensor::new(vec![t, d], y);
-    env.store(&mut y);
+    };
     Ok(vec![
-        y,
+        Tensor::new(vec![t, d], y),
         Tensor::new(vec![t, hc], post),
         Tensor::new(vec![t, hc, hc], comb),
     ])
@@ -388,22 +411,18 @@ fn hc_post(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
     check_shape(op, "residual", x, &[t, hc, d])?;
     check_shape(op, "post", post, &[t, hc])?;
     check_shape(op, "comb", comb, &[t, hc, hc])?;
-    let mut out = vec![0.0f32; t * hc * d];
-    out.par_chunks_mut(hc * d).enumerate().for_each(|(ti, o)| {
-        let yr = &y.data[ti * d..(ti + 1) * d];
-        let c = &comb.data[ti * hc * hc..(ti + 1) * hc * hc];
-        for k in 0..hc {
-            let ok = &mut o[k * d..(k + 1) * d];
-            let pk = post.data[ti * hc + k];
-            ok.iter_mut().zip(yr).for_each(|(a, b)| *a = pk * b);
-            for j in 0..hc {
-                let cjk = c[j * hc + k];
-                let xr = &x.data[(ti * hc + j) * d..(ti * hc + j + 1) * d];
-                ok.iter_mut().zip(xr).for_each(|(a, b)| *a += cjk * b);
-            }
-        }
-    });
-    let mut out = Tensor::new(vec![t, hc, d], out);
+    if let Some(dev) = env.device() {
+        let out = dev.with(|g| {
+            g.hc_post(
+                &y.data, &x.data, &post.data, &comb.data, t, hc, d, dev.round,
+            )
+        })?;
+        return Ok(Tensor::new(vec![t, hc, d], out));
+    }
+    let mut out = Tensor::new(
+        vec![t, hc, d],
+        kern::hc_post(&y.data, &x.data, &post.data, &comb.data, t, hc, d),
+    );
     env.store(&mut out);
     Ok(out)
 }
@@ -415,18 +434,24 @@ fn hc_head(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Resul
     let f = param_n(env, weight(op, 0)?, hc * hc * d)?;
     let base = param_n(env, weight(op, 1)?, hc)?;
     let scale = param_n(env, weight(op, 2)?, 1)?;
-    let m = hc_mix(x, &f, hc, cfg.rms_norm_eps as f32);
     let eps = cfg.hc_eps as f32;
-    let mut y = vec![0.0f32; t * d];
-    for ti in 0..t {
-        let yr = &mut y[ti * d..(ti + 1) * d];
-        for j in 0..hc {
-            let a = sigmoid(m[ti * hc + j] * scale.data[0] + base.data[j]) + eps;
-            let xr = &x.data[(ti * hc + j) * d..(ti * hc + j + 1) * d];
-            yr.iter_mut().zip(xr).for_each(|(o, b)| *o += a * b);
-        }
+    let rms_eps = cfg.rms_norm_eps as f32;
+    // the stream weights from the scaled mixing rows [t, hc]
+    let coef = |m: &[f32]| -> Vec<f32> {
+        m.iter()
+            .enumerate()
+            .map(|(i, &v)| sigmoid(v * scale.data[0] + base.data[i % hc]) + eps)
+            .collect()
+    };
+    if let Some(dev) = env.device() {
+        let y = dev.with(|g| g.hc_head(&x.data, t, d, hc, &f.data, rms_eps, coef, dev.round))?;
+        return Ok(Tensor::new(vec![t, d], y));
     }
-    let mut y = Tensor::new(vec![t, d], y);
+    let m = hc_mix(x, &f, hc, rms_eps);
+    let mut y = Tensor::new(
+        vec![t, d],
+        kern::hc_weighted_sum(&x.data, &coef(&m), t, hc, d),
+    );
     env.store(&mut y);
     Ok(y)
 }
@@ -440,6 +465,10 @@ fn q_rope(op: &Op, q: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
     let nope = cfg.nope_dim();
     let eps = cfg.rms_norm_eps as f32;
+    if let Some(dev) = env.device() {
+        let y = dev.with(|g| g.q_rope(&q.data, h, dh, nope, &tab, eps, dev.round))?;
+        return Ok(Tensor::new(q.shape.clone(), y));
+    }
     let mut y = q.clone();
     y.data
         .par_chunks_mut(h * dh)
@@ -477,8 +506,7 @@ pub(crate) fn compress(
     if n_c == 0 {
         return Ok(Tensor::new(vec![0, dc], vec![]));
     }
-    let c = if ratio == 4 { 2 } else { 1 };
-    let w = c * dc;
+    let w = if ratio == 4 { 2 * dc } else { dc };
     let n = n_c * ratio;
     let xs = Tensor::new(vec![n, x.cols()], x.data[..n * x.cols()].to_vec());
     let a = linear_checked(env, &format!("{sub_prefix}.wkv"), &xs, names[0], w)?;
@@ -486,42 +514,6 @@ pub(crate) fn compress(
     let ape = param_n(env, names[2], ratio * w)?;
     let norm = param_n(env, names[3], dc)?;
 
-    let mut ck = vec![0.0f32; n_c * dc];
-    let mut gates = Vec::with_capacity(2 * ratio);
-    let mut vals = Vec::with_capacity(2 * ratio);
-    for b in 0..n_c {
-        for ch in 0..dc {
-            gates.clear();
-            vals.clear();
-            if c == 2 {
-                // Slots 0..r: the previous block through channels [0, dc); empty for b = 0.
-                if b > 0 {
-                    for j in 0..ratio {
-                        let tok = (b - 1) * ratio + j;
-                        gates.push(g.data[tok * w + ch] + ape.data[j * w + ch]);
-                        vals.push(a.data[tok * w + ch]);
-                    }
-                }
-                for j in 0..ratio {
-                    let tok = b * ratio + j;
-                    gates.push(g.data[tok * w + dc + ch] + ape.data[j * w + dc + ch]);
-                    vals.push(a.data[tok * w + dc + ch]);
-                }
-            } else {
-                for j in 0..ratio {
-                    let tok = b * ratio + j;
-                    gates.push(g.data[tok * w + ch] + ape.data[j * w + ch]);
-                    vals.push(a.data[tok * w + ch]);
-                }
-            }
-            ops::softmax(&mut gates);
-            ck[b * dc + ch] = gates.iter().zip(&vals).map(|(p, v)| p * v).sum();
-        }
-    }
-    let mut ck = Tensor::new(vec![n_c, dc], ck);
-    env.store(&mut ck);
-    rmsnorm_rows(&mut ck.data, dc, Some(&norm.data), cfg.rms_norm_eps as f32);
-    env.store(&mut ck);
     let rd = cfg.qk_rope_head_dim;
     if rd > dc {
         return Err(Error::usage(format!(
@@ -529,6 +521,22 @@ pub(crate) fn compress(
         )));
     }
     let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), (0..n_c).map(|b| b * ratio));
+    let eps = cfg.rms_norm_eps as f32;
+    if let Some(dev) = env.device() {
+        let ck = dev.with(|gp| {
+            gp.compress_tail(
+                &a.data, &g.data, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab, dev.round,
+            )
+        })?;
+        return Ok(Tensor::new(vec![n_c, dc], ck));
+    }
+    let mut ck = Tensor::new(
+        vec![n_c, dc],
+        kern::compress_pool(&a.data, &g.data, &ape.data, n_c, dc, ratio),
+    );
+    env.store(&mut ck);
+    rmsnorm_rows(&mut ck.data, dc, Some(&norm.data), eps);
+    env.store(&mut ck);
     for (b, row) in ck.data.chunks_mut(dc).enumerate() {
         tab.apply(&mut row[dc - rd..], b, false);
     }
@@ -547,22 +555,14 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let t = x.rows();
     let gate = weight(op, 0)?;
     let logits = linear_checked(env, &op.id, x, gate, e)?;
-    let scores: Vec<f32> = match cfg.scoring_func.as_str() {
-        "sqrtsoftplus" => logits.data.iter().map(|&l| softplus(l).sqrt()).collect(),
-        "sigmoid" => logits.data.iter().map(|&l| sigmoid(l)).collect(),
-        "softmax" => {
-            let mut s = logits.data.clone();
-            s.chunks_mut(e).for_each(ops::softmax);
-            s
-        }
-        other => {
-            return Err(Error::usage(format!(
-                "config: unsupported scoring_func `{other}`"
-            )))
-        }
-    };
-    let mut idx = vec![0usize; t * k];
-    if cfg.is_hash_layer(layer) {
+    let f = kern::Scoring::parse(&cfg.scoring_func).ok_or_else(|| {
+        Error::usage(format!(
+            "config: unsupported scoring_func `{}`",
+            cfg.scoring_func
+        ))
+    })?;
+    let (norm, rs) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
+    let (wts, idx) = if cfg.is_hash_layer(layer) {
         let name = weight(op, 1)?;
         let table = env.param(name)?;
         if table.cols() != k || table.rows() == 0 {
@@ -578,6 +578,7 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
                 format!("{} token ids for {t} rows", ids.len()),
             ));
         }
+        let mut idx = vec![0usize; t * k];
         for (ti, &tok) in ids.iter().enumerate() {
             if tok as usize >= table.rows() {
                 return Err(bad_weight(
@@ -595,32 +596,15 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
                 })?;
             }
         }
+        let scores = kern::route_scores(&logits.data, e, f);
+        (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
     } else {
         let bias = param_n(env, weight(op, 1)?, e)?;
-        let mut order: Vec<usize> = Vec::with_capacity(e);
-        for ti in 0..t {
-            let s = &scores[ti * e..(ti + 1) * e];
-            order.clear();
-            order.extend(0..e);
-            let key = |i: usize| s[i] + bias.data[i];
-            // Descending biased score, ties toward the lower expert id.
-            order.sort_by(|&a, &b| ops::topk_order(key(a), a, key(b), b));
-            idx[ti * k..(ti + 1) * k].copy_from_slice(&order[..k]);
+        match env.device() {
+            Some(dev) => dev.with(|g| g.route(&logits.data, &bias.data, t, e, k, f, norm, rs))?,
+            None => kern::route(&logits.data, &bias.data, t, e, k, f, norm, rs),
         }
-    }
-    let mut wts = vec![0.0f32; t * k];
-    for ti in 0..t {
-        let w = &mut wts[ti * k..(ti + 1) * k];
-        for j in 0..k {
-            w[j] = scores[ti * e + idx[ti * k + j]];
-        }
-        if cfg.norm_topk_prob {
-            let s: f32 = w.iter().sum();
-            w.iter_mut().for_each(|v| *v /= s);
-        }
-        let rs = cfg.routed_scaling_factor as f32;
-        w.iter_mut().for_each(|v| *v *= rs);
-    }
+    };
     Ok(vec![
         Tensor::new(vec![t, k], wts),
         Tensor::new(vec![t, k], idx.iter().map(|&i| i as f32).collect()),

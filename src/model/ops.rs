@@ -78,14 +78,14 @@ pub fn gemm(
     }
 }
 
-/// In-place RMSNorm of each row of `x` (width `cols`): x · rsqrt(mean(x²) + eps) [· w], all f32.
+/// In-place RMSNorm of each row of `x` (width `cols`): x · ρ [· w] with ρ = rsqrt(mean(x²) + eps)
+/// from an f64 sum of squares, rounded once (`kern::rms_inv`); the products in f32.
 pub fn rmsnorm_rows(x: &mut [f32], cols: usize, w: Option<&[f32]>, eps: f32) {
     if cols == 0 {
         return;
     }
     for row in x.chunks_mut(cols) {
-        let ss: f32 = row.iter().map(|v| v * v).sum();
-        let r = 1.0 / (ss / cols as f32 + eps).sqrt();
+        let r = super::kern::rms_inv(row, eps);
         match w {
             Some(w) => row.iter_mut().zip(w).for_each(|(v, wi)| *v = *v * r * wi),
             None => row.iter_mut().for_each(|v| *v *= r),
@@ -93,25 +93,7 @@ pub fn rmsnorm_rows(x: &mut [f32], cols: usize, w: Option<&[f32]>, eps: f32) {
     }
 }
 
-/// In-place softmax; −inf entries get 0. An all −inf row becomes all zeros (no NaN).
-pub fn softmax(row: &mut [f32]) {
-    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    if m == f32::NEG_INFINITY {
-        row.iter_mut().for_each(|v| *v = 0.0);
-        return;
-    }
-    let mut s = 0.0f32;
-    for v in row.iter_mut() {
-        *v = (*v - m).exp();
-        s += *v;
-    }
-    row.iter_mut().for_each(|v| *v /= s);
-}
-
-#[inline]
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
+pub use super::kern::{sigmoid, sinkhorn, softmax, softplus};
 
 /// x · sigmoid(x) evaluated in f64 and rounded once: f32 `exp` differs between libm and CUDA
 /// in the last bit, f64 evaluation rounds to the same f32 on both (the SwiGLU runs on the device
@@ -120,12 +102,6 @@ pub fn sigmoid(x: f32) -> f32 {
 pub fn silu(x: f32) -> f32 {
     let d = x as f64;
     (d * (1.0 / (1.0 + (-d).exp()))) as f32
-}
-
-/// softplus without overflow: max(x, 0) + ln(1 + e^−|x|).
-#[inline]
-pub fn softplus(x: f32) -> f32 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
 }
 
 /// YaRN correction range (lo, hi) for a rope of `dim` dims (DSV4-LAYER.md §3.4):
@@ -199,30 +175,6 @@ impl RopeTable {
             v[2 * i] = a * c[i] - b * si;
             v[2 * i + 1] = a * si + b * c[i];
         }
-    }
-}
-
-/// mHC Sinkhorn normalisation of an `n`×`n` matrix of logits `c` (row j = source stream), in place
-/// (DSV4-LAYER.md §3.1 step 5): row softmax + eps, column normalisation, then `iters − 1` rounds
-/// of row then column normalisation, each dividing by (sum + eps).
-pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
-    for row in c.chunks_mut(n) {
-        softmax(row);
-        row.iter_mut().for_each(|v| *v += eps);
-    }
-    let colnorm = |c: &mut [f32]| {
-        for k in 0..n {
-            let s: f32 = (0..n).map(|j| c[j * n + k]).sum();
-            (0..n).for_each(|j| c[j * n + k] /= s + eps);
-        }
-    };
-    colnorm(c);
-    for _ in 1..iters.max(1) {
-        for row in c.chunks_mut(n) {
-            let s: f32 = row.iter().sum();
-            row.iter_mut().for_each(|v| *v /= s + eps);
-        }
-        colnorm(c);
     }
 }
 

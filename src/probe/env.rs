@@ -362,6 +362,13 @@ impl OpEnv for PathEnv<'_, '_> {
         })();
         Some(r)
     }
+    fn device(&self) -> Option<crate::backend::layer::Dev> {
+        let gpu = self.shared.backend.gpu()?.clone();
+        Some(crate::backend::layer::Dev {
+            gpu,
+            round: self.kind != PathKind::OracleFp32,
+        })
+    }
 }
 
 fn lock(

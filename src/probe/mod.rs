@@ -234,7 +234,7 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
     };
 
     // NVFP4_PROBE_PROFILE=1: seconds per op kind (all execs of the op) and in metrics, on stderr
-    let profile = std::env::var_os("NVFP4_PROBE_PROFILE").is_some();
+    let profile = crate::profile::enabled();
     let mut prof: BTreeMap<String, f64> = BTreeMap::new();
     // With the CUDA backend a thread asks the kernel to read ahead the weights of the coming ops
     // while the device computes (cold runs are disk-bound; this overlaps the two).

@@ -5,6 +5,7 @@
 //! - `hopper-w4a16`: Marlin, activations stay BF16, `bf16(f32(x · e2m1·s_w) · d_w)`;
 //! - `emulation`: vLLM's emulation backend, quantize-dequantize activation to BF16, weight to BF16,
 //!   BF16 matmul with f32 accumulation.
+//!
 //! FP8 block and MXFP4 weights use DeepSeek's FP8 1×128 activation quantization (power-of-two
 //! scales, DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
 

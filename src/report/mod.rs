@@ -115,7 +115,7 @@ fn fmt_g(x: f64) -> String {
 
 fn fmt_cos(c: &Compare) -> String {
     match c.cos {
-        Some(v) if v >= 0.99995 && v < 1.0 => format!("{v:.6}"),
+        Some(v) if (0.99995..1.0).contains(&v) => format!("{v:.6}"),
         Some(v) => format!("{v:.4}"),
         None => "NaN".into(),
     }

@@ -1,0 +1,394 @@
+// nvfp4-probe device code, part 4: the layer's non-linear ops (RMSNorm, RoPE, mHC with Sinkhorn,
+// attention with sink and compressed rows, the compressor's pooling, the indexer's scores, the
+// router's top-k). Each kernel computes what src/model/kern.rs computes on the host, bit for bit:
+// reductions accumulate exact f32 products in f64 and round once, transcendentals are evaluated
+// in f64 and rounded once, the short f32 chains run in the host's order. fmad=false, so every f32
+// operation rounds where the host's does; the explicit __f*_rn intrinsics say so where it matters.
+
+#define INFINITY __uint_as_float(0x7F800000u)
+
+__device__ __forceinline__ double exp64(float x) { return exp((double)x); }
+
+// 1 / (1 + e^-x) in f64, rounded once (kern::sigmoid).
+__device__ __forceinline__ float sigmoid_f(float x) {
+    return __double2float_rn(__ddiv_rn(1.0, __dadd_rn(1.0, exp(-(double)x))));
+}
+
+// max(x, 0) + ln(1 + e^-|x|) in f64, rounded once (kern::softplus). fmax ignores a NaN operand
+// like Rust's f64::max; the NaN then comes back through the log term.
+__device__ __forceinline__ float softplus_f(float x) {
+    double d = (double)x;
+    return __double2float_rn(__dadd_rn(fmax(d, 0.0), log1p(exp(-fabs(d)))));
+}
+
+// Rust's f32::max / f32::min: a NaN operand yields the other one.
+__device__ __forceinline__ float rmax(float a, float b) { return fmaxf(a, b); }
+
+__device__ __forceinline__ double block_sum_d(double v, double* sh) {
+    // blockDim.x is a multiple of 32, at most 1024
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    double s = 0.0;
+    if (threadIdx.x == 0) {
+        for (u32 i = 0; i < (blockDim.x >> 5); i++) s += sh[i];
+        sh[0] = s;
+    }
+    __syncthreads();
+    s = sh[0];
+    __syncthreads();
+    return s;
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+// r[row] = 1 / sqrt(sum(x^2) / cols + eps) with the sum in f64, rounded once (kern::rms_inv).
+// One warp per row of a row-major [rows, cols] matrix.
+extern "C" __global__ void row_rms(const float* x, u64 rows, u64 cols, float eps, float* r) {
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nw = ((u64)gridDim.x * blockDim.x) >> 5;
+    u32 lane = threadIdx.x & 31u;
+    for (u64 row = warp; row < rows; row += nw) {
+        const float* xr = x + row * cols;
+        double ss = 0.0;
+        for (u64 c = lane; c < cols; c += 32) {
+            double v = (double)xr[c];
+            ss = __dadd_rn(ss, __dmul_rn(v, v));
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, o);
+        if (lane == 0) {
+            double m = __dadd_rn(__ddiv_rn(ss, (double)cols), (double)eps);
+            r[row] = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(m)));
+        }
+    }
+}
+
+// out = (x * r[row]) * w[col] (w may be 0: no weight), rounded to BF16 when round != 0.
+extern "C" __global__ void rms_apply(const float* x, u64 rows, u64 cols, const float* r, const float* w,
+                                     int round, float* out) {
+    GRID_STRIDE(i, rows * cols) {
+        u64 row = i / cols, c = i % cols;
+        float v = __fmul_rn(x[i], r[row]);
+        if (w) v = __fmul_rn(v, w[c]);
+        out[i] = round ? bf16_round(v) : v;
+    }
+}
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
+// Rotate the interleaved pairs of dims [off, off + 2*half) of each of the nh heads (width dh) of
+// row p of x [rows, nh*dh] with row p of the host's cos/sin table [rows, half]; inverse uses -sin
+// (RopeTable::apply). In place.
+extern "C" __global__ void rope_rows(float* x, u64 rows, u64 nh, u64 dh, u64 off, u64 half,
+                                     const float* cs, const float* sn, int inverse) {
+    GRID_STRIDE(i, rows * nh * half) {
+        u64 p = i / (nh * half), rem = i % (nh * half), hh = rem / half, j = rem % half;
+        float* v = x + p * nh * dh + hh * dh + off;
+        float c = cs[p * half + j], s = sn[p * half + j];
+        if (inverse) s = -s;
+        float a = v[2 * j], b = v[2 * j + 1];
+        v[2 * j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        v[2 * j + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    }
+}
+
+// ---- mHC ---------------------------------------------------------------------------------------
+
+// In-place softmax of a short row, as kern::softmax: max in f32 (NaN ignored), e = exp(x - max)
+// in f64, p = e / sum in f64, rounded once; an all -inf row becomes zeros.
+__device__ void softmax_row(float* row, u32 n) {
+    float m = -INFINITY;
+    for (u32 i = 0; i < n; i++) m = rmax(m, row[i]);
+    if (m == -INFINITY) {
+        for (u32 i = 0; i < n; i++) row[i] = 0.0f;
+        return;
+    }
+    double s = 0.0;
+    for (u32 i = 0; i < n; i++) s = __dadd_rn(s, exp64(__fsub_rn(row[i], m)));
+    for (u32 i = 0; i < n; i++) row[i] = __double2float_rn(__ddiv_rn(exp64(__fsub_rn(row[i], m)), s));
+}
+
+#define HC_MAX 8
+
+// Per token (one thread each): pre [hc], post [hc], comb [hc, hc] from the mixing row m (already
+// scaled by rho), with Sinkhorn (kern::hc_coeffs / kern::sinkhorn). hc <= HC_MAX.
+extern "C" __global__ void hc_coeffs(const float* m, u64 t, u64 mix, u64 hc, const float* scale,
+                                     const float* base, u64 iters, float eps, float* pre, float* post,
+                                     float* comb) {
+    GRID_STRIDE(ti, t) {
+        const float* mr = m + ti * mix;
+        for (u64 j = 0; j < hc; j++) {
+            pre[ti * hc + j] = __fadd_rn(sigmoid_f(__fadd_rn(__fmul_rn(mr[j], scale[0]), base[j])), eps);
+            post[ti * hc + j] = __fmul_rn(2.0f, sigmoid_f(__fadd_rn(__fmul_rn(mr[hc + j], scale[1]), base[hc + j])));
+        }
+        float c[HC_MAX * HC_MAX];
+        u32 n = (u32)hc;
+        for (u32 i = 0; i < n * n; i++) c[i] = __fadd_rn(__fmul_rn(mr[2 * hc + i], scale[2]), base[2 * hc + i]);
+        for (u32 r = 0; r < n; r++) {
+            softmax_row(c + r * n, n);
+            for (u32 k = 0; k < n; k++) c[r * n + k] = __fadd_rn(c[r * n + k], eps);
+        }
+        u64 rounds = iters > 0 ? iters : 1;
+        for (u64 it = 0; it < rounds; it++) {
+            if (it > 0) {
+                for (u32 r = 0; r < n; r++) {
+                    float s = 0.0f;
+                    for (u32 k = 0; k < n; k++) s = __fadd_rn(s, c[r * n + k]);
+                    for (u32 k = 0; k < n; k++) c[r * n + k] = __fdiv_rn(c[r * n + k], __fadd_rn(s, eps));
+                }
+            }
+            for (u32 k = 0; k < n; k++) {
+                float s = 0.0f;
+                for (u32 j = 0; j < n; j++) s = __fadd_rn(s, c[j * n + k]);
+                for (u32 j = 0; j < n; j++) c[j * n + k] = __fdiv_rn(c[j * n + k], __fadd_rn(s, eps));
+            }
+        }
+        for (u32 i = 0; i < n * n; i++) comb[ti * hc * hc + i] = c[i];
+    }
+}
+
+// y[t, c] = sum_j coef[t, j] * x[t, j, c] in stream order from +0 (kern::hc_weighted_sum), rounded
+// to BF16 when round != 0.
+extern "C" __global__ void hc_wsum(const float* x, const float* coef, u64 t, u64 hc, u64 d, int round,
+                                   float* y) {
+    GRID_STRIDE(i, t * d) {
+        u64 ti = i / d, c = i % d;
+        float a = 0.0f;
+        for (u64 j = 0; j < hc; j++) a = __fadd_rn(a, __fmul_rn(coef[ti * hc + j], x[(ti * hc + j) * d + c]));
+        y[i] = round ? bf16_round(a) : a;
+    }
+}
+
+// out[t, k, c] = post[t, k] * y[t, c] + sum_j comb[t, j, k] * x[t, j, c] (kern::hc_post).
+extern "C" __global__ void hc_post(const float* y, const float* x, const float* post, const float* comb,
+                                   u64 t, u64 hc, u64 d, int round, float* out) {
+    GRID_STRIDE(i, t * hc * d) {
+        u64 ti = i / (hc * d), rem = i % (hc * d), k = rem / d, c = rem % d;
+        float a = __fmul_rn(post[ti * hc + k], y[ti * d + c]);
+        for (u64 j = 0; j < hc; j++)
+            a = __fadd_rn(a, __fmul_rn(comb[ti * hc * hc + j * hc + k], x[(ti * hc + j) * d + c]));
+        out[i] = round ? bf16_round(a) : a;
+    }
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+// One block per (query ti, head); blockDim.x a multiple of 32. Keys: the window [ti - win + 1, ti]
+// of kv [t, dh], then the compressed rows j of cmp [n_c, dh] with allowed[ti * n_c + j] != 0.
+// Dynamic shared memory: (win + n_c) floats for the scores, then 32 doubles for reductions.
+// Scores f32(q.k in f64) * scale; probabilities f32(exp(s - max) / den) with the f64 denominator
+// exp(sink - max) + sum exp(s - max); out = f32(sum p * k in f64) (kern::attention_core).
+extern "C" __global__ void attn_core(const float* q, const float* kv, const float* cmp, const u8* allowed,
+                                     const float* sink, u64 t, u64 h, u64 dh, u64 n_c, u64 win, float scale,
+                                     float* out) {
+    extern __shared__ double shd[];
+    double* red = shd;                      // 32 doubles
+    float* sc = (float*)(shd + 32);         // scores, window first
+    int* kidx = (int*)(sc + win + n_c);     // key rows: >= 0 window row, < 0 compressed row -(j+1)
+    u64 task = blockIdx.x;
+    if (task >= t * h) return;
+    u64 ti = task / h, head = task % h;
+    const float* qv = q + (ti * h + head) * dh;
+    u64 lo = (ti + 1 > win) ? ti + 1 - win : 0;
+    u64 nwin = win > 0 ? ti + 1 - lo : 0;
+    // list the keys (thread 0; cheap next to the dot products)
+    __shared__ u32 nkeys;
+    if (threadIdx.x == 0) {
+        u32 n = 0;
+        for (u64 k = 0; k < nwin; k++) kidx[n++] = (int)(lo + k);
+        for (u64 j = 0; j < n_c; j++)
+            if (allowed[ti * n_c + j]) kidx[n++] = -(int)(j + 1);
+        nkeys = n;
+    }
+    __syncthreads();
+    u32 nk = nkeys;
+    u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (u32 key = wid; key < nk; key += nwarps) {
+        int kr = kidx[key];
+        const float* kp = kr >= 0 ? kv + (u64)kr * dh : cmp + (u64)(-kr - 1) * dh;
+        double s = 0.0;
+        for (u64 c = lane; c < dh; c += 32) s = __dadd_rn(s, __dmul_rn((double)qv[c], (double)kp[c]));
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+        if (lane == 0) sc[key] = __fmul_rn(__double2float_rn(s), scale);
+    }
+    __syncthreads();
+    float sk = sink[head];
+    __shared__ float mxs;
+    if (threadIdx.x == 0) {
+        float mx = sk;
+        for (u32 key = 0; key < nk; key++) mx = rmax(mx, sc[key]);
+        mxs = mx;
+    }
+    __syncthreads();
+    float mx = mxs;
+    double part = 0.0;
+    for (u32 key = threadIdx.x; key < nk; key += blockDim.x) part = __dadd_rn(part, exp64(__fsub_rn(sc[key], mx)));
+    double den = __dadd_rn(exp64(__fsub_rn(sk, mx)), block_sum_d(part, red));
+    for (u32 key = threadIdx.x; key < nk; key += blockDim.x)
+        sc[key] = __double2float_rn(__ddiv_rn(exp64(__fsub_rn(sc[key], mx)), den));
+    __syncthreads();
+    for (u64 c = threadIdx.x; c < dh; c += blockDim.x) {
+        double acc = 0.0;
+        for (u32 key = 0; key < nk; key++) {
+            int kr = kidx[key];
+            const float* kp = kr >= 0 ? kv + (u64)kr * dh : cmp + (u64)(-kr - 1) * dh;
+            acc = __dadd_rn(acc, __dmul_rn((double)sc[key], (double)kp[c]));
+        }
+        out[(ti * h + head) * dh + c] = __double2float_rn(acc);
+    }
+}
+
+// ---- compressor --------------------------------------------------------------------------------
+
+// Gated softmax pooling (kern::compress_pool), one thread per (block b, channel ch): slots are the
+// previous block through channels [0, dc) when c = 2 and b > 0, then this block through channels
+// [(c-1)*dc, c*dc); gate = g + ape; softmax with f64 exp and sum; value = f32(sum p * a in f64).
+__device__ __forceinline__ void pool_slot(const float* a, const float* g, const float* ape, u64 w, u64 tok,
+                                          u64 j, u64 col, float* gate, float* val) {
+    *gate = __fadd_rn(g[tok * w + col], ape[j * w + col]);
+    *val = a[tok * w + col];
+}
+
+extern "C" __global__ void compress_pool(const float* a, const float* g, const float* ape, u64 n_c, u64 dc,
+                                         u64 ratio, float* out) {
+    u64 c = ratio == 4 ? 2 : 1, w = c * dc, off = (c - 1) * dc;
+    GRID_STRIDE(i, n_c * dc) {
+        u64 b = i / dc, ch = i % dc;
+        bool prev = c == 2 && b > 0;
+        float gate, val, m = -INFINITY;
+        // pass 1: max over the slots in order
+        if (prev)
+            for (u64 j = 0; j < ratio; j++) {
+                pool_slot(a, g, ape, w, (b - 1) * ratio + j, j, ch, &gate, &val);
+                m = rmax(m, gate);
+            }
+        for (u64 j = 0; j < ratio; j++) {
+            pool_slot(a, g, ape, w, b * ratio + j, j, off + ch, &gate, &val);
+            m = rmax(m, gate);
+        }
+        if (m == -INFINITY) {
+            // every probability is 0: the f64 sum of 0 * v (NaN where v is not finite)
+            double acc = 0.0;
+            if (prev)
+                for (u64 j = 0; j < ratio; j++) {
+                    pool_slot(a, g, ape, w, (b - 1) * ratio + j, j, ch, &gate, &val);
+                    acc = __dadd_rn(acc, __dmul_rn(0.0, (double)val));
+                }
+            for (u64 j = 0; j < ratio; j++) {
+                pool_slot(a, g, ape, w, b * ratio + j, j, off + ch, &gate, &val);
+                acc = __dadd_rn(acc, __dmul_rn(0.0, (double)val));
+            }
+            out[i] = __double2float_rn(acc);
+            continue;
+        }
+        // pass 2: the f64 denominator
+        double s = 0.0;
+        if (prev)
+            for (u64 j = 0; j < ratio; j++) {
+                pool_slot(a, g, ape, w, (b - 1) * ratio + j, j, ch, &gate, &val);
+                s = __dadd_rn(s, exp64(__fsub_rn(gate, m)));
+            }
+        for (u64 j = 0; j < ratio; j++) {
+            pool_slot(a, g, ape, w, b * ratio + j, j, off + ch, &gate, &val);
+            s = __dadd_rn(s, exp64(__fsub_rn(gate, m)));
+        }
+        // pass 3: sum of f32 probabilities times values, in f64
+        double acc = 0.0;
+        if (prev)
+            for (u64 j = 0; j < ratio; j++) {
+                pool_slot(a, g, ape, w, (b - 1) * ratio + j, j, ch, &gate, &val);
+                float p = __double2float_rn(__ddiv_rn(exp64(__fsub_rn(gate, m)), s));
+                acc = __dadd_rn(acc, __dmul_rn((double)p, (double)val));
+            }
+        for (u64 j = 0; j < ratio; j++) {
+            pool_slot(a, g, ape, w, b * ratio + j, j, off + ch, &gate, &val);
+            float p = __double2float_rn(__ddiv_rn(exp64(__fsub_rn(gate, m)), s));
+            acc = __dadd_rn(acc, __dmul_rn((double)p, (double)val));
+        }
+        out[i] = __double2float_rn(acc);
+    }
+}
+
+// ---- indexer -------------------------------------------------------------------------------------
+
+// score[ti, j] = sum_h relu(f32(q[ti, h].k[j] in f64)) * w[ti, h], heads in order from +0 in f32
+// (kern::indexer_scores). One warp per (ti, j): lanes split the dot products, lane 0 sums heads.
+extern "C" __global__ void indexer_scores(const float* q, const float* ki, const float* w, u64 t, u64 hi,
+                                          u64 di, u64 n_c, float* out) {
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nw = ((u64)gridDim.x * blockDim.x) >> 5;
+    u32 lane = threadIdx.x & 31u;
+    for (u64 item = warp; item < t * n_c; item += nw) {
+        u64 ti = item / n_c, j = item % n_c;
+        const float* kj = ki + j * di;
+        float acc = 0.0f;
+        for (u64 hh = 0; hh < hi; hh++) {
+            const float* qh = q + (ti * hi + hh) * di;
+            double s = 0.0;
+            for (u64 c = lane; c < di; c += 32) s = __dadd_rn(s, __dmul_rn((double)qh[c], (double)kj[c]));
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+            float sf = __double2float_rn(s);
+            acc = __fadd_rn(acc, __fmul_rn(fmaxf(sf, 0.0f), w[ti * hi + hh]));
+        }
+        if (lane == 0) out[item] = acc;
+    }
+}
+
+// ---- router ------------------------------------------------------------------------------------
+
+// Score of logit l: 0 = sqrt(softplus), 1 = sigmoid, 2 = softmax over the row (row max m and f64
+// sum s precomputed).
+__device__ __forceinline__ float route_score(float l, int f, float m, double s) {
+    if (f == 0) return __fsqrt_rn(softplus_f(l));
+    if (f == 1) return sigmoid_f(l);
+    if (m == -INFINITY) return 0.0f;
+    return __double2float_rn(__ddiv_rn(exp64(__fsub_rn(l, m)), s));
+}
+
+__device__ __forceinline__ float nan_low(float v) { return isnan(v) ? -INFINITY : v; }
+
+// One thread per token (kern::route): top-k of score + bias by repeated selection (larger first,
+// ties toward the lower index, NaN as -inf), weights = chosen scores / their f32 sum (norm != 0),
+// times rs. Expert ids written as f32.
+extern "C" __global__ void route_topk(const float* logits, const float* bias, u64 t, u64 e, u64 k, int f,
+                                      int norm, float rs, float* wts, float* idx) {
+    GRID_STRIDE(ti, t) {
+        const float* l = logits + ti * e;
+        float m = -INFINITY;
+        double s = 0.0;
+        if (f == 2) {
+            for (u64 i = 0; i < e; i++) m = rmax(m, l[i]);
+            if (m != -INFINITY)
+                for (u64 i = 0; i < e; i++) s = __dadd_rn(s, exp64(__fsub_rn(l[i], m)));
+        }
+        long long prev = -1;
+        float pk = 0.0f;
+        float wsum = 0.0f;
+        for (u64 slot = 0; slot < k; slot++) {
+            long long best = -1;
+            float bk = 0.0f;
+            for (u64 i = 0; i < e; i++) {
+                float ki = nan_low(__fadd_rn(route_score(l[i], f, m, s), bias[i]));
+                if (prev >= 0 && !(pk > ki || (pk == ki && (u64)prev < i))) continue;
+                if (best < 0 || ki > bk || (ki == bk && i < (u64)best)) {
+                    best = (long long)i;
+                    bk = ki;
+                }
+            }
+            if (best < 0) best = 0;
+            prev = best;
+            pk = bk;
+            float sc = route_score(l[best], f, m, s);
+            wts[ti * k + slot] = sc;
+            idx[ti * k + slot] = (float)best;
+            wsum = __fadd_rn(wsum, sc);
+        }
+        for (u64 slot = 0; slot < k; slot++) {
+            float v = wts[ti * k + slot];
+            if (norm) v = __fdiv_rn(v, wsum);
+            wts[ti * k + slot] = __fmul_rn(v, rs);
+        }
+    }
+}

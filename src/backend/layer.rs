@@ -1,0 +1,598 @@
+//! The layer's non-linear ops on the device (`kernels/layer.cu`): RMSNorm, RoPE, mHC pre/post/head
+//! with Sinkhorn, the attention core, the compressor's pooling tail, the indexer's scores and the
+//! router's top-k. Each takes and returns host tensors and computes what `model::kern` computes,
+//! bit for bit, including the path's storage rounding (`round`) at the points where the host op
+//! calls `OpEnv::store`. `model::exec` calls these when the path's `OpEnv::device` is a GPU.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::LaunchConfig;
+
+use super::cuda::{Gpu, A};
+use crate::model::kern::{AttnDims, HcParams, Scoring};
+use crate::model::ops::RopeTable;
+use crate::{Error, Result};
+
+/// The device a path's host ops run on, and whether its `store` rounds to BF16.
+#[derive(Clone)]
+pub struct Dev {
+    pub gpu: Arc<Mutex<Gpu>>,
+    pub round: bool,
+}
+
+impl Dev {
+    /// Run `f` with the device locked.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Gpu) -> Result<R>) -> Result<R> {
+        let mut g = self.gpu.lock().map_err(|_| {
+            Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
+        })?;
+        f(&mut g)
+    }
+}
+
+/// Largest dynamic shared memory the attention kernel asks for without opting in.
+const SMEM_DEFAULT: usize = 48 << 10;
+
+impl Gpu {
+    /// An output buffer filled with 0xFF (NaN as f32) before the kernel writes it, so an element
+    /// a kernel forgets shows up as NaN instead of stale data.
+    fn out(&self, bytes: usize) -> Result<super::cuda::Buf> {
+        let b = self.alloc(bytes)?;
+        self.memset(b.ptr, 0xFF, bytes)?;
+        Ok(b)
+    }
+
+    fn round_in_place(&self, p: u64, n: usize, round: bool) -> Result<()> {
+        if round {
+            self.launch("round_bf16", n as u64, &[A::P(p), A::U(n as u64), A::P(0)])?;
+        }
+        Ok(())
+    }
+
+    /// ρ per row of x [rows, cols] into `r`.
+    fn row_rms_dev(&self, x: u64, rows: usize, cols: usize, eps: f32, r: u64) -> Result<()> {
+        self.launch(
+            "row_rms",
+            (rows * 32) as u64,
+            &[
+                A::P(x),
+                A::U(rows as u64),
+                A::U(cols as u64),
+                A::F(eps),
+                A::P(r),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_apply_dev(
+        &self,
+        x: u64,
+        rows: usize,
+        cols: usize,
+        r: u64,
+        w: u64,
+        round: bool,
+        out: u64,
+    ) -> Result<()> {
+        self.launch(
+            "rms_apply",
+            (rows * cols) as u64,
+            &[
+                A::P(x),
+                A::U(rows as u64),
+                A::U(cols as u64),
+                A::P(r),
+                A::P(w),
+                A::I(round as i32),
+                A::P(out),
+            ],
+        )
+    }
+
+    /// Rotate dims [off, off + 2·half) of each of `nh` heads of width `dh` in x [rows, nh·dh] in
+    /// place, row p with row p of `tab`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_dev(
+        &self,
+        x: u64,
+        rows: usize,
+        nh: usize,
+        dh: usize,
+        off: usize,
+        tab: &RopeTable,
+        inverse: bool,
+    ) -> Result<()> {
+        if tab.half == 0 || rows == 0 {
+            return Ok(());
+        }
+        if tab.cos.len() < rows * tab.half || off + 2 * tab.half > dh {
+            return Err(Error::Backend(format!(
+                "cuda: rope table of {} rows × {} for {rows} rows, dims {off}+{} of {dh}",
+                tab.cos.len() / tab.half,
+                tab.half,
+                2 * tab.half
+            )));
+        }
+        let c = self.upload(&tab.cos[..rows * tab.half])?;
+        let s = self.upload(&tab.sin[..rows * tab.half])?;
+        self.launch(
+            "rope_rows",
+            (rows * nh * tab.half) as u64,
+            &[
+                A::P(x),
+                A::U(rows as u64),
+                A::U(nh as u64),
+                A::U(dh as u64),
+                A::U(off as u64),
+                A::U(tab.half as u64),
+                A::P(c.ptr),
+                A::P(s.ptr),
+                A::I(inverse as i32),
+            ],
+        )?;
+        self.sync()
+    }
+
+    /// RMSNorm of each row of x [rows, cols] with weight `w` (or none), then the path's rounding.
+    pub fn rmsnorm(
+        &mut self,
+        x: &[f32],
+        cols: usize,
+        w: Option<&[f32]>,
+        eps: f32,
+        round: bool,
+    ) -> Result<Vec<f32>> {
+        let rows = x.len() / cols.max(1);
+        let xb = self.upload(x)?;
+        let rb = self.out(rows * 4)?;
+        let wb = w.map(|w| self.upload(w)).transpose()?;
+        self.row_rms_dev(xb.ptr, rows, cols, eps, rb.ptr)?;
+        self.rms_apply_dev(
+            xb.ptr,
+            rows,
+            cols,
+            rb.ptr,
+            wb.as_ref().map_or(0, |b| b.ptr),
+            round,
+            xb.ptr,
+        )?;
+        self.download(xb.ptr, x.len())
+    }
+
+    /// The q path's per-head RMSNorm without weight, RoPE on dims [nope, dh) of each head at
+    /// position = row, then the path's rounding. q [t, h·dh].
+    #[allow(clippy::too_many_arguments)]
+    pub fn q_rope(
+        &mut self,
+        q: &[f32],
+        h: usize,
+        dh: usize,
+        nope: usize,
+        tab: &RopeTable,
+        eps: f32,
+        round: bool,
+    ) -> Result<Vec<f32>> {
+        let rows = q.len() / (h * dh).max(1);
+        let xb = self.upload(q)?;
+        let rb = self.out(rows * h * 4)?;
+        self.row_rms_dev(xb.ptr, rows * h, dh, eps, rb.ptr)?;
+        self.rms_apply_dev(xb.ptr, rows * h, dh, rb.ptr, 0, false, xb.ptr)?;
+        self.rope_dev(xb.ptr, rows, h, dh, nope, tab, false)?;
+        self.round_in_place(xb.ptr, q.len(), round)?;
+        self.download(xb.ptr, q.len())
+    }
+
+    /// RoPE of dims [off, off + 2·half) of each head, then the path's rounding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &mut self,
+        x: &[f32],
+        nh: usize,
+        dh: usize,
+        off: usize,
+        tab: &RopeTable,
+        inverse: bool,
+        round: bool,
+    ) -> Result<Vec<f32>> {
+        let rows = x.len() / (nh * dh).max(1);
+        let xb = self.upload(x)?;
+        self.rope_dev(xb.ptr, rows, nh, dh, off, tab, inverse)?;
+        self.round_in_place(xb.ptr, x.len(), round)?;
+        self.download(xb.ptr, x.len())
+    }
+
+    /// (x [t, w] · fᵀ [rows_out, w]) scaled per token by ρ (f64-accumulated GEMM, as
+    /// `kern::hc_scale_rows` after `served::matmul_nt`), left on the device with x.
+    fn hc_mix_dev(
+        &mut self,
+        x: &[f32],
+        t: usize,
+        f: &[f32],
+        rows_out: usize,
+        eps: f32,
+    ) -> Result<(super::cuda::Buf, super::cuda::Buf)> {
+        let w = x.len() / t.max(1);
+        let xb = self.upload(x)?;
+        let fb = self.upload(f)?;
+        let mb = self.out(t * rows_out * 4)?;
+        self.gemm(
+            super::cuda::Ty::F32,
+            xb.ptr,
+            w,
+            fb.ptr,
+            mb.ptr,
+            rows_out,
+            t,
+            rows_out,
+            w,
+        )?;
+        let rb = self.out(t * 4)?;
+        self.row_rms_dev(xb.ptr, t, w, eps, rb.ptr)?;
+        self.rms_apply_dev(mb.ptr, t, rows_out, rb.ptr, 0, false, mb.ptr)?;
+        Ok((xb, mb))
+    }
+
+    /// mHC pre (DSV4-LAYER.md §3.1): the mixing GEMM, coefficients with Sinkhorn, the weighted
+    /// sum of the streams (rounded by the path). x [t, hc, d], f [mix, hc·d]. Returns
+    /// (y [t, d], post [t, hc], comb [t, hc, hc]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_pre(
+        &mut self,
+        x: &[f32],
+        t: usize,
+        d: usize,
+        f: &[f32],
+        p: &HcParams,
+        rms_eps: f32,
+        round: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let hc = p.hc;
+        if hc > 8 {
+            return Err(Error::Backend(format!(
+                "cuda: hc_mult {hc} > 8 is not supported by the device kernel"
+            )));
+        }
+        let mix = 2 * hc + hc * hc;
+        let (xb, mb) = self.hc_mix_dev(x, t, f, mix, rms_eps)?;
+        let sb = self.upload(p.scale)?;
+        let bb = self.upload(p.base)?;
+        let pre = self.out(t * hc * 4)?;
+        let post = self.out(t * hc * 4)?;
+        let comb = self.out(t * hc * hc * 4)?;
+        self.launch(
+            "hc_coeffs",
+            t as u64,
+            &[
+                A::P(mb.ptr),
+                A::U(t as u64),
+                A::U(mix as u64),
+                A::U(hc as u64),
+                A::P(sb.ptr),
+                A::P(bb.ptr),
+                A::U(p.iters as u64),
+                A::F(p.eps),
+                A::P(pre.ptr),
+                A::P(post.ptr),
+                A::P(comb.ptr),
+            ],
+        )?;
+        let yb = self.out(t * d * 4)?;
+        self.hc_wsum_dev(xb.ptr, pre.ptr, t, hc, d, round, yb.ptr)?;
+        Ok((
+            self.download(yb.ptr, t * d)?,
+            self.download(post.ptr, t * hc)?,
+            self.download(comb.ptr, t * hc * hc)?,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn hc_wsum_dev(
+        &self,
+        x: u64,
+        coef: u64,
+        t: usize,
+        hc: usize,
+        d: usize,
+        round: bool,
+        y: u64,
+    ) -> Result<()> {
+        self.launch(
+            "hc_wsum",
+            (t * d) as u64,
+            &[
+                A::P(x),
+                A::P(coef),
+                A::U(t as u64),
+                A::U(hc as u64),
+                A::U(d as u64),
+                A::I(round as i32),
+                A::P(y),
+            ],
+        )
+    }
+
+    /// mHC head: the mixing GEMM over hc rows; `coef` turns each token's scaled mixing row into
+    /// the stream weights (on the host: hc sigmoids per token), then the weighted sum.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_head(
+        &mut self,
+        x: &[f32],
+        t: usize,
+        d: usize,
+        hc: usize,
+        f: &[f32],
+        rms_eps: f32,
+        coef: impl Fn(&[f32]) -> Vec<f32>,
+        round: bool,
+    ) -> Result<Vec<f32>> {
+        let (xb, mb) = self.hc_mix_dev(x, t, f, hc, rms_eps)?;
+        let m: Vec<f32> = self.download(mb.ptr, t * hc)?;
+        let cb = self.upload(&coef(&m))?;
+        let yb = self.out(t * d * 4)?;
+        self.hc_wsum_dev(xb.ptr, cb.ptr, t, hc, d, round, yb.ptr)?;
+        self.download(yb.ptr, t * d)
+    }
+
+    /// mHC post: out [t, hc, d] = post · y + combᵀ · x, rounded by the path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_post(
+        &mut self,
+        y: &[f32],
+        x: &[f32],
+        post: &[f32],
+        comb: &[f32],
+        t: usize,
+        hc: usize,
+        d: usize,
+        round: bool,
+    ) -> Result<Vec<f32>> {
+        let (yb, xb, pb, cb) = (
+            self.upload(y)?,
+            self.upload(x)?,
+            self.upload(post)?,
+            self.upload(comb)?,
+        );
+        let ob = self.out(t * hc * d * 4)?;
+        self.launch(
+            "hc_post",
+            (t * hc * d) as u64,
+            &[
+                A::P(yb.ptr),
+                A::P(xb.ptr),
+                A::P(pb.ptr),
+                A::P(cb.ptr),
+                A::U(t as u64),
+                A::U(hc as u64),
+                A::U(d as u64),
+                A::I(round as i32),
+                A::P(ob.ptr),
+            ],
+        )?;
+        self.download(ob.ptr, t * hc * d)
+    }
+
+    /// The attention core (`kern::attention_core`), None when its scores do not fit the kernel's
+    /// shared memory (the caller computes it on the host).
+    pub fn attention_core(
+        &mut self,
+        q: &[f32],
+        kv: &[f32],
+        cmp: &[f32],
+        allowed: &[u8],
+        sink: &[f32],
+        a: AttnDims,
+    ) -> Result<Option<Vec<f32>>> {
+        let smem = 32 * 8 + (a.win + a.n_c) * 8;
+        if smem > SMEM_DEFAULT {
+            return Ok(None);
+        }
+        let n = a.t * a.h;
+        let (qb, kb, cb, ab, sb) = (
+            self.upload(q)?,
+            self.upload(kv)?,
+            self.upload(cmp)?,
+            self.upload(allowed)?,
+            self.upload(sink)?,
+        );
+        let ob = self.out(n * a.dh * 4)?;
+        if n > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            self.launch_cfg(
+                "attn_core",
+                cfg,
+                &[
+                    A::P(qb.ptr),
+                    A::P(kb.ptr),
+                    A::P(cb.ptr),
+                    A::P(ab.ptr),
+                    A::P(sb.ptr),
+                    A::U(a.t as u64),
+                    A::U(a.h as u64),
+                    A::U(a.dh as u64),
+                    A::U(a.n_c as u64),
+                    A::U(a.win as u64),
+                    A::F(a.scale),
+                    A::P(ob.ptr),
+                ],
+            )?;
+        }
+        Ok(Some(self.download(ob.ptr, n * a.dh)?))
+    }
+
+    /// The whole attention op after its inputs: core, rounding, inverse RoPE on each head's dims
+    /// [nope, dh) at position = row, rounding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &mut self,
+        q: &[f32],
+        kv: &[f32],
+        cmp: &[f32],
+        allowed: &[u8],
+        sink: &[f32],
+        a: AttnDims,
+        nope: usize,
+        tab: &RopeTable,
+        round: bool,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(o) = self.attention_core(q, kv, cmp, allowed, sink, a)? else {
+            return Ok(None);
+        };
+        let ob = self.upload(&o)?;
+        self.round_in_place(ob.ptr, o.len(), round)?;
+        self.rope_dev(ob.ptr, a.t, a.h, a.dh, nope, tab, true)?;
+        self.round_in_place(ob.ptr, o.len(), round)?;
+        Ok(Some(self.download(ob.ptr, o.len())?))
+    }
+
+    /// `kern::compress_pool` alone (no rounding).
+    pub fn compress_pool(
+        &mut self,
+        a: &[f32],
+        g: &[f32],
+        ape: &[f32],
+        n_c: usize,
+        dc: usize,
+        ratio: usize,
+    ) -> Result<Vec<f32>> {
+        let (ab, gb, pb) = (self.upload(a)?, self.upload(g)?, self.upload(ape)?);
+        let ob = self.out(n_c * dc * 4)?;
+        self.pool_dev(ab.ptr, gb.ptr, pb.ptr, n_c, dc, ratio, ob.ptr)?;
+        self.download(ob.ptr, n_c * dc)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pool_dev(
+        &self,
+        a: u64,
+        g: u64,
+        ape: u64,
+        n_c: usize,
+        dc: usize,
+        ratio: usize,
+        out: u64,
+    ) -> Result<()> {
+        self.launch(
+            "compress_pool",
+            (n_c * dc) as u64,
+            &[
+                A::P(a),
+                A::P(g),
+                A::P(ape),
+                A::U(n_c as u64),
+                A::U(dc as u64),
+                A::U(ratio as u64),
+                A::P(out),
+            ],
+        )
+    }
+
+    /// The compressor after its two projections (DSV4-LAYER.md §3.5.1): pooling, rounding,
+    /// RMSNorm with `norm`, rounding, RoPE on the last `tab.half·2` dims at the table's rows,
+    /// rounding. Returns [n_c, dc].
+    #[allow(clippy::too_many_arguments)]
+    pub fn compress_tail(
+        &mut self,
+        a: &[f32],
+        g: &[f32],
+        ape: &[f32],
+        norm: &[f32],
+        n_c: usize,
+        dc: usize,
+        ratio: usize,
+        eps: f32,
+        tab: &RopeTable,
+        round: bool,
+    ) -> Result<Vec<f32>> {
+        let (ab, gb, pb, nb) = (
+            self.upload(a)?,
+            self.upload(g)?,
+            self.upload(ape)?,
+            self.upload(norm)?,
+        );
+        let n = n_c * dc;
+        let ob = self.out(n * 4)?;
+        self.pool_dev(ab.ptr, gb.ptr, pb.ptr, n_c, dc, ratio, ob.ptr)?;
+        self.round_in_place(ob.ptr, n, round)?;
+        let rb = self.out(n_c * 4)?;
+        self.row_rms_dev(ob.ptr, n_c, dc, eps, rb.ptr)?;
+        self.rms_apply_dev(ob.ptr, n_c, dc, rb.ptr, nb.ptr, round, ob.ptr)?;
+        self.rope_dev(ob.ptr, n_c, 1, dc, dc - 2 * tab.half, tab, false)?;
+        self.round_in_place(ob.ptr, n, round)?;
+        self.download(ob.ptr, n)
+    }
+
+    /// `kern::indexer_scores`: [t, n_c].
+    #[allow(clippy::too_many_arguments)]
+    pub fn indexer_scores(
+        &mut self,
+        q: &[f32],
+        ki: &[f32],
+        w: &[f32],
+        t: usize,
+        hi: usize,
+        di: usize,
+        n_c: usize,
+    ) -> Result<Vec<f32>> {
+        let (qb, kb, wb) = (self.upload(q)?, self.upload(ki)?, self.upload(w)?);
+        let ob = self.out(t * n_c * 4)?;
+        self.launch(
+            "indexer_scores",
+            (t * n_c * 32) as u64,
+            &[
+                A::P(qb.ptr),
+                A::P(kb.ptr),
+                A::P(wb.ptr),
+                A::U(t as u64),
+                A::U(hi as u64),
+                A::U(di as u64),
+                A::U(n_c as u64),
+                A::P(ob.ptr),
+            ],
+        )?;
+        self.download(ob.ptr, t * n_c)
+    }
+
+    /// `kern::route` on the device: (weights [t, k], expert ids [t, k]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &mut self,
+        logits: &[f32],
+        bias: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (lb, bb) = (self.upload(logits)?, self.upload(bias)?);
+        let wb = self.out(t * k * 4)?;
+        let ib = self.out(t * k * 4)?;
+        self.launch(
+            "route_topk",
+            t as u64,
+            &[
+                A::P(lb.ptr),
+                A::P(bb.ptr),
+                A::U(t as u64),
+                A::U(e as u64),
+                A::U(k as u64),
+                A::I(f as i32),
+                A::I(norm as i32),
+                A::F(rs),
+                A::P(wb.ptr),
+                A::P(ib.ptr),
+            ],
+        )?;
+        let idx: Vec<f32> = self.download(ib.ptr, t * k)?;
+        Ok((
+            self.download(wb.ptr, t * k)?,
+            idx.iter().map(|&v| v as usize).collect(),
+        ))
+    }
+}

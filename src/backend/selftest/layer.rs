@@ -1,0 +1,238 @@
+//! Self-test of the layer ops on the device (`backend::layer`, `kernels/layer.cu`) against the
+//! host's `model::kern` on fresh random data: every output bit for bit, with and without the
+//! path's BF16 storage rounding.
+
+use super::{exact, Check};
+use crate::backend::cuda::Gpu;
+use crate::model::kern::{self, AttnDims, HcParams, Scoring};
+use crate::model::mem_env::Rng;
+use crate::model::ops::{rmsnorm_rows, rope_freqs, RopeTable};
+use crate::numerics::bf16;
+use crate::Result;
+
+fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+    // never zeros: a zero draw is replaced
+    (0..n)
+        .map(|_| {
+            let v = (rng.normal() * std) as f32;
+            if v == 0.0 {
+                1e-3
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn rounded(mut v: Vec<f32>, round: bool) -> Vec<f32> {
+    if round {
+        v.iter_mut().for_each(|x| *x = bf16::round(*x));
+    }
+    v
+}
+
+fn tag(name: &str, round: bool) -> String {
+    format!("{name}{}", if round { " (bf16 store)" } else { "" })
+}
+
+pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
+    let eps = 1e-6f32;
+    for round in [false, true] {
+        // ---- RMSNorm with weight ----
+        let (rows, cols) = (37 * s, 1000);
+        let x = normals(rng, rows * cols, 2.0);
+        let w = normals(rng, cols, 1.0);
+        let mut want = x.clone();
+        rmsnorm_rows(&mut want, cols, Some(&w), eps);
+        let got = g.rmsnorm(&x, cols, Some(&w), eps, round)?;
+        out.push(exact(&tag("rmsnorm", round), &got, &rounded(want, round)));
+
+        // ---- q path: per-head RMSNorm + RoPE ----
+        let (t, h, dh, nope) = (19 * s, 4, 64, 48);
+        let tab = RopeTable::new(&rope_freqs(dh - nope, 10000.0, None), 0..t);
+        let q = normals(rng, t * h * dh, 3.0);
+        let mut want = q.clone();
+        for (p, row) in want.chunks_mut(h * dh).enumerate() {
+            for head in row.chunks_mut(dh) {
+                rmsnorm_rows(head, dh, None, eps);
+                tab.apply(&mut head[nope..], p, false);
+            }
+        }
+        let got = g.q_rope(&q, h, dh, nope, &tab, eps, round)?;
+        out.push(exact(
+            &tag("q norm + rope", round),
+            &got,
+            &rounded(want, round),
+        ));
+
+        // ---- inverse RoPE ----
+        let mut want = q.clone();
+        for (p, row) in want.chunks_mut(h * dh).enumerate() {
+            for head in row.chunks_mut(dh) {
+                tab.apply(&mut head[nope..], p, true);
+            }
+        }
+        let got = g.rope(&q, h, dh, nope, &tab, true, round)?;
+        out.push(exact(
+            &tag("rope inverse", round),
+            &got,
+            &rounded(want, round),
+        ));
+
+        // ---- mHC pre / head / post ----
+        let (t, hc, d) = (9 * s + 2, 4, 256);
+        let mix = 2 * hc + hc * hc;
+        let x = normals(rng, t * hc * d, 1.5);
+        let f = normals(rng, mix * hc * d, 0.05);
+        let scale = normals(rng, 3, 1.0);
+        let base = normals(rng, mix, 1.0);
+        let p = HcParams {
+            hc,
+            scale: &scale,
+            base: &base,
+            iters: 20,
+            eps,
+        };
+        let mut m = crate::probe::served::matmul_nt(&x, &f, t, hc * d, mix);
+        kern::hc_scale_rows(&mut m, &x, t, mix, eps);
+        let (mut pre, mut post, mut comb) = (
+            vec![0f32; t * hc],
+            vec![0f32; t * hc],
+            vec![0f32; t * hc * hc],
+        );
+        for ti in 0..t {
+            kern::hc_coeffs(
+                &m[ti * mix..(ti + 1) * mix],
+                &p,
+                &mut pre[ti * hc..(ti + 1) * hc],
+                &mut post[ti * hc..(ti + 1) * hc],
+                &mut comb[ti * hc * hc..(ti + 1) * hc * hc],
+            );
+        }
+        let want_y = rounded(kern::hc_weighted_sum(&x, &pre, t, hc, d), round);
+        let (gy, gpost, gcomb) = g.hc_pre(&x, t, d, &f, &p, eps, round)?;
+        out.push(exact(&tag("mhc pre: y", round), &gy, &want_y));
+        out.push(exact(&tag("mhc pre: post", round), &gpost, &post));
+        out.push(exact(&tag("mhc pre: sinkhorn comb", round), &gcomb, &comb));
+
+        let fh = normals(rng, hc * hc * d, 0.05);
+        let coef = |m: &[f32]| -> Vec<f32> {
+            m.iter()
+                .enumerate()
+                .map(|(i, &v)| kern::sigmoid(v * scale[0] + base[i % hc]) + eps)
+                .collect()
+        };
+        let mut mh = crate::probe::served::matmul_nt(&x, &fh, t, hc * d, hc);
+        kern::hc_scale_rows(&mut mh, &x, t, hc, eps);
+        let want = rounded(kern::hc_weighted_sum(&x, &coef(&mh), t, hc, d), round);
+        let got = g.hc_head(&x, t, d, hc, &fh, eps, coef, round)?;
+        out.push(exact(&tag("mhc head", round), &got, &want));
+
+        let y = normals(rng, t * d, 1.0);
+        let want = rounded(kern::hc_post(&y, &x, &post, &comb, t, hc, d), round);
+        let got = g.hc_post(&y, &x, &post, &comb, t, hc, d, round)?;
+        out.push(exact(&tag("mhc post", round), &got, &want));
+    }
+
+    // ---- attention core: window + compressed rows, causal and with an indexer selection ----
+    for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
+        let (t, h, dh, win) = (70 * s + 3, 3, 96, 16);
+        let n_c = t.checked_div(ratio).unwrap_or(0);
+        let q = normals(rng, t * h * dh, 1.0);
+        let kv = normals(rng, t * dh, 1.0);
+        let cmp = normals(rng, n_c * dh, 1.0);
+        let sink = normals(rng, h, 1.0);
+        let kk = 5;
+        let sel: Vec<f32> = (0..t * kk)
+            .map(|_| {
+                if rng.below(5) == 0 {
+                    -1.0
+                } else {
+                    rng.below(n_c.max(1)) as f32
+                }
+            })
+            .collect();
+        let allowed = kern::allowed_rows(t, n_c, ratio, use_sel.then_some((&sel[..], kk)));
+        let a = AttnDims {
+            t,
+            h,
+            dh,
+            n_c,
+            win,
+            scale: (dh as f64).powf(-0.5) as f32,
+        };
+        let want = kern::attention_core(&q, &kv, &cmp, &allowed, &sink, a);
+        let got = g
+            .attention_core(&q, &kv, &cmp, &allowed, &sink, a)?
+            .unwrap_or_default();
+        let name = match (ratio, use_sel) {
+            (0, _) => "attention core (window)",
+            (_, false) => "attention core (window + compressed)",
+            _ => "attention core (window + indexer selection)",
+        };
+        out.push(exact(name, &got, &want));
+    }
+
+    // ---- compressor pooling (overlapping ratio 4, plain ratio 8) and its tail ----
+    for ratio in [4usize, 8] {
+        let (n_c, dc) = (7 * s, 64);
+        let c = if ratio == 4 { 2 } else { 1 };
+        let n = n_c * ratio;
+        let a = normals(rng, n * c * dc, 1.0);
+        let mut gt = normals(rng, n * c * dc, 2.0);
+        gt[5] = f32::NEG_INFINITY;
+        let ape = normals(rng, ratio * c * dc, 0.5);
+        let want = kern::compress_pool(&a, &gt, &ape, n_c, dc, ratio);
+        let got = g.compress_pool(&a, &gt, &ape, n_c, dc, ratio)?;
+        out.push(exact(
+            &format!("compressor pooling (ratio {ratio})"),
+            &got,
+            &want,
+        ));
+
+        let norm = normals(rng, dc, 1.0);
+        let rd = 16;
+        let tab = RopeTable::new(&rope_freqs(rd, 10000.0, None), (0..n_c).map(|b| b * ratio));
+        let mut w = rounded(want, true);
+        rmsnorm_rows(&mut w, dc, Some(&norm), eps);
+        let mut w = rounded(w, true);
+        for (b, row) in w.chunks_mut(dc).enumerate() {
+            tab.apply(&mut row[dc - rd..], b, false);
+        }
+        let w = rounded(w, true);
+        let got = g.compress_tail(&a, &gt, &ape, &norm, n_c, dc, ratio, eps, &tab, true)?;
+        out.push(exact(
+            &format!("compressor tail (ratio {ratio}, bf16 store)"),
+            &got,
+            &w,
+        ));
+    }
+
+    // ---- indexer scores ----
+    let (t, hi, di, n_c) = (20 * s, 4, 64, 9);
+    let q = normals(rng, t * hi * di, 1.0);
+    let ki = normals(rng, n_c * di, 1.0);
+    let w = normals(rng, t * hi, 0.3);
+    let want = kern::indexer_scores(&q, &ki, &w, t, hi, di, n_c);
+    let got = g.indexer_scores(&q, &ki, &w, t, hi, di, n_c)?;
+    out.push(exact("indexer scores", &got, &want));
+
+    // ---- router: three scoring functions, ties, a NaN logit ----
+    for f in [Scoring::SqrtSoftplus, Scoring::Sigmoid, Scoring::Softmax] {
+        for norm in [true, false] {
+            let (t, e, k) = (33 * s, 64, 6);
+            let mut l = normals(rng, t * e, 2.0);
+            l[3] = l[7]; // a tie within token 0
+            l[e + 11] = f32::NAN;
+            let mut bias = normals(rng, e, 0.1);
+            bias[3] = bias[7];
+            let (ww, wi) = kern::route(&l, &bias, t, e, k, f, norm, 2.5);
+            let (gw, gi) = g.route(&l, &bias, t, e, k, f, norm, 2.5)?;
+            let name = format!("router top-k ({f:?}, norm {norm})");
+            let mut c = exact(&name, &gw, &ww);
+            c.mismatches += gi.iter().zip(&wi).filter(|(a, b)| a != b).count();
+            out.push(c);
+        }
+    }
+    Ok(())
+}

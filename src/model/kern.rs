@@ -1,0 +1,507 @@
+//! The host ops' numerics as plain functions over slices: one definition per op, which the CPU
+//! backend runs and the CUDA backend reproduces in `kernels/layer.cu` (`backend::layer`), bit for
+//! bit. `selftest --backend cuda` compares every one of them on fresh random data.
+//!
+//! What makes the two backends agree whatever order a device reduction takes: every reduction
+//! (RMS, dot products, softmax denominators, weighted sums over keys) accumulates exact f32
+//! products in f64 and rounds once to f32; every transcendental (exp, sigmoid, softplus) is
+//! evaluated in f64 and rounded once. Two f64 sums of the same terms in different orders differ
+//! by a few f64 ulps, which changes the rounded f32 only when the sum sits within those ulps of an
+//! f32 rounding boundary (about one case in 2^28). Short sequential f32 chains (the mHC stream
+//! sums, Sinkhorn's 4×4 normalisation, the routing weights) are written in one fixed order that
+//! the device repeats. RoPE tables are computed on the host and uploaded.
+
+use rayon::prelude::*;
+
+/// exp evaluated in f64 (CUDA's and libm's f32 `exp` differ in the last bit; their f64 results
+/// round to the same f32).
+#[inline]
+pub fn exp64(x: f32) -> f64 {
+    (x as f64).exp()
+}
+
+/// 1 / (1 + e^−x), evaluated in f64 and rounded once.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    (1.0 / (1.0 + (-(x as f64)).exp())) as f32
+}
+
+/// softplus without overflow, max(x, 0) + ln(1 + e^−|x|), evaluated in f64 and rounded once.
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    let d = x as f64;
+    (d.max(0.0) + (-d.abs()).exp().ln_1p()) as f32
+}
+
+/// Exact f32 products summed in f64.
+#[inline]
+pub fn dot64(a: &[f32], b: &[f32]) -> f64 {
+    sum64(a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64))
+}
+
+/// f64 sum starting from +0 (the start the device uses; std's `Sum` may start from −0).
+#[inline]
+pub fn sum64(v: impl Iterator<Item = f64>) -> f64 {
+    v.fold(0.0f64, |a, b| a + b)
+}
+
+/// In-place softmax; −inf entries get 0; an all −inf (or all NaN) row becomes all zeros.
+/// e_i = exp(x_i − max) in f64, p_i = e_i / Σe in f64, rounded once.
+pub fn softmax(row: &mut [f32]) {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY {
+        row.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    let s = sum64(row.iter().map(|&v| exp64(v - m)));
+    row.iter_mut().for_each(|v| *v = (exp64(*v - m) / s) as f32);
+}
+
+/// rsqrt(mean(x²) + eps) of a row: the sum of squares in f64, rounded once.
+#[inline]
+pub fn rms_inv(row: &[f32], eps: f32) -> f32 {
+    let ss = dot64(row, row);
+    (1.0 / (ss / row.len() as f64 + eps as f64).sqrt()) as f32
+}
+
+/// f32 sum in index order starting from +0 (the order the device repeats).
+#[inline]
+pub fn sum_f32(v: impl Iterator<Item = f32>) -> f32 {
+    v.fold(0.0f32, |a, b| a + b)
+}
+
+/// mHC Sinkhorn normalisation of an `n`×`n` matrix of logits `c` (row j = source stream), in place
+/// (DSV4-LAYER.md §3.1 step 5): row softmax + eps, column normalisation, then `iters − 1` rounds
+/// of row then column normalisation, each dividing by (sum + eps).
+pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    for row in c.chunks_mut(n) {
+        softmax(row);
+        row.iter_mut().for_each(|v| *v += eps);
+    }
+    let colnorm = |c: &mut [f32]| {
+        for k in 0..n {
+            let s = sum_f32((0..n).map(|j| c[j * n + k]));
+            (0..n).for_each(|j| c[j * n + k] /= s + eps);
+        }
+    };
+    colnorm(c);
+    for _ in 1..iters.max(1) {
+        for row in c.chunks_mut(n) {
+            let s = sum_f32(row.iter().copied());
+            row.iter_mut().for_each(|v| *v /= s + eps);
+        }
+        colnorm(c);
+    }
+}
+
+/// The mHC parameters the mixing op needs, per layer.
+#[derive(Clone, Copy, Debug)]
+pub struct HcParams<'a> {
+    pub hc: usize,
+    /// [3]: pre, post, comb scales.
+    pub scale: &'a [f32],
+    /// [2·hc + hc²].
+    pub base: &'a [f32],
+    pub iters: usize,
+    /// hc_eps.
+    pub eps: f32,
+}
+
+/// One token's mHC coefficients from its mixing row `mr` (already multiplied by ρ): pre [hc],
+/// post [hc], comb [hc·hc] (Sinkhorn-normalised).
+pub fn hc_coeffs(mr: &[f32], p: &HcParams, pre: &mut [f32], post: &mut [f32], comb: &mut [f32]) {
+    let hc = p.hc;
+    for j in 0..hc {
+        pre[j] = sigmoid(mr[j] * p.scale[0] + p.base[j]) + p.eps;
+        post[j] = 2.0 * sigmoid(mr[hc + j] * p.scale[1] + p.base[hc + j]);
+    }
+    for (i, cv) in comb.iter_mut().enumerate() {
+        *cv = mr[2 * hc + i] * p.scale[2] + p.base[2 * hc + i];
+    }
+    sinkhorn(comb, hc, p.iters, p.eps);
+}
+
+/// Scale each mixing row by its stream's ρ = rsqrt(mean(x²) + eps) over the token's hc·d values.
+pub fn hc_scale_rows(m: &mut [f32], x: &[f32], t: usize, rows_out: usize, eps: f32) {
+    let w = x.len() / t.max(1);
+    for (xr, mr) in x.chunks(w).zip(m.chunks_mut(rows_out)) {
+        let rho = rms_inv(xr, eps);
+        mr.iter_mut().for_each(|v| *v *= rho);
+    }
+}
+
+/// y[t, d] = Σ_j coef[t, j] · x[t, j, :] over the hc streams, in stream order from +0.
+pub fn hc_weighted_sum(x: &[f32], coef: &[f32], t: usize, hc: usize, d: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; t * d];
+    y.par_chunks_mut(d.max(1)).enumerate().for_each(|(ti, yr)| {
+        for j in 0..hc {
+            let pj = coef[ti * hc + j];
+            let xr = &x[(ti * hc + j) * d..(ti * hc + j + 1) * d];
+            yr.iter_mut().zip(xr).for_each(|(a, b)| *a += pj * b);
+        }
+    });
+    y
+}
+
+/// mHC post: out[t, k, :] = post[t, k] · y[t, :] + Σ_j comb[t, j, k] · x[t, j, :].
+pub fn hc_post(
+    y: &[f32],
+    x: &[f32],
+    post: &[f32],
+    comb: &[f32],
+    t: usize,
+    hc: usize,
+    d: usize,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; t * hc * d];
+    out.par_chunks_mut((hc * d).max(1))
+        .enumerate()
+        .for_each(|(ti, o)| {
+            let yr = &y[ti * d..(ti + 1) * d];
+            let c = &comb[ti * hc * hc..(ti + 1) * hc * hc];
+            for k in 0..hc {
+                let ok = &mut o[k * d..(k + 1) * d];
+                let pk = post[ti * hc + k];
+                ok.iter_mut().zip(yr).for_each(|(a, b)| *a = pk * b);
+                for j in 0..hc {
+                    let cjk = c[j * hc + k];
+                    let xr = &x[(ti * hc + j) * d..(ti * hc + j + 1) * d];
+                    ok.iter_mut().zip(xr).for_each(|(a, b)| *a += cjk * b);
+                }
+            }
+        });
+    out
+}
+
+/// Shapes and constants of the attention core.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub t: usize,
+    pub h: usize,
+    pub dh: usize,
+    /// Compressed rows (0 on window-only layers).
+    pub n_c: usize,
+    pub win: usize,
+    pub scale: f32,
+}
+
+/// MQA over one latent row per key (K = V): for query ti and head, the keys are the window
+/// [ti − win + 1, ti] of `kv` then the compressed rows j of `cmp` with `allowed[ti·n_c + j]`,
+/// plus the head's sink logit. Scores = f32(q·k in f64) · scale; softmax with f64 exp and
+/// denominator, probabilities rounded to f32; output = Σ p·k in f64, rounded once. Returns
+/// [t, h·dh] before the path's storage rounding.
+pub fn attention_core(
+    q: &[f32],
+    kv: &[f32],
+    cmp: &[f32],
+    allowed: &[u8],
+    sink: &[f32],
+    a: AttnDims,
+) -> Vec<f32> {
+    let AttnDims {
+        t,
+        h,
+        dh,
+        n_c,
+        win,
+        scale,
+    } = a;
+    let mut out = vec![0.0f32; t * h * dh];
+    out.par_chunks_mut(dh.max(1))
+        .enumerate()
+        .for_each(|(task, o)| {
+            let (ti, head) = (task / h, task % h);
+            let qv = &q[(ti * h + head) * dh..(ti * h + head + 1) * dh];
+            let lo = (ti + 1).saturating_sub(win);
+            let mut keys: Vec<&[f32]> = (lo..=ti)
+                .filter(|_| win > 0)
+                .map(|k| &kv[k * dh..(k + 1) * dh])
+                .collect();
+            keys.extend(
+                (0..n_c)
+                    .filter(|&j| allowed[ti * n_c + j] != 0)
+                    .map(|j| &cmp[j * dh..(j + 1) * dh]),
+            );
+            let s: Vec<f32> = keys.iter().map(|k| (dot64(qv, k) as f32) * scale).collect();
+            let sk = sink[head];
+            let mx = s.iter().cloned().fold(sk, f32::max);
+            let den = exp64(sk - mx) + sum64(s.iter().map(|&v| exp64(v - mx)));
+            let mut acc = vec![0.0f64; dh];
+            for (k, &v) in keys.iter().zip(&s) {
+                let p = (exp64(v - mx) / den) as f32 as f64;
+                acc.iter_mut()
+                    .zip(k.iter())
+                    .for_each(|(a, &x)| *a += p * x as f64);
+            }
+            o.iter_mut().zip(&acc).for_each(|(o, a)| *o = *a as f32);
+        });
+    out
+}
+
+/// Which compressed rows each query may attend to, [t, n_c] as 0/1: the causal rows
+/// j < min((ti + 1) / ratio, n_c), restricted to the indexer's selection when there is one
+/// (`sel` [t, kk], −1 = none).
+pub fn allowed_rows(t: usize, n_c: usize, ratio: usize, sel: Option<(&[f32], usize)>) -> Vec<u8> {
+    let mut a = vec![0u8; t * n_c];
+    if ratio == 0 {
+        return a;
+    }
+    for ti in 0..t {
+        let m = ((ti + 1) / ratio).min(n_c);
+        let row = &mut a[ti * n_c..(ti + 1) * n_c];
+        match sel {
+            Some((s, kk)) => {
+                for &v in &s[ti * kk..(ti + 1) * kk] {
+                    if v >= 0.0 && (v as usize) < m {
+                        row[v as usize] = 1;
+                    }
+                }
+            }
+            None => row[..m].iter_mut().for_each(|x| *x = 1),
+        }
+    }
+    a
+}
+
+/// The compressor's gated softmax pooling (DSV4-LAYER.md §3.5.1), before any rounding: for block
+/// b and channel ch the slots are the previous block's tokens through channels [0, dc) (ratio 4:
+/// two overlapping windows, c = 2; empty for b = 0) then this block's tokens through channels
+/// [c·dc − dc, c·dc); gate = g + ape, softmax over the slots, value = Σ p·a in f64.
+/// `a`, `g` [n_c·ratio, c·dc], `ape` [ratio, c·dc] → [n_c, dc].
+pub fn compress_pool(
+    a: &[f32],
+    g: &[f32],
+    ape: &[f32],
+    n_c: usize,
+    dc: usize,
+    ratio: usize,
+) -> Vec<f32> {
+    let c = if ratio == 4 { 2 } else { 1 };
+    let w = c * dc;
+    let mut out = vec![0.0f32; n_c * dc];
+    out.par_chunks_mut(dc.max(1))
+        .enumerate()
+        .for_each(|(b, o)| {
+            let mut gates = Vec::with_capacity(2 * ratio);
+            let mut vals = Vec::with_capacity(2 * ratio);
+            for (ch, ov) in o.iter_mut().enumerate() {
+                gates.clear();
+                vals.clear();
+                let off = (c - 1) * dc;
+                if c == 2 && b > 0 {
+                    for j in 0..ratio {
+                        let tok = (b - 1) * ratio + j;
+                        gates.push(g[tok * w + ch] + ape[j * w + ch]);
+                        vals.push(a[tok * w + ch]);
+                    }
+                }
+                for j in 0..ratio {
+                    let tok = b * ratio + j;
+                    gates.push(g[tok * w + off + ch] + ape[j * w + off + ch]);
+                    vals.push(a[tok * w + off + ch]);
+                }
+                softmax(&mut gates);
+                *ov = dot64(&gates, &vals) as f32;
+            }
+        });
+    out
+}
+
+/// The indexer's score of compressed row j for query ti (j < n_c): Σ_h relu(f32(q_h·k_j)) · w_h,
+/// summed over heads in order from +0 in f32. `q` [t, hi·di], `ki` [n_c, di], `w` [t, hi] (already
+/// scaled) → [t, n_c].
+pub fn indexer_scores(
+    q: &[f32],
+    ki: &[f32],
+    w: &[f32],
+    t: usize,
+    hi: usize,
+    di: usize,
+    n_c: usize,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; t * n_c];
+    out.par_chunks_mut(n_c.max(1))
+        .enumerate()
+        .for_each(|(ti, o)| {
+            for (j, ov) in o.iter_mut().enumerate() {
+                let kj = &ki[j * di..(j + 1) * di];
+                *ov = (0..hi).fold(0.0f32, |acc, hh| {
+                    let s = dot64(&q[(ti * hi + hh) * di..(ti * hi + hh + 1) * di], kj) as f32;
+                    acc + s.max(0.0) * w[ti * hi + hh]
+                });
+            }
+        });
+    out
+}
+
+/// Indices of the `k` largest keys in top-k order (larger first, exact ties toward the lower
+/// index, NaN as −inf), by repeated selection: the same rule as `ops::topk_order`, in a form a
+/// device thread runs unchanged.
+pub fn topk_select(keys: &[f32], k: usize, out: &mut [usize]) {
+    let kv = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+    // a comes before b
+    let before = |a: usize, b: usize| {
+        let (ka, kb) = (kv(keys[a]), kv(keys[b]));
+        ka > kb || (ka == kb && a < b)
+    };
+    let mut prev: Option<usize> = None;
+    for slot in out.iter_mut().take(k) {
+        let mut best: Option<usize> = None;
+        for i in 0..keys.len() {
+            if prev.is_some_and(|p| !before(p, i)) {
+                continue;
+            }
+            if best.is_none_or(|b| before(i, b)) {
+                best = Some(i);
+            }
+        }
+        let b = best.unwrap_or(0);
+        *slot = b;
+        prev = Some(b);
+    }
+}
+
+/// Router scoring functions (config `scoring_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    SqrtSoftplus = 0,
+    Sigmoid = 1,
+    Softmax = 2,
+}
+
+impl Scoring {
+    pub fn parse(s: &str) -> Option<Scoring> {
+        match s {
+            "sqrtsoftplus" => Some(Scoring::SqrtSoftplus),
+            "sigmoid" => Some(Scoring::Sigmoid),
+            "softmax" => Some(Scoring::Softmax),
+            _ => None,
+        }
+    }
+}
+
+/// Routing of the learned router (not hash layers): scores of `logits` [t, e], top-k of
+/// score + bias, weights = the chosen scores, normalised by their f32 sum when `norm`, times `rs`.
+/// Returns (weights [t, k], expert ids [t, k]).
+#[allow(clippy::too_many_arguments)]
+pub fn route(
+    logits: &[f32],
+    bias: &[f32],
+    t: usize,
+    e: usize,
+    k: usize,
+    f: Scoring,
+    norm: bool,
+    rs: f32,
+) -> (Vec<f32>, Vec<usize>) {
+    let scores = route_scores(logits, e, f);
+    let mut idx = vec![0usize; t * k];
+    let mut keys = vec![0.0f32; e];
+    for ti in 0..t {
+        let s = &scores[ti * e..(ti + 1) * e];
+        keys.iter_mut()
+            .zip(s.iter().zip(bias))
+            .for_each(|(kk, (a, b))| *kk = a + b);
+        topk_select(&keys, k, &mut idx[ti * k..(ti + 1) * k]);
+    }
+    let w = route_weights(&scores, &idx, t, e, k, norm, rs);
+    (w, idx)
+}
+
+/// The router's scores of logits [t, e].
+pub fn route_scores(logits: &[f32], e: usize, f: Scoring) -> Vec<f32> {
+    let mut scores = logits.to_vec();
+    match f {
+        Scoring::SqrtSoftplus => scores.iter_mut().for_each(|v| *v = softplus(*v).sqrt()),
+        Scoring::Sigmoid => scores.iter_mut().for_each(|v| *v = sigmoid(*v)),
+        Scoring::Softmax => scores.chunks_mut(e.max(1)).for_each(softmax),
+    }
+    scores
+}
+
+/// Routing weights from the chosen experts' scores (also for hash layers).
+pub fn route_weights(
+    scores: &[f32],
+    idx: &[usize],
+    t: usize,
+    e: usize,
+    k: usize,
+    norm: bool,
+    rs: f32,
+) -> Vec<f32> {
+    let mut wts = vec![0.0f32; t * k];
+    for ti in 0..t {
+        let w = &mut wts[ti * k..(ti + 1) * k];
+        for j in 0..k {
+            w[j] = scores[ti * e + idx[ti * k + j]];
+        }
+        if norm {
+            let s = sum_f32(w.iter().copied());
+            w.iter_mut().for_each(|v| *v /= s);
+        }
+        w.iter_mut().for_each(|v| *v *= rs);
+    }
+    wts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topk_select_matches_the_sort_order() {
+        let s = [0.5f32, 2.0, f32::NAN, 2.0, -0.0, 0.0, f32::NEG_INFINITY];
+        let mut idx: Vec<usize> = (0..s.len()).collect();
+        idx.sort_by(|&a, &b| crate::model::ops::topk_order(s[a], a, s[b], b));
+        for k in 0..=s.len() {
+            let mut out = vec![0usize; k];
+            topk_select(&s, k, &mut out);
+            assert_eq!(out, idx[..k].to_vec(), "k = {k}");
+        }
+    }
+
+    #[test]
+    fn softmax_and_sigmoid_in_f64() {
+        let mut r = vec![0.0, f32::NEG_INFINITY, (2.0f32).ln()];
+        softmax(&mut r);
+        assert!((r[0] - 1.0 / 3.0).abs() < 1e-7 && r[1] == 0.0 && (r[2] - 2.0 / 3.0).abs() < 1e-7);
+        let mut z = vec![f32::NEG_INFINITY; 3];
+        softmax(&mut z);
+        assert_eq!(z, vec![0.0; 3]);
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-7);
+        assert!((softplus(100.0) - 100.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn attention_with_only_the_sink_visible_is_zero_and_one_key_is_that_key() {
+        // t = 1, window 1: the only key is the query's own row; p = e^s / (e^s + e^sink)
+        let q = vec![1.0f32, 0.0];
+        let kv = vec![2.0f32, 3.0];
+        let a = AttnDims {
+            t: 1,
+            h: 1,
+            dh: 2,
+            n_c: 0,
+            win: 1,
+            scale: 1.0,
+        };
+        let o = attention_core(&q, &kv, &[], &[], &[0.0], a);
+        let p = (2f64.exp() / (2f64.exp() + 1.0)) as f32 as f64;
+        assert_eq!(o, vec![(p * 2.0) as f32, (p * 3.0) as f32]);
+        let o0 = attention_core(&q, &kv, &[], &[], &[0.0], AttnDims { win: 0, ..a });
+        assert_eq!(o0, vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn allowed_rows_is_causal_and_follows_the_selection() {
+        let a = allowed_rows(8, 2, 4, None);
+        assert_eq!(&a[0..2], &[0, 0]); // ti 0: (0+1)/4 = 0 rows
+        assert_eq!(&a[3 * 2..4 * 2], &[1, 0]); // ti 3: 1 row
+        assert_eq!(&a[7 * 2..8 * 2], &[1, 1]);
+        let sel: Vec<f32> = (0..8).flat_map(|_| [1.0f32, -1.0]).collect();
+        let b = allowed_rows(8, 2, 4, Some((&sel, 2)));
+        assert_eq!(&b[3 * 2..4 * 2], &[0, 0]); // row 1 not causal yet
+        assert_eq!(&b[7 * 2..8 * 2], &[0, 1]);
+    }
+}
