@@ -97,6 +97,20 @@ __device__ __forceinline__ u16 bf16_bits(float x) {
     return (u16)((b + 0x7FFFu + lsb) >> 16);
 }
 
+// Two BF16 (RNE, NaN quietened) packed lo | hi << 16: equal to
+// (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16) for every pair of inputs. Without a NaN,
+// bf16_bits(x) is (b + 0x7FFF + bit 16 of b) >> 16 (no u32 overflow: b <= 0xFF800000), and
+// __byte_perm(r_lo, r_hi, 0x7632) takes the high halves of both sums in one instruction; with a
+// NaN it is bf16_bits itself. Used by the v2 kernels.
+__device__ __forceinline__ u32 rne16_sum(float x) {
+    u32 b = __float_as_uint(x);
+    return b + 0x7FFFu + ((b >> 16) & 1u);
+}
+__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) {
+    if (isnan(lo) || isnan(hi)) return (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16);
+    return __byte_perm(rne16_sum(lo), rne16_sum(hi), 0x7632u);
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 // IEEE half bits -> f32 (exact, subnormals and NaN payloads kept).
@@ -233,6 +247,125 @@ extern "C" __global__ void dequant_nvfp4(const u8* packed, const u8* scales, u64
 #pragma unroll
             for (int i = 0; i < 4; i++) w[i] = (u32)bf16_bits(v[2 * i]) | ((u32)bf16_bits(v[2 * i + 1]) << 16);
             ((uint4*)out)[t] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+// ---- dequant_nvfp4_v2: same arguments, same output bits, faster ----------------------------------
+// What differs from dequant_nvfp4 (the reference, and the fallback with NVFP4_PROBE_KERNELS=v1):
+//  * Two shared tables per CUDA block, built at kernel start WITH THE V1 FUNCTIONS THEMSELVES:
+//      dq_q[b] = the block multiplier q for scale byte b, exactly v1's expression
+//                (e4m3_decode, then __fdiv_rn / __fmul_rn / nothing by conv);
+//      dq_e[p] = (value of the even element, value of the odd element) of packed byte p, by
+//                e2m1_decode, with the nibble order (swap) applied as v1 applies it.
+//    The hot loop therefore has no E4M3/E2M1 decode, no division and no swap select: every
+//    element is __fmul_rn(e, q) (then __fmul_rn(., post) when post_mul) on the very operands v1
+//    multiplies. IEEE multiplication is deterministic, so the f32 bits agree, NaN results
+//    included (both come from one FMUL on the same operands). BF16 output packs with
+//    bf16x2_bits, equal to v1's two bf16_bits for every input (see there).
+//  * A "piece" is what one 16-byte store covers, as in v1: 4 elements (2 packed bytes, f32 out)
+//    or 8 elements (4 packed bytes, BF16 out); piece p uses scale byte p / (16 / E). A warp takes
+//    DQ2_U * 32 consecutive pieces per step, lane l the pieces base + 32 j + l: every load and
+//    store instruction is fully coalesced across the warp, and each lane issues all its DQ2_U
+//    packed and scale loads before computing (DQ2_U x the bytes in flight of v1).
+//  * No idle threads (v1 launches nblocks * 4 threads for BF16 output, which needs nblocks * 2).
+//  * Invariants: blockDim.x is a multiple of 32 (the loop is warp-strided; Gpu::grid uses 256);
+//    any gridDim works (the loop strides by the total warp count); the tail (a last step with
+//    fewer than 32 * DQ2_U pieces) is handled by a per-lane bound. The launcher passes
+//    n = ceil(pieces / DQ2_U) work items, one per lane-step; Gpu::grid caps the grid at
+//    sm_count * 120 blocks, so the table build is amortised over many steps.
+#define DQ2_U 4
+
+// 8 resident blocks of 256 threads per SM (32 registers)
+extern "C" __global__ void __launch_bounds__(256, 8)
+dequant_nvfp4_v2(const u8* packed, const u8* scales, u64 nblocks, float global, int conv, float post,
+                 int post_mul, int swap, int out_kind, void* out) {
+    __shared__ float dq_q[256];
+    __shared__ float2 dq_e[256];
+    for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
+        float s = e4m3_decode(i);
+        dq_q[i] = conv == 0 ? __fdiv_rn(s, global) : (conv == 1 ? __fmul_rn(s, global) : s);
+        u32 lo = i & 15u, hi = i >> 4;
+        if (swap) { u32 tmp = lo; lo = hi; hi = tmp; }
+        dq_e[i] = make_float2(e2m1_decode(lo), e2m1_decode(hi));
+    }
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u;
+    const u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u64 step = (((u64)gridDim.x * blockDim.x) >> 5) * (32u * DQ2_U);
+    const bool pm = post_mul != 0;
+    if (out_kind == 0) {
+        // f32: piece = 2 packed bytes (one u16) -> 4 floats (one float4); 4 pieces per block
+        const u64 np = nblocks * 4u;
+        for (u64 base = warp * (32u * DQ2_U); base < np; base += step) {
+            // pieces of this lane: base + lane + 32 j for 32 j + lane < lim (warp-uniform lim)
+            const u32 lim = np - base < 32u * DQ2_U ? (u32)(np - base) : 32u * DQ2_U;
+            const u16* pp = (const u16*)packed + base + lane;
+            const u8* sp = scales + ((base + lane) >> 2);
+            float4* op = (float4*)out + base + lane;
+            u32 w[DQ2_U], sb[DQ2_U];
+#pragma unroll
+            for (int j = 0; j < DQ2_U; j++) {
+                w[j] = 0u;
+                sb[j] = 0u;
+                if (32u * j + lane < lim) {
+                    w[j] = __ldg(pp + 32 * j);
+                    sb[j] = __ldg(sp + 8 * j);  // (base + lane + 32 j) >> 2, base % 4 == 0
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DQ2_U; j++) {
+                if (32u * j + lane < lim) {
+                    float q = dq_q[sb[j]];
+                    float2 a = dq_e[w[j] & 0xFFu], b = dq_e[w[j] >> 8];
+                    float v0 = __fmul_rn(a.x, q), v1 = __fmul_rn(a.y, q);
+                    float v2 = __fmul_rn(b.x, q), v3 = __fmul_rn(b.y, q);
+                    if (pm) {
+                        v0 = __fmul_rn(v0, post);
+                        v1 = __fmul_rn(v1, post);
+                        v2 = __fmul_rn(v2, post);
+                        v3 = __fmul_rn(v3, post);
+                    }
+                    op[32 * j] = make_float4(v0, v1, v2, v3);
+                }
+            }
+        }
+    } else {
+        // BF16: piece = 4 packed bytes (one u32) -> 8 BF16 (one uint4); 2 pieces per block
+        const u64 np = nblocks * 2u;
+        for (u64 base = warp * (32u * DQ2_U); base < np; base += step) {
+            const u32 lim = np - base < 32u * DQ2_U ? (u32)(np - base) : 32u * DQ2_U;
+            const u32* pp = (const u32*)packed + base + lane;
+            const u8* sp = scales + ((base + lane) >> 1);
+            uint4* op = (uint4*)out + base + lane;
+            u32 w[DQ2_U], sb[DQ2_U];
+#pragma unroll
+            for (int j = 0; j < DQ2_U; j++) {
+                w[j] = 0u;
+                sb[j] = 0u;
+                if (32u * j + lane < lim) {
+                    w[j] = __ldg(pp + 32 * j);
+                    sb[j] = __ldg(sp + 16 * j);  // (base + lane + 32 j) >> 1, base % 2 == 0
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DQ2_U; j++) {
+                if (32u * j + lane < lim) {
+                    float q = dq_q[sb[j]];
+                    u32 o[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        float2 e = dq_e[(w[j] >> (8 * k)) & 0xFFu];
+                        float v0 = __fmul_rn(e.x, q), v1 = __fmul_rn(e.y, q);
+                        if (pm) {
+                            v0 = __fmul_rn(v0, post);
+                            v1 = __fmul_rn(v1, post);
+                        }
+                        o[k] = bf16x2_bits(v0, v1);
+                    }
+                    op[32 * j] = make_uint4(o[0], o[1], o[2], o[3]);
+                }
+            }
         }
     }
 }

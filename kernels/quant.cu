@@ -90,6 +90,164 @@ extern "C" __global__ void act_quant_nvfp4(const float* x, u64 nblocks, float g,
     }
 }
 
+// ---- act_quant_nvfp4_v2: same arguments, same output bits and counters, faster --------------------
+
+// e4m3_encode_satfinite without branches (same result for every f32 input; checked against the
+// v1 function on all 2^32 bit patterns on the CPU, see the commit message):
+//  * |x| >= 2^-6: round the f32 mantissa to 3 bits, to nearest even, on the integer bits
+//    (a + 0x7FFFF + bit 20 of a); the carry walks into the exponent, and subtracting
+//    (127 - 7) << 3 rebiases. This is v1's keep/rest/half rule written as one addition.
+//    Everything from 464 up (and inf) gives >= 0x7F and is clamped to 0x7E, as v1 clamps.
+//  * |x| < 2^-6 (the E4M3 subnormals, step 2^-9): |x| + 2^14 rounds |x| to a multiple of
+//    2^-9 (the ulp of 2^14), ties to even: the same integer as v1's rintf(|x| * 512) (8 for the
+//    top of the range = min normal 0x08, as in v1). Needs denormal inputs kept (ftz=false).
+//  * sign bit copied; NaN -> 0x7F (no sign), as v1.
+__device__ __forceinline__ u32 e4m3_encode_satfinite_v2(float x) {
+    u32 b = __float_as_uint(x), a = b & 0x7FFFFFFFu;
+    u32 nrm = min(((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - 960u, 0x7Eu);
+    u32 sub = __float_as_uint(__fadd_rn(__uint_as_float(a), 16384.0f)) - 0x46800000u;
+    u32 code = ((b >> 24) & 0x80u) | (a < 0x3C800000u ? sub : nrm);
+    return a > 0x7F800000u ? 0x7Fu : code;
+}
+
+// e2m1_encode without branches (same result for every f32 input; checked on all 2^32 patterns):
+//  * |y| < 1: |y| + 2^22 rounds |y| to a multiple of 0.5 (ties to even) = the code 0, 1, 2;
+//  * 1 <= |y| <= 5: round the mantissa to 1 bit on the integer bits (ties to even), carry into
+//    the exponent, rebias by 252 = (127 - 1) << 1: codes 2..6 (5.0 ties to 6 = 4.0, even);
+//  * |y| > 5 (inf, NaN included: their bits compare above): 7. The sign bit is copied (-0 gives
+//    8, as v1) except for NaN, which gives 7 without sign as in v1 (tested on the bits, not with
+//    fminf: a signalling NaN would keep its sign through a host fminf).
+__device__ __forceinline__ u32 e2m1_encode_v2(float x) {
+    u32 b = __float_as_uint(x), a = b & 0x7FFFFFFFu;
+    u32 sub = __float_as_uint(__fadd_rn(__uint_as_float(a), 4194304.0f)) - 0x4A800000u;
+    u32 nrm = (a + 0x1FFFFFu + ((a >> 22) & 1u) - 0x3F000000u) >> 22;
+    u32 mag = a < 0x3F800000u ? sub : nrm;
+    mag = a > 0x40A00000u ? 7u : mag;
+    return a > 0x7F800000u ? 7u : (((b >> 28) & 8u) | mag);
+}
+
+// What differs from act_quant_nvfp4 (the reference, and the fallback with NVFP4_PROBE_KERNELS=v1):
+//  * Shared tables per CUDA block, built at kernel start WITH THE V1 EXPRESSIONS: for every E4M3
+//    code, (sfq, osc) = (e4m3_decode(code), sfq == 0 ? 0 : rcp_approx_ftz(sfq * rcp_g)); and
+//    e2m1_decode of the 16 nibbles. The hot loop replaces v1's per-block decode, multiply and
+//    MUFU reciprocal by one shared load indexed by the code it computed.
+//  * Branch-free E4M3 / E2M1 encoders (above), identical results; branch-free counters; BF16
+//    packing by bf16x2_bits (equal to v1's two bf16_bits).
+//  * Same op order: vmax = the quad's max of |x| (fmaxf, NaN skipped, the same two shuffles),
+//    sf = g * (vmax * RCP6) with __fmul_rn, code = E4M3 satfinite, y = x * osc with __fmul_rn,
+//    xq16 = bf16(e2m1 * sfq), xhat = v1's expression verbatim.
+//  * Each lane loads AQ2_U float4 (coalesced across the warp: a warp step covers items
+//    base .. base + 32 AQ2_U - 1, lane l the items base + 32 j + l) before computing: AQ2_U x the
+//    bytes in flight of v1.
+//  * Quads: four consecutive lanes hold one 16-element block (item t = 4 b + q, q = lane & 3,
+//    because base and 32 j are multiples of 4). The loop is warp-uniform (base depends on the
+//    warp only), so the full-mask shuffles are legal; lanes past the end (t >= 4 nblocks) load
+//    zeros and store nothing, and since 4 nblocks is a multiple of 4 a quad is either wholly
+//    valid or wholly past the end (no quad is ever split).
+//  * Counters: each valid q == 0 lane counts its block once (blocks, zero, max, NaN scale).
+//    Clipped / dead-zone need no validity test: a lane past the end has v = 0, so dead is 0
+//    (v != 0 fails) and y = 0 * osc is 0 or NaN (osc is 0 for code 0 / 0x80, NaN for 0x7F when
+//    g is not finite), never |y| > 6. amax takes max(vmax) over all lanes; a lane past the end
+//    contributes 0, which changes nothing (amax starts at 0). Reduced per warp, added with one
+//    atomic per warp and counter exactly as v1 (integer sums and a max of non-negative f32 bits
+//    do not depend on the order or grouping).
+//  * Invariants: blockDim.x a multiple of 32 (Gpu::grid uses 256); any gridDim. The launcher
+//    passes n = ceil(4 nblocks / AQ2_U) work items, one per lane-step; Gpu::grid caps the grid
+//    at sm_count * 120 blocks.
+#define AQ2_U 2
+
+// 6 resident blocks of 256 threads per SM (40 registers, no spills with ptxas 12.8 for sm_90)
+extern "C" __global__ void __launch_bounds__(256, 6)
+act_quant_nvfp4_v2(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
+                   float* xhat, int xhat_bf16, u64* health) {
+    __shared__ float2 aq_s[256];  // (sfq, osc) by E4M3 code
+    __shared__ float aq_e[16];    // e2m1_decode by nibble
+    float rcp_g = rcp_approx_ftz(g);
+    for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
+        float sfq = e4m3_decode(i);
+        float osc = sfq == 0.0f ? 0.0f : rcp_approx_ftz(__fmul_rn(sfq, rcp_g));
+        aq_s[i] = make_float2(sfq, osc);
+        if (i < 16u) aq_e[i] = e2m1_decode(i);
+    }
+    __syncthreads();
+    u32 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
+    float amax_all = 0.0f;
+    const u32 lane = threadIdx.x & 31u, q = lane & 3u;
+    const u64 n = nblocks * 4u;
+    const u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u64 step = (((u64)gridDim.x * blockDim.x) >> 5) * (32u * AQ2_U);
+    const bool w_packed = packed != 0, w_scales = scales != 0, w_xq = xq16 != 0, w_xhat = xhat != 0;
+    for (u64 base = warp * (32u * AQ2_U); base < n; base += step) {
+        const u32 lim = n - base < 32u * AQ2_U ? (u32)(n - base) : 32u * AQ2_U;  // warp-uniform
+        const u64 t0 = base + lane;
+        u8* sp = scales + (t0 >> 2);
+        float4 xv[AQ2_U];
+#pragma unroll
+        for (int j = 0; j < AQ2_U; j++) {
+            xv[j] = 32u * j + lane < lim ? __ldcs((const float4*)x + t0 + 32 * j)
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < AQ2_U; j++) {
+            const bool valid = 32u * j + lane < lim;
+            const u64 t = t0 + 32 * j;
+            float v[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+            float vmax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+            vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1, 4));
+            vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2, 4));
+            amax_all = fmaxf(amax_all, vmax);
+            float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
+            u32 code = e4m3_encode_satfinite_v2(sf);
+            float2 so = aq_s[code];
+            float sfq = so.x, osc = so.y;
+            const bool first = valid && q == 0u;
+            h_blocks += first;
+            h_zero += first && code == 0u;
+            h_max += first && code == 0x7Eu;
+            h_nan += first && (code & 0x7Fu) == 0x7Fu;
+            if (first && w_scales) sp[8 * j] = (u8)code;  // block (t0 + 32 j) >> 2, t0 % 4 == q
+            u32 c[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float y = __fmul_rn(v[i], osc);
+                c[i] = e2m1_encode_v2(y);
+                h_clip += fabsf(y) > 6.0f;
+                h_dead += (c[i] & 7u) == 0u && v[i] != 0.0f;
+            }
+            if (!valid) continue;
+            if (w_packed) ((u16*)packed)[t] = (u16)((c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8));
+            if (w_xq) {
+                u32 lo = bf16x2_bits(__fmul_rn(aq_e[c[0]], sfq), __fmul_rn(aq_e[c[1]], sfq));
+                u32 hi = bf16x2_bits(__fmul_rn(aq_e[c[2]], sfq), __fmul_rn(aq_e[c[3]], sfq));
+                ((uint2*)xq16)[t] = make_uint2(lo, hi);
+            }
+            if (w_xhat) {
+                float m[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float mm = __fdiv_rn(__fmul_rn(aq_e[c[i] & 7u], sfq), g);
+                    if (c[i] & 8u) mm = -mm;
+                    m[i] = xhat_bf16 ? bf16_round(mm) : mm;
+                }
+                ((float4*)xhat)[t] = make_float4(m[0], m[1], m[2], m[3]);
+            }
+        }
+    }
+    if (health) {
+        // one atomic per warp and counter, as v1
+        u32 r[6] = {h_blocks, h_zero, h_max, h_nan, h_clip, h_dead};
+#pragma unroll
+        for (int i = 0; i < 6; i++) r[i] = __reduce_add_sync(0xffffffffu, r[i]);
+        u32 am = __reduce_max_sync(0xffffffffu, __float_as_uint(amax_all));
+        if ((threadIdx.x & 31u) == 0u) {
+#pragma unroll
+            for (int i = 0; i < 6; i++) add_nonzero(&health[i], (u64)r[i]);
+            add_nonzero(&health[6], (u64)r[0] * 16u);
+            if (am) atomicMax(&health[7], (u64)am);
+        }
+    }
+}
+
 // 2^ceil(log2 v) for a normal positive v (UE8M0 "ceil" rounding), as f32.
 __device__ __forceinline__ float pow2_ceil(float v) {
     u32 bits = __float_as_uint(v);

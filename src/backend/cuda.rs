@@ -47,10 +47,12 @@ const KERNELS: &[&str] = &[
     "rcp_sweep",
     "rcp_table",
     "dequant_nvfp4",
+    "dequant_nvfp4_v2",
     "dequant_mxfp4",
     "dequant_fp8_block",
     "convert_dense",
     "act_quant_nvfp4",
+    "act_quant_nvfp4_v2",
     "act_quant_fp8",
     "fused_stats",
     "gather_rows",
@@ -70,6 +72,12 @@ const KERNELS: &[&str] = &[
     "indexer_scores",
     "route_topk",
 ];
+
+/// Pieces (one 16-byte store each) per lane and step of `dequant_nvfp4_v2` (`DQ2_U` in
+/// kernels/formats.cu).
+const DQ2_U: u64 = 4;
+/// float4 items per lane and step of `act_quant_nvfp4_v2` (`AQ2_U` in kernels/quant.cu).
+const AQ2_U: u64 = 2;
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
 pub const H_SLOTS: usize = 8;
@@ -217,6 +225,10 @@ pub struct Gpu {
     pub counters: GpuCounters,
     /// Accumulate every GEMM in f64 (bit-equal to the CPU reference); false = hardware GEMMs.
     pub exact64: bool,
+    /// Launch the faster `dequant_nvfp4_v2` / `act_quant_nvfp4_v2` (same arguments, same output
+    /// bits) instead of the v1 kernels. True unless `NVFP4_PROBE_KERNELS=v1` was set when the
+    /// backend opened; the self-test flips it to check both.
+    pub v2: bool,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -313,6 +325,11 @@ impl Gpu {
             pinned,
             counters: GpuCounters::default(),
             exact64: true,
+            v2: std::env::var("NVFP4_PROBE_KERNELS")
+                .ok()
+                .as_deref()
+                .map(str::trim)
+                != Some("v1"),
         })
     }
 
@@ -427,6 +444,11 @@ impl Gpu {
         let cap = match name {
             "fused_stats" | "rcp_sweep" => self.sm_count as u64 * 16,
             "act_quant_nvfp4" => self.sm_count as u64 * 64,
+            // v2 kernels: warp-strided loops over shared tables built once per CUDA block. The
+            // cap keeps the table build well under 2 % of a block's work on multi-GB tensors,
+            // and 120 blocks per SM is a whole number of waves at 4, 5, 6 or 8 resident blocks
+            // of 256 threads (no partly filled last wave)
+            "dequant_nvfp4_v2" | "act_quant_nvfp4_v2" => self.sm_count as u64 * 120,
             _ => 1 << 22,
         };
         let blocks = n.div_ceil(256).clamp(1, cap) as u32;
@@ -464,7 +486,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu).
+    /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu); the v2 kernel
+    /// when `self.v2`.
     pub fn dequant_nvfp4(
         &self,
         packed: u64,
@@ -473,9 +496,17 @@ impl Gpu {
         d: Nvfp4Decode,
         out: u64,
     ) -> Result<()> {
+        let (name, n) = if self.v2 {
+            // one work item per lane-step of DQ2_U pieces: 16-byte stores of 8 BF16 (2 per
+            // block) or 4 f32 (4 per block)
+            let pieces = nblocks * if d.out_bf16 { 2 } else { 4 };
+            ("dequant_nvfp4_v2", pieces.div_ceil(DQ2_U))
+        } else {
+            ("dequant_nvfp4", nblocks * 4)
+        };
         self.launch(
-            "dequant_nvfp4",
-            nblocks * 4,
+            name,
+            n,
             &[
                 A::P(packed),
                 A::P(scales),
@@ -492,10 +523,17 @@ impl Gpu {
     }
 
     /// `act_quant_nvfp4` of `nblocks` 16-element blocks at `x` with encode scale `g`.
+    /// The v2 kernel when `self.v2`.
     pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
+        let (name, n) = if self.v2 {
+            // one work item per lane-step of AQ2_U float4 (four per 16-element block)
+            ("act_quant_nvfp4_v2", (nblocks * 4).div_ceil(AQ2_U))
+        } else {
+            ("act_quant_nvfp4", nblocks * 4)
+        };
         self.launch(
-            "act_quant_nvfp4",
-            nblocks * 4,
+            name,
+            n,
             &[
                 A::P(x),
                 A::U(nblocks),

@@ -154,14 +154,22 @@ fn bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
     (0..n).map(|_| rng.next_u64() as u8).collect()
 }
 
-/// E4M3 scale bytes with realistic magnitudes (no NaN unless `nan`).
-fn scale_bytes(rng: &mut Rng, n: usize, nan: bool) -> Vec<u8> {
+/// E4M3 scale bytes for the NVFP4 dequantization checks: random realistic magnitudes of both
+/// signs, with every 13th byte one of the special codes: NaN (0x7F, 0xFF), zero (0x00, -0 0x80),
+/// the maximum ±448 (0x7E, 0xFE) and the subnormals 0x01, 0x07, 0x87.
+fn nvfp4_scale_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    const SPECIAL: [u8; 9] = [0x7F, 0xFF, 0x00, 0x80, 0x7E, 0xFE, 0x01, 0x07, 0x87];
     (0..n)
         .map(|i| {
-            if nan && i % 97 == 5 {
-                0x7F
+            if i % 13 == 6 {
+                SPECIAL[rng.below(SPECIAL.len())]
             } else {
-                (0x20 + rng.below(0x5E)) as u8
+                let b = (0x20 + rng.below(0x5E)) as u8;
+                if rng.below(8) == 0 {
+                    b | 0x80
+                } else {
+                    b
+                }
             }
         })
         .collect()
@@ -215,7 +223,7 @@ impl T<'_> {
 /// Run every kernel check. `scale` multiplies the tensor sizes.
 pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     let mut rng = Rng::new(seed ^ 0x5E1F_7E57);
-    let t = T { g };
+    let mut t = T { g };
     let s = scale.max(1);
     let mut out = Vec::new();
 
@@ -329,68 +337,90 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     out.push(c);
 
     // ---- NVFP4 weight dequantization, both conventions, f32 and BF16 output ----
-    let (rows, cols) = (96 * s, 512);
+    // Both kernel variants (v1, and v2 with " v2" in the check name) against the CPU reference,
+    // then v2 against v1 on the raw output bits (NaN payloads included). An odd block count
+    // (33 blocks per row, an odd row count) leaves a partial last step for v2; the scale bytes
+    // include NaN (0x7F, 0xFF), zero (0x00, 0x80), max (0x7E, 0xFE) and subnormal codes, and the
+    // random packed bytes every E2M1 nibble (-0 = 8 included).
+    let (rows, cols) = (96 * s + 1, 528);
     let packed = bytes(&mut rng, rows * cols / 2);
-    let scales = scale_bytes(&mut rng, rows * cols / 16, true);
+    let scales = nvfp4_scale_bytes(&mut rng, rows * cols / 16);
     let pb = t.up(&packed)?;
     let sb = t.up(&scales)?;
     let nb = (rows * cols / 16) as u64;
-    for (conv, cname, global) in [
-        (Convention::CompressedTensors, "ct", 1234.567f32),
-        (Convention::ModelOpt, "modelopt", 3.1e-4f32),
-    ] {
-        let want = nvfp4::dequantize(&packed, &scales, global, conv, rows, cols);
-        let ci = if conv == Convention::CompressedTensors {
-            0
-        } else {
-            1
-        };
-        let dec = |out_bf16| Nvfp4Decode {
-            global,
-            conv: ci,
-            post: None,
-            swap: false,
-            out_bf16,
-        };
-        let o = t.out(rows * cols * 4)?;
-        t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec(false), o.ptr)?;
-        out.push(exact(
-            &format!("dequant nvfp4 {cname} -> f32"),
-            &t.get_f32(&o, rows * cols)?,
-            &want,
-        ));
-        let o = t.out(rows * cols * 2)?;
-        t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec(true), o.ptr)?;
-        let w16: Vec<u16> = want.iter().map(|&v| bf16::to_bits(v)).collect();
-        out.push(exact_bf16(
-            &format!("dequant nvfp4 {cname} -> bf16"),
-            &t.get_u16(&o, rows * cols)?,
-            &w16,
-        ));
-    }
-    // served operand e2m1·s (bf16 exact) with nibbles swapped, as a layout fault reads it
-    let o = t.out(rows * cols * 2)?;
-    let dec = Nvfp4Decode {
-        global: 1.0,
-        conv: 2,
-        post: Some(0.37),
-        swap: true,
-        out_bf16: true,
-    };
-    t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec, o.ptr)?;
-    let mut want16 = Vec::with_capacity(rows * cols);
+    let mut want_swapped = Vec::with_capacity(rows * cols);
     for (i, &byte) in packed.iter().enumerate() {
         let sc = e4m3::decode(scales[i / 8]);
         let (lo, hi) = e2m1::unpack(byte);
         for c in [hi, lo] {
-            want16.push(bf16::to_bits((e2m1::decode(c) * sc) * 0.37));
+            want_swapped.push(bf16::to_bits((e2m1::decode(c) * sc) * 0.37));
         }
     }
-    out.push(exact_bf16(
-        "dequant nvfp4 served operand (swapped, x d_w) -> bf16",
-        &t.get_u16(&o, rows * cols)?,
-        &want16,
-    ));
+    let prev_v2 = t.g.v2;
+    // (check name, raw output bits) of the v1 run, for the v2 = v1 comparison
+    let mut raw_v1: Vec<(String, Vec<u32>)> = Vec::new();
+    for (v2, sfx) in [(false, ""), (true, " v2")] {
+        t.g.v2 = v2;
+        let run = |t: &mut T, out: &mut Vec<Check>| -> Result<Vec<(String, Vec<u32>)>> {
+            let mut raw = Vec::new();
+            for (conv, cname, global) in [
+                (Convention::CompressedTensors, "ct", 1234.567f32),
+                (Convention::ModelOpt, "modelopt", 3.1e-4f32),
+            ] {
+                let want = nvfp4::dequantize(&packed, &scales, global, conv, rows, cols);
+                let ci = if conv == Convention::CompressedTensors {
+                    0
+                } else {
+                    1
+                };
+                let dec = |out_bf16| Nvfp4Decode {
+                    global,
+                    conv: ci,
+                    post: None,
+                    swap: false,
+                    out_bf16,
+                };
+                let o = t.out(rows * cols * 4)?;
+                t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec(false), o.ptr)?;
+                let got = t.get_f32(&o, rows * cols)?;
+                let name = format!("dequant nvfp4 {cname} -> f32");
+                out.push(exact(&format!("{name}{sfx}"), &got, &want));
+                raw.push((name, got.iter().map(|v| v.to_bits()).collect()));
+                let o = t.out(rows * cols * 2)?;
+                t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec(true), o.ptr)?;
+                let w16: Vec<u16> = want.iter().map(|&v| bf16::to_bits(v)).collect();
+                let got = t.get_u16(&o, rows * cols)?;
+                let name = format!("dequant nvfp4 {cname} -> bf16");
+                out.push(exact_bf16(&format!("{name}{sfx}"), &got, &w16));
+                raw.push((name, got.iter().map(|&h| h as u32).collect()));
+            }
+            // served operand e2m1·s (bf16 exact) with nibbles swapped, as a layout fault reads it
+            let o = t.out(rows * cols * 2)?;
+            let dec = Nvfp4Decode {
+                global: 1.0,
+                conv: 2,
+                post: Some(0.37),
+                swap: true,
+                out_bf16: true,
+            };
+            t.g.dequant_nvfp4(pb.ptr, sb.ptr, nb, dec, o.ptr)?;
+            let got = t.get_u16(&o, rows * cols)?;
+            let name = "dequant nvfp4 served operand (swapped, x d_w) -> bf16".to_string();
+            out.push(exact_bf16(&format!("{name}{sfx}"), &got, &want_swapped));
+            raw.push((name, got.iter().map(|&h| h as u32).collect()));
+            Ok(raw)
+        };
+        let r = run(&mut t, &mut out);
+        t.g.v2 = prev_v2;
+        let raw = r?;
+        if !v2 {
+            raw_v1 = raw;
+        } else {
+            for ((name, a), (_, b)) in raw.iter().zip(&raw_v1) {
+                out.push(exact_u(&format!("{name} v2 = v1 (raw bits)"), a, b));
+            }
+        }
+    }
 
     // ---- MXFP4 ----
     let mxs: Vec<u8> = (0..rows * cols / 32)
@@ -450,46 +480,40 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     ));
 
     // ---- NVFP4 activation quantization (serving kernel op order) ----
-    for (gi, gname) in [
+    // Both kernel variants (v1, and v2 with " v2" in the check name) against the CPU reference,
+    // then v2 against v1 on the raw output bits. [m, k] = [64 s + 1, 1040]: an odd number of
+    // 16-element blocks, so v2's last step is partial. Inputs: bf16-valued activations with
+    // all-zero blocks (scale byte 0x00), one NaN element, and a few ±inf and -0.0 elements
+    // (saturated 0x7E blocks, negative-zero codes); g = inf gives NaN scale bytes (0x7F) for
+    // the zero blocks. The quantize-dequantize output is rounded to BF16 in every other case.
+    let prev_v2 = t.g.v2;
+    for (ci, (gi, gname)) in [
         (1.0f32, "calibrated"),
         (64.0, "x64 (saturating)"),
         (1.0 / 512.0, "1/512 (underflowing)"),
-    ] {
-        let (m, k) = (64 * s, 1024);
-        let x = activations(&mut rng, m, k, true);
+        (f32::INFINITY, "inf (NaN scales)"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (m, k) = (64 * s + 1, 1040);
+        let mut x = activations(&mut rng, m, k, true);
+        let gx = 2688.0 / nvfp4::amax(&x) * gi;
+        for _ in 0..(m * k / 500).max(4) {
+            let i = rng.below(m * k);
+            x[i] = [-0.0f32, f32::INFINITY, f32::NEG_INFINITY, -0.0][rng.below(4)];
+        }
         let amax = nvfp4::amax(&x);
-        let gx = 2688.0 / amax * gi;
+        let xhat_bf16 = ci % 2 == 1;
         let xb = t.up(&x)?;
         let nb = (m * k / 16) as u64;
-        let (po, so, qo, ho) = (
-            t.out(m * k / 2)?,
-            t.out(m * k / 16)?,
-            t.out(m * k * 2)?,
-            t.out(m * k * 4)?,
-        );
-        let hb = t.g.alloc(H_SLOTS * 8)?;
-        t.g.memset(hb.ptr, 0, H_SLOTS * 8)?;
-        let outs = ActQuantOut {
-            packed: po.ptr,
-            scales: so.ptr,
-            xq16: qo.ptr,
-            xhat: ho.ptr,
-            xhat_bf16: false,
-            health: hb.ptr,
-        };
-        t.g.act_quant_nvfp4(xb.ptr, nb, gx, outs)?;
         let want = nvfp4::quantize_activation(&x, m, k, gx);
-        let (fake, health) = nvfp4::fake_quant_activation(&x, m, k, gx);
-        out.push(exact_u(
-            &format!("act quant nvfp4 packed codes, g {gname}"),
-            &t.get_u8(&po, m * k / 2)?,
-            &want.packed,
-        ));
-        out.push(exact_u(
-            &format!("act quant nvfp4 scale bytes, g {gname}"),
-            &t.get_u8(&so, m * k / 16)?,
-            &want.scales,
-        ));
+        let (mut fake, health) = nvfp4::fake_quant_activation(&x, m, k, gx);
+        if xhat_bf16 {
+            for v in fake.iter_mut() {
+                *v = bf16::round(*v);
+            }
+        }
         let mut xq = Vec::with_capacity(m * k);
         for (i, &byte) in want.packed.iter().enumerate() {
             let sc = e4m3::decode(want.scales[i / 8]);
@@ -497,17 +521,6 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             xq.push(bf16::to_bits(e2m1::decode(lo) * sc));
             xq.push(bf16::to_bits(e2m1::decode(hi) * sc));
         }
-        out.push(exact_bf16(
-            &format!("act quant nvfp4 GEMM operand e2m1*s (bf16), g {gname}"),
-            &t.get_u16(&qo, m * k)?,
-            &xq,
-        ));
-        out.push(exact(
-            &format!("act quant nvfp4 quantize-dequantize, g {gname}"),
-            &t.get_f32(&ho, m * k)?,
-            &fake,
-        ));
-        let h: Vec<u64> = t.g.download(hb.ptr, H_SLOTS)?;
         let want_h = [
             health.blocks,
             health.scale_zero,
@@ -518,16 +531,72 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             health.elements,
             amax.to_bits() as u64,
         ];
-        let mut c = exact_u(
-            &format!("act quant nvfp4 health counters + amax, g {gname}"),
-            &h,
-            &want_h,
-        );
-        c.note = format!(
-            "blocks {} zero {} max {} clipped {} dead {}",
-            health.blocks, health.scale_zero, health.scale_max, health.clipped, health.dead_zone
-        );
-        out.push(c);
+        let xh = if xhat_bf16 { " (xhat bf16)" } else { "" };
+        let mut raw_v1: Vec<(String, Vec<u64>)> = Vec::new();
+        for (v2, sfx) in [(false, ""), (true, " v2")] {
+            t.g.v2 = v2;
+            let run = |t: &mut T, out: &mut Vec<Check>| -> Result<Vec<(String, Vec<u64>)>> {
+                let (po, so, qo, ho) = (
+                    t.out(m * k / 2)?,
+                    t.out(m * k / 16)?,
+                    t.out(m * k * 2)?,
+                    t.out(m * k * 4)?,
+                );
+                let hb = t.g.alloc(H_SLOTS * 8)?;
+                t.g.memset(hb.ptr, 0, H_SLOTS * 8)?;
+                let outs = ActQuantOut {
+                    packed: po.ptr,
+                    scales: so.ptr,
+                    xq16: qo.ptr,
+                    xhat: ho.ptr,
+                    xhat_bf16,
+                    health: hb.ptr,
+                };
+                t.g.act_quant_nvfp4(xb.ptr, nb, gx, outs)?;
+                let mut raw = Vec::new();
+                let name = format!("act quant nvfp4 packed codes, g {gname}");
+                let got = t.get_u8(&po, m * k / 2)?;
+                out.push(exact_u(&format!("{name}{sfx}"), &got, &want.packed));
+                raw.push((name, got.iter().map(|&v| v as u64).collect()));
+                let name = format!("act quant nvfp4 scale bytes, g {gname}");
+                let got = t.get_u8(&so, m * k / 16)?;
+                out.push(exact_u(&format!("{name}{sfx}"), &got, &want.scales));
+                raw.push((name, got.iter().map(|&v| v as u64).collect()));
+                let name = format!("act quant nvfp4 GEMM operand e2m1*s (bf16), g {gname}");
+                let got = t.get_u16(&qo, m * k)?;
+                out.push(exact_bf16(&format!("{name}{sfx}"), &got, &xq));
+                raw.push((name, got.iter().map(|&v| v as u64).collect()));
+                let name = format!("act quant nvfp4 quantize-dequantize{xh}, g {gname}");
+                let got = t.get_f32(&ho, m * k)?;
+                out.push(exact(&format!("{name}{sfx}"), &got, &fake));
+                raw.push((name, got.iter().map(|v| v.to_bits() as u64).collect()));
+                let name = format!("act quant nvfp4 health counters + amax, g {gname}");
+                let h: Vec<u64> = t.g.download(hb.ptr, H_SLOTS)?;
+                let mut c = exact_u(&format!("{name}{sfx}"), &h, &want_h);
+                c.note = format!(
+                    "blocks {} zero {} max {} nan {} clipped {} dead {}",
+                    health.blocks,
+                    health.scale_zero,
+                    health.scale_max,
+                    health.scale_nan,
+                    health.clipped,
+                    health.dead_zone
+                );
+                out.push(c);
+                raw.push((name, h));
+                Ok(raw)
+            };
+            let r = run(&mut t, &mut out);
+            t.g.v2 = prev_v2;
+            let raw = r?;
+            if !v2 {
+                raw_v1 = raw;
+            } else {
+                for ((name, a), (_, b)) in raw.iter().zip(&raw_v1) {
+                    out.push(exact_u(&format!("{name} v2 = v1 (raw bits)"), a, b));
+                }
+            }
+        }
     }
 
     // ---- FP8 1x128 activation quantization ----
@@ -943,31 +1012,38 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
     let (p, s) = (g.alloc(pk)?, g.alloc(pk / 8)?);
     g.memset(p.ptr, 0x5A, pk)?;
     g.memset(s.ptr, 0x38, pk / 8)?;
+    // v1 and v2 kernels on the same buffers, one row each, side by side
+    let prev_v2 = g.v2;
     for (ok, elem, name) in [(1, 2usize, "bf16"), (0, 4, "f32")] {
         let o = g.alloc(pk * 2 * elem)?;
-        let ms = time_ms(g, reps, || {
-            let dec = Nvfp4Decode {
-                global: 1.5,
-                conv: 0,
-                post: None,
-                swap: false,
-                out_bf16: ok == 1,
-            };
-            g.dequant_nvfp4(p.ptr, s.ptr, nb, dec, o.ptr)
-        })?;
-        let bytes = (pk + pk / 8 + pk * 2 * elem) as u64;
-        let bw = bytes as f64 / (ms * 1e-3) / 1e9;
-        out.push(BenchLine {
-            what: format!(
-                "dequant_nvfp4 {:.1} GiB packed -> {name} ({:.1} GiB)",
-                pk as f64 / (1u64 << 30) as f64,
-                (pk * 2 * elem) as f64 / (1u64 << 30) as f64
-            ),
-            bytes,
-            median_ms: ms,
-            gb_per_s: bw,
-            vs_d2d: bw / d2d,
-        });
+        for (v2, kname) in [(false, "dequant_nvfp4"), (true, "dequant_nvfp4_v2")] {
+            g.v2 = v2;
+            let ms = time_ms(g, reps, || {
+                let dec = Nvfp4Decode {
+                    global: 1.5,
+                    conv: 0,
+                    post: None,
+                    swap: false,
+                    out_bf16: ok == 1,
+                };
+                g.dequant_nvfp4(p.ptr, s.ptr, nb, dec, o.ptr)
+            });
+            g.v2 = prev_v2;
+            let ms = ms?;
+            let bytes = (pk + pk / 8 + pk * 2 * elem) as u64;
+            let bw = bytes as f64 / (ms * 1e-3) / 1e9;
+            out.push(BenchLine {
+                what: format!(
+                    "{kname} {:.1} GiB packed -> {name} ({:.1} GiB)",
+                    pk as f64 / (1u64 << 30) as f64,
+                    (pk * 2 * elem) as f64 / (1u64 << 30) as f64
+                ),
+                bytes,
+                median_ms: ms,
+                gb_per_s: bw,
+                vs_d2d: bw / d2d,
+            });
+        }
     }
     drop((p, s));
     // NVFP4 activation quantization: f32 in, codes + scale bytes (+ the BF16 GEMM operand) out
@@ -982,28 +1058,33 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         (false, "codes + scales"),
         (true, "codes + scales + bf16 GEMM operand"),
     ] {
-        let ms = time_ms(g, reps, || {
-            let outs = ActQuantOut {
-                packed: po.ptr,
-                scales: so.ptr,
-                xq16: if with_q { qo.ptr } else { 0 },
-                health: h.ptr,
-                ..Default::default()
-            };
-            g.act_quant_nvfp4(x.ptr, nb, 3.0, outs)
-        })?;
-        let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
-        let bw = bytes as f64 / (ms * 1e-3) / 1e9;
-        out.push(BenchLine {
-            what: format!(
-                "act_quant_nvfp4 {:.1} GiB f32 -> {name}",
-                (n * 4) as f64 / (1u64 << 30) as f64
-            ),
-            bytes,
-            median_ms: ms,
-            gb_per_s: bw,
-            vs_d2d: bw / d2d,
-        });
+        for (v2, kname) in [(false, "act_quant_nvfp4"), (true, "act_quant_nvfp4_v2")] {
+            g.v2 = v2;
+            let ms = time_ms(g, reps, || {
+                let outs = ActQuantOut {
+                    packed: po.ptr,
+                    scales: so.ptr,
+                    xq16: if with_q { qo.ptr } else { 0 },
+                    health: h.ptr,
+                    ..Default::default()
+                };
+                g.act_quant_nvfp4(x.ptr, nb, 3.0, outs)
+            });
+            g.v2 = prev_v2;
+            let ms = ms?;
+            let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
+            let bw = bytes as f64 / (ms * 1e-3) / 1e9;
+            out.push(BenchLine {
+                what: format!(
+                    "{kname} {:.1} GiB f32 -> {name}",
+                    (n * 4) as f64 / (1u64 << 30) as f64
+                ),
+                bytes,
+                median_ms: ms,
+                gb_per_s: bw,
+                vs_d2d: bw / d2d,
+            });
+        }
     }
     Ok(out)
 }
