@@ -403,6 +403,15 @@ impl Gpu {
             .map_err(|e| cuda_err("memset", e))
     }
 
+    /// Copy the first pinned staging buffer to `dst` (asynchronously; for the H2D bandwidth bench).
+    pub fn copy_pinned_to(&self, dst: u64) -> Result<usize> {
+        let (p, n, _) = &self.pinned[0];
+        let src = unsafe { std::slice::from_raw_parts(*p as *const u8, *n) };
+        unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("copy to device", e))?;
+        Ok(*n)
+    }
+
     /// Stream bytes from the mmap to the device through two pinned buffers: the copy of one chunk
     /// into pinned memory (parallel, which also faults the pages in from disk) overlaps the DMA of
     /// the previous chunk.

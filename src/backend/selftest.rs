@@ -983,6 +983,9 @@ fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f6
 
 /// Bandwidth of the dequantization and activation-quantization kernels on multi-GB tensors,
 /// against a device-to-device copy of the same order of size. `gib`: packed weight size.
+/// Size of the backend's pinned staging buffer.
+const STAGE_BYTES: usize = 256 << 20;
+
 pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
     let mut out = Vec::new();
     let reps = 5;
@@ -1006,6 +1009,21 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         vs_d2d: 1.0,
     });
     drop((a, b));
+    // host-to-device copy from pinned memory (the warm run's floor is bytes / this rate)
+    let hb = g.alloc(STAGE_BYTES)?;
+    let mut n = 0;
+    let ms = time_ms(g, reps, || {
+        n = g.copy_pinned_to(hb.ptr)?;
+        Ok(())
+    })?;
+    out.push(BenchLine {
+        what: format!("host-to-device copy from pinned memory, {} MiB", n >> 20),
+        bytes: n as u64,
+        median_ms: ms,
+        gb_per_s: n as f64 / (ms * 1e-3) / 1e9,
+        vs_d2d: n as f64 / (ms * 1e-3) / 1e9 / d2d,
+    });
+    drop(hb);
     // NVFP4 weight dequantization
     let pk = (gib * (1u64 << 30) as f64) as usize / 8 * 8;
     let nb = (pk / 8) as u64;
