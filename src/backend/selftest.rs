@@ -422,8 +422,9 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         }
     }
 
-    // ---- MXFP4 ----
-    let mxs: Vec<u8> = (0..rows * cols / 32)
+    // ---- MXFP4 (32-element blocks: the first rows·mcols/2 packed bytes) ----
+    let mcols = cols / 32 * 32;
+    let mxs: Vec<u8> = (0..rows * mcols / 32)
         .map(|i| {
             if i % 53 == 1 {
                 0xFF
@@ -433,8 +434,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         })
         .collect();
     let mb = t.up(&mxs)?;
-    let o = t.out(rows * cols * 4)?;
-    let nb32 = (rows * cols / 32) as u64;
+    let o = t.out(rows * mcols * 4)?;
+    let nb32 = (rows * mcols / 32) as u64;
     t.g.launch(
         "dequant_mxfp4",
         nb32,
@@ -442,8 +443,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     )?;
     out.push(exact(
         "dequant mxfp4 -> f32",
-        &t.get_f32(&o, rows * cols)?,
-        &mxfp4::dequantize(&packed, &mxs, rows, cols),
+        &t.get_f32(&o, rows * mcols)?,
+        &mxfp4::dequantize(&packed[..rows * mcols / 2], &mxs, rows, mcols),
     ));
 
     // ---- FP8 block (edge blocks) ----
