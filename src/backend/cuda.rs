@@ -158,8 +158,9 @@ enum ServedDev {
         non_pow2: bool,
         double_scale: bool,
         /// NVFP4 block-scale bytes the served reading decodes with instead of the stored ones
-        /// (layout faults and repairs, bisect's re-read stored scales), linear [n, k/16].
-        scales: Option<Buf>,
+        /// (layout faults and repairs, bisect's re-read stored scales), linear [n, k/16], and
+        /// what they were computed from (reused while that stays the same).
+        scales: Option<(Buf, String)>,
     },
     /// Prepared on the host (a loader fault or a bisect hypothesis touches this weight).
     Host {
@@ -180,6 +181,26 @@ struct DevWeight {
     /// faults or hypotheses for this base recomputes the served reading and keeps the bytes.
     /// None: installed by [`Gpu::pin_nvfp4_served`], kept until [`Gpu::forget_served`].
     served_key: Option<String>,
+}
+
+/// What an NVFP4 weight's rearranged block scales depend on: its layout faults and repairs.
+fn layout_key(faults: &[&Fault], overrides: &[Override]) -> String {
+    use crate::probe::faults::FaultKind as K;
+    let f: Vec<&K> = faults
+        .iter()
+        .map(|f| &f.kind)
+        .filter(|k| {
+            matches!(
+                k,
+                K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
+            )
+        })
+        .collect();
+    let o: Vec<&Override> = overrides
+        .iter()
+        .filter(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows))
+        .collect();
+    format!("{f:?}{o:?}")
 }
 
 /// The loader faults, hypotheses and pair fusion that decide a base's served reading.
@@ -742,7 +763,10 @@ impl Gpu {
             .collect();
         let p = served::nvfp4_params_of(lc.ckpt, &m, conv, lc.fuse_pairs, &faults, &overrides);
         let scales = match scales {
-            Some(sc) => Some(self.upload_scales(sc, base, &m.file, n, k)?),
+            Some(sc) => Some((
+                self.upload_scales(sc, base, &m.file, n, k)?,
+                String::from("pinned"),
+            )),
             None => None,
         };
         let w = self.weights.get_mut(base).expect("ensured above");
@@ -949,7 +973,28 @@ impl Gpu {
         ) && m.convention.is_some();
         if let (true, Some(conv)) = (nvfp4, m.convention) {
             // every NVFP4 layout fault and repair rearranges the scale bytes or the nibble order:
-            // the device decodes the resident packed bytes with the rearranged scales
+            // the device decodes the resident packed bytes with the rearranged scales. They
+            // depend on the layout faults and repairs only: a scalar hypothesis on a weight with
+            // a layout fault keeps the bytes it has.
+            let lkey = layout_key(&faults, &overrides);
+            let reuse = match self.weights.get_mut(base).map(|w| &mut w.served) {
+                Some(ServedDev::Native {
+                    scales: sc @ Some(_),
+                    ..
+                }) if sc.as_ref().is_some_and(|(_, k)| *k == lkey) => sc.take(),
+                _ => None,
+            };
+            if let Some(reused) = reuse {
+                let p =
+                    served::nvfp4_params_of(lc.ckpt, m, conv, lc.fuse_pairs, &faults, &overrides);
+                return Ok(ServedDev::Native {
+                    nv: Some(p),
+                    swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
+                    non_pow2: has(K::NonPow2Ue8m0),
+                    double_scale: false,
+                    scales: Some(reused),
+                });
+            }
             let (sc, swap, p) = served::nvfp4_served_bytes(
                 lc.ckpt,
                 m,
@@ -969,7 +1014,7 @@ impl Gpu {
                 },
             )?;
             let scales = match sc {
-                Some(sc) => Some(self.upload_scales(&sc, base, &m.file, n, k)?),
+                Some(sc) => Some((self.upload_scales(&sc, base, &m.file, n, k)?, lkey)),
                 None => None,
             };
             return Ok(ServedDev::Native {
@@ -1201,7 +1246,7 @@ impl Gpu {
                 double_scale,
                 scales,
                 ..
-            } => (*swap, *double_scale, scales.as_ref().map(|b| b.ptr)),
+            } => (*swap, *double_scale, scales.as_ref().map(|(b, _)| b.ptr)),
             ServedDev::Host { .. } => (false, false, None),
         };
         match &w.fmt {

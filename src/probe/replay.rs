@@ -642,11 +642,65 @@ impl Replayer<'_> {
                 stored.push(b.clone());
             }
         }
+        // layout repairs: their rearranged scale bytes are prepared on the host in parallel
+        let mut layout: Vec<String> = Vec::new();
+        for (b, p) in patches {
+            if matches!(p, Patch::Ov(Override::Unswizzle | Override::UnshiftRows))
+                && !oracle.contains(b)
+                && !stored.contains(b)
+                && !layout.contains(b)
+                && self.quantized(b)
+                && self.meta(b).is_ok_and(|m| nvfp4_convention(&m).is_some())
+            {
+                layout.push(b.clone());
+            }
+        }
         DevicePlan {
             overrides,
             oracle,
             stored,
+            layout,
         }
+    }
+
+    /// The rearranged block-scale bytes and nibble order of NVFP4 bases under their layout
+    /// repairs and loader faults (`served::nvfp4_served_bytes`, as the device would resolve them
+    /// one by one), in parallel from the scale tensors alone.
+    fn layout_scales(
+        &self,
+        bases: &[String],
+        overrides: &[(String, Override)],
+    ) -> Result<Vec<(Vec<u8>, bool)>> {
+        use rayon::prelude::*;
+        let ckpt = self.ckpt;
+        bases
+            .par_iter()
+            .map(|b| {
+                let lay = ckpt.weight_layout(b)?;
+                let m = &lay.meta;
+                let conv = nvfp4_convention(m)
+                    .ok_or_else(|| Error::usage("internal: layout repair of a non-NVFP4 weight"))?;
+                let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(b)).collect();
+                let ovs: Vec<Override> = overrides
+                    .iter()
+                    .filter(|(ob, _)| ob == b)
+                    .map(|(_, o)| o.clone())
+                    .collect();
+                let (sc, swap, _) =
+                    served::nvfp4_served_bytes(ckpt, m, conv, true, &faults, &ovs, || {
+                        let name = lay.scale.as_deref().ok_or_else(|| {
+                            Error::bad(
+                                &m.file,
+                                Some(b),
+                                "NVFP4 weight without a block-scale tensor",
+                            )
+                        })?;
+                        Ok(ckpt.canonical_bytes(name)?.to_vec())
+                    })?;
+                let sc = sc.ok_or_else(|| Error::usage("internal: no layout change"))?;
+                Ok((sc, swap))
+            })
+            .collect()
     }
 
     /// The nibble order of a base pinned to its stored block scales: the stored bytes as they
@@ -662,7 +716,9 @@ impl Replayer<'_> {
             overrides,
             oracle,
             stored,
+            layout,
         } = self.device_plan(patches);
+        let rearranged = self.layout_scales(&layout, &overrides)?;
         let plan_swap: Vec<bool> = stored
             .iter()
             .map(|b| Self::stored_swap(&overrides, b))
@@ -685,6 +741,11 @@ impl Replayer<'_> {
                 // the stored bytes as they are (no loader layout fault); a nibble-swap repair on top
                 let sc = self.stored_scales.get(b).cloned().flatten();
                 g.pin_nvfp4_served(&lc, b, sc.as_deref().map(|v| v.as_slice()), swap)?;
+                self.pinned.push(b.clone());
+            }
+            for (b, (sc, swap)) in layout.iter().zip(rearranged) {
+                // what `Gpu::served_reading` would compute, prepared here in parallel
+                g.pin_nvfp4_served(&lc, b, Some(&sc), swap)?;
                 self.pinned.push(b.clone());
             }
         }
@@ -718,6 +779,9 @@ struct DevicePlan {
     oracle: HashSet<String>,
     /// Quantized, non-oracle weights pinned to their stored block scales (non-finite re-derived).
     stored: Vec<String>,
+    /// Other NVFP4 weights with a layout repair (unswizzle, unshift rows): pinned to their
+    /// rearranged scale bytes.
+    layout: Vec<String>,
 }
 
 /// The replay's `OpEnv` on the CUDA device (see the module docs).
@@ -937,6 +1001,13 @@ impl Replayer<'_> {
             let sc = self.stored_scales[base].as_ref().map(|v| v.to_vec());
             let p = served::nvfp4_params_of(ckpt, &m, conv, true, &faults, &ovs);
             (sc, Self::stored_swap(&plan.overrides, base), p)
+        } else if plan.layout.iter().any(|b| b == base) {
+            // pinned to the bytes `layout_scales` prepares, scalars as `pin_nvfp4_served` resolves
+            let (sc, swap) = self
+                .layout_scales(&[base.to_string()], &plan.overrides)?
+                .remove(0);
+            let p = served::nvfp4_params_of(ckpt, &m, conv, true, &faults, &ovs);
+            (Some(sc), swap, p)
         } else {
             served::nvfp4_served_bytes(ckpt, &m, conv, true, &faults, &ovs, stored)?
         };
