@@ -94,8 +94,14 @@ pub struct Buf {
 }
 
 /// The routed-experts op's output, the served observations per expert linear (sub id, what it
-/// saw) and the weight bases it read.
-pub type ExpertsOut = (Tensor, Vec<(String, LinearObs)>, Vec<String>);
+/// saw), the weight bases it read, and per expert that received tokens (in expert order) the
+/// amax of the activation its w2 was fed (whatever the path; NaN-ignoring, as the CPU's fold).
+pub type ExpertsOut = (
+    Tensor,
+    Vec<(String, LinearObs)>,
+    Vec<String>,
+    Vec<(usize, f32)>,
+);
 
 /// How `dequant_nvfp4` decodes: per-block multiplier `conv` (0 = s / global, compressed-tensors;
 /// 1 = s · global, ModelOpt; 2 = s, the served operand), an optional multiplier after decoding,
@@ -170,6 +176,10 @@ enum ServedDev {
         swap: bool,
         non_pow2: bool,
         double_scale: bool,
+        /// NVFP4 block-scale bytes the served reading decodes with instead of the stored ones
+        /// (layout faults and repairs, bisect's re-read stored scales), linear [n, k/16], and
+        /// what they were computed from (reused while that stays the same).
+        scales: Option<(Buf, String)>,
     },
     /// Prepared on the host (a loader fault or a bisect hypothesis touches this weight).
     Host {
@@ -186,6 +196,45 @@ struct DevWeight {
     k: usize,
     fmt: DevFmt,
     served: ServedDev,
+    /// What the served reading was computed from ([`served_key`]): a later call with other
+    /// faults or hypotheses for this base recomputes the served reading and keeps the bytes.
+    /// None: installed by [`Gpu::pin_nvfp4_served`], kept until [`Gpu::forget_served`].
+    served_key: Option<String>,
+}
+
+/// What an NVFP4 weight's rearranged block scales depend on: its layout faults and repairs.
+fn layout_key(faults: &[&Fault], overrides: &[Override]) -> String {
+    use crate::probe::faults::FaultKind as K;
+    let f: Vec<&K> = faults
+        .iter()
+        .map(|f| &f.kind)
+        .filter(|k| {
+            matches!(
+                k,
+                K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
+            )
+        })
+        .collect();
+    let o: Vec<&Override> = overrides
+        .iter()
+        .filter(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows))
+        .collect();
+    format!("{f:?}{o:?}")
+}
+
+/// The loader faults, hypotheses and pair fusion that decide a base's served reading.
+fn served_key(lc: &LinearCtx, base: &str) -> String {
+    let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
+    let ovs: Vec<&Override> = lc
+        .overrides
+        .iter()
+        .filter(|(b, _)| b == base)
+        .map(|(_, o)| o)
+        .collect();
+    if faults.is_empty() && ovs.is_empty() {
+        return if lc.fuse_pairs { "f" } else { "-" }.to_string();
+    }
+    format!("{}{faults:?}{ovs:?}", lc.fuse_pairs)
 }
 
 /// What the served linear needs from the run: checkpoint, profile, loader faults, hypotheses.
@@ -741,8 +790,102 @@ impl Gpu {
         self.preloaded.clear();
     }
 
+    /// Serve an NVFP4 weight from its resident bytes (uploaded now if absent) with `scales` as its
+    /// block-scale bytes (linear [n, k/16]; None: the stored ones, ignoring the loader's layout
+    /// faults) and this nibble order, the scalars resolved from `lc` (faults and hypotheses). Stays
+    /// until [`Gpu::forget_served`] or [`Gpu::clear_weights`], whatever later contexts say: bisect's
+    /// replay uses it for repairs no `Override` expresses (block scales re-read from the checkpoint).
+    pub fn pin_nvfp4_served(
+        &mut self,
+        lc: &LinearCtx,
+        base: &str,
+        scales: Option<&[u8]>,
+        swap: bool,
+    ) -> Result<()> {
+        self.ensure_weight(lc, base)?;
+        let (n, k) = {
+            let w = &self.weights[base];
+            (w.n, w.k)
+        };
+        let m = lc.ckpt.weight_meta(base)?;
+        let Some(conv) = m
+            .convention
+            .filter(|_| matches!(self.weights[base].fmt, DevFmt::Nv { .. }))
+        else {
+            return Err(Error::usage(format!(
+                "internal: {base} is not an NVFP4 weight (block scales pinned)"
+            )));
+        };
+        let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
+        let overrides: Vec<Override> = lc
+            .overrides
+            .iter()
+            .filter(|(b, _)| b == base)
+            .map(|(_, o)| o.clone())
+            .collect();
+        let p = served::nvfp4_params_of(lc.ckpt, &m, conv, lc.fuse_pairs, &faults, &overrides);
+        let scales = match scales {
+            Some(sc) => Some((
+                self.upload_scales(sc, base, &m.file, n, k)?,
+                String::from("pinned"),
+            )),
+            None => None,
+        };
+        let w = self.weights.get_mut(base).expect("ensured above");
+        w.served = ServedDev::Native {
+            nv: Some(p),
+            swap,
+            non_pow2: false,
+            double_scale: false,
+            scales,
+        };
+        w.served_key = None;
+        Ok(())
+    }
+
+    /// Upload NVFP4 block-scale bytes for a served reading (at least [n, k/16]).
+    fn upload_scales(
+        &mut self,
+        sc: &[u8],
+        base: &str,
+        file: &std::path::Path,
+        n: usize,
+        k: usize,
+    ) -> Result<Buf> {
+        if sc.len() < n * (k / 16) {
+            return Err(Error::bad(
+                file,
+                Some(base),
+                format!(
+                    "block scale has {} bytes, expected {} for [{n}, {k}]",
+                    sc.len(),
+                    n * (k / 16)
+                ),
+            ));
+        }
+        self.upload(sc)
+    }
+
+    /// Undo [`Gpu::pin_nvfp4_served`]: the next use recomputes the served reading from its context
+    /// (the bytes stay resident).
+    pub fn forget_served(&mut self, base: &str) {
+        if let Some(w) = self.weights.get_mut(base) {
+            w.served_key = Some(String::from("\u{0}stale"));
+        }
+    }
+
     fn ensure_weight(&mut self, lc: &LinearCtx, base: &str) -> Result<()> {
-        if self.weights.contains_key(base) {
+        let key = served_key(lc, base);
+        if let Some(w) = self.weights.get(base) {
+            if w.served_key.as_ref().is_none_or(|k| *k == key) {
+                return Ok(());
+            }
+            // the bytes stay; only the served reading follows the new faults/hypotheses
+            let lay = lc.ckpt.weight_layout(base)?;
+            let served = self.served_reading(lc, base, &lay)?;
+            let w = self.weights.get_mut(base).expect("present above");
+            w.served = served;
+            w.served_key = Some(key);
             return Ok(());
         }
         let lay = lc.ckpt.weight_layout(base)?;
@@ -849,6 +992,34 @@ impl Gpu {
                 }
             }
         };
+        let served = self.served_reading(lc, base, &lay)?;
+        self.weights.insert(
+            base.to_string(),
+            DevWeight {
+                n,
+                k,
+                fmt,
+                served,
+                served_key: Some(key),
+            },
+        );
+        Ok(())
+    }
+
+    /// How the served path reads a weight whose bytes are (or are being made) resident: NVFP4
+    /// scalars as the loader resolves them with the faults and hypotheses of `lc`, the nibble
+    /// order, and for NVFP4 layout faults/repairs the rearranged block-scale bytes (computed on
+    /// the host from the scale tensor alone). Only non-NVFP4 weights with layout faults are
+    /// prepared on the host in full.
+    fn served_reading(
+        &mut self,
+        lc: &LinearCtx,
+        base: &str,
+        lay: &crate::checkpoint::WeightLayout,
+    ) -> Result<ServedDev> {
+        let m = &lay.meta;
+        let (n, k) = (m.out_features, m.in_features);
+        use crate::checkpoint::Scheme;
         let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
         let overrides: Vec<Override> = lc
             .overrides
@@ -857,6 +1028,65 @@ impl Gpu {
             .map(|(_, o)| o.clone())
             .collect();
         use crate::probe::faults::FaultKind as K;
+        let has = |k: K| faults.iter().any(|f| f.kind == k);
+        let nvfp4 = matches!(
+            m.scheme,
+            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt
+        ) && m.convention.is_some();
+        if let (true, Some(conv)) = (nvfp4, m.convention) {
+            // every NVFP4 layout fault and repair rearranges the scale bytes or the nibble order:
+            // the device decodes the resident packed bytes with the rearranged scales. They
+            // depend on the layout faults and repairs only: a scalar hypothesis on a weight with
+            // a layout fault keeps the bytes it has.
+            let lkey = layout_key(&faults, &overrides);
+            let reuse = match self.weights.get_mut(base).map(|w| &mut w.served) {
+                Some(ServedDev::Native {
+                    scales: sc @ Some(_),
+                    ..
+                }) if sc.as_ref().is_some_and(|(_, k)| *k == lkey) => sc.take(),
+                _ => None,
+            };
+            if let Some(reused) = reuse {
+                let p =
+                    served::nvfp4_params_of(lc.ckpt, m, conv, lc.fuse_pairs, &faults, &overrides);
+                return Ok(ServedDev::Native {
+                    nv: Some(p),
+                    swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
+                    non_pow2: has(K::NonPow2Ue8m0),
+                    double_scale: false,
+                    scales: Some(reused),
+                });
+            }
+            let (sc, swap, p) = served::nvfp4_served_bytes(
+                lc.ckpt,
+                m,
+                conv,
+                lc.fuse_pairs,
+                &faults,
+                &overrides,
+                || {
+                    let name = lay.scale.as_deref().ok_or_else(|| {
+                        Error::bad(
+                            &m.file,
+                            Some(base),
+                            "quantized weight without a block-scale tensor",
+                        )
+                    })?;
+                    Ok(lc.ckpt.canonical_bytes(name)?.to_vec())
+                },
+            )?;
+            let scales = match sc {
+                Some(sc) => Some((self.upload_scales(&sc, base, &m.file, n, k)?, lkey)),
+                None => None,
+            };
+            return Ok(ServedDev::Native {
+                nv: Some(p),
+                swap,
+                non_pow2: has(K::NonPow2Ue8m0),
+                double_scale: false,
+                scales,
+            });
+        }
         // faults and hypotheses the device applies itself; the rest re-read the bytes on the host
         let native = faults.iter().all(|f| {
             !matches!(
@@ -867,42 +1097,15 @@ impl Gpu {
             .iter()
             .all(|o| !matches!(o, Override::Unswizzle | Override::UnshiftRows));
         let served = if native {
-            let has = |k: K| faults.iter().any(|f| f.kind == k);
-            let nv = match (&m.convention, m.weight_global) {
-                (Some(conv), Some(wg)) => {
-                    let mut p = served::resolve_nvfp4_named(
-                        lc.ckpt,
-                        base,
-                        *conv,
-                        wg,
-                        m.input_global,
-                        lc.fuse_pairs,
-                        &faults,
-                    );
-                    for o in &overrides {
-                        p.apply(o);
-                    }
-                    Some(p)
-                }
-                (Some(conv), None) => Some(served::resolve_nvfp4_named(
-                    lc.ckpt,
-                    base,
-                    *conv,
-                    f32::NAN,
-                    m.input_global,
-                    lc.fuse_pairs,
-                    &faults,
-                )),
-                _ => None,
-            };
             ServedDev::Native {
-                nv,
+                nv: None,
                 swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
                 non_pow2: has(K::NonPow2Ue8m0),
                 double_scale: has(K::DoubleScale) && m.scheme == Scheme::Fp8Block,
+                scales: None,
             }
         } else {
-            // rare (layout faults and their repairs): the CPU reference prepares the weight
+            // FP8 / MXFP4 layout faults (rare): the CPU reference prepares the weight
             let qw = lc.ckpt.weight(base)?;
             let f32w = qw.dequantize()?.data;
             let sw = served::prepare(lc.ckpt, &qw, &f32w, lc.fuse_pairs, &faults, &overrides)?;
@@ -930,9 +1133,7 @@ impl Gpu {
                 },
             }
         };
-        self.weights
-            .insert(base.to_string(), DevWeight { n, k, fmt, served });
-        Ok(())
+        Ok(served)
     }
 
     /// Read the stored tensors of many weights in batches: all their file ranges are read in
@@ -1099,12 +1300,16 @@ impl Gpu {
     ) -> Result<()> {
         let ok = if out_ty == Ty::Bf16 { 1 } else { 0 };
         let nk = (w.n * w.k) as u64;
-        // (nibble swap, double-applied FP8 scale): loader faults of the served reading
+        // (nibble swap, double-applied FP8 scale, NVFP4 block scales other than the stored ones):
+        // the served reading's loader faults and repairs
         let flags = match &w.served {
             ServedDev::Native {
-                swap, double_scale, ..
-            } => (*swap, *double_scale),
-            ServedDev::Host { .. } => (false, false),
+                swap,
+                double_scale,
+                scales,
+                ..
+            } => (*swap, *double_scale, scales.as_ref().map(|(b, _)| b.ptr)),
+            ServedDev::Host { .. } => (false, false, None),
         };
         match &w.fmt {
             DevFmt::Dense(b) => self.launch(
@@ -1163,9 +1368,13 @@ impl Gpu {
                         Convention::ModelOpt => 1,
                     }
                 };
+                let sp = match flags.2 {
+                    Some(p) if served_operand => p,
+                    _ => scales.ptr,
+                };
                 self.dequant_nvfp4(
                     packed.ptr,
-                    scales.ptr,
+                    sp,
                     nk / 16,
                     Nvfp4Decode {
                         global: *global,
@@ -1468,10 +1677,35 @@ impl Gpu {
         x: &[f32],
         m: usize,
     ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
+        self.linear_rows(lc, kind, base, x, m, None)
+    }
+
+    /// [`Gpu::linear`] with weight rows `r0..r0+n` only (`rows` = (r0, n); all when None): one
+    /// group of a grouped projection, observed on its own as the CPU reference observes it.
+    pub fn linear_rows(
+        &mut self,
+        lc: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &[f32],
+        m: usize,
+        rows: Option<(usize, usize)>,
+    ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
         self.ensure_weight(lc, base)?;
-        let (n, k) = {
+        let (n_all, k) = {
             let w = &self.weights[base];
             (w.n, w.k)
+        };
+        let n = match rows {
+            Some((r0, nr)) if r0 + nr <= n_all => nr,
+            Some((r0, nr)) => {
+                return Err(Error::bad(
+                    lc.ckpt.location(),
+                    Some(base),
+                    format!("rows {r0}..{} of a weight with {n_all} outputs", r0 + nr),
+                ))
+            }
+            None => n_all,
         };
         if x.len() != m * k {
             return Err(Error::bad(
@@ -1495,7 +1729,7 @@ impl Gpu {
             xb.ptr,
             m,
             exact,
-            None,
+            rows,
             yb.ptr,
             n,
             Some(hb.ptr),
@@ -1690,6 +1924,21 @@ impl Gpu {
             )?;
             let ye = ys.ptr + (s0 * d * 4) as u64;
             let p2 = self.linear_dev(lc, kind, b2, act, rows, exact, None, ye, d, Some(h(2)))?;
+            if p2.is_none() {
+                // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7;
+                // the other counters of this slot are never read for such a linear)
+                if n_el.is_multiple_of(16) {
+                    let o = ActQuantOut {
+                        health: h(2),
+                        ..Default::default()
+                    };
+                    self.act_quant_nvfp4(act, n_el / 16, 1.0, o)?;
+                } else {
+                    let a: Vec<f32> = self.download(act, n_el as usize)?;
+                    let am = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    self.copy_in(h(2) + 7 * 8, &[am.to_bits() as u64])?;
+                }
+            }
             if self.weights[b2].n != d {
                 return Err(Error::bad(
                     lc.ckpt.location(),
@@ -1720,8 +1969,13 @@ impl Gpu {
         )?;
         let y: Vec<f32> = self.download(out.ptr, t * d)?;
         let mut obs = Vec::new();
+        let h: Vec<u64> = self.download(hb.ptr, used.len() * 3 * H_SLOTS)?;
+        let w2_amax: Vec<(usize, f32)> = used
+            .iter()
+            .enumerate()
+            .map(|(ui, &e)| (e, f32::from_bits(h[(ui * 3 + 2) * H_SLOTS + 7] as u32)))
+            .collect();
         if kind == PathKind::Served {
-            let h: Vec<u64> = self.download(hb.ptr, used.len() * 3 * H_SLOTS)?;
             for (ui, (e, ps)) in params.iter().enumerate() {
                 for (j, (p, nm)) in ps.iter().zip(["w1", "w3", "w2"]).enumerate() {
                     let s = (ui * 3 + j) * H_SLOTS;
@@ -1732,7 +1986,7 @@ impl Gpu {
                 }
             }
         }
-        Ok((Tensor::new(vec![t, d], y), obs, touched))
+        Ok((Tensor::new(vec![t, d], y), obs, touched, w2_amax))
     }
 
     // ---- statistics -----------------------------------------------------------------------------

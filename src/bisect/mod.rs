@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::checkpoint::{Checkpoint, WeightMeta, WeightTensors};
 use crate::metrics::Compare;
 use crate::numerics::nvfp4::{Convention, QuantHealth};
 use crate::probe::replay::{self, Capture, Patch, Replayer};
@@ -545,8 +545,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
     }
 }
 
-fn tensors_of(qw: &QuantWeight, fam: Family) -> Vec<String> {
-    let t = &qw.tensors;
+fn tensors_of(t: &WeightTensors, fam: Family) -> Vec<String> {
     let v: Vec<Option<&String>> = match fam {
         Family::InputScale => vec![t.input_scale.as_ref()],
         Family::WeightScale => vec![t.global_scale.as_ref()],
@@ -557,8 +556,9 @@ fn tensors_of(qw: &QuantWeight, fam: Family) -> Vec<String> {
     v.into_iter().flatten().cloned().collect()
 }
 
+/// What the hypotheses need of one NVFP4 weight: headers and scalar scales, nothing decoded.
 struct WInfo {
-    qw: QuantWeight,
+    meta: WeightMeta,
     conv: Convention,
     p: Nvfp4Params,
     stored_w: f32,
@@ -569,27 +569,24 @@ struct WInfo {
 }
 
 fn winfo(rp: &mut Replayer, base: &str) -> Result<Option<WInfo>> {
-    let qw = rp.quant_weight(base)?;
-    let WeightFormat::Nvfp4 {
-        convention,
-        weight_global,
-        input_global,
-        ..
-    } = &qw.format
-    else {
+    let meta = rp.meta(base)?;
+    let Some(conv) = replay::nvfp4_convention(&meta) else {
         return Ok(None);
     };
-    let (conv, sw, si) = (*convention, *weight_global, *input_global);
+    // as stored (a missing tensor scale reads as NaN, as the decoded weight carries it)
+    let (sw, si) = (meta.weight_global.unwrap_or(f32::NAN), meta.input_global);
     let Some(p) = rp.params(base)? else {
         return Ok(None);
     };
-    let fused = crate::probe::served::resolve_nvfp4(rp.ckpt, &qw, conv, sw, si, true, &[]);
-    let own = crate::probe::served::resolve_nvfp4(rp.ckpt, &qw, conv, sw, si, false, &[]);
+    let resolve = |fuse: bool| {
+        crate::probe::served::resolve_nvfp4_named(rp.ckpt, &meta.canonical, conv, sw, si, fuse, &[])
+    };
+    let (fused, own) = (resolve(true), resolve(false));
     let ne = |a: f32, b: f32| a.to_bits() != b.to_bits();
     Ok(Some(WInfo {
         fused_w: ne(fused.d_w, own.d_w),
         fused_i: ne(fused.g_x, own.g_x),
-        qw,
+        meta,
         conv,
         p,
         stored_w: sw,
@@ -745,9 +742,9 @@ fn hypotheses(
         let from_sibling = if kind.ends_with("own-shard") {
             match sibling(&changed[0]) {
                 Some(sb) => rp
-                    .quant_weight(&sb)
+                    .meta(&sb)
                     .ok()
-                    .and_then(|q| tensors_of(&q, fam).into_iter().next()),
+                    .and_then(|m| tensors_of(&m.tensors, fam).into_iter().next()),
                 None => None,
             }
         } else {
@@ -763,7 +760,7 @@ fn hypotheses(
             what: what.into(),
             param: ParamRef {
                 family: fam,
-                tensors: tensors_of(&w.qw, fam),
+                tensors: tensors_of(&w.meta.tensors, fam),
                 engine: engine_name(&changed[0], w.conv, fam),
                 bases: changed,
                 from_sibling,

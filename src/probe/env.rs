@@ -341,7 +341,7 @@ impl OpEnv for PathEnv<'_, '_> {
         let g = self.shared.backend.gpu().cloned()?;
         let r = (|| {
             let mut g = lock(&g)?;
-            let (y, obs, touched) = g.experts(
+            let (y, obs, touched, _) = g.experts(
                 &self.shared.linear_ctx(),
                 self.kind,
                 layer,

@@ -2,19 +2,35 @@
 //! prefix, keeping only the tensors the op consumes), then evaluate the op's served numerics on
 //! those inputs under any number of hypotheses. Each hypothesis costs one op, not one run.
 //!
-//! The replay has its own `OpEnv` instead of `probe::env::PathEnv` so that it can keep the decoded
-//! weights across hypotheses (the runner's cache holds one served reading per weight and op) and so
-//! that it can apply repairs no `Override` expresses: block scales re-read from the checkpoint
-//! bytes, and whole weights swapped for the oracle's (to localise the culprit weight of a fused op).
+//! The replay has its own `OpEnv` instead of `probe::env::PathEnv` so that it can keep the weights
+//! across hypotheses (the runner's cache holds one served reading per weight and op) and so that it
+//! can apply repairs no `Override` expresses: block scales re-read from the checkpoint bytes, and
+//! whole weights swapped for the oracle's (to localise the culprit weight of a fused op).
+//!
+//! Two evaluators, chosen by the run's backend:
+//! - CPU ([`ReplayEnv`]): the weights are decoded on the host once per op and every hypothesis is
+//!   a host GEMM;
+//! - CUDA ([`DevEnv`]): the op's stored bytes stay resident on the device across hypotheses (the
+//!   `Gpu` keeps them until the replayer is dropped) and each hypothesis re-resolves only the
+//!   served reading of the bases it patches: scalar overrides and the nibble order natively,
+//!   layout repairs and re-read stored block scales as rearranged scale bytes computed on the host
+//!   from the scale tensor alone, oracle-patched weights as the device's BF16-oracle numerics.
+//!   Nothing is dequantized on the host.
+//!
+//! Hypothesis formation ([`Replayer::params`], [`Replayer::meta`]) reads headers and scalar scales
+//! only, on both backends.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
-use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::backend::cuda::{Gpu, LinearCtx};
+use crate::backend::Backend;
+use crate::checkpoint::{Checkpoint, QuantWeight, Scheme, WeightFormat, WeightMeta};
 use crate::metrics::Compare;
 use crate::model::exec::{exec, OpEnv};
 use crate::model::graph::{build_graph, Op};
 use crate::model::ModelConfig;
+use crate::numerics::nvfp4::Convention;
 use crate::numerics::{bf16, e2m1, e4m3, nvfp4};
 use crate::probe::env::{PathEnv, PathKind};
 use crate::probe::faults::Fault;
@@ -133,6 +149,33 @@ pub struct Replayer<'a> {
     pub faults: Vec<Fault>,
     pub cap: Capture,
     cache: HashMap<String, Entry>,
+    backend: Backend,
+    /// CUDA: bases whose served reading the last evaluation pinned (stored block scales).
+    pinned: Vec<String>,
+    /// CUDA: per base, the stored block scales with non-finite bytes re-derived (None: all finite).
+    stored_scales: HashMap<String, Option<Arc<Vec<u8>>>>,
+}
+
+impl Drop for Replayer<'_> {
+    fn drop(&mut self) {
+        // the op's weights stayed resident on the device across the hypotheses
+        if let Some(g) = self.backend.gpu() {
+            if let Ok(mut g) = g.lock() {
+                g.clear_weights();
+            }
+        }
+    }
+}
+
+/// The NVFP4 convention of a weight when it is NVFP4 (what `Checkpoint::weight` would decode as
+/// `WeightFormat::Nvfp4`), from its metadata alone.
+pub fn nvfp4_convention(m: &WeightMeta) -> Option<Convention> {
+    matches!(
+        m.scheme,
+        Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt
+    )
+    .then_some(m.convention)
+    .flatten()
 }
 
 impl<'a> Replayer<'a> {
@@ -145,7 +188,15 @@ impl<'a> Replayer<'a> {
             faults: opts.loader_faults.clone(),
             cap,
             cache: HashMap::new(),
+            backend: opts.backend.clone(),
+            pinned: Vec::new(),
+            stored_scales: HashMap::new(),
         })
+    }
+
+    /// True when the replay evaluates on the CUDA device.
+    pub fn on_device(&self) -> bool {
+        self.backend.gpu().is_some()
     }
 
     fn entry(&mut self, base: &str) -> Result<&Entry> {
@@ -161,13 +212,36 @@ impl<'a> Replayer<'a> {
         Ok(&self.cache[base])
     }
 
-    /// The loaded weight of a base (checkpoint tensors, stored scalars).
-    pub fn quant_weight(&mut self, base: &str) -> Result<QuantWeight> {
-        Ok(self.entry(base)?.qw.clone())
+    /// A base's metadata: tensor names, scheme, shape, stored scalar scales (headers and scalars
+    /// only, nothing decoded).
+    pub fn meta(&self, base: &str) -> Result<WeightMeta> {
+        self.ckpt.weight_meta(base)
     }
 
-    /// The loader's NVFP4 parameters of a base (faults applied), if it is NVFP4.
+    /// The loader's NVFP4 parameters of a base (faults applied, fused pairs merged), if it is
+    /// NVFP4: what the served reading of the weight uses, resolved from the stored scalars without
+    /// decoding the weight.
     pub fn params(&mut self, base: &str) -> Result<Option<Nvfp4Params>> {
+        let m = self.meta(base)?;
+        let Some(conv) = nvfp4_convention(&m) else {
+            return Ok(None);
+        };
+        let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(base)).collect();
+        Ok(Some(served::resolve_nvfp4_named(
+            self.ckpt,
+            &m.canonical,
+            conv,
+            m.weight_global.unwrap_or(f32::NAN),
+            m.input_global,
+            true,
+            &faults,
+        )))
+    }
+
+    /// The parameters as the decoding replay used to read them (the served reading prepared from
+    /// the dequantized weight); kept to check [`Replayer::params`] against.
+    #[cfg(test)]
+    fn params_decoded(&mut self, base: &str) -> Result<Option<Nvfp4Params>> {
         Ok(match &self.entry(base)?.served {
             ServedWeight::Nvfp4 { p, .. } => Some(*p),
             _ => None,
@@ -232,6 +306,9 @@ impl<'a> Replayer<'a> {
 
     /// Evaluate the op's served numerics with `patches` on (base, patch) pairs.
     pub fn eval(&mut self, patches: &[(String, Patch)]) -> Result<Eval> {
+        if let Some(g) = self.backend.gpu().cloned() {
+            return self.eval_device(g, patches);
+        }
         let cap = self.cap.clone();
         let mut env = ReplayEnv {
             r: self,
@@ -442,5 +519,771 @@ impl OpEnv for ReplayEnv<'_, '_, '_> {
     }
     fn store(&self, t: &mut Tensor) {
         t.round_bf16();
+    }
+}
+
+// ---- the CUDA evaluator ----------------------------------------------------------------------
+
+/// The stored block-scale bytes of a row-major [rows, nb] E4M3 scale tensor with every non-finite
+/// byte replaced by the byte of its row's median finite scale (0x00 when the row has none): the
+/// bytes whose decoding is [`stored_block_scale_wq`]'s multipliers. None when every byte is finite
+/// (the stored bytes serve as they are).
+pub fn repaired_scale_bytes(scales: &[u8], rows: usize, nb: usize) -> Option<Vec<u8>> {
+    let sc = &scales[..(rows * nb).min(scales.len())];
+    let finite = |b: u8| e4m3::decode(b).is_finite();
+    if sc.iter().all(|&b| finite(b)) {
+        return None;
+    }
+    let mut out = sc.to_vec();
+    for row in out.chunks_mut(nb.max(1)) {
+        if row.iter().all(|&b| finite(b)) {
+            continue;
+        }
+        let mut f: Vec<(f32, u8)> = row
+            .iter()
+            .map(|&b| (e4m3::decode(b), b))
+            .filter(|(v, _)| v.is_finite())
+            .collect();
+        f.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let med = f.get(f.len() / 2).map_or(0x00, |x| x.1);
+        for b in row.iter_mut() {
+            if !finite(*b) {
+                *b = med;
+            }
+        }
+    }
+    Some(out)
+}
+
+fn lock(g: &Arc<Mutex<Gpu>>) -> Result<std::sync::MutexGuard<'_, Gpu>> {
+    g.lock().map_err(|_| {
+        Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
+    })
+}
+
+impl Replayer<'_> {
+    fn quantized(&self, base: &str) -> bool {
+        self.ckpt
+            .weight_scheme(base)
+            .is_some_and(|s| s != "bf16" && s != "f16" && s != "f32")
+    }
+
+    /// The repaired stored block scales of NVFP4 bases (cached per base; computed in parallel
+    /// from the scale tensors alone).
+    fn stored_scales_of(&mut self, bases: &[&str]) -> Result<()> {
+        use rayon::prelude::*;
+        let todo: Vec<&str> = bases
+            .iter()
+            .copied()
+            .filter(|b| !self.stored_scales.contains_key(*b))
+            .collect();
+        let ckpt = self.ckpt;
+        let got: Vec<(String, Option<Arc<Vec<u8>>>)> = todo
+            .par_iter()
+            .map(|&b| {
+                let lay = ckpt.weight_layout(b)?;
+                let m = &lay.meta;
+                if nvfp4_convention(m).is_none() {
+                    return Err(Error::usage(
+                        "internal: stored block scales of a non-NVFP4 weight",
+                    ));
+                }
+                let (rows, nb) = (m.out_features, m.in_features / nvfp4::BLOCK);
+                let name = lay.scale.as_deref().ok_or_else(|| {
+                    Error::bad(
+                        &m.file,
+                        Some(b),
+                        "NVFP4 weight without a block-scale tensor",
+                    )
+                })?;
+                let bytes = ckpt.canonical_bytes(name)?;
+                if bytes.len() < rows * nb {
+                    return Err(Error::bad(
+                        &m.file,
+                        Some(b),
+                        "NVFP4 bytes shorter than the weight's shape",
+                    ));
+                }
+                Ok((
+                    b.to_string(),
+                    repaired_scale_bytes(bytes, rows, nb).map(Arc::new),
+                ))
+            })
+            .collect::<Result<_>>()?;
+        self.stored_scales.extend(got);
+        Ok(())
+    }
+
+    /// One evaluation on the device: the patches become the overrides of the device linears, the
+    /// oracle-patched (and unquantized) weights run in the BF16 oracle's numerics, and bases with
+    /// re-read stored block scales are pinned to those bytes for this evaluation.
+    /// How the CUDA evaluator applies a patch set (see [`DevicePlan`]).
+    fn device_plan(&self, patches: &[(String, Patch)]) -> DevicePlan {
+        let overrides: Vec<(String, Override)> = patches
+            .iter()
+            .filter_map(|(b, p)| match p {
+                Patch::Ov(o) => Some((b.clone(), o.clone())),
+                _ => None,
+            })
+            .collect();
+        let oracle: HashSet<String> = patches
+            .iter()
+            .filter(|(_, p)| *p == Patch::Oracle)
+            .map(|(b, _)| b.clone())
+            .collect();
+        // as the CPU evaluator: an oracle patch or an unquantized weight wins over a repair
+        let mut stored: Vec<String> = Vec::new();
+        for (b, p) in patches {
+            if *p == Patch::StoredBlockScales
+                && !oracle.contains(b)
+                && self.quantized(b)
+                && !stored.contains(b)
+            {
+                stored.push(b.clone());
+            }
+        }
+        // layout repairs: their rearranged scale bytes are prepared on the host in parallel
+        let mut layout: Vec<String> = Vec::new();
+        for (b, p) in patches {
+            if matches!(p, Patch::Ov(Override::Unswizzle | Override::UnshiftRows))
+                && !oracle.contains(b)
+                && !stored.contains(b)
+                && !layout.contains(b)
+                && self.quantized(b)
+                && self.meta(b).is_ok_and(|m| nvfp4_convention(&m).is_some())
+            {
+                layout.push(b.clone());
+            }
+        }
+        DevicePlan {
+            overrides,
+            oracle,
+            stored,
+            layout,
+        }
+    }
+
+    /// The rearranged block-scale bytes and nibble order of NVFP4 bases under their layout
+    /// repairs and loader faults (`served::nvfp4_served_bytes`, as the device would resolve them
+    /// one by one), in parallel from the scale tensors alone.
+    fn layout_scales(
+        &self,
+        bases: &[String],
+        overrides: &[(String, Override)],
+    ) -> Result<Vec<(Vec<u8>, bool)>> {
+        use rayon::prelude::*;
+        let ckpt = self.ckpt;
+        bases
+            .par_iter()
+            .map(|b| {
+                let lay = ckpt.weight_layout(b)?;
+                let m = &lay.meta;
+                let conv = nvfp4_convention(m)
+                    .ok_or_else(|| Error::usage("internal: layout repair of a non-NVFP4 weight"))?;
+                let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(b)).collect();
+                let ovs: Vec<Override> = overrides
+                    .iter()
+                    .filter(|(ob, _)| ob == b)
+                    .map(|(_, o)| o.clone())
+                    .collect();
+                let (sc, swap, _) =
+                    served::nvfp4_served_bytes(ckpt, m, conv, true, &faults, &ovs, || {
+                        let name = lay.scale.as_deref().ok_or_else(|| {
+                            Error::bad(
+                                &m.file,
+                                Some(b),
+                                "NVFP4 weight without a block-scale tensor",
+                            )
+                        })?;
+                        Ok(ckpt.canonical_bytes(name)?.to_vec())
+                    })?;
+                let sc = sc.ok_or_else(|| Error::usage("internal: no layout change"))?;
+                Ok((sc, swap))
+            })
+            .collect()
+    }
+
+    /// The nibble order of a base pinned to its stored block scales: the stored bytes as they
+    /// are (no loader nibble-swap fault, as `stored_block_scale_wq`), swapped by a repair on top.
+    fn stored_swap(overrides: &[(String, Override)], base: &str) -> bool {
+        overrides
+            .iter()
+            .any(|(ob, o)| ob == base && *o == Override::NibbleSwap)
+    }
+
+    fn eval_device(&mut self, gpu: Arc<Mutex<Gpu>>, patches: &[(String, Patch)]) -> Result<Eval> {
+        let DevicePlan {
+            overrides,
+            oracle,
+            stored,
+            layout,
+        } = self.device_plan(patches);
+        let rearranged = self.layout_scales(&layout, &overrides)?;
+        let plan_swap: Vec<bool> = stored
+            .iter()
+            .map(|b| Self::stored_swap(&overrides, b))
+            .collect();
+        let stored_refs: Vec<&str> = stored.iter().map(String::as_str).collect();
+        self.stored_scales_of(&stored_refs)?;
+        {
+            let lc = LinearCtx {
+                ckpt: self.ckpt,
+                profile: self.profile,
+                fuse_pairs: true,
+                faults: &self.faults,
+                overrides: &overrides,
+            };
+            let mut g = lock(&gpu)?;
+            for b in self.pinned.drain(..) {
+                g.forget_served(&b);
+            }
+            for (b, &swap) in stored.iter().zip(&plan_swap) {
+                // the stored bytes as they are (no loader layout fault); a nibble-swap repair on top
+                let sc = self.stored_scales.get(b).cloned().flatten();
+                g.pin_nvfp4_served(&lc, b, sc.as_deref().map(|v| v.as_slice()), swap)?;
+                self.pinned.push(b.clone());
+            }
+            for (b, (sc, swap)) in layout.iter().zip(rearranged) {
+                // what `Gpu::served_reading` would compute, prepared here in parallel
+                g.pin_nvfp4_served(&lc, b, Some(&sc), swap)?;
+                self.pinned.push(b.clone());
+            }
+        }
+        let cap = self.cap.clone();
+        let mut env = DevEnv {
+            r: self,
+            gpu,
+            overrides,
+            oracle,
+            obs: Vec::new(),
+            act_amax: HashMap::new(),
+        };
+        let refs: Vec<&Tensor> = cap.inputs.iter().collect();
+        let outputs = exec(&cap.op, &refs, &mut env)?;
+        let (obs, act_amax) = (env.obs, env.act_amax);
+        let vs_bf16 = Compare::of(&outputs[0].data, &cap.oracle_bf16[0].data);
+        Ok(Eval {
+            outputs,
+            vs_bf16,
+            obs,
+            act_amax,
+        })
+    }
+}
+
+/// A patch set as the CUDA evaluator applies it.
+struct DevicePlan {
+    /// `Patch::Ov` as the device linears' overrides (the served reading re-resolves from them).
+    overrides: Vec<(String, Override)>,
+    /// Weights evaluated in the BF16 oracle's numerics.
+    oracle: HashSet<String>,
+    /// Quantized, non-oracle weights pinned to their stored block scales (non-finite re-derived).
+    stored: Vec<String>,
+    /// Other NVFP4 weights with a layout repair (unswizzle, unshift rows): pinned to their
+    /// rearranged scale bytes.
+    layout: Vec<String>,
+}
+
+/// The replay's `OpEnv` on the CUDA device (see the module docs).
+struct DevEnv<'r, 'a> {
+    r: &'r Replayer<'a>,
+    gpu: Arc<Mutex<Gpu>>,
+    overrides: Vec<(String, Override)>,
+    oracle: HashSet<String>,
+    obs: Vec<(String, String, LinearObs)>,
+    act_amax: HashMap<String, f32>,
+}
+
+fn note_amax(act_amax: &mut HashMap<String, f32>, base: &str, a: f32) {
+    let e = act_amax.entry(base.to_string()).or_insert(0.0);
+    *e = e.max(a);
+}
+
+fn amax(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |a, v| a.max(v.abs()))
+}
+
+impl DevEnv<'_, '_> {
+    /// The device path a weight is evaluated in: the BF16 oracle's numerics when patched to the
+    /// oracle or unquantized (a BF16 GEMM, as on the CPU evaluator), else the served numerics.
+    fn kind(&self, base: &str) -> PathKind {
+        if self.oracle.contains(base) || !self.r.quantized(base) {
+            PathKind::OracleBf16
+        } else {
+            PathKind::Served
+        }
+    }
+}
+
+impl OpEnv for DevEnv<'_, '_> {
+    fn cfg(&self) -> &ModelConfig {
+        &self.r.cfg
+    }
+    fn token_ids(&self) -> &[u32] {
+        &self.r.tokens
+    }
+    fn param(&mut self, canonical: &str) -> Result<Tensor> {
+        self.r.ckpt.tensor_f32(canonical)
+    }
+    fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
+        self.r.ckpt.embedding_rows(ids)
+    }
+    fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
+        let kind = self.kind(base);
+        let m = x.rows();
+        let (y, n, obs) = {
+            let lc = LinearCtx {
+                ckpt: self.r.ckpt,
+                profile: self.r.profile,
+                fuse_pairs: true,
+                faults: &self.r.faults,
+                overrides: &self.overrides,
+            };
+            lock(&self.gpu)?.linear(&lc, kind, base, &x.data, m)?
+        };
+        note_amax(&mut self.act_amax, base, amax(&x.data));
+        if kind == PathKind::Served {
+            self.obs.push((
+                sub_id.to_string(),
+                base.to_string(),
+                obs.unwrap_or_default(),
+            ));
+        }
+        Ok(x.with_last_dim(n, y))
+    }
+    fn linear_grouped(
+        &mut self,
+        sub_id: &str,
+        x: &Tensor,
+        base: &str,
+        groups: usize,
+    ) -> Result<Tensor> {
+        let k = x.cols();
+        let rows = x.numel() / (groups * k).max(1);
+        let n = self.r.meta(base)?.out_features;
+        if n % groups != 0 {
+            return Err(Error::bad(
+                self.r.ckpt.location(),
+                Some(base),
+                format!("grouped projection: {n} outputs do not split into {groups} groups"),
+            ));
+        }
+        let r = n / groups;
+        let kind = self.kind(base);
+        let DevEnv {
+            r: rp,
+            gpu,
+            overrides,
+            obs,
+            act_amax,
+            ..
+        } = self;
+        let lc = LinearCtx {
+            ckpt: rp.ckpt,
+            profile: rp.profile,
+            fuse_pairs: true,
+            faults: &rp.faults,
+            overrides,
+        };
+        let out = served::grouped(&x.data, rows, groups, k, r, |g, xg| {
+            let (y, _, o) = lock(gpu)?.linear_rows(&lc, kind, base, xg, rows, Some((g * r, r)))?;
+            note_amax(act_amax, base, amax(xg));
+            if kind == PathKind::Served {
+                obs.push((
+                    format!("{sub_id}.g{g}"),
+                    base.to_string(),
+                    o.unwrap_or_default(),
+                ));
+            }
+            Ok(y)
+        })?;
+        Ok(Tensor::new(vec![rows, groups, r], out))
+    }
+    fn store(&self, t: &mut Tensor) {
+        t.round_bf16();
+    }
+    fn experts_fused(
+        &mut self,
+        layer: usize,
+        x: &Tensor,
+        per: &[Vec<(usize, f32)>],
+        k: usize,
+        bases: &[&str],
+        limit: f32,
+    ) -> Option<Result<Tensor>> {
+        let used: Vec<usize> = (0..per.len()).filter(|&e| !per[e].is_empty()).collect();
+        if used.is_empty() || bases.len() < 3 * per.len() {
+            return None;
+        }
+        // one device call computes every expert in one numerics; a mixed set (some experts
+        // oracle-patched) goes linear by linear, still on the device
+        let kinds: Vec<PathKind> = used
+            .iter()
+            .flat_map(|&e| (0..3).map(move |j| bases[3 * e + j]))
+            .map(|b| self.kind(b))
+            .collect();
+        let kind = kinds[0];
+        if kinds.iter().any(|&k| k != kind) {
+            return None;
+        }
+        let r = (|| {
+            let lc = LinearCtx {
+                ckpt: self.r.ckpt,
+                profile: self.r.profile,
+                fuse_pairs: true,
+                faults: &self.r.faults,
+                overrides: &self.overrides,
+            };
+            lock(&self.gpu)?.experts(&lc, kind, layer, x, per, k, bases, limit)
+        })();
+        let (y, obs, _, w2_amax) = match r {
+            Ok(v) => v,
+            Err(e) => return Some(Err(e)),
+        };
+        let d = x.cols();
+        for &e in &used {
+            // w1 and w3 are fed the expert's gathered token rows
+            let a = per[e].iter().fold(0f32, |a, &(ti, _)| {
+                a.max(amax(&x.data[ti * d..(ti + 1) * d]))
+            });
+            note_amax(&mut self.act_amax, bases[3 * e], a);
+            note_amax(&mut self.act_amax, bases[3 * e + 1], a);
+        }
+        for (e, a) in w2_amax {
+            note_amax(&mut self.act_amax, bases[3 * e + 2], a);
+        }
+        if kind == PathKind::Served {
+            for (i, (id, o)) in obs.into_iter().enumerate() {
+                let e = used[i / 3];
+                self.obs.push((id, bases[3 * e + i % 3].to_string(), o));
+            }
+        }
+        Some(Ok(y))
+    }
+}
+
+#[cfg(test)]
+impl Replayer<'_> {
+    /// The served reading of an NVFP4 base under `patches` exactly as the CUDA evaluator sets it
+    /// up (its plan, the same `served` functions `Gpu::served_reading`/`pin_nvfp4_served` call,
+    /// the repaired stored scales), decoded on the host the way the device's `dequant_nvfp4`
+    /// decodes the served operand (`e2m1 · e4m3(scale byte)`, nibble order as given). None for a
+    /// weight the device evaluates in the BF16 oracle's numerics.
+    fn device_reading(
+        &mut self,
+        patches: &[(String, Patch)],
+        base: &str,
+    ) -> Result<Option<(Vec<f32>, Nvfp4Params)>> {
+        let plan = self.device_plan(patches);
+        if plan.oracle.contains(base) || !self.quantized(base) {
+            return Ok(None);
+        }
+        let ckpt = self.ckpt;
+        let m = self.meta(base)?;
+        let conv = nvfp4_convention(&m).expect("an NVFP4 weight");
+        if plan.stored.iter().any(|b| b == base) {
+            self.stored_scales_of(&[base])?;
+        }
+        let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(base)).collect();
+        let ovs: Vec<Override> = plan
+            .overrides
+            .iter()
+            .filter(|(b, _)| b == base)
+            .map(|(_, o)| o.clone())
+            .collect();
+        let lay = ckpt.weight_layout(base)?;
+        let stored = || -> Result<Vec<u8>> {
+            Ok(ckpt
+                .canonical_bytes(lay.scale.as_deref().expect("block scales"))?
+                .to_vec())
+        };
+        let (sc, swap, p) = if plan.stored.iter().any(|b| b == base) {
+            let sc = self.stored_scales[base].as_ref().map(|v| v.to_vec());
+            let p = served::nvfp4_params_of(ckpt, &m, conv, true, &faults, &ovs);
+            (sc, Self::stored_swap(&plan.overrides, base), p)
+        } else if plan.layout.iter().any(|b| b == base) {
+            // pinned to the bytes `layout_scales` prepares, scalars as `pin_nvfp4_served` resolves
+            let (sc, swap) = self
+                .layout_scales(&[base.to_string()], &plan.overrides)?
+                .remove(0);
+            let p = served::nvfp4_params_of(ckpt, &m, conv, true, &faults, &ovs);
+            (Some(sc), swap, p)
+        } else {
+            served::nvfp4_served_bytes(ckpt, &m, conv, true, &faults, &ovs, stored)?
+        };
+        let sc = match sc {
+            Some(v) => v,
+            None => stored()?,
+        };
+        let packed = ckpt.canonical_bytes(&lay.weight)?;
+        let (rows, cols) = (m.out_features, m.in_features);
+        let nb = cols / nvfp4::BLOCK;
+        let mut wq = vec![0f32; rows * cols];
+        for (i, v) in wq.iter_mut().enumerate() {
+            let byte = packed[i / 2];
+            let (mut lo, mut hi) = e2m1::unpack(byte);
+            if swap {
+                std::mem::swap(&mut lo, &mut hi);
+            }
+            let code = if i % 2 == 0 { lo } else { hi };
+            *v = e2m1::decode(code) * e4m3::decode(sc[(i / cols) * nb + (i % cols) / nvfp4::BLOCK]);
+        }
+        Ok(Some((wq, p)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::Naming;
+    use crate::probe::faults::FaultKind;
+    use crate::probe::spec::ProbeSpec;
+    use crate::synth::{self, Format, Preset, SynthOptions};
+
+    fn ckpt(format: Format, faults: Vec<Fault>) -> Checkpoint {
+        let mut o = SynthOptions::new(Preset::Tiny, format, Naming::Official, 3);
+        o.faults = faults;
+        synth::synth_to_memory(&o).unwrap()
+    }
+
+    fn fault(kind: FaultKind, target: &str) -> Fault {
+        Fault {
+            kind,
+            target: target.into(),
+        }
+    }
+
+    fn replayer<'a>(ck: &'a Checkpoint, faults: Vec<Fault>) -> Replayer<'a> {
+        let cfg = ck.model_config().unwrap().clone();
+        let op = build_graph(&cfg, 1, false)
+            .into_iter()
+            .find(|o| o.id == "L1.ffn.experts")
+            .unwrap();
+        let opts = RunOptions {
+            layers: (0, 1),
+            tokens: crate::probe::synthetic_tokens(8, cfg.vocab_size, 0),
+            profile: Profile::BlackwellW4a4,
+            loader_faults: faults,
+            spec: ProbeSpec::builtin(),
+            keep_outputs: false,
+            progress: false,
+            overrides: Vec::new(),
+            stop_after: None,
+            backend: Backend::Cpu,
+        };
+        let cap = Capture {
+            op,
+            inputs: Vec::new(),
+            oracle_bf16: Vec::new(),
+        };
+        Replayer::new(ck, &opts, cap).unwrap()
+    }
+
+    const BASES: [&str; 5] = [
+        "layers.1.ffn.experts.0.w1",
+        "layers.1.ffn.experts.0.w3",
+        "layers.1.ffn.experts.5.w2",
+        "layers.1.attn.wq_a",
+        "layers.1.attn.wkv",
+    ];
+
+    fn loader_faults() -> Vec<Vec<Fault>> {
+        let mut v = vec![Vec::new()];
+        for k in FaultKind::ALL {
+            if k == FaultKind::NonPow2Ue8m0 {
+                continue; // FP8 only
+            }
+            for t in ["L1.ffn.experts", "L1.attn.q_a"] {
+                v.push(vec![fault(k, t)]);
+            }
+        }
+        v
+    }
+
+    fn bits(p: &Nvfp4Params) -> [u32; 3] {
+        [p.g_x.to_bits(), p.d_w.to_bits(), p.alpha.to_bits()]
+    }
+
+    /// Hypothesis formation reads headers and scalars only, and gets the parameters the decoding
+    /// replay got, under every loader fault, in both NVFP4 conventions.
+    #[test]
+    fn replay_params_from_metadata_equal_the_decoded_reading() {
+        for format in [Format::CtNvfp4, Format::ModelOptNvfp4] {
+            let ck = ckpt(format, Vec::new());
+            for faults in loader_faults() {
+                let mut rp = replayer(&ck, faults.clone());
+                let mut bases: Vec<String> = BASES.iter().map(|s| s.to_string()).collect();
+                bases.push("layers.1.attn.wo_a".into()); // BF16: no parameters
+                for b in &bases {
+                    let p = rp.params(b).unwrap();
+                    let m = rp.meta(b).unwrap();
+                    assert!(rp.cache.is_empty(), "{b}: params decoded the weight");
+                    let d = rp.params_decoded(b).unwrap();
+                    assert_eq!(
+                        p.map(|p| bits(&p)),
+                        d.map(|p| bits(&p)),
+                        "{format:?} {faults:?} {b}"
+                    );
+                    let qw = ck.weight(b).unwrap();
+                    assert_eq!(m.tensors, qw.tensors);
+                    assert_eq!(m.canonical, qw.canonical);
+                    rp.cache.clear();
+                }
+            }
+        }
+    }
+
+    /// The byte-level repair of non-finite block scales decodes to the CPU evaluator's
+    /// `stored_block_scale_wq`, bit for bit (rows with some, all and no NaN bytes, signed scales).
+    #[test]
+    fn replay_repaired_scale_bytes_decode_as_the_stored_block_scales() {
+        let (rows, cols) = (6, 64);
+        let nb = cols / nvfp4::BLOCK;
+        let mut st = 12345u64;
+        let mut rnd = || {
+            st = st
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (st >> 33) as u8
+        };
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rnd()).collect();
+        let mut scales: Vec<u8> = (0..rows * nb).map(|_| rnd() & 0x7E).collect();
+        scales[0] = 0x7F; // row 0: one NaN
+        scales[nb + 1] = 0xFF; // row 1: NaN among negatives
+        for b in &mut scales[nb..2 * nb] {
+            *b |= 0x80;
+        }
+        scales[nb + 1] = 0xFF;
+        for b in &mut scales[2 * nb..3 * nb] {
+            *b = 0x7F; // row 2: all NaN
+        }
+        scales[3 * nb + 2] = 0x00; // row 3: zeros, finite
+        scales[4 * nb] = 0x80; // row 4: -0 and a NaN
+        scales[4 * nb + 3] = 0xFF;
+        let qw = QuantWeight {
+            canonical: "w".into(),
+            out_features: rows,
+            in_features: cols,
+            format: WeightFormat::Nvfp4 {
+                packed: packed.clone(),
+                scales: scales.clone(),
+                convention: Convention::ModelOpt,
+                weight_global: 1.0,
+                input_global: Some(1.0),
+            },
+            tensors: crate::checkpoint::WeightTensors {
+                weight: "w.weight".into(),
+                block_scale: None,
+                global_scale: None,
+                input_scale: None,
+            },
+            file: "mem".into(),
+        };
+        let want = stored_block_scale_wq(&qw).unwrap();
+        let fixed = repaired_scale_bytes(&scales, rows, nb).expect("NaN bytes present");
+        assert!(fixed.iter().all(|&b| e4m3::decode(b).is_finite()));
+        for (i, w) in want.iter().enumerate() {
+            let (lo, hi) = e2m1::unpack(packed[i / 2]);
+            let code = if i % 2 == 0 { lo } else { hi };
+            let got = e2m1::decode(code) * e4m3::decode(fixed[i / nvfp4::BLOCK]);
+            assert_eq!(got.to_bits(), w.to_bits(), "element {i}");
+        }
+        let clean: Vec<u8> = scales.iter().map(|&b| b & 0x7E).collect();
+        assert!(repaired_scale_bytes(&clean, rows, nb).is_none());
+    }
+
+    /// Every kind of patch the hypotheses make (scalar overrides, nibble swap, unswizzle, unshift,
+    /// stored block scales alone and with a swap, oracle), under every loader fault and with NaN
+    /// bytes in the checkpoint: the served reading the CUDA evaluator sets up from bytes and
+    /// scalars decodes to the CPU evaluator's `served_with`, bit for bit, with the same
+    /// parameters; oracle patches and unquantized weights go to the oracle numerics on both.
+    #[test]
+    fn replay_device_reading_equals_the_cpu_served_weight() {
+        let sets = |b: &str| -> Vec<Vec<(String, Patch)>> {
+            let p = |x: Patch| (b.to_string(), x);
+            vec![
+                vec![],
+                vec![
+                    p(Patch::Ov(Override::InputEncode(0.37))),
+                    p(Patch::Ov(Override::Alpha(1.7e-3))),
+                ],
+                vec![
+                    p(Patch::Ov(Override::WeightDecode(2.5e-3))),
+                    p(Patch::Ov(Override::Alpha(0.21))),
+                ],
+                vec![p(Patch::Ov(Override::Alpha(3.0)))],
+                vec![p(Patch::Ov(Override::NibbleSwap))],
+                vec![p(Patch::Ov(Override::Unswizzle))],
+                vec![p(Patch::Ov(Override::UnshiftRows))],
+                vec![p(Patch::StoredBlockScales)],
+                vec![
+                    p(Patch::StoredBlockScales),
+                    p(Patch::Ov(Override::NibbleSwap)),
+                ],
+                vec![p(Patch::Oracle)],
+                vec![p(Patch::Oracle), p(Patch::StoredBlockScales)],
+            ]
+        };
+        let (mut cases, mut repaired) = (0, 0);
+        for format in [Format::CtNvfp4, Format::ModelOptNvfp4] {
+            let ckpts = [
+                (ckpt(format, Vec::new()), loader_faults()),
+                (
+                    ckpt(
+                        format,
+                        vec![
+                            fault(FaultKind::NanBlockScale, "L1.ffn.experts"),
+                            fault(FaultKind::NanBlockScale, "L1.attn.q_a"),
+                        ],
+                    ),
+                    vec![
+                        Vec::new(),
+                        vec![fault(FaultKind::NibbleSwap, "L1.ffn.experts")],
+                    ],
+                ),
+            ];
+            for (ck, fault_sets) in &ckpts {
+                for faults in fault_sets {
+                    let mut rp = replayer(ck, faults.clone());
+                    for b in BASES {
+                        for patches in sets(b) {
+                            let mine: Vec<&Patch> = patches.iter().map(|(_, p)| p).collect();
+                            let cpu = if mine.contains(&&Patch::Oracle) {
+                                None
+                            } else {
+                                match rp.served_with(b, &mine).unwrap() {
+                                    ServedWeight::Nvfp4 { wq, p } => Some((wq, p)),
+                                    _ => panic!("{b} is NVFP4"),
+                                }
+                            };
+                            let dev = rp.device_reading(&patches, b).unwrap();
+                            let what = format!("{format:?} {faults:?} {b} {patches:?}");
+                            match (cpu, dev) {
+                                (None, None) => {}
+                                (Some((cw, cp)), Some((dw, dp))) => {
+                                    assert_eq!(bits(&cp), bits(&dp), "{what}");
+                                    assert_eq!(cw.len(), dw.len(), "{what}");
+                                    let bad = cw
+                                        .iter()
+                                        .zip(&dw)
+                                        .position(|(a, b)| a.to_bits() != b.to_bits());
+                                    assert_eq!(bad, None, "{what}");
+                                }
+                                (c, d) => panic!(
+                                    "{what}: cpu oracle {} device oracle {}",
+                                    c.is_none(),
+                                    d.is_none()
+                                ),
+                            }
+                            cases += 1;
+                        }
+                    }
+                    repaired += rp.stored_scales.values().filter(|v| v.is_some()).count();
+                }
+            }
+        }
+        // the NaN-byte checkpoints exercised the repaired-bytes path
+        assert!(repaired > 0);
+        assert!(cases > 1000, "{cases}");
     }
 }

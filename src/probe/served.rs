@@ -223,15 +223,17 @@ pub fn resolve_nvfp4_named(
     Nvfp4Params { g_x, d_w, alpha }
 }
 
-/// Decode `e2m1 · s_w` for an NVFP4 weight with the loader's layout faults or bisect's repairs applied.
-fn nvfp4_wq(
-    packed: &[u8],
+/// The block-scale bytes (linear [rows, cols/16]) and the nibble order the served path decodes an
+/// NVFP4 weight with, given the stored scale bytes, the loader's layout faults and bisect's layout
+/// repairs: every layout fault and repair is a rearrangement of the scale bytes or the nibble order,
+/// so a backend that holds the packed bytes needs only these (the CUDA backend uploads them).
+pub fn nvfp4_scale_layout(
     scales: &[u8],
     rows: usize,
     cols: usize,
     faults: &[&Fault],
     overrides: &[Override],
-) -> Vec<f32> {
+) -> (Vec<u8>, bool) {
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     let ov = |o: &Override| overrides.contains(o);
     let nb = cols / nvfp4::BLOCK;
@@ -264,6 +266,90 @@ fn nvfp4_wq(
         sc[0] = 0x7F;
     }
     let swap = has(FaultKind::NibbleSwap) ^ ov(&Override::NibbleSwap);
+    (sc, swap)
+}
+
+/// The loader's NVFP4 scalars of a weight known by its metadata, with bisect's hypotheses on it
+/// applied in order (what `prepare` puts in `ServedWeight::Nvfp4`; a missing tensor scale reads
+/// as NaN, as the decoded weight carries it).
+pub fn nvfp4_params_of(
+    ckpt: &Checkpoint,
+    meta: &crate::checkpoint::WeightMeta,
+    conv: Convention,
+    fuse_pairs: bool,
+    faults: &[&Fault],
+    overrides: &[Override],
+) -> Nvfp4Params {
+    let mut p = resolve_nvfp4_named(
+        ckpt,
+        &meta.canonical,
+        conv,
+        meta.weight_global.unwrap_or(f32::NAN),
+        meta.input_global,
+        fuse_pairs,
+        faults,
+    );
+    for o in overrides {
+        p.apply(o);
+    }
+    p
+}
+
+/// True when a loader fault or a hypothesis rearranges an NVFP4 weight's block scales (the served
+/// reading then needs [`nvfp4_scale_layout`]; otherwise it decodes the stored bytes).
+pub fn nvfp4_layout_changed(faults: &[&Fault], overrides: &[Override]) -> bool {
+    faults.iter().any(|f| {
+        matches!(
+            f.kind,
+            FaultKind::SwizzledScales | FaultKind::ShiftedScaleRows | FaultKind::NanBlockScale
+        )
+    }) || overrides
+        .iter()
+        .any(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows))
+}
+
+/// How a backend that keeps an NVFP4 weight's stored bytes serves it under these loader faults and
+/// hypotheses, without decoding it: the block-scale bytes to decode with (None: the stored ones;
+/// read from `stored_scales()` only when a layout fault or repair applies), the nibble order, and
+/// the scalars. Decoding `e2m1 · e4m3(scale)` with these equals `prepare`'s `wq` bit for bit.
+pub fn nvfp4_served_bytes(
+    ckpt: &Checkpoint,
+    meta: &crate::checkpoint::WeightMeta,
+    conv: Convention,
+    fuse_pairs: bool,
+    faults: &[&Fault],
+    overrides: &[Override],
+    stored_scales: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<(Option<Vec<u8>>, bool, Nvfp4Params)> {
+    let p = nvfp4_params_of(ckpt, meta, conv, fuse_pairs, faults, overrides);
+    if nvfp4_layout_changed(faults, overrides) {
+        let stored = stored_scales()?;
+        let (sc, swap) = nvfp4_scale_layout(
+            &stored,
+            meta.out_features,
+            meta.in_features,
+            faults,
+            overrides,
+        );
+        Ok((Some(sc), swap, p))
+    } else {
+        let swap = faults.iter().any(|f| f.kind == FaultKind::NibbleSwap)
+            ^ overrides.contains(&Override::NibbleSwap);
+        Ok((None, swap, p))
+    }
+}
+
+/// Decode `e2m1 · s_w` for an NVFP4 weight with the loader's layout faults or bisect's repairs applied.
+fn nvfp4_wq(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    faults: &[&Fault],
+    overrides: &[Override],
+) -> Vec<f32> {
+    let nb = cols / nvfp4::BLOCK;
+    let (sc, swap) = nvfp4_scale_layout(scales, rows, cols, faults, overrides);
     let mut out = vec![0f32; rows * cols];
     for r in 0..rows {
         for b in 0..nb {
