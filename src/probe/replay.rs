@@ -902,6 +902,12 @@ impl OpEnv for DevEnv<'_, '_> {
     fn store(&self, t: &mut Tensor) {
         t.round_bf16();
     }
+    fn device(&self) -> Option<crate::backend::layer::Dev> {
+        Some(crate::backend::layer::Dev {
+            gpu: self.gpu.clone(),
+            round: true,
+        })
+    }
     fn experts_fused(
         &mut self,
         layer: usize,
