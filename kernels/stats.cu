@@ -161,25 +161,28 @@ extern "C" __global__ void from_f64(const double* in, u64 rows, u64 cols, u64 ld
 }
 
 // Few-row GEMM with f64 accumulation (the routed experts see a handful of tokens each):
-// y[r, c] = sum_k x[r, k] * w[c, k] for r < m <= 8, rounded once to f32. One warp computes four
-// output columns, the lanes striding over k (coalesced rows of w), then a warp reduction.
-// Operands are f32, or BF16 bits when bf != 0.
+// y[r, c] = sum_k x[r, k] * w[c, k] for r < m <= 8, rounded once to f32. One block of
+// SMALL_WARPS warps computes four output columns: the warps split k (lanes striding over
+// consecutive k, so rows of w are read coalesced), each warp reduces its partial sums with
+// shuffles, and thread (r, j) adds the warps' partials in warp order. Operands are f32, or BF16
+// bits when bf != 0. Launch with blockDim.x = 32 * SMALL_WARPS.
 #define SMALL_M 8
+#define SMALL_WARPS 8
 __device__ __forceinline__ float ld_op(const void* p, u64 i, int bf) {
     return bf ? bf16_to_f32(((const u16*)p)[i]) : ((const float*)p)[i];
 }
 extern "C" __global__ void gemm_small_f64(const void* x, const void* w, int bf, u64 m, u64 n, u64 k,
                                           u64 ldx, float* y, u64 ldy) {
-    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
-    u32 lane = threadIdx.x & 31u;
-    for (u64 c0 = warp * 4; c0 < n; c0 += nwarps * 4) {
+    __shared__ double part[SMALL_WARPS][SMALL_M][4];
+    u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
+    const u32 step = 32u * SMALL_WARPS;
+    for (u64 c0 = (u64)blockIdx.x * 4; c0 < n; c0 += (u64)gridDim.x * 4) {
         double acc[SMALL_M][4];
 #pragma unroll
         for (int r = 0; r < SMALL_M; r++)
 #pragma unroll
             for (int j = 0; j < 4; j++) acc[r][j] = 0.0;
-        for (u64 kk = lane; kk < k; kk += 32) {
+        for (u64 kk = (u64)wid * 32 + lane; kk < k; kk += step) {
             double wv[4];
 #pragma unroll
             for (int j = 0; j < 4; j++) wv[j] = (c0 + j < n) ? (double)ld_op(w, (c0 + j) * k + kk, bf) : 0.0;
@@ -198,8 +201,18 @@ extern "C" __global__ void gemm_small_f64(const void* x, const void* w, int bf, 
             for (int j = 0; j < 4; j++) {
                 double v = acc[r][j];
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-                if (lane == 0 && (u64)r < m && c0 + j < n) y[(u64)r * ldy + c0 + j] = __double2float_rn(v);
+                if (lane == 0) part[wid][r][j] = v;
             }
         }
+        __syncthreads();
+        if (threadIdx.x < SMALL_M * 4) {
+            u32 r = threadIdx.x >> 2, j = threadIdx.x & 3u;
+            if ((u64)r < m && c0 + j < n) {
+                double v = 0.0;
+                for (u32 q = 0; q < SMALL_WARPS; q++) v = __dadd_rn(v, part[q][r][j]);
+                y[(u64)r * ldy + c0 + j] = __double2float_rn(v);
+            }
+        }
+        __syncthreads();
     }
 }

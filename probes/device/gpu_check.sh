@@ -24,7 +24,7 @@ for p in glob.glob(sys.argv[1]+'/*.safetensors'):
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 nproc >> "$OUT/gpu.txt"; free -g >> "$OUT/gpu.txt"; df -h /tmp >> "$OUT/gpu.txt"
 if has selftest; then
-  ( time timeout 300 $B selftest --backend cuda --bench ${BENCH_GIB:-2} ${RCP_TABLE:+--rcp-table /tmp/rcp_table.bin} --json "$OUT/selftest.json" ) > "$OUT/selftest.txt" 2>&1
+  ( time timeout 300 $B selftest --backend cuda $([ "${BENCH_GIB:-2}" != 0 ] && echo --bench ${BENCH_GIB:-2}) ${RCP_TABLE:+--rcp-table /tmp/rcp_table.bin} --json "$OUT/selftest.json" ) > "$OUT/selftest.txt" 2>&1
   rc=$?; echo "selftest rc=$rc" >> "$OUT/selftest.txt"; grep -E "^(kernels|whole|selftest|rcp)|FAIL|GiB" "$OUT/selftest.txt" | cut -c1-300
   [ -f /tmp/rcp_table.bin ] && gzip -9c /tmp/rcp_table.bin > "$OUT/rcp_table.bin.gz"
   [ $rc -ge 2 ] && { echo "selftest could not run: skipping the rest"; exit 1; }
@@ -44,13 +44,26 @@ if has flash; then
   grep -E "ops,|profile \(|runner done|exit|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
   evict $F; sync
   ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
-  ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers ${CPU_CMP_LAYERS:-0..1} --seq-len ${CPU_CMP_T:-8} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
-  echo "cpu-vs-cuda rc=$?" >> "$OUT/flash_cpu_vs_cuda.txt"
-  grep -E "^whole|^selftest|rc=" "$OUT/flash_cpu_vs_cuda.txt"
+  if [ -z "${SKIP_CPU_CMP:-}" ]; then
+    ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers ${CPU_CMP_LAYERS:-0..1} --seq-len ${CPU_CMP_T:-8} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
+    echo "cpu-vs-cuda rc=$?" >> "$OUT/flash_cpu_vs_cuda.txt"
+    grep -E "^whole|^selftest|rc=" "$OUT/flash_cpu_vs_cuda.txt"
+  fi
 fi
 if has bisect; then
-  ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout 240 $B bisect --model $F --layers $L --seq-len 128 --backend cuda --loader-fault ${BISECT_FAULT:-inverted-input-scale@L3.ffn.experts} --json $OUT/flash_bisect.json ) > "$OUT/flash_bisect.txt" 2>&1
-  grep -E "Elapsed|L3|verdict|profile" "$OUT/flash_bisect.txt" | head -8
+  # the CPU and CUDA backends name the same verdicts on planted faults of the tiny model
+  ( time OUT=/tmp/bcmp timeout ${BCMP_TIMEOUT:-200} bash probes/device/bisect_cmp.sh $B ) > "$OUT/bisect_cmp.txt" 2>&1
+  echo "bisect_cmp rc=$?" >> "$OUT/bisect_cmp.txt"; tail -25 "$OUT/bisect_cmp.txt" | cut -c1-300
+  # one planted loader fault in layer 3 of the Flash checkpoint, against one run (warm cache)
+  cat $F/*.safetensors > /dev/null
+  ( /usr/bin/time -v timeout 120 $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet ) > "$OUT/flash_run_ref.txt" 2>&1
+  grep -E "ops,|Elapsed" "$OUT/flash_run_ref.txt"
+  for how in auto linear; do
+    ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${BISECT_TIMEOUT:-150} $B bisect --model $F --layers $L --seq-len 128 --backend cuda --search $how --loader-fault ${BISECT_FAULT:-inverted-input-scale@L3.ffn.experts} --json $OUT/flash_bisect_$how.json ) > "$OUT/flash_bisect_$how.txt" 2>&1
+    echo "bisect $how rc=$?" >> "$OUT/flash_bisect_$how.txt"
+    grep -E "Elapsed|rc=|verdict|L3|rror" "$OUT/flash_bisect_$how.txt" | head -8 | cut -c1-300
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d.get('search',{}).get('phases',d.get('search')))[:600])" $OUT/flash_bisect_$how.json 2>&1 | head -3
+  done
 fi
 
 cd "$OUT" && tar czf results.tgz --remove-files $(ls | grep -v -E '^(results.tgz|selftest.txt|selftest.json|rcp_table.bin.gz)$') 2>/dev/null
