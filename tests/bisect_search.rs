@@ -315,3 +315,51 @@ fn bisect_layer_search_deep_model_noise() {
         lin.search.total_execs()
     );
 }
+
+/// The linear search keeps the first divergent op's oracle view from its own run: the tensors are
+/// bit for bit what a separate capture pass (the oracle re-run up to the op) computes, and the
+/// bisect reports no capture phase.
+#[test]
+fn bisect_run_capture_equals_the_capture_pass() {
+    use nvfp4_probe::probe::{replay, run_capturing};
+    for (format, f) in [
+        (
+            Format::CtNvfp4,
+            fault(FaultKind::InvertedInputScale, "L2.attn.q_a"),
+        ),
+        (
+            Format::ModelOptNvfp4,
+            fault(FaultKind::MissingAlpha, "L1.ffn.experts"),
+        ),
+    ] {
+        let c = ckpt(format, 4);
+        let o = opts(3, vec![f.clone()], 7);
+        let (res, cap) = run_capturing(&c, &o, true).unwrap();
+        let first = want_first(&res.records);
+        let cap = cap.expect("a divergent op is captured");
+        assert_eq!(cap.op.id, first, "{f:?}");
+        let again = replay::capture(&c, &o, &first).unwrap();
+        assert_eq!(cap.inputs.len(), again.inputs.len());
+        for (a, b) in cap
+            .inputs
+            .iter()
+            .chain(&cap.oracle_bf16)
+            .zip(again.inputs.iter().chain(&again.oracle_bf16))
+        {
+            assert_eq!(a.shape, b.shape, "{first}");
+            let same = a
+                .data
+                .iter()
+                .zip(&b.data)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{first}: captured tensors differ");
+        }
+        let r = bisect::bisect(&c, &o).unwrap();
+        assert!(r.search.phases.iter().all(|p| p.name != "capture"));
+        assert_eq!(r.divergence.as_ref().map(|d| d.op.clone()), Some(first));
+    }
+    // a clean run captures nothing
+    let c = ckpt(Format::CtNvfp4, 4);
+    let (res, cap) = run_capturing(&c, &opts(3, vec![], 7), true).unwrap();
+    assert!(res.summary.first_divergent.is_none() && cap.is_none());
+}

@@ -221,8 +221,9 @@ impl BisectResult {
 
 /// Bisect over `opts.layers`: one run, then hypotheses at the first divergent op.
 pub fn bisect(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult> {
-    let res = probe::run(ckpt, opts)?;
-    bisect_run(ckpt, opts, &res)
+    // the run keeps the first divergent op's oracle inputs, so the replay needs no capture pass
+    let (res, cap) = probe::run_capturing(ckpt, opts, true)?;
+    bisect_run_from(ckpt, opts, &res, cap)
 }
 
 /// Bisect with a chosen search (`Auto` decides by [`search::auto_choice`]).
@@ -246,11 +247,23 @@ pub fn bisect_with(ckpt: &Checkpoint, opts: &RunOptions, how: Search) -> Result<
 
 /// Bisect given a finished run over `opts` (the run's options must be these).
 pub fn bisect_run(ckpt: &Checkpoint, opts: &RunOptions, res: &RunResult) -> Result<BisectResult> {
+    bisect_run_from(ckpt, opts, res, None)
+}
+
+/// [`bisect_run`] with the first divergent op's oracle view when the run kept it
+/// ([`probe::run_capturing`]); without it the replay captures it by running the oracle up to the op.
+fn bisect_run_from(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    res: &RunResult,
+    cap: Option<Capture>,
+) -> Result<BisectResult> {
     let t0 = Instant::now();
     let mut cost = Cost::default();
     let first = res.records.iter().find(|r| r.divergent);
+    let cap = cap.filter(|c| first.is_some_and(|r| r.id == c.op.id));
     let divergence = match first {
-        Some(r) => Some(explain(ckpt, opts, &res.records, r, None, &mut cost)?),
+        Some(r) => Some(explain(ckpt, opts, &res.records, r, cap, &mut cost)?),
         None => None,
     };
     // an anomaly at or before the divergent op means the oracle itself is off there: the divergence

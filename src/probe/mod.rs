@@ -187,6 +187,17 @@ fn format_tolerance(th: &Thresholds, profile: Profile, formats: &[String], class
 
 /// Run the probe.
 pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
+    run_capturing(ckpt, opts, false).map(|(r, _)| r)
+}
+
+/// Run the probe; with `capture`, also keep the BF16 oracle's view (inputs and outputs) of the
+/// first divergent op, which is what `bisect`'s hypothesis replay starts from (the same tensors
+/// [`replay::capture`] would compute by running the oracle up to the op again).
+pub fn run_capturing(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    capture: bool,
+) -> Result<(RunResult, Option<replay::Capture>)> {
     let t0 = Instant::now();
     let bytes0 = ckpt.bytes_read();
     let cfg = ckpt.model_config()?.clone();
@@ -220,7 +231,8 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
 
     let mut shared = opts.shared(ckpt, cfg.clone());
     let mut maps: [HashMap<String, Tensor>; 3] = Default::default();
-    let mut records = Vec::new();
+    let mut records: Vec<OpRecord> = Vec::new();
+    let mut captured: Option<replay::Capture> = None;
     let mut outputs: BTreeMap<String, Vec<(String, Tensor)>> = BTreeMap::new();
     let pb = if opts.progress {
         let pb = indicatif::ProgressBar::new(ops.len() as u64);
@@ -307,6 +319,13 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
                         ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
                     )?);
                     *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
+                    if capture && captured.is_none() && records.last().is_some_and(|r| r.divergent) {
+                        captured = Some(replay::Capture {
+                            op: op.clone(),
+                            inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
+                            oracle_bf16: outs[1].clone(),
+                        });
+                    }
                     if opts.keep_outputs {
                         for (name, ts) in [
                             ("oracle_fp32", &outs[0]),
@@ -370,13 +389,16 @@ pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
     }
 
     let summary = Summary::of(&records);
-    Ok(RunResult {
-        records,
-        summary,
-        outputs,
-        seconds: t0.elapsed().as_secs_f64(),
-        bytes_read: ckpt.bytes_read() - bytes0,
-    })
+    Ok((
+        RunResult {
+            records,
+            summary,
+            outputs,
+            seconds: t0.elapsed().as_secs_f64(),
+            bytes_read: ckpt.bytes_read() - bytes0,
+        },
+        captured,
+    ))
 }
 
 /// The record of one reported op from its executions: the three propagated paths' outputs
