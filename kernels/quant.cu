@@ -154,12 +154,14 @@ __device__ __forceinline__ u32 e2m1_encode_v2(float x) {
 //  * Invariants: blockDim.x a multiple of 32 (Gpu::grid uses 256); any gridDim. The launcher
 //    passes n = ceil(4 nblocks / AQ2_U) work items, one per lane-step; Gpu::grid caps the grid
 //    at sm_count * 120 blocks.
-#define AQ2_U 2
+// AQ2_U is a template parameter: float4 items each lane loads per step before computing (the
+// bytes in flight per warp). Instantiated as act_quant_nvfp4_v2 (U = 2, 6 blocks of 256 per SM),
+// _v2u4 (U = 4, 4 blocks) and _v2u8 (U = 8, 2 blocks); Gpu::aq_unroll picks one. Every U gives the
+// same bits (each element's arithmetic does not depend on U; the self-test checks all three).
 
-// 6 resident blocks of 256 threads per SM (40 registers, no spills with ptxas 12.8 for sm_90)
-extern "C" __global__ void __launch_bounds__(256, 6)
-act_quant_nvfp4_v2(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
-                   float* xhat, int xhat_bf16, u64* health) {
+template <int AQ2_U>
+__device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblocks, float g,
+                   u8* packed, u8* scales, u16* xq16, float* xhat, int xhat_bf16, u64* health) {
     __shared__ float2 aq_s[256];  // (sfq, osc) by E4M3 code
     __shared__ float aq_e[16];    // e2m1_decode by nibble
     float rcp_g = rcp_approx_ftz(g);
@@ -246,6 +248,23 @@ act_quant_nvfp4_v2(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
             if (am) atomicMax(&health[7], (u64)am);
         }
     }
+}
+
+// U = 2: 6 resident blocks of 256 threads per SM (40 registers, no spills with ptxas 12.8, sm_90)
+extern "C" __global__ void __launch_bounds__(256, 6)
+act_quant_nvfp4_v2(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
+                   float* xhat, int xhat_bf16, u64* health) {
+    act_quant_nvfp4_v2_body<2>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
+}
+extern "C" __global__ void __launch_bounds__(256, 4)
+act_quant_nvfp4_v2u4(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
+                     float* xhat, int xhat_bf16, u64* health) {
+    act_quant_nvfp4_v2_body<4>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+act_quant_nvfp4_v2u8(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
+                     float* xhat, int xhat_bf16, u64* health) {
+    act_quant_nvfp4_v2_body<8>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
 }
 
 // 2^ceil(log2 v) for a normal positive v (UE8M0 "ceil" rounding), as f32.

@@ -11,10 +11,24 @@ pub fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var_os("NVFP4_PROBE_PROFILE").is_some())
 }
 
-/// Print `profile: +T s label` when profiling; the first call sets the origin.
+/// Print `profile: +T s label` when profiling; the first call sets the origin. On Linux the
+/// line also gives the bytes this process has made the kernel fetch from storage so far
+/// (`read_bytes` of /proc/self/io: page faults and readahead included, page-cache hits not), so
+/// a cold run shows what it truly read from disk next to what it asked for.
 pub fn mark(label: &str) {
     let t0 = *START.get_or_init(Instant::now);
     if enabled() {
-        eprintln!("profile: {:8.3} s  {label}", t0.elapsed().as_secs_f64());
+        let io = storage_read_bytes()
+            .map(|b| format!("  (storage reads {:.1} MB)", b as f64 / 1e6))
+            .unwrap_or_default();
+        eprintln!("profile: {:8.3} s  {label}{io}", t0.elapsed().as_secs_f64());
     }
+}
+
+/// `read_bytes` of /proc/self/io (bytes fetched from storage for this process), where available.
+pub fn storage_read_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/io").ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
 }

@@ -41,7 +41,7 @@ if has flash; then
   done
   evict $F; sync
   ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_cold.json ) > "$OUT/flash_cold.txt" 2>&1
-  grep -E "ops,|profile \(|runner done|exit|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
+  grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
   evict $F; sync
   ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
   if [ -z "${SKIP_CPU_CMP:-}" ]; then

@@ -53,6 +53,8 @@ const KERNELS: &[&str] = &[
     "convert_dense",
     "act_quant_nvfp4",
     "act_quant_nvfp4_v2",
+    "act_quant_nvfp4_v2u4",
+    "act_quant_nvfp4_v2u8",
     "act_quant_fp8",
     "fused_stats",
     "gather_rows",
@@ -76,8 +78,15 @@ const KERNELS: &[&str] = &[
 /// Pieces (one 16-byte store each) per lane and step of `dequant_nvfp4_v2` (`DQ2_U` in
 /// kernels/formats.cu).
 const DQ2_U: u64 = 4;
-/// float4 items per lane and step of `act_quant_nvfp4_v2` (`AQ2_U` in kernels/quant.cu).
-const AQ2_U: u64 = 2;
+/// float4 items per lane and step of `act_quant_nvfp4_v2` (`AQ2_U` in kernels/quant.cu): the
+/// kernel instantiated for each, by name.
+pub const AQ2_VARIANTS: [(u32, &str); 3] = [
+    (2, "act_quant_nvfp4_v2"),
+    (4, "act_quant_nvfp4_v2u4"),
+    (8, "act_quant_nvfp4_v2u8"),
+];
+/// The default `AQ2_U` (`Gpu::aq_unroll`; `NVFP4_PROBE_AQ_UNROLL` = 2, 4 or 8 overrides it).
+pub const AQ2_U_DEFAULT: u32 = 2;
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
 pub const H_SLOTS: usize = 8;
@@ -278,6 +287,8 @@ pub struct Gpu {
     /// bits) instead of the v1 kernels. True unless `NVFP4_PROBE_KERNELS=v1` was set when the
     /// backend opened; the self-test flips it to check both.
     pub v2: bool,
+    /// `AQ2_U` of the v2 activation quantization kernel (one of [`AQ2_VARIANTS`]).
+    pub aq_unroll: u32,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -381,6 +392,11 @@ impl Gpu {
                 .as_deref()
                 .map(str::trim)
                 != Some("v1"),
+            aq_unroll: std::env::var("NVFP4_PROBE_AQ_UNROLL")
+                .ok()
+                .and_then(|v| v.trim().parse::<u32>().ok())
+                .filter(|u| AQ2_VARIANTS.iter().any(|(k, _)| k == u))
+                .unwrap_or(AQ2_U_DEFAULT),
         })
     }
 
@@ -539,7 +555,10 @@ impl Gpu {
             // cap keeps the table build well under 2 % of a block's work on multi-GB tensors,
             // and 120 blocks per SM is a whole number of waves at 4, 5, 6 or 8 resident blocks
             // of 256 threads (no partly filled last wave)
-            "dequant_nvfp4_v2" | "act_quant_nvfp4_v2" => self.sm_count as u64 * 120,
+            "dequant_nvfp4_v2"
+            | "act_quant_nvfp4_v2"
+            | "act_quant_nvfp4_v2u4"
+            | "act_quant_nvfp4_v2u8" => self.sm_count as u64 * 120,
             _ => 1 << 22,
         };
         let blocks = n.div_ceil(256).clamp(1, cap) as u32;
@@ -618,7 +637,12 @@ impl Gpu {
     pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
         let (name, n) = if self.v2 {
             // one work item per lane-step of AQ2_U float4 (four per 16-element block)
-            ("act_quant_nvfp4_v2", (nblocks * 4).div_ceil(AQ2_U))
+            let (u, name) = AQ2_VARIANTS
+                .iter()
+                .copied()
+                .find(|(u, _)| *u == self.aq_unroll)
+                .unwrap_or(AQ2_VARIANTS[0]);
+            (name, (nblocks * 4).div_ceil(u as u64))
         } else {
             ("act_quant_nvfp4", nblocks * 4)
         };

@@ -534,8 +534,15 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         ];
         let xh = if xhat_bf16 { " (xhat bf16)" } else { "" };
         let mut raw_v1: Vec<(String, Vec<u64>)> = Vec::new();
-        for (v2, sfx) in [(false, ""), (true, " v2")] {
+        let prev_u = t.g.aq_unroll;
+        for (v2, u, sfx) in [
+            (false, 2, ""),
+            (true, 2, " v2"),
+            (true, 4, " v2u4"),
+            (true, 8, " v2u8"),
+        ] {
             t.g.v2 = v2;
+            t.g.aq_unroll = u;
             let run = |t: &mut T, out: &mut Vec<Check>| -> Result<Vec<(String, Vec<u64>)>> {
                 let (po, so, qo, ho) = (
                     t.out(m * k / 2)?,
@@ -589,12 +596,13 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             };
             let r = run(&mut t, &mut out);
             t.g.v2 = prev_v2;
+            t.g.aq_unroll = prev_u;
             let raw = r?;
             if !v2 {
                 raw_v1 = raw;
             } else {
                 for ((name, a), (_, b)) in raw.iter().zip(&raw_v1) {
-                    out.push(exact_u(&format!("{name} v2 = v1 (raw bits)"), a, b));
+                    out.push(exact_u(&format!("{name}{sfx} = v1 (raw bits)"), a, b));
                 }
             }
         }
@@ -1077,8 +1085,15 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         (false, "codes + scales"),
         (true, "codes + scales + bf16 GEMM operand"),
     ] {
-        for (v2, kname) in [(false, "act_quant_nvfp4"), (true, "act_quant_nvfp4_v2")] {
+        let prev_u = g.aq_unroll;
+        for (v2, u, kname) in [
+            (false, 2, "act_quant_nvfp4"),
+            (true, 2, "act_quant_nvfp4_v2"),
+            (true, 4, "act_quant_nvfp4_v2u4"),
+            (true, 8, "act_quant_nvfp4_v2u8"),
+        ] {
             g.v2 = v2;
+            g.aq_unroll = u;
             let ms = time_ms(g, reps, || {
                 let outs = ActQuantOut {
                     packed: po.ptr,
@@ -1090,6 +1105,7 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
                 g.act_quant_nvfp4(x.ptr, nb, 3.0, outs)
             });
             g.v2 = prev_v2;
+            g.aq_unroll = prev_u;
             let ms = ms?;
             let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
             let bw = bytes as f64 / (ms * 1e-3) / 1e9;

@@ -110,9 +110,19 @@ pub fn prepare(
         Some(p) => ProbeSpec::from_file(p)?,
         None => ProbeSpec::builtin(),
     };
-    let (backend_sel, backend, device) = select_backend(backend)?;
-    crate::profile::mark("backend ready");
-    let ckpt = open_model(model, seed)?;
+    // The device's start (driver, context, kernels) and the checkpoint's headers overlap: one
+    // waits on the driver, the other on the disk. A backend error still comes first.
+    let (sel, ckpt) = std::thread::scope(|s| {
+        let h = s.spawn(|| open_model(model, seed));
+        let sel = select_backend(backend);
+        crate::profile::mark("backend ready");
+        let ckpt = h
+            .join()
+            .unwrap_or_else(|_| Err(Error::Backend("internal: opening the checkpoint panicked".into())));
+        (sel, ckpt)
+    });
+    let (backend_sel, backend, device) = sel?;
+    let ckpt = ckpt?;
     crate::profile::mark("checkpoint opened");
     let cfg = ckpt.model_config()?.clone();
     let layer_s = layers.map(str::to_string).or(spec.layers.clone());
@@ -120,6 +130,11 @@ pub fn prepare(
         Some(s) => parse_layers(&s)?,
         None => (0, cfg.num_hidden_layers.saturating_sub(1).min(4)),
     };
+    if backend_sel.gpu().is_some() && b < cfg.num_hidden_layers {
+        // the disk starts on the first layer's weights while the rest of the command sets up
+        let n = probe::start_early_read(&ckpt, b, probe::EARLY_READ_BYTES);
+        crate::profile::mark(&format!("early read of {:.1} MB started", n as f64 / 1e6));
+    }
     if b >= cfg.num_hidden_layers {
         return Err(Error::usage(format!(
             "--layers {a}..{b}: the model has {} layers (0..{})",
@@ -137,7 +152,9 @@ pub fn prepare(
         .map(|s| Fault::parse(s))
         .collect::<Result<Vec<_>>>()?;
     crate::probe::faults::check_loader_faults(&ckpt, &faults)?;
+    crate::profile::mark("options checked");
     let (toks, source) = resolve_tokens(tokens, &spec, &ckpt, cfg.vocab_size, seed)?;
+    crate::profile::mark("tokens resolved");
     let meta = RunMeta {
         tool: "nvfp4-probe".into(),
         version: env!("CARGO_PKG_VERSION").into(),

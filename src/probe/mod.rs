@@ -528,6 +528,68 @@ fn prefetch_names(ckpt: &Checkpoint, op: &Op) -> Vec<String> {
     v
 }
 
+/// Bytes the early reader (`start_early_read`) reads at most.
+pub const EARLY_READ_BYTES: usize = 2 << 30;
+
+/// Start reading, on a detached thread, the first `budget` bytes of weights a run over layers
+/// `0..=last` will need (in op order, embedding rows excepted), with positioned reads from the
+/// files, so the disk works while the device and the rest of the command start. The page cache is
+/// shared, so the runner then finds those bytes there; nothing is kept in memory here, and when
+/// the process ends first the thread just ends with it. For the GPU backend (a CPU run is
+/// compute-bound). Returns the bytes queued.
+pub fn start_early_read(ckpt: &Checkpoint, last: usize, budget: usize) -> usize {
+    let Ok(cfg) = ckpt.model_config() else {
+        return 0;
+    };
+    let last = last.min(cfg.num_hidden_layers.saturating_sub(1));
+    let with_head = last + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+    let mut ranges: Vec<(PathBuf, u64, usize)> = Vec::new();
+    let mut total = 0usize;
+    'ops: for op in build_graph(cfg, last, with_head) {
+        for name in prefetch_names(ckpt, &op) {
+            if let Ok(crate::checkpoint::Span::File { path, offset, len }) =
+                ckpt.canonical_span(&name)
+            {
+                if total + len > budget {
+                    break 'ops;
+                }
+                total += len;
+                ranges.push((path.to_path_buf(), offset, len));
+            }
+        }
+    }
+    if ranges.is_empty() {
+        return 0;
+    }
+    let _ = std::thread::Builder::new()
+        .name("early-read".into())
+        .spawn(move || {
+            use std::os::unix::fs::FileExt;
+            let mut buf = vec![0u8; 8 << 20];
+            let mut files: HashMap<PathBuf, std::fs::File> = HashMap::new();
+            for (path, mut off, len) in ranges {
+                if !files.contains_key(&path) {
+                    match std::fs::File::open(&path) {
+                        Ok(f) => {
+                            files.insert(path.clone(), f);
+                        }
+                        Err(_) => continue,
+                    }
+                }
+                let f = &files[&path];
+                let end = off + len as u64;
+                while off < end {
+                    let n = ((end - off) as usize).min(buf.len());
+                    match f.read_at(&mut buf[..n], off) {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => off += k as u64,
+                    }
+                }
+            }
+        });
+    total
+}
+
 /// Read ahead the tensors of the ops after the current one, at most `ahead` bytes beyond it.
 fn prefetch_loop(
     ckpt: &Checkpoint,
