@@ -363,3 +363,43 @@ fn bisect_run_capture_equals_the_capture_pass() {
     let (res, cap) = run_capturing(&c, &opts(3, vec![], 7), true).unwrap();
     assert!(res.summary.first_divergent.is_none() && cap.is_none());
 }
+
+/// The early reader queues every weight of the run's layers in op order except the routed experts
+/// (needed only once routed) and the embedding, within its budget; an in-memory checkpoint queues
+/// nothing.
+#[test]
+fn early_read_skips_routed_experts() {
+    use nvfp4_probe::checkpoint::Span;
+    use nvfp4_probe::probe::start_early_read;
+    let dir = tempfile::tempdir().unwrap();
+    let so = SynthOptions::new(Preset::Tiny, Format::ModelOptNvfp4, Naming::Official, 3);
+    synth::synth_to_dir(&so, dir.path()).unwrap();
+    let c = Checkpoint::open(dir.path()).unwrap();
+    // what it should read for layers 0..=1: stored bytes of every tensor of layers 0 and 1 that
+    // is not a routed expert's, plus the non-layer parameters the ops use (norms, hc)
+    let layer_bytes: usize = c
+        .canonical_names()
+        .iter()
+        .filter(|n| n.starts_with("layers.0.") || n.starts_with("layers.1."))
+        .filter(|n| !n.contains(".ffn.experts."))
+        .filter_map(|n| match c.canonical_span(n) {
+            Ok(Span::File { len, .. }) => Some(len),
+            _ => None,
+        })
+        .sum();
+    let got = start_early_read(&c, 1, usize::MAX);
+    assert!(got > 0);
+    // never an expert byte: at most the layers' other tensors plus the small global ones
+    let global: usize = c
+        .canonical_names()
+        .iter()
+        .filter(|n| !n.starts_with("layers.") && !n.starts_with("embed"))
+        .filter_map(|n| c.canonical_span(n).ok().map(|s| s.len()))
+        .sum();
+    assert!(got <= layer_bytes + global, "{got} > {layer_bytes} + {global}");
+    assert!(got * 10 >= layer_bytes * 9, "{got} ≪ {layer_bytes}");
+    // the budget holds
+    assert!(start_early_read(&c, 1, got / 2) <= got / 2);
+    let mem = ckpt(Format::ModelOptNvfp4, 3);
+    assert_eq!(start_early_read(&mem, 1, usize::MAX), 0);
+}

@@ -281,7 +281,7 @@ impl Checkpoint {
         let mut canon: HashMap<String, Source> = HashMap::new();
         let mut raw_to_canon = HashMap::new();
         let mut names: Vec<&String> = raw.keys().collect();
-        names.sort_by_key(|n| naming::natural_key(n));
+        names.sort_by_cached_key(|n| naming::natural_key(n));
         let mut insert = |c: String, src: Source, raw_name: &str, file: &Path| -> Result<()> {
             if let Some(prev) = canon.get(&c) {
                 let p = match prev {
@@ -398,14 +398,14 @@ impl Checkpoint {
     /// Raw tensor names in natural order.
     pub fn tensor_names(&self) -> Vec<String> {
         let mut v: Vec<String> = self.raw.keys().cloned().collect();
-        v.sort_by_key(|n| naming::natural_key(n));
+        v.sort_by_cached_key(|n| naming::natural_key(n));
         v
     }
 
     /// Canonical tensor names in natural order (HF fused experts expanded per expert).
     pub fn canonical_names(&self) -> Vec<String> {
         let mut v: Vec<String> = self.canon.keys().cloned().collect();
-        v.sort_by_key(|n| naming::natural_key(n));
+        v.sort_by_cached_key(|n| naming::natural_key(n));
         v
     }
 

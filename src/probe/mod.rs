@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, Stats};
 use crate::model::exec::exec;
-use crate::model::graph::{build_graph, Op};
+use crate::model::graph::{build_graph, Op, OpKind};
 use crate::numerics::nvfp4::QuantHealth;
 use crate::{Error, Result, Tensor};
 use env::{PathEnv, PathKind, Shared};
@@ -252,14 +252,16 @@ pub fn run_capturing(
     // while the device computes (cold runs are disk-bound; this overlaps the two).
     let at_step = std::sync::atomic::AtomicUsize::new(0);
     let done = std::sync::atomic::AtomicBool::new(false);
-    let plan: Vec<Vec<String>> = if opts.backend.gpu().is_some() {
-        ops.iter().map(|op| prefetch_names(ckpt, op)).collect()
+    let plan: Vec<Vec<Group>> = if opts.backend.gpu().is_some() {
+        ops.iter().map(|op| prefetch_groups(ckpt, op)).collect()
     } else {
         Vec::new()
     };
+    // experts op step → the experts any path routed to (published after the router's step)
+    let routed: std::sync::Mutex<HashMap<usize, Vec<bool>>> = Default::default();
     std::thread::scope(|sc| -> Result<()> {
         if !plan.is_empty() {
-            sc.spawn(|| prefetch_loop(ckpt, &plan, &at_step, &done, PREFETCH_AHEAD));
+            sc.spawn(|| prefetch_loop(ckpt, &plan, &routed, &at_step, &done, PREFETCH_AHEAD));
         }
         let r = (|| -> Result<()> {
             for (step, op) in ops.iter().enumerate() {
@@ -289,6 +291,9 @@ pub fn run_capturing(
                     outs.push(exec(op, &inputs, &mut env)?);
                 }
                 shared.record_observations = false;
+                if !plan.is_empty() && op.kind == OpKind::Router {
+                    publish_routing(&ops, step, &outs, &routed);
+                }
                 let observed = std::mem::take(&mut shared.observed);
                 let touched = shared.touched.clone();
                 if report {
@@ -513,10 +518,10 @@ pub(crate) fn op_record(
 /// How far (bytes of weights) the prefetch thread may run ahead of the op being computed.
 const PREFETCH_AHEAD: usize = 8 << 30;
 
-/// Canonical names of the stored tensors an op's weights occupy (data and block scales).
-fn prefetch_names(ckpt: &Checkpoint, op: &Op) -> Vec<String> {
+/// Canonical names of the stored tensors some weights occupy (data and block scales).
+fn prefetch_names(ckpt: &Checkpoint, weights: &[String]) -> Vec<String> {
     let mut v = Vec::new();
-    for name in &op.weights {
+    for name in weights {
         if let Ok(l) = ckpt.weight_layout(name) {
             v.push(l.weight);
             v.extend(l.scale);
@@ -528,14 +533,73 @@ fn prefetch_names(ckpt: &Checkpoint, op: &Op) -> Vec<String> {
     v
 }
 
+/// Tensors of an op to read ahead, grouped: one group per routed expert (`expert` set: read only
+/// once the router has chosen it), one group for everything else.
+struct Group {
+    expert: Option<usize>,
+    names: Vec<String>,
+}
+
+fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
+    if op.kind == OpKind::Experts {
+        // weights are [e0.w1, e0.w3, e0.w2, e1.w1, ...]
+        op.weights
+            .chunks(3)
+            .enumerate()
+            .map(|(e, w)| Group {
+                expert: Some(e),
+                names: prefetch_names(ckpt, w),
+            })
+            .collect()
+    } else {
+        vec![Group {
+            expert: None,
+            names: prefetch_names(ckpt, &op.weights),
+        }]
+    }
+}
+
+/// After the router's step: the experts op that consumes its choice (the op reading its `idx`
+/// output) gets the union of the experts every path chose.
+fn publish_routing(
+    ops: &[Op],
+    step: usize,
+    outs: &[Vec<Tensor>],
+    routed: &std::sync::Mutex<HashMap<usize, Vec<bool>>>,
+) {
+    let Some(idx_id) = ops[step].outputs.get(1) else {
+        return;
+    };
+    let Some(target) = (step + 1..ops.len()).find(|&i| {
+        ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id)
+    }) else {
+        return;
+    };
+    let n = ops[target].weights.len() / 3;
+    let mut used = vec![false; n];
+    for path in outs {
+        if let Some(t) = path.get(1) {
+            for &v in &t.data {
+                if v.is_finite() && v >= 0.0 && (v as usize) < n {
+                    used[v as usize] = true;
+                }
+            }
+        }
+    }
+    if let Ok(mut m) = routed.lock() {
+        m.insert(target, used);
+    }
+}
+
 /// Bytes the early reader (`start_early_read`) reads at most.
 pub const EARLY_READ_BYTES: usize = 2 << 30;
 
-/// Start reading, on a detached thread, the first `budget` bytes of weights a run over layers
-/// `0..=last` will need (in op order, embedding rows excepted), with positioned reads from the
-/// files, so the disk works while the device and the rest of the command start. The page cache is
-/// shared, so the runner then finds those bytes there; nothing is kept in memory here, and when
-/// the process ends first the thread just ends with it. For the GPU backend (a CPU run is
+/// Start reading, on a detached thread, up to `budget` bytes of the weights a run over layers
+/// `0..=last` will need, in op order, with positioned reads from the files, so the disk works
+/// while the device and the rest of the command start. Routed experts are left out (which ones
+/// are needed is known only once the run routes), and so are the embedding rows. The page cache
+/// is shared, so the runner then finds those bytes there; nothing is kept in memory here, and
+/// when the process ends first the thread just ends with it. For the GPU backend (a CPU run is
 /// compute-bound). Returns the bytes queued.
 pub fn start_early_read(ckpt: &Checkpoint, last: usize, budget: usize) -> usize {
     let Ok(cfg) = ckpt.model_config() else {
@@ -546,7 +610,10 @@ pub fn start_early_read(ckpt: &Checkpoint, last: usize, budget: usize) -> usize 
     let mut ranges: Vec<(PathBuf, u64, usize)> = Vec::new();
     let mut total = 0usize;
     'ops: for op in build_graph(cfg, last, with_head) {
-        for name in prefetch_names(ckpt, &op) {
+        if op.kind == OpKind::Experts {
+            continue;
+        }
+        for name in prefetch_names(ckpt, &op.weights) {
             if let Ok(crate::checkpoint::Span::File { path, offset, len }) =
                 ckpt.canonical_span(&name)
             {
@@ -590,50 +657,71 @@ pub fn start_early_read(ckpt: &Checkpoint, last: usize, budget: usize) -> usize 
     total
 }
 
-/// Read ahead the tensors of the ops after the current one, at most `ahead` bytes beyond it.
+/// Read ahead the tensors of the ops after the current one, at most `ahead` bytes (of the plan,
+/// every expert counted) beyond it. A routed expert's tensors are read only once the router has
+/// chosen it (`routed`); until then the loop waits at that op, so no byte of an expert the run
+/// does not use is read.
 fn prefetch_loop(
     ckpt: &Checkpoint,
-    plan: &[Vec<String>],
+    plan: &[Vec<Group>],
+    routed: &std::sync::Mutex<HashMap<usize, Vec<bool>>>,
     at: &std::sync::atomic::AtomicUsize,
     done: &std::sync::atomic::AtomicBool,
     ahead: usize,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
-    let sizes: Vec<Vec<usize>> = plan
+    let size = |n: &String| ckpt.canonical_span(n).map(|s| s.len()).unwrap_or(0);
+    let sizes: Vec<Vec<Vec<usize>>> = plan
         .iter()
-        .map(|names| {
-            names
-                .iter()
-                .map(|n| ckpt.canonical_span(n).map(|s| s.len()).unwrap_or(0))
-                .collect()
-        })
+        .map(|gs| gs.iter().map(|g| g.names.iter().map(size).collect()).collect())
         .collect();
     let mut start_of = vec![0usize; plan.len() + 1];
     for (i, s) in sizes.iter().enumerate() {
-        start_of[i + 1] = start_of[i] + s.iter().sum::<usize>();
+        start_of[i + 1] = start_of[i] + s.iter().flatten().sum::<usize>();
     }
     // the embedding rows are read first, by the main thread: do not queue I/O in front of them
     while at.load(Relaxed) == 0 && !done.load(Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    let mut pos = 0usize; // bytes of the plan already requested
-    for (step, names) in plan.iter().enumerate() {
-        for (name, &len) in names.iter().zip(&sizes[step]) {
-            loop {
-                if done.load(Relaxed) {
-                    return;
+    let mut pos = 0usize; // bytes of the plan already passed
+    for (step, groups) in plan.iter().enumerate() {
+        for (gi, g) in groups.iter().enumerate() {
+            if let Some(e) = g.expert {
+                // wait for the routing (or for the op to be done: then there is nothing to do)
+                let chosen = loop {
+                    if done.load(Relaxed) {
+                        return;
+                    }
+                    if at.load(Relaxed) > step {
+                        break false;
+                    }
+                    if let Some(u) = routed.lock().ok().and_then(|m| m.get(&step).cloned()) {
+                        break u.get(e).copied().unwrap_or(true);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                };
+                if !chosen {
+                    pos += sizes[step][gi].iter().sum::<usize>();
+                    continue;
                 }
-                let cur = at.load(Relaxed).min(plan.len());
-                if step < cur {
-                    break; // that op is already done: skip
-                }
-                if pos + len <= start_of[cur] + ahead || step == cur {
-                    ckpt.readahead(name);
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(2));
             }
-            pos += len;
+            for (name, &len) in g.names.iter().zip(&sizes[step][gi]) {
+                loop {
+                    if done.load(Relaxed) {
+                        return;
+                    }
+                    let cur = at.load(Relaxed).min(plan.len());
+                    if step < cur {
+                        break; // that op is already done: skip
+                    }
+                    if pos + len <= start_of[cur] + ahead || step == cur {
+                        ckpt.readahead(name);
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                pos += len;
+            }
         }
     }
 }
