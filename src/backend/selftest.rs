@@ -1081,23 +1081,29 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
     let h = g.alloc(H_SLOTS * 8)?;
     g.memset(h.ptr, 0, H_SLOTS * 8)?;
     let nb = (n / 16) as u64;
-    for (with_q, name) in [
-        (false, "codes + scales"),
-        (true, "codes + scales + bf16 GEMM operand"),
+    // (codes and scale bytes, BF16 GEMM operand, what): the first two are a W4A4 kernel's own
+    // outputs; the last two are the calls the served paths make (W4A4 emulation: the BF16 operand
+    // and the health counters; W4A16: the counters alone). Counters are computed in every row.
+    for (with_c, with_q, name) in [
+        (true, false, "codes + scales"),
+        (true, true, "codes + scales + bf16 GEMM operand"),
+        (false, true, "bf16 GEMM operand (served W4A4 call)"),
+        (false, false, "health counters only (served W4A16 call)"),
     ] {
         let prev_u = g.aq_unroll;
-        for (v2, u, kname) in [
+        let all = [
             (false, 2, "act_quant_nvfp4"),
             (true, 2, "act_quant_nvfp4_v2"),
             (true, 4, "act_quant_nvfp4_v2u4"),
             (true, 8, "act_quant_nvfp4_v2u8"),
-        ] {
+        ];
+        for (v2, u, kname) in all.into_iter().filter(|&(_, u, _)| with_c || u == 2) {
             g.v2 = v2;
             g.aq_unroll = u;
             let ms = time_ms(g, reps, || {
                 let outs = ActQuantOut {
-                    packed: po.ptr,
-                    scales: so.ptr,
+                    packed: if with_c { po.ptr } else { 0 },
+                    scales: if with_c { so.ptr } else { 0 },
                     xq16: if with_q { qo.ptr } else { 0 },
                     health: h.ptr,
                     ..Default::default()
@@ -1107,7 +1113,8 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
             g.v2 = prev_v2;
             g.aq_unroll = prev_u;
             let ms = ms?;
-            let bytes = (n * 4 + n / 2 + n / 16 + if with_q { n * 2 } else { 0 }) as u64;
+            let codes = if with_c { n / 2 + n / 16 } else { 0 };
+            let bytes = (n * 4 + codes + if with_q { n * 2 } else { 0 }) as u64;
             let bw = bytes as f64 / (ms * 1e-3) / 1e9;
             out.push(BenchLine {
                 what: format!(
