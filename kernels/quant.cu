@@ -156,7 +156,7 @@ __device__ __forceinline__ u32 e2m1_encode_v2(float x) {
 //    at sm_count * 120 blocks.
 // AQ2_U is a template parameter: float4 items each lane loads per step before computing (the
 // bytes in flight per warp). Instantiated as act_quant_nvfp4_v2 (U = 2, 6 blocks of 256 per SM),
-// _v2u4 (U = 4, 4 blocks) and _v2u8 (U = 8, 2 blocks); Gpu::aq_unroll picks one. Every U gives the
+// _v2u4 (U = 4, 4 blocks) and _v2u8 (U = 8, 2 blocks); Gpu::aq_kernel picks one (or v3 below). Every U gives the
 // same bits (each element's arithmetic does not depend on U; the self-test checks all three).
 
 template <int AQ2_U>
@@ -265,6 +265,113 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 act_quant_nvfp4_v2u8(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
                      float* xhat, int xhat_bf16, u64* health) {
     act_quant_nvfp4_v2_body<8>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
+}
+
+// ---- act_quant_nvfp4_v3: one lane per 16-element block -------------------------------------------
+// Same arguments, output bits and counters as v1/v2. v2 gives a block to four lanes, so the
+// per-block work (the max, the E4M3 encode, the table load, four counters) runs four times and
+// needs two shuffles; on the H200 v2 is instruction-bound (its counters-only call reads at 54 % of
+// the copy bandwidth and writing codes adds little). Here one lane does a block once:
+//  * loads: four float4 of its 64 bytes through the read-only path (__ldg: the second float4 of
+//    each 32-byte sector comes from L1), all before computing;
+//  * vmax: the max of the 16 |x| (fmaxf skips NaN; the max of a set does not depend on the order,
+//    so it equals v2's two-level quad max, NaN-only blocks included);
+//  * then v2's expressions element by element (E4M3 / E2M1 encoders, table lookups, counters);
+//  * stores: the scale byte, 8 bytes of codes (uint2), 32 bytes of BF16 operand (2 x uint4),
+//    64 bytes of quantize-dequantize (4 x float4) per block.
+// Alignment: x, xq16 and xhat 16-byte, packed 8-byte aligned (Gpu::act_quant_nvfp4 falls back to
+// v2 otherwise). Grid-stride over blocks; blockDim.x a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256, 4)
+act_quant_nvfp4_v3(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
+                   float* xhat, int xhat_bf16, u64* health) {
+    __shared__ float2 aq_s[256];  // (sfq, osc) by E4M3 code, built with the v1 expressions
+    __shared__ float aq_e[16];    // e2m1_decode by nibble
+    float rcp_g = rcp_approx_ftz(g);
+    for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
+        float sfq = e4m3_decode(i);
+        float osc = sfq == 0.0f ? 0.0f : rcp_approx_ftz(__fmul_rn(sfq, rcp_g));
+        aq_s[i] = make_float2(sfq, osc);
+        if (i < 16u) aq_e[i] = e2m1_decode(i);
+    }
+    __syncthreads();
+    u32 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
+    float amax_all = 0.0f;
+    const bool w_packed = packed != 0, w_scales = scales != 0, w_xq = xq16 != 0, w_xhat = xhat != 0;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += stride) {
+        const float4* xp = (const float4*)x + 4 * b;
+        float v[16];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float4 f = __ldg(xp + j);
+            v[4 * j] = f.x; v[4 * j + 1] = f.y; v[4 * j + 2] = f.z; v[4 * j + 3] = f.w;
+        }
+        float vmax = fabsf(v[0]);
+#pragma unroll
+        for (int i = 1; i < 16; i++) vmax = fmaxf(vmax, fabsf(v[i]));
+        amax_all = fmaxf(amax_all, vmax);
+        float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
+        u32 code = e4m3_encode_satfinite_v2(sf);
+        float2 so = aq_s[code];
+        float sfq = so.x, osc = so.y;
+        h_blocks += 1;
+        h_zero += code == 0u;
+        h_max += code == 0x7Eu;
+        h_nan += (code & 0x7Fu) == 0x7Fu;
+        if (w_scales) scales[b] = (u8)code;
+        u32 c[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            float y = __fmul_rn(v[i], osc);
+            c[i] = e2m1_encode_v2(y);
+            h_clip += fabsf(y) > 6.0f;
+            h_dead += (c[i] & 7u) == 0u && v[i] != 0.0f;
+        }
+        if (w_packed) {
+            u32 w[2];
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                w[k] = 0u;
+#pragma unroll
+                for (int i = 0; i < 8; i++) w[k] |= c[8 * k + i] << (4 * i);
+            }
+            ((uint2*)packed)[b] = make_uint2(w[0], w[1]);
+        }
+        if (w_xq) {
+            u32 q[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                q[k] = bf16x2_bits(__fmul_rn(aq_e[c[2 * k]], sfq), __fmul_rn(aq_e[c[2 * k + 1]], sfq));
+            ((uint4*)xq16)[2 * b] = make_uint4(q[0], q[1], q[2], q[3]);
+            ((uint4*)xq16)[2 * b + 1] = make_uint4(q[4], q[5], q[6], q[7]);
+        }
+        if (w_xhat) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float m[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    u32 ci = c[4 * j + i];
+                    float mm = __fdiv_rn(__fmul_rn(aq_e[ci & 7u], sfq), g);
+                    if (ci & 8u) mm = -mm;
+                    m[i] = xhat_bf16 ? bf16_round(mm) : mm;
+                }
+                ((float4*)xhat)[4 * b + j] = make_float4(m[0], m[1], m[2], m[3]);
+            }
+        }
+    }
+    if (health) {
+        u32 r[6] = {h_blocks, h_zero, h_max, h_nan, h_clip, h_dead};
+#pragma unroll
+        for (int i = 0; i < 6; i++) r[i] = __reduce_add_sync(0xffffffffu, r[i]);
+        u32 am = __reduce_max_sync(0xffffffffu, __float_as_uint(amax_all));
+        if ((threadIdx.x & 31u) == 0u) {
+#pragma unroll
+            for (int i = 0; i < 6; i++) add_nonzero(&health[i], (u64)r[i]);
+            add_nonzero(&health[6], (u64)r[0] * 16u);
+            if (am) atomicMax(&health[7], (u64)am);
+        }
+    }
 }
 
 // 2^ceil(log2 v) for a normal positive v (UE8M0 "ceil" rounding), as f32.

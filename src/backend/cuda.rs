@@ -55,6 +55,7 @@ const KERNELS: &[&str] = &[
     "act_quant_nvfp4_v2",
     "act_quant_nvfp4_v2u4",
     "act_quant_nvfp4_v2u8",
+    "act_quant_nvfp4_v3",
     "act_quant_fp8",
     "fused_stats",
     "gather_rows",
@@ -78,15 +79,18 @@ const KERNELS: &[&str] = &[
 /// Pieces (one 16-byte store each) per lane and step of `dequant_nvfp4_v2` (`DQ2_U` in
 /// kernels/formats.cu).
 const DQ2_U: u64 = 4;
-/// float4 items per lane and step of `act_quant_nvfp4_v2` (`AQ2_U` in kernels/quant.cu): the
-/// kernel instantiated for each, by name.
-pub const AQ2_VARIANTS: [(u32, &str); 3] = [
-    (2, "act_quant_nvfp4_v2"),
-    (4, "act_quant_nvfp4_v2u4"),
-    (8, "act_quant_nvfp4_v2u8"),
+/// The faster NVFP4 activation quantization kernels (same arguments and output bits as
+/// `act_quant_nvfp4`), with the 16-element blocks each work item covers: `_v2` and its `_u4`/`_u8`
+/// instantiations give a block to four lanes (a work item is AQ2_U float4 of one lane, 2, 4 or 8),
+/// `_v3` gives a block to one lane.
+pub const AQ_KERNELS: [(&str, f64); 4] = [
+    ("act_quant_nvfp4_v2", 0.5),
+    ("act_quant_nvfp4_v2u4", 1.0),
+    ("act_quant_nvfp4_v2u8", 2.0),
+    ("act_quant_nvfp4_v3", 1.0),
 ];
-/// The default `AQ2_U` (`Gpu::aq_unroll`; `NVFP4_PROBE_AQ_UNROLL` = 2, 4 or 8 overrides it).
-pub const AQ2_U_DEFAULT: u32 = 2;
+/// The default of [`Gpu::aq_kernel`] (`NVFP4_PROBE_AQ_KERNEL` names another of [`AQ_KERNELS`]).
+pub const AQ_KERNEL_DEFAULT: &str = "act_quant_nvfp4_v2";
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
 pub const H_SLOTS: usize = 8;
@@ -287,8 +291,8 @@ pub struct Gpu {
     /// bits) instead of the v1 kernels. True unless `NVFP4_PROBE_KERNELS=v1` was set when the
     /// backend opened; the self-test flips it to check both.
     pub v2: bool,
-    /// `AQ2_U` of the v2 activation quantization kernel (one of [`AQ2_VARIANTS`]).
-    pub aq_unroll: u32,
+    /// The activation quantization kernel used when `v2` (one of [`AQ_KERNELS`]).
+    pub aq_kernel: &'static str,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -392,11 +396,10 @@ impl Gpu {
                 .as_deref()
                 .map(str::trim)
                 != Some("v1"),
-            aq_unroll: std::env::var("NVFP4_PROBE_AQ_UNROLL")
+            aq_kernel: std::env::var("NVFP4_PROBE_AQ_KERNEL")
                 .ok()
-                .and_then(|v| v.trim().parse::<u32>().ok())
-                .filter(|u| AQ2_VARIANTS.iter().any(|(k, _)| k == u))
-                .unwrap_or(AQ2_U_DEFAULT),
+                .and_then(|v| AQ_KERNELS.iter().find(|(k, _)| *k == v.trim()).map(|(k, _)| *k))
+                .unwrap_or(AQ_KERNEL_DEFAULT),
         })
     }
 
@@ -558,7 +561,8 @@ impl Gpu {
             "dequant_nvfp4_v2"
             | "act_quant_nvfp4_v2"
             | "act_quant_nvfp4_v2u4"
-            | "act_quant_nvfp4_v2u8" => self.sm_count as u64 * 120,
+            | "act_quant_nvfp4_v2u8"
+            | "act_quant_nvfp4_v3" => self.sm_count as u64 * 120,
             _ => 1 << 22,
         };
         let blocks = n.div_ceil(256).clamp(1, cap) as u32;
@@ -636,13 +640,18 @@ impl Gpu {
     /// The v2 kernel when `self.v2`.
     pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
         let (name, n) = if self.v2 {
-            // one work item per lane-step of AQ2_U float4 (four per 16-element block)
-            let (u, name) = AQ2_VARIANTS
+            let (mut name, per) = AQ_KERNELS
                 .iter()
                 .copied()
-                .find(|(u, _)| *u == self.aq_unroll)
-                .unwrap_or(AQ2_VARIANTS[0]);
-            (name, (nblocks * 4).div_ceil(u as u64))
+                .find(|(k, _)| *k == self.aq_kernel)
+                .unwrap_or(AQ_KERNELS[0]);
+            // v3 stores whole blocks with 8- and 16-byte stores: aligned buffers only
+            let aligned = x % 16 == 0 && o.packed % 8 == 0 && o.xq16 % 16 == 0 && o.xhat % 16 == 0;
+            let mut per = per;
+            if name == "act_quant_nvfp4_v3" && !aligned {
+                (name, per) = AQ_KERNELS[0];
+            }
+            (name, (nblocks as f64 / per).ceil() as u64)
         } else {
             ("act_quant_nvfp4", nblocks * 4)
         };

@@ -534,15 +534,18 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         ];
         let xh = if xhat_bf16 { " (xhat bf16)" } else { "" };
         let mut raw_v1: Vec<(String, Vec<u64>)> = Vec::new();
-        let prev_u = t.g.aq_unroll;
-        for (v2, u, sfx) in [
-            (false, 2, ""),
-            (true, 2, " v2"),
-            (true, 4, " v2u4"),
-            (true, 8, " v2u8"),
+        let prev_k = t.g.aq_kernel;
+        for (v2, kname, sfx) in [
+            (false, "", ""),
+            (true, "act_quant_nvfp4_v2", " v2"),
+            (true, "act_quant_nvfp4_v2u4", " v2u4"),
+            (true, "act_quant_nvfp4_v2u8", " v2u8"),
+            (true, "act_quant_nvfp4_v3", " v3"),
         ] {
             t.g.v2 = v2;
-            t.g.aq_unroll = u;
+            if v2 {
+                t.g.aq_kernel = kname;
+            }
             let run = |t: &mut T, out: &mut Vec<Check>| -> Result<Vec<(String, Vec<u64>)>> {
                 let (po, so, qo, ho) = (
                     t.out(m * k / 2)?,
@@ -596,7 +599,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             };
             let r = run(&mut t, &mut out);
             t.g.v2 = prev_v2;
-            t.g.aq_unroll = prev_u;
+            t.g.aq_kernel = prev_k;
             let raw = r?;
             if !v2 {
                 raw_v1 = raw;
@@ -1090,16 +1093,19 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         (false, true, "bf16 GEMM operand (served W4A4 call)"),
         (false, false, "health counters only (served W4A16 call)"),
     ] {
-        let prev_u = g.aq_unroll;
+        let prev_k = g.aq_kernel;
         let all = [
-            (false, 2, "act_quant_nvfp4"),
-            (true, 2, "act_quant_nvfp4_v2"),
-            (true, 4, "act_quant_nvfp4_v2u4"),
-            (true, 8, "act_quant_nvfp4_v2u8"),
+            (false, "act_quant_nvfp4"),
+            (true, "act_quant_nvfp4_v2"),
+            (true, "act_quant_nvfp4_v2u4"),
+            (true, "act_quant_nvfp4_v2u8"),
+            (true, "act_quant_nvfp4_v3"),
         ];
-        for (v2, u, kname) in all.into_iter().filter(|&(_, u, _)| with_c || u == 2) {
+        for (v2, kname) in all.into_iter().filter(|&(_, k)| with_c || !k.contains("_v2u")) {
             g.v2 = v2;
-            g.aq_unroll = u;
+            if v2 {
+                g.aq_kernel = kname;
+            }
             let ms = time_ms(g, reps, || {
                 let outs = ActQuantOut {
                     packed: if with_c { po.ptr } else { 0 },
@@ -1111,7 +1117,7 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
                 g.act_quant_nvfp4(x.ptr, nb, 3.0, outs)
             });
             g.v2 = prev_v2;
-            g.aq_unroll = prev_u;
+            g.aq_kernel = prev_k;
             let ms = ms?;
             let codes = if with_c { n / 2 + n / 16 } else { 0 };
             let bytes = (n * 4 + codes + if with_q { n * 2 } else { 0 }) as u64;
