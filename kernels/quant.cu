@@ -155,9 +155,8 @@ __device__ __forceinline__ u32 e2m1_encode_v2(float x) {
 //    passes n = ceil(4 nblocks / AQ2_U) work items, one per lane-step; Gpu::grid caps the grid
 //    at sm_count * 120 blocks.
 // AQ2_U is a template parameter: float4 items each lane loads per step before computing (the
-// bytes in flight per warp). Instantiated as act_quant_nvfp4_v2 (U = 2, 6 blocks of 256 per SM),
-// _v2u4 (U = 4, 4 blocks) and _v2u8 (U = 8, 2 blocks); Gpu::aq_kernel picks one (or v3 below). Every U gives the
-// same bits (each element's arithmetic does not depend on U; the self-test checks all three).
+// bytes in flight per warp). Instantiated with U = 2; U = 4 and 8 were measured on the H200 at the
+// same speed (BENCHMARKS.md: v2 is instruction-bound, not latency-bound), which led to v3 below.
 
 template <int AQ2_U>
 __device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblocks, float g,
@@ -255,16 +254,6 @@ extern "C" __global__ void __launch_bounds__(256, 6)
 act_quant_nvfp4_v2(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
                    float* xhat, int xhat_bf16, u64* health) {
     act_quant_nvfp4_v2_body<2>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
-}
-extern "C" __global__ void __launch_bounds__(256, 4)
-act_quant_nvfp4_v2u4(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
-                     float* xhat, int xhat_bf16, u64* health) {
-    act_quant_nvfp4_v2_body<4>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
-}
-extern "C" __global__ void __launch_bounds__(256, 2)
-act_quant_nvfp4_v2u8(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
-                     float* xhat, int xhat_bf16, u64* health) {
-    act_quant_nvfp4_v2_body<8>(x, nblocks, g, packed, scales, xq16, xhat, xhat_bf16, health);
 }
 
 // ---- act_quant_nvfp4_v3: one lane per 16-element block -------------------------------------------

@@ -53,8 +53,6 @@ const KERNELS: &[&str] = &[
     "convert_dense",
     "act_quant_nvfp4",
     "act_quant_nvfp4_v2",
-    "act_quant_nvfp4_v2u4",
-    "act_quant_nvfp4_v2u8",
     "act_quant_nvfp4_v3",
     "act_quant_fp8",
     "fused_stats",
@@ -80,17 +78,12 @@ const KERNELS: &[&str] = &[
 /// kernels/formats.cu).
 const DQ2_U: u64 = 4;
 /// The faster NVFP4 activation quantization kernels (same arguments and output bits as
-/// `act_quant_nvfp4`), with the 16-element blocks each work item covers: `_v2` and its `_u4`/`_u8`
-/// instantiations give a block to four lanes (a work item is AQ2_U float4 of one lane, 2, 4 or 8),
-/// `_v3` gives a block to one lane.
-pub const AQ_KERNELS: [(&str, f64); 4] = [
-    ("act_quant_nvfp4_v2", 0.5),
-    ("act_quant_nvfp4_v2u4", 1.0),
-    ("act_quant_nvfp4_v2u8", 2.0),
-    ("act_quant_nvfp4_v3", 1.0),
-];
-/// The default of [`Gpu::aq_kernel`] (`NVFP4_PROBE_AQ_KERNEL` names another of [`AQ_KERNELS`]).
-pub const AQ_KERNEL_DEFAULT: &str = "act_quant_nvfp4_v2";
+/// `act_quant_nvfp4`), with the 16-element blocks each work item covers: `_v2` gives a block to
+/// four lanes (a work item is two float4 of one lane), `_v3` gives a block to one lane.
+pub const AQ_KERNELS: [(&str, f64); 2] = [("act_quant_nvfp4_v2", 0.5), ("act_quant_nvfp4_v3", 1.0)];
+/// The default of [`Gpu::aq_kernel`] (`NVFP4_PROBE_AQ_KERNEL` names another of [`AQ_KERNELS`]):
+/// v3, 90 % of the copy bandwidth on the H200 where v2 reaches 60 % (codes + scales).
+pub const AQ_KERNEL_DEFAULT: &str = "act_quant_nvfp4_v3";
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
 pub const H_SLOTS: usize = 8;
@@ -287,7 +280,7 @@ pub struct Gpu {
     pub counters: GpuCounters,
     /// Accumulate every GEMM in f64 (bit-equal to the CPU reference); false = hardware GEMMs.
     pub exact64: bool,
-    /// Launch the faster `dequant_nvfp4_v2` / `act_quant_nvfp4_v2` (same arguments, same output
+    /// Launch the faster `dequant_nvfp4_v2` / `aq_kernel` (same arguments, same output
     /// bits) instead of the v1 kernels. True unless `NVFP4_PROBE_KERNELS=v1` was set when the
     /// backend opened; the self-test flips it to check both.
     pub v2: bool,
@@ -558,11 +551,9 @@ impl Gpu {
             // cap keeps the table build well under 2 % of a block's work on multi-GB tensors,
             // and 120 blocks per SM is a whole number of waves at 4, 5, 6 or 8 resident blocks
             // of 256 threads (no partly filled last wave)
-            "dequant_nvfp4_v2"
-            | "act_quant_nvfp4_v2"
-            | "act_quant_nvfp4_v2u4"
-            | "act_quant_nvfp4_v2u8"
-            | "act_quant_nvfp4_v3" => self.sm_count as u64 * 120,
+            "dequant_nvfp4_v2" | "act_quant_nvfp4_v2" | "act_quant_nvfp4_v3" => {
+                self.sm_count as u64 * 120
+            }
             _ => 1 << 22,
         };
         let blocks = n.div_ceil(256).clamp(1, cap) as u32;
@@ -646,7 +637,10 @@ impl Gpu {
                 .find(|(k, _)| *k == self.aq_kernel)
                 .unwrap_or(AQ_KERNELS[0]);
             // v3 stores whole blocks with 8- and 16-byte stores: aligned buffers only
-            let aligned = x % 16 == 0 && o.packed % 8 == 0 && o.xq16 % 16 == 0 && o.xhat % 16 == 0;
+            let aligned = x.is_multiple_of(16)
+                && o.packed.is_multiple_of(8)
+                && o.xq16.is_multiple_of(16)
+                && o.xhat.is_multiple_of(16);
             let mut per = per;
             if name == "act_quant_nvfp4_v3" && !aligned {
                 (name, per) = AQ_KERNELS[0];

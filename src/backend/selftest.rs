@@ -538,8 +538,6 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         for (v2, kname, sfx) in [
             (false, "", ""),
             (true, "act_quant_nvfp4_v2", " v2"),
-            (true, "act_quant_nvfp4_v2u4", " v2u4"),
-            (true, "act_quant_nvfp4_v2u8", " v2u8"),
             (true, "act_quant_nvfp4_v3", " v3"),
         ] {
             t.g.v2 = v2;
@@ -1097,11 +1095,9 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
         let all = [
             (false, "act_quant_nvfp4"),
             (true, "act_quant_nvfp4_v2"),
-            (true, "act_quant_nvfp4_v2u4"),
-            (true, "act_quant_nvfp4_v2u8"),
             (true, "act_quant_nvfp4_v3"),
         ];
-        for (v2, kname) in all.into_iter().filter(|&(_, k)| with_c || !k.contains("_v2u")) {
+        for (v2, kname) in all {
             g.v2 = v2;
             if v2 {
                 g.aq_kernel = kname;
