@@ -39,13 +39,13 @@ if has flash; then
     ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_warm$i.json ) > "$OUT/flash_warm$i.txt" 2>&1
     grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_warm$i.txt" | cut -c1-400
   done
-  evict $F; sync
+  sync; evict $F
   ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_cold.json ) > "$OUT/flash_cold.txt" 2>&1
   grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
-  evict $F; sync
+  sync; evict $F
   ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
   # the disk's read bandwidth over the whole checkpoint (the cold floor's denominator)
-  evict $F; sync
+  sync; evict $F
   ( echo "whole checkpoint, cold, sequential:"; du -sb $F; time cat $F/*.safetensors > /dev/null ) >> "$OUT/disk_read.txt" 2>&1; tail -5 "$OUT/disk_read.txt"
   if [ -z "${SKIP_CPU_CMP:-}" ]; then
     ( timeout ${CPU_CMP_TIMEOUT:-200} $B selftest --backend cuda --model $F --layers ${CPU_CMP_LAYERS:-0..1} --seq-len ${CPU_CMP_T:-8} --served blackwell-w4a4 --json $OUT/flash_cpu_vs_cuda.json ) > "$OUT/flash_cpu_vs_cuda.txt" 2>&1
