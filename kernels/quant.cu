@@ -158,11 +158,9 @@ __device__ __forceinline__ u32 e2m1_encode_v2(float x) {
 // bytes in flight per warp). Instantiated with U = 2; U = 4 and 8 were measured on the H200 at the
 // same speed (BENCHMARKS.md: v2 is instruction-bound, not latency-bound), which led to v3 below.
 
-template <int AQ2_U>
-__device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblocks, float g,
-                   u8* packed, u8* scales, u16* xq16, float* xhat, int xhat_bf16, u64* health) {
-    __shared__ float2 aq_s[256];  // (sfq, osc) by E4M3 code
-    __shared__ float aq_e[16];    // e2m1_decode by nibble
+// Pieces shared by v2 and v3 (each v1's expressions, in v1's order).
+// The per-block tables: (sfq, osc) by E4M3 code, e2m1_decode by nibble; ends with a barrier.
+__device__ __forceinline__ void aq_tables(float2* aq_s, float* aq_e, float g) {
     float rcp_g = rcp_approx_ftz(g);
     for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
         float sfq = e4m3_decode(i);
@@ -171,8 +169,61 @@ __device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblo
         if (i < 16u) aq_e[i] = e2m1_decode(i);
     }
     __syncthreads();
-    u32 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
-    float amax_all = 0.0f;
+}
+
+// One thread's health counters (slots 0-5 of H_SLOTS) and activation amax.
+struct AqHealth {
+    u32 blocks = 0, zero = 0, max = 0, nan = 0, clip = 0, dead = 0;
+    float amax = 0.0f;
+};
+
+// A block's scale byte counted (when `counted`: the lane that owns the block).
+__device__ __forceinline__ void aq_count_block(AqHealth& h, u32 code, bool counted) {
+    h.blocks += counted;
+    h.zero += counted && code == 0u;
+    h.max += counted && code == 0x7Eu;
+    h.nan += counted && (code & 0x7Fu) == 0x7Fu;
+}
+
+// One element: its E2M1 code, with the clipped / dead-zone counters.
+__device__ __forceinline__ u32 aq_encode(float v, float osc, AqHealth& h) {
+    float y = __fmul_rn(v, osc);
+    u32 c = e2m1_encode_v2(y);
+    h.clip += fabsf(y) > 6.0f;
+    h.dead += (c & 7u) == 0u && v != 0.0f;
+    return c;
+}
+
+// The quantize-dequantize value of code c: e2m1 * sfq / g, rounded to BF16 when asked.
+__device__ __forceinline__ float aq_xhat(const float* aq_e, u32 c, float sfq, float g, int xhat_bf16) {
+    float mm = __fdiv_rn(__fmul_rn(aq_e[c & 7u], sfq), g);
+    if (c & 8u) mm = -mm;
+    return xhat_bf16 ? bf16_round(mm) : mm;
+}
+
+// The counters added to `health`: one atomic per warp and counter, as v1 (integer sums and a max
+// of non-negative f32 bits do not depend on the order or grouping).
+__device__ __forceinline__ void aq_flush(const AqHealth& h, u64* health) {
+    if (!health) return;
+    u32 r[6] = {h.blocks, h.zero, h.max, h.nan, h.clip, h.dead};
+#pragma unroll
+    for (int i = 0; i < 6; i++) r[i] = __reduce_add_sync(0xffffffffu, r[i]);
+    u32 am = __reduce_max_sync(0xffffffffu, __float_as_uint(h.amax));
+    if ((threadIdx.x & 31u) == 0u) {
+#pragma unroll
+        for (int i = 0; i < 6; i++) add_nonzero(&health[i], (u64)r[i]);
+        add_nonzero(&health[6], (u64)r[0] * 16u);
+        if (am) atomicMax(&health[7], (u64)am);
+    }
+}
+
+template <int AQ2_U>
+__device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblocks, float g,
+                   u8* packed, u8* scales, u16* xq16, float* xhat, int xhat_bf16, u64* health) {
+    __shared__ float2 aq_s[256];  // (sfq, osc) by E4M3 code
+    __shared__ float aq_e[16];    // e2m1_decode by nibble
+    aq_tables(aq_s, aq_e, g);
+    AqHealth h;
     const u32 lane = threadIdx.x & 31u, q = lane & 3u;
     const u64 n = nblocks * 4u;
     const u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -196,25 +247,17 @@ __device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblo
             float vmax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
             vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1, 4));
             vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2, 4));
-            amax_all = fmaxf(amax_all, vmax);
+            h.amax = fmaxf(h.amax, vmax);
             float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
             u32 code = e4m3_encode_satfinite_v2(sf);
             float2 so = aq_s[code];
             float sfq = so.x, osc = so.y;
             const bool first = valid && q == 0u;
-            h_blocks += first;
-            h_zero += first && code == 0u;
-            h_max += first && code == 0x7Eu;
-            h_nan += first && (code & 0x7Fu) == 0x7Fu;
+            aq_count_block(h, code, first);
             if (first && w_scales) sp[8 * j] = (u8)code;  // block (t0 + 32 j) >> 2, t0 % 4 == q
             u32 c[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float y = __fmul_rn(v[i], osc);
-                c[i] = e2m1_encode_v2(y);
-                h_clip += fabsf(y) > 6.0f;
-                h_dead += (c[i] & 7u) == 0u && v[i] != 0.0f;
-            }
+            for (int i = 0; i < 4; i++) c[i] = aq_encode(v[i], osc, h);
             if (!valid) continue;
             if (w_packed) ((u16*)packed)[t] = (u16)((c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8));
             if (w_xq) {
@@ -225,28 +268,12 @@ __device__ __forceinline__ void act_quant_nvfp4_v2_body(const float* x, u64 nblo
             if (w_xhat) {
                 float m[4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float mm = __fdiv_rn(__fmul_rn(aq_e[c[i] & 7u], sfq), g);
-                    if (c[i] & 8u) mm = -mm;
-                    m[i] = xhat_bf16 ? bf16_round(mm) : mm;
-                }
+                for (int i = 0; i < 4; i++) m[i] = aq_xhat(aq_e, c[i], sfq, g, xhat_bf16);
                 ((float4*)xhat)[t] = make_float4(m[0], m[1], m[2], m[3]);
             }
         }
     }
-    if (health) {
-        // one atomic per warp and counter, as v1
-        u32 r[6] = {h_blocks, h_zero, h_max, h_nan, h_clip, h_dead};
-#pragma unroll
-        for (int i = 0; i < 6; i++) r[i] = __reduce_add_sync(0xffffffffu, r[i]);
-        u32 am = __reduce_max_sync(0xffffffffu, __float_as_uint(amax_all));
-        if ((threadIdx.x & 31u) == 0u) {
-#pragma unroll
-            for (int i = 0; i < 6; i++) add_nonzero(&health[i], (u64)r[i]);
-            add_nonzero(&health[6], (u64)r[0] * 16u);
-            if (am) atomicMax(&health[7], (u64)am);
-        }
-    }
+    aq_flush(h, health);
 }
 
 // U = 2: 6 resident blocks of 256 threads per SM (40 registers, no spills with ptxas 12.8, sm_90)
@@ -275,16 +302,8 @@ act_quant_nvfp4_v3(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
                    float* xhat, int xhat_bf16, u64* health) {
     __shared__ float2 aq_s[256];  // (sfq, osc) by E4M3 code, built with the v1 expressions
     __shared__ float aq_e[16];    // e2m1_decode by nibble
-    float rcp_g = rcp_approx_ftz(g);
-    for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
-        float sfq = e4m3_decode(i);
-        float osc = sfq == 0.0f ? 0.0f : rcp_approx_ftz(__fmul_rn(sfq, rcp_g));
-        aq_s[i] = make_float2(sfq, osc);
-        if (i < 16u) aq_e[i] = e2m1_decode(i);
-    }
-    __syncthreads();
-    u32 h_blocks = 0, h_zero = 0, h_max = 0, h_nan = 0, h_clip = 0, h_dead = 0;
-    float amax_all = 0.0f;
+    aq_tables(aq_s, aq_e, g);
+    AqHealth h;
     const bool w_packed = packed != 0, w_scales = scales != 0, w_xq = xq16 != 0, w_xhat = xhat != 0;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += stride) {
@@ -298,24 +317,16 @@ act_quant_nvfp4_v3(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
         float vmax = fabsf(v[0]);
 #pragma unroll
         for (int i = 1; i < 16; i++) vmax = fmaxf(vmax, fabsf(v[i]));
-        amax_all = fmaxf(amax_all, vmax);
+        h.amax = fmaxf(h.amax, vmax);
         float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
         u32 code = e4m3_encode_satfinite_v2(sf);
         float2 so = aq_s[code];
         float sfq = so.x, osc = so.y;
-        h_blocks += 1;
-        h_zero += code == 0u;
-        h_max += code == 0x7Eu;
-        h_nan += (code & 0x7Fu) == 0x7Fu;
+        aq_count_block(h, code, true);
         if (w_scales) scales[b] = (u8)code;
         u32 c[16];
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float y = __fmul_rn(v[i], osc);
-            c[i] = e2m1_encode_v2(y);
-            h_clip += fabsf(y) > 6.0f;
-            h_dead += (c[i] & 7u) == 0u && v[i] != 0.0f;
-        }
+        for (int i = 0; i < 16; i++) c[i] = aq_encode(v[i], osc, h);
         if (w_packed) {
             u32 w[2];
 #pragma unroll
@@ -339,28 +350,12 @@ act_quant_nvfp4_v3(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
             for (int j = 0; j < 4; j++) {
                 float m[4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    u32 ci = c[4 * j + i];
-                    float mm = __fdiv_rn(__fmul_rn(aq_e[ci & 7u], sfq), g);
-                    if (ci & 8u) mm = -mm;
-                    m[i] = xhat_bf16 ? bf16_round(mm) : mm;
-                }
+                for (int i = 0; i < 4; i++) m[i] = aq_xhat(aq_e, c[4 * j + i], sfq, g, xhat_bf16);
                 ((float4*)xhat)[4 * b + j] = make_float4(m[0], m[1], m[2], m[3]);
             }
         }
     }
-    if (health) {
-        u32 r[6] = {h_blocks, h_zero, h_max, h_nan, h_clip, h_dead};
-#pragma unroll
-        for (int i = 0; i < 6; i++) r[i] = __reduce_add_sync(0xffffffffu, r[i]);
-        u32 am = __reduce_max_sync(0xffffffffu, __float_as_uint(amax_all));
-        if ((threadIdx.x & 31u) == 0u) {
-#pragma unroll
-            for (int i = 0; i < 6; i++) add_nonzero(&health[i], (u64)r[i]);
-            add_nonzero(&health[6], (u64)r[0] * 16u);
-            if (am) atomicMax(&health[7], (u64)am);
-        }
-    }
+    aq_flush(h, health);
 }
 
 // 2^ceil(log2 v) for a normal positive v (UE8M0 "ceil" rounding), as f32.
