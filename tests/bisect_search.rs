@@ -396,7 +396,10 @@ fn early_read_skips_routed_experts() {
         .filter(|n| !n.starts_with("layers.") && !n.starts_with("embed"))
         .filter_map(|n| c.canonical_span(n).ok().map(|s| s.len()))
         .sum();
-    assert!(got <= layer_bytes + global, "{got} > {layer_bytes} + {global}");
+    assert!(
+        got <= layer_bytes + global,
+        "{got} > {layer_bytes} + {global}"
+    );
     assert!(got * 10 >= layer_bytes * 9, "{got} ≪ {layer_bytes}");
     // the budget holds
     assert!(start_early_read(&c, 1, got / 2) <= got / 2);

@@ -391,7 +391,12 @@ impl Gpu {
                 != Some("v1"),
             aq_kernel: std::env::var("NVFP4_PROBE_AQ_KERNEL")
                 .ok()
-                .and_then(|v| AQ_KERNELS.iter().find(|(k, _)| *k == v.trim()).map(|(k, _)| *k))
+                .and_then(|v| {
+                    AQ_KERNELS
+                        .iter()
+                        .find(|(k, _)| *k == v.trim())
+                        .map(|(k, _)| *k)
+                })
                 .unwrap_or(AQ_KERNEL_DEFAULT),
         })
     }
@@ -482,8 +487,14 @@ impl Gpu {
             pin.par_chunks_mut(1 << 20)
                 .zip(chunk.par_chunks(1 << 20))
                 .for_each(|(d, s)| d.copy_from_slice(s));
-            unsafe { dres::memcpy_htod_async(dst + (ci * STAGE) as u64, &pin[..], self.stream.cu_stream()) }
-                .map_err(|e| cuda_err("copy to device", e))?;
+            unsafe {
+                dres::memcpy_htod_async(
+                    dst + (ci * STAGE) as u64,
+                    &pin[..],
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| cuda_err("copy to device", e))?;
             ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
         }
         Ok(())
@@ -496,8 +507,14 @@ impl Gpu {
             let (p, _, ev) = &self.pinned[ci % 2];
             ev.synchronize().map_err(|e| cuda_err("staging", e))?;
             let pin = unsafe { std::slice::from_raw_parts_mut(*p, chunk.len()) };
-            unsafe { dres::memcpy_dtoh_async(&mut pin[..], src + (ci * STAGE) as u64, self.stream.cu_stream()) }
-                .map_err(|e| cuda_err("copy to host", e))?;
+            unsafe {
+                dres::memcpy_dtoh_async(
+                    &mut pin[..],
+                    src + (ci * STAGE) as u64,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| cuda_err("copy to host", e))?;
             self.sync()?;
             chunk
                 .par_chunks_mut(1 << 20)

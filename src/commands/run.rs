@@ -116,9 +116,11 @@ pub fn prepare(
         let h = s.spawn(|| open_model(model, seed));
         let sel = select_backend(backend);
         crate::profile::mark("backend ready");
-        let ckpt = h
-            .join()
-            .unwrap_or_else(|_| Err(Error::Backend("internal: opening the checkpoint panicked".into())));
+        let ckpt = h.join().unwrap_or_else(|_| {
+            Err(Error::Backend(
+                "internal: opening the checkpoint panicked".into(),
+            ))
+        });
         (sel, ckpt)
     });
     let (backend_sel, backend, device) = sel?;

@@ -324,7 +324,8 @@ pub fn run_capturing(
                         ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
                     )?);
                     *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
-                    if capture && captured.is_none() && records.last().is_some_and(|r| r.divergent) {
+                    if capture && captured.is_none() && records.last().is_some_and(|r| r.divergent)
+                    {
                         captured = Some(replay::Capture {
                             op: op.clone(),
                             inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
@@ -570,9 +571,9 @@ fn publish_routing(
     let Some(idx_id) = ops[step].outputs.get(1) else {
         return;
     };
-    let Some(target) = (step + 1..ops.len()).find(|&i| {
-        ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id)
-    }) else {
+    let Some(target) = (step + 1..ops.len())
+        .find(|&i| ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id))
+    else {
         return;
     };
     let n = ops[target].weights.len() / 3;
@@ -673,7 +674,11 @@ fn prefetch_loop(
     let size = |n: &String| ckpt.canonical_span(n).map(|s| s.len()).unwrap_or(0);
     let sizes: Vec<Vec<Vec<usize>>> = plan
         .iter()
-        .map(|gs| gs.iter().map(|g| g.names.iter().map(size).collect()).collect())
+        .map(|gs| {
+            gs.iter()
+                .map(|g| g.names.iter().map(size).collect())
+                .collect()
+        })
         .collect();
     let mut start_of = vec![0usize; plan.len() + 1];
     for (i, s) in sizes.iter().enumerate() {
