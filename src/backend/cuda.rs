@@ -645,23 +645,19 @@ impl Gpu {
     }
 
     /// `act_quant_nvfp4` of `nblocks` 16-element blocks at `x` with encode scale `g`.
-    /// The v2 kernel when `self.v2`.
+    /// `self.aq_kernel` (same bits, faster) when `self.v2`.
     pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
         let (name, n) = if self.v2 {
-            let (mut name, per) = AQ_KERNELS
-                .iter()
-                .copied()
-                .find(|(k, _)| *k == self.aq_kernel)
-                .unwrap_or(AQ_KERNELS[0]);
             // v3 stores whole blocks with 8- and 16-byte stores: aligned buffers only
             let aligned = x.is_multiple_of(16)
                 && o.packed.is_multiple_of(8)
                 && o.xq16.is_multiple_of(16)
                 && o.xhat.is_multiple_of(16);
-            let mut per = per;
-            if name == "act_quant_nvfp4_v3" && !aligned {
-                (name, per) = AQ_KERNELS[0];
-            }
+            let (name, per) = AQ_KERNELS
+                .iter()
+                .copied()
+                .find(|&(k, _)| k == self.aq_kernel && (aligned || k != "act_quant_nvfp4_v3"))
+                .unwrap_or(AQ_KERNELS[0]);
             (name, (nblocks as f64 / per).ceil() as u64)
         } else {
             ("act_quant_nvfp4", nblocks * 4)
