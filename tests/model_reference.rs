@@ -133,8 +133,8 @@ impl Ref<'_> {
                 }
                 let mx = c[j].iter().cloned().fold(f64::MIN, f64::max);
                 let s: f64 = c[j].iter().map(|v| (v - mx).exp()).sum();
-                for k in 0..hc {
-                    c[j][k] = (c[j][k] - mx).exp() / s + eps;
+                for v in c[j].iter_mut() {
+                    *v = (*v - mx).exp() / s + eps;
                 }
             }
             let colnorm = |c: &mut Vec<Vec<f64>>| {
@@ -265,7 +265,7 @@ impl Ref<'_> {
         for ti in 0..t {
             self.rope(&mut kr[ti * dh..(ti + 1) * dh], ti, &f, false);
         }
-        let n_c = if r > 0 { t / r } else { 0 };
+        let n_c = t.checked_div(r).unwrap_or(0);
         let ck = if r > 0 {
             self.compressor(&x, t, &lw("attn.compressor"), r, dh, n)
         } else {
@@ -275,13 +275,7 @@ impl Ref<'_> {
         // Indexer: the set of compressed rows each query may see.
         let kk = c.index_topk;
         let mut sel: Vec<Vec<usize>> = (0..t)
-            .map(|ti| {
-                if r > 0 {
-                    (0..((ti + 1) / r).min(n_c)).collect()
-                } else {
-                    vec![]
-                }
-            })
+            .map(|ti| (0..(ti + 1).checked_div(r).unwrap_or(0).min(n_c)).collect())
             .collect();
         if r == 4 && n_c > kk {
             let (hi, di) = (c.index_n_heads, c.index_head_dim);
