@@ -379,18 +379,7 @@ fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         Some(dev) => dev.with(|g| g.hc_pre(&x.data, t, d, &f.data, &p, rms_eps, dev.round))?,
         None => {
             let m = hc_mix(x, &f, mix, rms_eps);
-            let mut pre = vec![0.0f32; t * hc];
-            let mut post = vec![0.0f32; t * hc];
-            let mut comb = vec![0.0f32; t * hc * hc];
-            for ti in 0..t {
-                kern::hc_coeffs(
-                    &m[ti * mix..(ti + 1) * mix],
-                    &p,
-                    &mut pre[ti * hc..(ti + 1) * hc],
-                    &mut post[ti * hc..(ti + 1) * hc],
-                    &mut comb[ti * hc * hc..(ti + 1) * hc * hc],
-                );
-            }
+            let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
             let mut y = Tensor::new(vec![t, d], kern::hc_weighted_sum(&x.data, &pre, t, hc, d));
             env.store(&mut y);
             (y.data, post, comb)

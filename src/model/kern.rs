@@ -121,6 +121,28 @@ pub fn hc_coeffs(mr: &[f32], p: &HcParams, pre: &mut [f32], post: &mut [f32], co
     sinkhorn(comb, hc, p.iters, p.eps);
 }
 
+/// [`hc_coeffs`] of every token: `m` [t, 2·hc + hc²] mixing rows → (pre [t, hc], post [t, hc],
+/// comb [t, hc·hc]).
+pub fn hc_coeffs_rows(m: &[f32], p: &HcParams, t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let hc = p.hc;
+    let mix = 2 * hc + hc * hc;
+    let (mut pre, mut post, mut comb) = (
+        vec![0f32; t * hc],
+        vec![0f32; t * hc],
+        vec![0f32; t * hc * hc],
+    );
+    for ti in 0..t {
+        hc_coeffs(
+            &m[ti * mix..(ti + 1) * mix],
+            p,
+            &mut pre[ti * hc..(ti + 1) * hc],
+            &mut post[ti * hc..(ti + 1) * hc],
+            &mut comb[ti * hc * hc..(ti + 1) * hc * hc],
+        );
+    }
+    (pre, post, comb)
+}
+
 /// Scale each mixing row by its stream's ρ = rsqrt(mean(x²) + eps) over the token's hc·d values.
 pub fn hc_scale_rows(m: &mut [f32], x: &[f32], t: usize, rows_out: usize, eps: f32) {
     let w = x.len() / t.max(1);

@@ -95,20 +95,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         };
         let mut m = crate::probe::served::matmul_nt(&x, &f, t, hc * d, mix);
         kern::hc_scale_rows(&mut m, &x, t, mix, eps);
-        let (mut pre, mut post, mut comb) = (
-            vec![0f32; t * hc],
-            vec![0f32; t * hc],
-            vec![0f32; t * hc * hc],
-        );
-        for ti in 0..t {
-            kern::hc_coeffs(
-                &m[ti * mix..(ti + 1) * mix],
-                &p,
-                &mut pre[ti * hc..(ti + 1) * hc],
-                &mut post[ti * hc..(ti + 1) * hc],
-                &mut comb[ti * hc * hc..(ti + 1) * hc * hc],
-            );
-        }
+        let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
         let want_y = rounded(kern::hc_weighted_sum(&x, &pre, t, hc, d), round);
         let (gy, gpost, gcomb) = g.hc_pre(&x, t, d, &f, &p, eps, round)?;
         out.push(exact(&tag("mhc pre: y", round), &gy, &want_y));
