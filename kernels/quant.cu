@@ -297,6 +297,60 @@ act_quant_nvfp4_v2(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
 //    64 bytes of quantize-dequantize (4 x float4) per block.
 // Alignment: x, xq16 and xhat 16-byte, packed 8-byte aligned (Gpu::act_quant_nvfp4 falls back to
 // v2 otherwise). Grid-stride over blocks; blockDim.x a multiple of 32.
+// v3's work on block b (one lane): quantize x[16 b .. 16 b + 16) with encode scale g, count it
+// into h, store what is asked for. Shared by act_quant_nvfp4_v3 and act_quant_nvfp4_seg.
+__device__ __forceinline__ void aq_v3_block(const float* x, u64 b, float g, const float2* aq_s,
+                                            const float* aq_e, AqHealth& h, u8* packed, u8* scales,
+                                            u16* xq16, float* xhat, int xhat_bf16) {
+    const float4* xp = (const float4*)x + 4 * b;
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float4 f = __ldg(xp + j);
+        v[4 * j] = f.x; v[4 * j + 1] = f.y; v[4 * j + 2] = f.z; v[4 * j + 3] = f.w;
+    }
+    float vmax = fabsf(v[0]);
+#pragma unroll
+    for (int i = 1; i < 16; i++) vmax = fmaxf(vmax, fabsf(v[i]));
+    h.amax = fmaxf(h.amax, vmax);
+    float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
+    u32 code = e4m3_encode_satfinite_v2(sf);
+    float2 so = aq_s[code];
+    float sfq = so.x, osc = so.y;
+    aq_count_block(h, code, true);
+    if (scales) scales[b] = (u8)code;
+    u32 c[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) c[i] = aq_encode(v[i], osc, h);
+    if (packed) {
+        u32 w[2];
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            w[k] = 0u;
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[k] |= c[8 * k + i] << (4 * i);
+        }
+        ((uint2*)packed)[b] = make_uint2(w[0], w[1]);
+    }
+    if (xq16) {
+        u32 q[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            q[k] = bf16x2_bits(__fmul_rn(aq_e[c[2 * k]], sfq), __fmul_rn(aq_e[c[2 * k + 1]], sfq));
+        ((uint4*)xq16)[2 * b] = make_uint4(q[0], q[1], q[2], q[3]);
+        ((uint4*)xq16)[2 * b + 1] = make_uint4(q[4], q[5], q[6], q[7]);
+    }
+    if (xhat) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float m[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) m[i] = aq_xhat(aq_e, c[4 * j + i], sfq, g, xhat_bf16);
+            ((float4*)xhat)[4 * b + j] = make_float4(m[0], m[1], m[2], m[3]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 4)
 act_quant_nvfp4_v3(const float* x, u64 nblocks, float g, u8* packed, u8* scales, u16* xq16,
                    float* xhat, int xhat_bf16, u64* health) {
@@ -304,58 +358,36 @@ act_quant_nvfp4_v3(const float* x, u64 nblocks, float g, u8* packed, u8* scales,
     __shared__ float aq_e[16];    // e2m1_decode by nibble
     aq_tables(aq_s, aq_e, g);
     AqHealth h;
-    const bool w_packed = packed != 0, w_scales = scales != 0, w_xq = xq16 != 0, w_xhat = xhat != 0;
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += stride) {
-        const float4* xp = (const float4*)x + 4 * b;
-        float v[16];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            float4 f = __ldg(xp + j);
-            v[4 * j] = f.x; v[4 * j + 1] = f.y; v[4 * j + 2] = f.z; v[4 * j + 3] = f.w;
-        }
-        float vmax = fabsf(v[0]);
-#pragma unroll
-        for (int i = 1; i < 16; i++) vmax = fmaxf(vmax, fabsf(v[i]));
-        h.amax = fmaxf(h.amax, vmax);
-        float sf = __fmul_rn(g, __fmul_rn(vmax, RCP6));
-        u32 code = e4m3_encode_satfinite_v2(sf);
-        float2 so = aq_s[code];
-        float sfq = so.x, osc = so.y;
-        aq_count_block(h, code, true);
-        if (w_scales) scales[b] = (u8)code;
-        u32 c[16];
-#pragma unroll
-        for (int i = 0; i < 16; i++) c[i] = aq_encode(v[i], osc, h);
-        if (w_packed) {
-            u32 w[2];
-#pragma unroll
-            for (int k = 0; k < 2; k++) {
-                w[k] = 0u;
-#pragma unroll
-                for (int i = 0; i < 8; i++) w[k] |= c[8 * k + i] << (4 * i);
-            }
-            ((uint2*)packed)[b] = make_uint2(w[0], w[1]);
-        }
-        if (w_xq) {
-            u32 q[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                q[k] = bf16x2_bits(__fmul_rn(aq_e[c[2 * k]], sfq), __fmul_rn(aq_e[c[2 * k + 1]], sfq));
-            ((uint4*)xq16)[2 * b] = make_uint4(q[0], q[1], q[2], q[3]);
-            ((uint4*)xq16)[2 * b + 1] = make_uint4(q[4], q[5], q[6], q[7]);
-        }
-        if (w_xhat) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float m[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) m[i] = aq_xhat(aq_e, c[4 * j + i], sfq, g, xhat_bf16);
-                ((float4*)xhat)[4 * b + j] = make_float4(m[0], m[1], m[2], m[3]);
-            }
-        }
-    }
+    for (u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += stride)
+        aq_v3_block(x, b, g, aq_s, aq_e, h, packed, scales, xq16, xhat, xhat_bf16);
     aq_flush(h, health);
+}
+
+// ---- act_quant_nvfp4_seg: v3 over many segments in one launch -----------------------------------
+// The routed experts quantize their own rows with their own input scale and count into their own
+// health slots. Segment blockIdx.y covers blocks [block0, block0 + nblocks) of the shared buffers
+// (x, packed, scales, xq16, xhat indexed as v3 indexes them) with encode scale g and counters at
+// `health` (H_SLOTS u64, or 0). Per block the work is v3's (aq_v3_block), so the bits and counters
+// are v3's. Same alignment as v3.
+struct AqSeg {
+    u64 block0, nblocks;
+    float g;
+    u32 pad;
+    u64 health;
+};
+extern "C" __global__ void __launch_bounds__(256, 4)
+act_quant_nvfp4_seg(const float* x, const AqSeg* segs, u8* packed, u8* scales, u16* xq16, float* xhat,
+                    int xhat_bf16) {
+    __shared__ float2 aq_s[256];
+    __shared__ float aq_e[16];
+    const AqSeg sg = segs[blockIdx.y];
+    aq_tables(aq_s, aq_e, sg.g);
+    AqHealth h;
+    const u64 stride = (u64)gridDim.x * blockDim.x, end = sg.block0 + sg.nblocks;
+    for (u64 b = sg.block0 + (u64)blockIdx.x * blockDim.x + threadIdx.x; b < end; b += stride)
+        aq_v3_block(x, b, sg.g, aq_s, aq_e, h, packed, scales, xq16, xhat, xhat_bf16);
+    aq_flush(h, (u64*)sg.health);
 }
 
 // 2^ceil(log2 v) for a normal positive v (UE8M0 "ceil" rounding), as f32.

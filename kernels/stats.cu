@@ -216,3 +216,137 @@ extern "C" __global__ void gemm_small_f64(const void* x, const void* w, int bf, 
         __syncthreads();
     }
 }
+
+// ---- moe_gemm_f64: the routed experts' linears of one path in one launch -------------------------
+// y[r, c] = sum_k x[r, k] * w_e[c, k] for the rows r of every tile, each tile up to MOE_R
+// consecutive rows of the gathered activations that one routed expert sees, its weight w_e
+// decoded from the stored bytes on the fly, exactly as the dequantization kernels decode it:
+//   NVFP4 (conv 0 compressed-tensors q = s / global, 1 ModelOpt q = s * global, 2 the served
+//   operand q = s): w = e2m1 * q, then * post (MT_POST); nibbles read the other way round with
+//   MT_SWAP (dequant_nvfp4's swap);
+//   MXFP4 (conv 3): w = e2m1 * ue8m0 over 32-element blocks (dequant_mxfp4);
+//   MT_WBF16: w rounded to BF16 (what the BF16 operand of gemm_small_f64 holds).
+// x is f32 or BF16 bits (xbf). Products of two f32 values are exact in f64, so the fused
+// multiply-add below equals gemm_small_f64's add of a rounded product; the sum is f64, rounded
+// once to f32, then (MT_EPI) scale_round's bf16(y * mul). No [n, k] f32 copy of any weight is
+// written or read: each expert weight is read once per tile as 4.5 bits per element.
+// Grid: x = column groups of MOE_C (grid-stride), y = tiles. Block: 32 * MOE_WARPS threads; each
+// lane takes 16-element pieces of k (k % 16 == 0; x rows 16-byte aligned).
+#define MOE_R 4
+#define MOE_C 8
+#define MOE_WARPS 4
+#define MT_CONV 3u
+#define MT_POST 4u
+#define MT_SWAP 8u
+#define MT_WBF16 16u
+#define MT_EPI 32u
+struct MoeTile {
+    u64 packed, scales;
+    u32 row0, rows;
+    float global, post, mul;
+    u32 flags;
+};
+extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
+moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
+    __shared__ float mq[256];    // block multiplier by scale byte
+    __shared__ float2 me[256];   // (even, odd) element code values by packed byte
+    __shared__ double part[MOE_WARPS][MOE_R][MOE_C];
+    const MoeTile t = tiles[blockIdx.y];
+    const u32 conv = t.flags & MT_CONV;
+    const bool mx = conv == 3u, post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
+    for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
+        float s = mx ? ue8m0_decode(i) : e4m3_decode(i);
+        mq[i] = conv == 0u ? __fdiv_rn(s, t.global) : (conv == 1u ? __fmul_rn(s, t.global) : s);
+        u32 lo = i & 15u, hi = i >> 4;
+        if (!mx && (t.flags & MT_SWAP)) { u32 tmp = lo; lo = hi; hi = tmp; }
+        me[i] = make_float2(e2m1_decode(lo), e2m1_decode(hi));
+    }
+    __syncthreads();
+    const u8* packed = (const u8*)t.packed;
+    const u8* scales = (const u8*)t.scales;
+    const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
+    const u64 pieces = k / 16;
+    for (u64 c0 = (u64)blockIdx.x * MOE_C; c0 < n; c0 += (u64)gridDim.x * MOE_C) {
+        double acc[MOE_R][MOE_C];
+#pragma unroll
+        for (int r = 0; r < MOE_R; r++)
+#pragma unroll
+            for (int j = 0; j < MOE_C; j++) acc[r][j] = 0.0;
+        for (u64 p = threadIdx.x; p < pieces; p += blockDim.x) {
+            float xv[MOE_R][16];
+#pragma unroll
+            for (int r = 0; r < MOE_R; r++) {
+                if ((u32)r < t.rows) {
+                    u64 o = (u64)(t.row0 + r) * ldx + p * 16;
+                    if (xbf) {
+                        const uint4* q = (const uint4*)((const u16*)x + o);
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            uint4 u = q[h];
+                            u32 wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                xv[r][8 * h + 2 * i] = __uint_as_float(wd[i] << 16);
+                                xv[r][8 * h + 2 * i + 1] = __uint_as_float(wd[i] & 0xFFFF0000u);
+                            }
+                        }
+                    } else {
+                        const float4* q = (const float4*)((const float*)x + o);
+#pragma unroll
+                        for (int h = 0; h < 4; h++) {
+                            float4 f = q[h];
+                            xv[r][4 * h] = f.x; xv[r][4 * h + 1] = f.y;
+                            xv[r][4 * h + 2] = f.z; xv[r][4 * h + 3] = f.w;
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 16; i++) xv[r][i] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < MOE_C; j++) {
+                u64 c = c0 + j;
+                if (c >= n) continue;
+                u64 e0 = c * k + p * 16;
+                uint2 pk = *(const uint2*)(packed + e0 / 2);
+                float q = mq[scales[mx ? e0 / 32 : e0 / 16]];
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    u32 byte = ((i < 4 ? pk.x : pk.y) >> (8 * (i & 3))) & 0xFFu;
+                    float2 e = me[byte];
+                    float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
+                    if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
+                    if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
+                    double d0 = (double)w0, d1 = (double)w1;
+#pragma unroll
+                    for (int r = 0; r < MOE_R; r++) {
+                        acc[r][j] = __fma_rn((double)xv[r][2 * i], d0, acc[r][j]);
+                        acc[r][j] = __fma_rn((double)xv[r][2 * i + 1], d1, acc[r][j]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MOE_R; r++) {
+#pragma unroll
+            for (int j = 0; j < MOE_C; j++) {
+                double v = acc[r][j];
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+                if (lane == 0) part[wid][r][j] = v;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < MOE_R * MOE_C) {
+            u32 r = threadIdx.x / MOE_C, j = threadIdx.x % MOE_C;
+            if (r < t.rows && c0 + j < n) {
+                double v = 0.0;
+                for (u32 w = 0; w < MOE_WARPS; w++) v = __dadd_rn(v, part[w][r][j]);
+                float o = __double2float_rn(v);
+                if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
+                y[(u64)(t.row0 + r) * ldy + c0 + j] = o;
+            }
+        }
+        __syncthreads();
+    }
+}

@@ -4,6 +4,9 @@
 #   flash     synthesize a V4-Flash-dimension checkpoint (FLASH_LAYERS layers, FLASH_FORMAT), then
 #             warm runs (x3), a cold run (page cache dropped with posix_fadvise), CPU vs CUDA on layer 0
 #   bisect    bisect with a loader fault in layer 3 on the Flash checkpoint, timed against one run
+#   experts   the grouped routed-experts path: whole tiny runs CPU vs CUDA in both NVFP4 formats
+#             (all served profiles); with the flash stage, a Flash run with NVFP4_PROBE_EXPERTS=loop
+#             compared field by field with the grouped one (probes/device/run_diff.py)
 # Usage (on the GPU machine, repository root, release binary present):
 #   OUT=/tmp/out STAGES="selftest flash bisect" bash probes/device/gpu_check.sh
 set -u
@@ -29,6 +32,13 @@ if has selftest; then
   [ -f /tmp/rcp_table.bin ] && gzip -9c /tmp/rcp_table.bin > "$OUT/rcp_table.bin.gz"
   [ $rc -ge 2 ] && { echo "selftest could not run: skipping the rest"; exit 1; }
 fi
+if has experts; then
+  for fmt in modelopt-nvfp4 ct-nvfp4; do
+    $B synth --preset tiny --format $fmt --out /tmp/tiny_$fmt > /dev/null 2>&1 || echo "synth $fmt failed"
+    ( timeout 300 $B selftest --backend cuda --model /tmp/tiny_$fmt --json "$OUT/experts_tiny_$fmt.json" ) > "$OUT/experts_tiny_$fmt.txt" 2>&1
+    echo "tiny $fmt rc=$?" >> "$OUT/experts_tiny_$fmt.txt"; grep -E "^whole|grouped|^selftest|rc=|FAIL" "$OUT/experts_tiny_$fmt.txt" | cut -c1-300
+  done
+fi
 if has flash; then
   if [ ! -f "$F/config.json" ]; then
     ( time $B synth --preset flash-layer --format $FMT --layers $NL --out $F ) > "$OUT/synth.txt" 2>&1
@@ -39,6 +49,12 @@ if has flash; then
     ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_warm$i.json ) > "$OUT/flash_warm$i.txt" 2>&1
     grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_warm$i.txt" | cut -c1-400
   done
+  if has experts; then
+    ( NVFP4_PROBE_EXPERTS=loop NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_loop.json ) > "$OUT/flash_loop.txt" 2>&1
+    grep -E "ops,|routed|Elapsed" "$OUT/flash_loop.txt" | cut -c1-300
+    python3 probes/device/run_diff.py $OUT/flash_loop.json $OUT/flash_warm1.json > "$OUT/flash_loop_vs_grouped.txt" 2>&1
+    echo "run_diff rc=$?" >> "$OUT/flash_loop_vs_grouped.txt"; cat "$OUT/flash_loop_vs_grouped.txt" | cut -c1-300
+  fi
   sync; evict $F
   ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_cold.json ) > "$OUT/flash_cold.txt" 2>&1
   grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
@@ -71,5 +87,5 @@ if has bisect; then
   done
 fi
 
-cd "$OUT" && tar czf results.tgz --remove-files $(ls | grep -v -E '^(results.tgz|selftest.txt|selftest.json|rcp_table.bin.gz)$') 2>/dev/null
+cd "$OUT" && tar czf results.tgz --remove-files $(ls | grep -v -E '^(results.tgz|selftest.txt|selftest.json|rcp_table.bin.gz|.*\.txt)$') 2>/dev/null
 ls -la "$OUT"

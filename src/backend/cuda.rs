@@ -54,6 +54,7 @@ const KERNELS: &[&str] = &[
     "act_quant_nvfp4",
     "act_quant_nvfp4_v2",
     "act_quant_nvfp4_v3",
+    "act_quant_nvfp4_seg",
     "act_quant_fp8",
     "fused_stats",
     "gather_rows",
@@ -62,6 +63,7 @@ const KERNELS: &[&str] = &[
     "to_f64",
     "from_f64",
     "gemm_small_f64",
+    "moe_gemm_f64",
     "row_rms",
     "rms_apply",
     "rope_rows",
@@ -173,6 +175,66 @@ enum DevFmt {
     },
 }
 
+/// One tile of `moe_gemm_f64` (kernels/stats.cu, same layout): up to [`MOE_R`] consecutive rows
+/// of the gathered activations multiplied by one expert weight decoded from its stored bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeTile {
+    pub packed: u64,
+    pub scales: u64,
+    pub row0: u32,
+    pub rows: u32,
+    /// NVFP4 tensor scale (conv 0: divided by, 1: multiplied by).
+    pub global: f32,
+    /// Multiplier after decoding, with [`MT_POST`].
+    pub post: f32,
+    /// Epilogue multiplier, with [`MT_EPI`]: y = bf16(y · mul).
+    pub mul: f32,
+    /// Decode (bits 0-1: 0 compressed-tensors, 1 ModelOpt, 2 served e2m1·s, 3 MXFP4) and the
+    /// `MT_*` flags.
+    pub flags: u32,
+}
+/// The grouped experts op takes experts of up to this many rows; an op where some expert sees
+/// more tokens runs per expert (cuBLAS DGEMM for its many rows, one weight read per expert).
+const GROUPED_MAX_ROWS: usize = 64;
+/// Rows per [`MoeTile`] (`MOE_R` in kernels/stats.cu).
+pub const MOE_R: usize = 4;
+/// Output columns per CUDA block of `moe_gemm_f64` (`MOE_C`).
+const MOE_C: usize = 8;
+pub const MT_POST: u32 = 4;
+pub const MT_SWAP: u32 = 8;
+pub const MT_WBF16: u32 = 16;
+pub const MT_EPI: u32 = 32;
+
+/// One segment of `act_quant_nvfp4_seg` (kernels/quant.cu, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AqSeg {
+    pub block0: u64,
+    pub nblocks: u64,
+    pub g: f32,
+    pub pad: u32,
+    /// H_SLOTS device counters, or 0.
+    pub health: u64,
+}
+
+/// What one path multiplies a routed expert linear's weight with, in the grouped experts op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum MoeAct {
+    /// The f32 activation (FP32 oracle).
+    F32,
+    /// bf16(x) (BF16 oracle).
+    Bf16,
+    /// The NVFP4 fake-quantized BF16 operand e2m1·s (served W4A4).
+    Nvfp4W4a4,
+    /// bf16 of the quantize-dequantize (served emulation).
+    Nvfp4Emul,
+    /// bf16(x), the amax and counters observed (served W4A16).
+    Nvfp4W4a16,
+    /// FP8 1×128 fake quantization (served MXFP4 experts).
+    Fp8 { non_pow2: bool },
+}
+
 /// How the served path computes with a weight.
 enum ServedDev {
     /// From the stored bytes: NVFP4 scalars as the loader resolved them (scalar loader faults and
@@ -259,6 +321,8 @@ pub struct GpuCounters {
     pub upload_seconds: f64,
     pub linears: u64,
     pub expert_ops: u64,
+    /// Routed-experts ops run as grouped launches (the rest ran per expert).
+    pub grouped_expert_ops: u64,
     pub metric_passes: u64,
 }
 
@@ -286,6 +350,10 @@ pub struct Gpu {
     pub v2: bool,
     /// The activation quantization kernel used when `v2` (one of [`AQ_KERNELS`]).
     pub aq_kernel: &'static str,
+    /// Run a routed-experts op of NVFP4 or MXFP4 experts as a few grouped launches
+    /// (`moe_gemm_f64`, `act_quant_nvfp4_seg`) instead of a launch sequence per expert. True
+    /// unless `NVFP4_PROBE_EXPERTS=loop` was set when the backend opened.
+    pub grouped_experts: bool,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -398,6 +466,8 @@ impl Gpu {
                         .map(|(k, _)| *k)
                 })
                 .unwrap_or(AQ_KERNEL_DEFAULT),
+            grouped_experts: std::env::var("NVFP4_PROBE_EXPERTS").ok().as_deref().map(str::trim)
+                != Some("loop"),
         })
     }
 
@@ -675,6 +745,97 @@ impl Gpu {
                 A::P(o.xhat),
                 A::I(o.xhat_bf16 as i32),
                 A::P(o.health),
+            ],
+        )
+    }
+
+    /// `act_quant_nvfp4_v3`'s work over many segments in one launch: segment i quantizes its
+    /// blocks with its own encode scale and counts into its own health slots. The outputs of `o`
+    /// are shared buffers indexed as v3 indexes them (`o.health` is ignored). Needs v3's alignment.
+    pub fn act_quant_nvfp4_seg(&self, x: u64, segs: &[AqSeg], o: ActQuantOut) -> Result<()> {
+        if segs.is_empty() {
+            return Ok(());
+        }
+        let aligned = x.is_multiple_of(16)
+            && o.packed.is_multiple_of(8)
+            && o.xq16.is_multiple_of(16)
+            && o.xhat.is_multiple_of(16);
+        if !aligned || segs.len() > 65_535 {
+            return Err(Error::Backend(
+                "cuda: act_quant_nvfp4_seg needs 16-byte aligned buffers and at most 65535 segments"
+                    .into(),
+            ));
+        }
+        let most = segs.iter().map(|s| s.nblocks).max().unwrap_or(0);
+        let sb = self.upload(segs)?;
+        let cfg = LaunchConfig {
+            grid_dim: (most.div_ceil(256).clamp(1, 64) as u32, segs.len() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch_cfg(
+            "act_quant_nvfp4_seg",
+            cfg,
+            &[
+                A::P(x),
+                A::P(sb.ptr),
+                A::P(o.packed),
+                A::P(o.scales),
+                A::P(o.xq16),
+                A::P(o.xhat),
+                A::I(o.xhat_bf16 as i32),
+            ],
+        )
+    }
+
+    /// `moe_gemm_f64`: for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
+    /// rounded once (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`,
+    /// y f32 with row stride `ldy`. Needs k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm(
+        &self,
+        x: u64,
+        xbf: bool,
+        ldx: usize,
+        tiles: &[MoeTile],
+        n: usize,
+        k: usize,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        if tiles.is_empty() || n == 0 {
+            return Ok(());
+        }
+        let es = if xbf { 2 } else { 4 };
+        if !k.is_multiple_of(16) || !(ldx * es).is_multiple_of(16) || !x.is_multiple_of(16) {
+            return Err(Error::Backend(format!(
+                "cuda: moe_gemm_f64 needs k % 16 == 0 and 16-byte aligned rows (k {k}, ldx {ldx})"
+            )));
+        }
+        if tiles.len() > 65_535 {
+            return Err(Error::Backend(format!(
+                "cuda: moe_gemm_f64: {} tiles, at most 65535",
+                tiles.len()
+            )));
+        }
+        let tb = self.upload(tiles)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(MOE_C).min(65_535) as u32, tiles.len() as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch_cfg(
+            "moe_gemm_f64",
+            cfg,
+            &[
+                A::P(x),
+                A::I(xbf as i32),
+                A::U(ldx as u64),
+                A::P(tb.ptr),
+                A::U(n as u64),
+                A::U(k as u64),
+                A::P(y),
+                A::U(ldy as u64),
             ],
         )
     }
@@ -1889,6 +2050,296 @@ impl Gpu {
         Ok((y, r, obs))
     }
 
+    /// How the grouped experts op computes linear `j` (0 w1, 1 w3, 2 w2) of every routed expert
+    /// on this path: the activation operand (one kind for all experts) and per expert the tile
+    /// template and the served NVFP4 parameters. None when some weight needs the per-expert
+    /// sequence (a format other than NVFP4/MXFP4, a served reading prepared on the host, NVFP4
+    /// served without parameters, experts of different shapes or activation kinds).
+    #[allow(clippy::type_complexity)]
+    fn moe_plan(
+        &self,
+        kind: PathKind,
+        profile: Profile,
+        used: &[usize],
+        bases: &[&str],
+    ) -> Option<([MoeAct; 3], [Vec<(MoeTile, Option<Nvfp4Params>)>; 3], usize)> {
+        let first = &self.weights[bases[3 * *used.first()?]];
+        let inter = first.n;
+        let mut acts = [MoeAct::F32; 3];
+        let mut plans: [Vec<(MoeTile, Option<Nvfp4Params>)>; 3] = Default::default();
+        for (j, (act, plan)) in acts.iter_mut().zip(plans.iter_mut()).enumerate() {
+            for (i, &e) in used.iter().enumerate() {
+                let w = self.weights.get(bases[3 * e + j])?;
+                if (j < 2 && w.n != inter) || (j == 2 && w.k != inter) {
+                    return None;
+                }
+                let (a, t, p) = Self::moe_linear(kind, profile, w)?;
+                if i == 0 {
+                    *act = a;
+                } else if a != *act {
+                    return None;
+                }
+                plan.push((t, p));
+            }
+        }
+        Some((acts, plans, inter))
+    }
+
+    /// One expert linear of the grouped op: what [`Gpu::linear_with`] does with this weight on
+    /// this path, as an activation kind and a `moe_gemm_f64` tile template.
+    fn moe_linear(
+        kind: PathKind,
+        profile: Profile,
+        w: &DevWeight,
+    ) -> Option<(MoeAct, MoeTile, Option<Nvfp4Params>)> {
+        let (packed, stored, conv, global, mx) = match &w.fmt {
+            DevFmt::Nv {
+                packed,
+                scales,
+                conv,
+                global,
+            } => {
+                let c = match conv {
+                    Convention::CompressedTensors => 0,
+                    Convention::ModelOpt => 1,
+                };
+                (packed.ptr, scales.ptr, c, *global, false)
+            }
+            DevFmt::Mx { packed, scales } => (packed.ptr, scales.ptr, 3, 1.0, true),
+            _ => return None,
+        };
+        let t = MoeTile {
+            packed,
+            scales: stored,
+            global,
+            flags: conv,
+            ..Default::default()
+        };
+        match kind {
+            PathKind::OracleFp32 => Some((MoeAct::F32, t, None)),
+            // the experts' activations are BF16 values on this path (`x_bf16`)
+            PathKind::OracleBf16 => Some((
+                MoeAct::Bf16,
+                MoeTile {
+                    flags: conv | MT_WBF16,
+                    ..t
+                },
+                None,
+            )),
+            PathKind::Served => {
+                let ServedDev::Native {
+                    nv,
+                    swap,
+                    non_pow2,
+                    scales,
+                    ..
+                } = &w.served
+                else {
+                    return None;
+                };
+                if mx {
+                    // dequant_mxfp4 of the served operand (no nibble-order flag), FP8 1x128
+                    // activations, bf16(y) epilogue
+                    return Some((
+                        MoeAct::Fp8 {
+                            non_pow2: *non_pow2,
+                        },
+                        MoeTile {
+                            flags: 3 | MT_EPI,
+                            mul: 1.0,
+                            ..t
+                        },
+                        None,
+                    ));
+                }
+                let p = (*nv)?;
+                let t = MoeTile {
+                    scales: scales.as_ref().map_or(stored, |(b, _)| b.ptr),
+                    flags: 2 | MT_WBF16 | MT_EPI | if *swap { MT_SWAP } else { 0 },
+                    ..t
+                };
+                Some(match profile {
+                    Profile::BlackwellW4a4 => (MoeAct::Nvfp4W4a4, MoeTile { mul: p.alpha, ..t }, Some(p)),
+                    Profile::Emulation => (
+                        MoeAct::Nvfp4Emul,
+                        MoeTile {
+                            post: p.d_w,
+                            flags: t.flags | MT_POST,
+                            mul: 1.0,
+                            ..t
+                        },
+                        Some(p),
+                    ),
+                    Profile::HopperW4a16 => (MoeAct::Nvfp4W4a16, MoeTile { mul: p.d_w, ..t }, Some(p)),
+                })
+            }
+        }
+    }
+
+    /// The activation operand of one grouped expert linear over all gathered rows x [total, k]:
+    /// (pointer, BF16 bits?). NVFP4 served kinds quantize each expert's rows with its own input
+    /// scale into its own health slots (`health(ui)`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_act(
+        &mut self,
+        act: MoeAct,
+        x: u64,
+        total: usize,
+        k: usize,
+        segs: &[(usize, usize)],
+        plan: &[(MoeTile, Option<Nvfp4Params>)],
+        health: &dyn Fn(usize) -> u64,
+    ) -> Result<(u64, bool)> {
+        let n = total * k;
+        let aq = |g: &dyn Fn(usize) -> f32| -> Vec<AqSeg> {
+            segs.iter()
+                .enumerate()
+                .map(|(ui, &(r0, rows))| AqSeg {
+                    block0: (r0 * k / 16) as u64,
+                    nblocks: (rows * k / 16) as u64,
+                    g: g(ui),
+                    pad: 0,
+                    health: health(ui),
+                })
+                .collect()
+        };
+        let gx = |ui: usize| plan[ui].1.map_or(f32::NAN, |p| p.g_x);
+        Ok(match act {
+            MoeAct::F32 => (x, false),
+            MoeAct::Bf16 => (self.bf16_copy("x16", x, n)?, true),
+            MoeAct::Nvfp4W4a4 => {
+                let xq = self.scratch("xq16", n * 2)?;
+                let o = ActQuantOut {
+                    xq16: xq,
+                    ..Default::default()
+                };
+                self.act_quant_nvfp4_seg(x, &aq(&gx), o)?;
+                (xq, true)
+            }
+            MoeAct::Nvfp4Emul => {
+                let xh = self.scratch("xq32", n * 4)?;
+                let o = ActQuantOut {
+                    xhat: xh,
+                    xhat_bf16: true,
+                    ..Default::default()
+                };
+                self.act_quant_nvfp4_seg(x, &aq(&gx), o)?;
+                (self.bf16_copy("x16", xh, n)?, true)
+            }
+            MoeAct::Nvfp4W4a16 => {
+                self.act_quant_nvfp4_seg(x, &aq(&gx), ActQuantOut::default())?;
+                (self.bf16_copy("x16", x, n)?, true)
+            }
+            MoeAct::Fp8 { non_pow2 } => {
+                let xq = self.scratch("xq32", n * 4)?;
+                self.launch(
+                    "act_quant_fp8",
+                    (total * k.div_ceil(128)) as u64,
+                    &[
+                        A::P(x),
+                        A::U(total as u64),
+                        A::U(k as u64),
+                        A::I(non_pow2 as i32),
+                        A::P(xq),
+                    ],
+                )?;
+                (xq, false)
+            }
+        })
+    }
+
+    /// The routed experts of one path as grouped launches: per linear one activation step and one
+    /// `moe_gemm_f64` over every expert's rows, SwiGLU once over all rows. Same results as the
+    /// per-expert sequence (same decodes, quantizers, f64 accumulation and epilogues), without an
+    /// f32 copy of any weight and with a dozen launches instead of a dozen per expert.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn experts_grouped(
+        &mut self,
+        kind: PathKind,
+        acts: &[MoeAct; 3],
+        plans: &[Vec<(MoeTile, Option<Nvfp4Params>)>; 3],
+        inter: usize,
+        used: &[usize],
+        starts: &[usize],
+        xs: u64,
+        total: usize,
+        d: usize,
+        ys: u64,
+        health: &dyn Fn(usize, usize) -> u64,
+        limit: f32,
+    ) -> Result<Vec<(usize, [Option<Nvfp4Params>; 3])>> {
+        let round = kind != PathKind::OracleFp32;
+        let segs: Vec<(usize, usize)> = used
+            .iter()
+            .map(|&e| (starts[e], starts[e + 1] - starts[e]))
+            .collect();
+        let tiles = |plan: &[(MoeTile, Option<Nvfp4Params>)]| -> Vec<MoeTile> {
+            let mut v = Vec::new();
+            for (&(r0, rows), (t, _)) in segs.iter().zip(plan) {
+                for a in (0..rows).step_by(MOE_R) {
+                    v.push(MoeTile {
+                        row0: (r0 + a) as u32,
+                        rows: MOE_R.min(rows - a) as u32,
+                        ..*t
+                    });
+                }
+            }
+            v
+        };
+        let n_el = total * inter;
+        let gt = self.scratch("gt", n_el * 4)?;
+        let up = self.scratch("up", n_el * 4)?;
+        let act = self.scratch("act", n_el * 4)?;
+        for (j, out) in [(0usize, gt), (1, up)] {
+            let (xp, xbf) =
+                self.moe_act(acts[j], xs, total, d, &segs, &plans[j], &|ui| health(ui, j))?;
+            self.moe_gemm(xp, xbf, d, &tiles(&plans[j]), inter, d, out, inter)?;
+        }
+        let n64 = n_el as u64;
+        if round {
+            self.launch("round_bf16", n64, &[A::P(gt), A::U(n64), A::P(0)])?;
+            self.launch("round_bf16", n64, &[A::P(up), A::U(n64), A::P(0)])?;
+        }
+        self.launch(
+            "swiglu_clamp",
+            n64,
+            &[
+                A::P(gt),
+                A::P(up),
+                A::U(n64),
+                A::F(limit),
+                A::I(round as i32),
+                A::P(act),
+            ],
+        )?;
+        let (xp, xbf) =
+            self.moe_act(acts[2], act, total, inter, &segs, &plans[2], &|ui| health(ui, 2))?;
+        self.moe_gemm(xp, xbf, inter, &tiles(&plans[2]), d, inter, ys, d)?;
+        if plans[2].iter().all(|(_, p)| p.is_none()) {
+            // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7), as
+            // the per-expert sequence counts it
+            let s: Vec<AqSeg> = segs
+                .iter()
+                .enumerate()
+                .map(|(ui, &(r0, rows))| AqSeg {
+                    block0: (r0 * inter / 16) as u64,
+                    nblocks: (rows * inter / 16) as u64,
+                    g: 1.0,
+                    pad: 0,
+                    health: health(ui, 2),
+                })
+                .collect();
+            self.act_quant_nvfp4_seg(act, &s, ActQuantOut::default())?;
+        }
+        self.counters.linears += 3 * used.len() as u64;
+        self.counters.grouped_expert_ops += 1;
+        Ok(used
+            .iter()
+            .enumerate()
+            .map(|(ui, &e)| (e, [plans[0][ui].1, plans[1][ui].1, plans[2][ui].1]))
+            .collect())
+    }
+
     /// The routed-experts op of one path on the device: x [t, d], routing weights and expert ids
     /// [t, k]; `bases[3e..3e+3]` = (w1, w3, w2) of expert e. Returns [t, d] and the served
     /// observations per expert linear (sub ids as the CPU path names them).
@@ -1954,9 +2405,7 @@ impl Gpu {
             .flat_map(|&e| [bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]])
             .collect();
         self.preload(lc.ckpt, &routed)?;
-        for (ui, &e) in used.iter().enumerate() {
-            let (s0, s1) = (starts[e], starts[e + 1]);
-            let rows = s1 - s0;
+        for &e in &used {
             let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
             for b in [b1, b3, b2] {
                 self.ensure_weight(lc, b)?;
@@ -1971,48 +2420,6 @@ impl Gpu {
                     format!("expert {e}: w1/w3/w2 shapes do not fit hidden size {d}"),
                 ));
             }
-            let gt = self.scratch("gt", rows * inter * 4)?;
-            let up = self.scratch("up", rows * inter * 4)?;
-            let act = self.scratch("act", rows * inter * 4)?;
-            let xe = xs.ptr + (s0 * d * 4) as u64;
-            let h = |j: usize| hb.ptr + (((ui * 3 + j) * H_SLOTS) * 8) as u64;
-            let p1 = self.linear_dev(lc, kind, b1, xe, rows, exact, None, gt, inter, Some(h(0)))?;
-            let p3 = self.linear_dev(lc, kind, b3, xe, rows, exact, None, up, inter, Some(h(1)))?;
-            // the store of gt/up, then SwiGLU with the clamp and its store
-            let n_el = (rows * inter) as u64;
-            if round {
-                self.launch("round_bf16", n_el, &[A::P(gt), A::U(n_el), A::P(0)])?;
-                self.launch("round_bf16", n_el, &[A::P(up), A::U(n_el), A::P(0)])?;
-            }
-            self.launch(
-                "swiglu_clamp",
-                n_el,
-                &[
-                    A::P(gt),
-                    A::P(up),
-                    A::U(n_el),
-                    A::F(limit),
-                    A::I(round as i32),
-                    A::P(act),
-                ],
-            )?;
-            let ye = ys.ptr + (s0 * d * 4) as u64;
-            let p2 = self.linear_dev(lc, kind, b2, act, rows, exact, None, ye, d, Some(h(2)))?;
-            if p2.is_none() {
-                // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7;
-                // the other counters of this slot are never read for such a linear)
-                if n_el.is_multiple_of(16) {
-                    let o = ActQuantOut {
-                        health: h(2),
-                        ..Default::default()
-                    };
-                    self.act_quant_nvfp4(act, n_el / 16, 1.0, o)?;
-                } else {
-                    let a: Vec<f32> = self.download(act, n_el as usize)?;
-                    let am = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    self.copy_in(h(2) + 7 * 8, &[am.to_bits() as u64])?;
-                }
-            }
             if self.weights[b2].n != d {
                 return Err(Error::bad(
                     lc.ckpt.location(),
@@ -2023,7 +2430,75 @@ impl Gpu {
                     ),
                 ));
             }
-            params.push((e, [p1, p3, p2]));
+        }
+        let h = |ui: usize, j: usize| hb.ptr + (((ui * 3 + j) * H_SLOTS) * 8) as u64;
+        let most_rows = used
+            .iter()
+            .map(|&e| starts[e + 1] - starts[e])
+            .max()
+            .unwrap_or(0);
+        let plan = if self.grouped_experts && self.exact64 && self.v2 && most_rows <= GROUPED_MAX_ROWS
+        {
+            self.moe_plan(kind, lc.profile, &used, bases)
+        } else {
+            None
+        };
+        if let Some((acts, plans, inter)) = plan {
+            params = self.experts_grouped(
+                kind, &acts, &plans, inter, &used, &starts, xs.ptr, total, d, ys.ptr, &h, limit,
+            )?;
+        } else {
+            for (ui, &e) in used.iter().enumerate() {
+                let (s0, s1) = (starts[e], starts[e + 1]);
+                let rows = s1 - s0;
+                let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
+                let inter = self.weights[b1].n;
+                let gt = self.scratch("gt", rows * inter * 4)?;
+                let up = self.scratch("up", rows * inter * 4)?;
+                let act = self.scratch("act", rows * inter * 4)?;
+                let xe = xs.ptr + (s0 * d * 4) as u64;
+                let p1 =
+                    self.linear_dev(lc, kind, b1, xe, rows, exact, None, gt, inter, Some(h(ui, 0)))?;
+                let p3 =
+                    self.linear_dev(lc, kind, b3, xe, rows, exact, None, up, inter, Some(h(ui, 1)))?;
+                // the store of gt/up, then SwiGLU with the clamp and its store
+                let n_el = (rows * inter) as u64;
+                if round {
+                    self.launch("round_bf16", n_el, &[A::P(gt), A::U(n_el), A::P(0)])?;
+                    self.launch("round_bf16", n_el, &[A::P(up), A::U(n_el), A::P(0)])?;
+                }
+                self.launch(
+                    "swiglu_clamp",
+                    n_el,
+                    &[
+                        A::P(gt),
+                        A::P(up),
+                        A::U(n_el),
+                        A::F(limit),
+                        A::I(round as i32),
+                        A::P(act),
+                    ],
+                )?;
+                let ye = ys.ptr + (s0 * d * 4) as u64;
+                let p2 =
+                    self.linear_dev(lc, kind, b2, act, rows, exact, None, ye, d, Some(h(ui, 2)))?;
+                if p2.is_none() {
+                    // no served NVFP4 quantization observed w2's activation: its amax alone (slot
+                    // 7; the other counters of this slot are never read for such a linear)
+                    if n_el.is_multiple_of(16) {
+                        let o = ActQuantOut {
+                            health: h(ui, 2),
+                            ..Default::default()
+                        };
+                        self.act_quant_nvfp4(act, n_el / 16, 1.0, o)?;
+                    } else {
+                        let a: Vec<f32> = self.download(act, n_el as usize)?;
+                        let am = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        self.copy_in(h(ui, 2) + 7 * 8, &[am.to_bits() as u64])?;
+                    }
+                }
+                params.push((e, [p1, p3, p2]));
+            }
         }
         let srb = self.upload(&slot_row)?;
         let swb = self.upload(&slot_w)?;
