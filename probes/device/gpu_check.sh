@@ -49,6 +49,9 @@ if has flash; then
     ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_warm$i.json ) > "$OUT/flash_warm$i.txt" 2>&1
     grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_warm$i.txt" | cut -c1-400
   done
+  # device time per kernel, cuBLAS call and copy (CUDA events around each; the run itself is slower)
+  ( NVFP4_PROBE_KERNEL_TIME=1 NVFP4_PROBE_PROFILE=1 timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet ) > "$OUT/flash_ktime.txt" 2>&1
+  grep -E "ops,|device time" "$OUT/flash_ktime.txt" | cut -c1-1500
   if has experts; then
     ( NVFP4_PROBE_EXPERTS=loop NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_loop.json ) > "$OUT/flash_loop.txt" 2>&1
     grep -E "ops,|routed|Elapsed" "$OUT/flash_loop.txt" | cut -c1-300

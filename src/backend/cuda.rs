@@ -326,6 +326,29 @@ pub struct GpuCounters {
     pub metric_passes: u64,
 }
 
+/// Device time per kernel, cuBLAS call and copy, from CUDA events recorded around every one
+/// (`NVFP4_PROBE_KERNEL_TIME=1`): the GPU work of a run without the host's gaps between launches.
+#[derive(Default)]
+pub struct KernelTimer {
+    free: Vec<CudaEvent>,
+    pending: Vec<(CudaEvent, CudaEvent, &'static str)>,
+    by_kernel: HashMap<&'static str, (u64, f64)>,
+}
+
+impl KernelTimer {
+    fn drain(&mut self) -> Result<()> {
+        for (a, b, name) in self.pending.drain(..) {
+            let ms = a.elapsed_ms(&b).map_err(|e| cuda_err("event timing", e))?;
+            let e = self.by_kernel.entry(name).or_default();
+            e.0 += 1;
+            e.1 += ms as f64;
+            self.free.push(a);
+            self.free.push(b);
+        }
+        Ok(())
+    }
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -354,6 +377,8 @@ pub struct Gpu {
     /// (`moe_gemm_f64`, `act_quant_nvfp4_seg`) instead of a launch sequence per expert. True
     /// unless `NVFP4_PROBE_EXPERTS=loop` was set when the backend opened.
     pub grouped_experts: bool,
+    /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
+    ktimer: Option<std::cell::RefCell<KernelTimer>>,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -468,6 +493,8 @@ impl Gpu {
                 .unwrap_or(AQ_KERNEL_DEFAULT),
             grouped_experts: std::env::var("NVFP4_PROBE_EXPERTS").ok().as_deref().map(str::trim)
                 != Some("loop"),
+            ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
+                .then(Default::default),
         })
     }
 
@@ -523,8 +550,8 @@ impl Gpu {
             let b = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, bytes) };
             return self.stage_in(dst, b);
         }
-        unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| cuda_err("copy to device", e))
+        self.timed("copy host->device", || unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("copy to device", e)))
     }
 
     /// Device → host; synchronizes the stream. From 1 MiB on through the pinned staging buffers.
@@ -539,8 +566,10 @@ impl Gpu {
             return Ok(v);
         }
         if n > 0 {
-            unsafe { dres::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }
-                .map_err(|e| cuda_err("copy to host", e))?;
+            self.timed("copy device->host", || {
+                unsafe { dres::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }
+                    .map_err(|e| cuda_err("copy to host", e))
+            })?;
         }
         self.sync()?;
         Ok(v)
@@ -557,14 +586,14 @@ impl Gpu {
             pin.par_chunks_mut(1 << 20)
                 .zip(chunk.par_chunks(1 << 20))
                 .for_each(|(d, s)| d.copy_from_slice(s));
-            unsafe {
+            self.timed("copy host->device", || unsafe {
                 dres::memcpy_htod_async(
                     dst + (ci * STAGE) as u64,
                     &pin[..],
                     self.stream.cu_stream(),
                 )
             }
-            .map_err(|e| cuda_err("copy to device", e))?;
+            .map_err(|e| cuda_err("copy to device", e)))?;
             ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
         }
         Ok(())
@@ -577,14 +606,16 @@ impl Gpu {
             let (p, _, ev) = &self.pinned[ci % 2];
             ev.synchronize().map_err(|e| cuda_err("staging", e))?;
             let pin = unsafe { std::slice::from_raw_parts_mut(*p, chunk.len()) };
-            unsafe {
-                dres::memcpy_dtoh_async(
-                    &mut pin[..],
-                    src + (ci * STAGE) as u64,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(|e| cuda_err("copy to host", e))?;
+            self.timed("copy device->host", || {
+                unsafe {
+                    dres::memcpy_dtoh_async(
+                        &mut pin[..],
+                        src + (ci * STAGE) as u64,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| cuda_err("copy to host", e))
+            })?;
             self.sync()?;
             chunk
                 .par_chunks_mut(1 << 20)
@@ -609,8 +640,8 @@ impl Gpu {
     pub fn copy_pinned_to(&self, dst: u64) -> Result<usize> {
         let (p, n, _) = &self.pinned[0];
         let src = unsafe { std::slice::from_raw_parts(*p as *const u8, *n) };
-        unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| cuda_err("copy to device", e))?;
+        self.timed("copy host->device", || unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("copy to device", e)))?;
         Ok(*n)
     }
 
@@ -674,8 +705,53 @@ impl Gpu {
                 A::U32(v) => b.arg(v),
             };
         }
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
-        Ok(())
+        let key = self.funcs.get_key_value(name).map_or("?", |(k, _)| *k);
+        self.timed(key, || {
+            unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+            Ok(())
+        })
+    }
+
+    /// Run `f` (work enqueued on the stream) between two timing events when the kernel timer is on.
+    fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let Some(t) = &self.ktimer else {
+            return f();
+        };
+        let ev = |t: &mut KernelTimer| match t.free.pop() {
+            Some(e) => Ok(e),
+            None => self
+                .ctx
+                .new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| cuda_err("event", e)),
+        };
+        let (a, b) = {
+            let mut t = t.borrow_mut();
+            (ev(&mut t)?, ev(&mut t)?)
+        };
+        a.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+        let r = f();
+        b.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+        let mut t = t.borrow_mut();
+        t.pending.push((a, b, name));
+        if t.pending.len() >= 4096 {
+            t.drain()?;
+        }
+        r
+    }
+
+    /// With the kernel timer on: (name, calls, device seconds) per kernel, cuBLAS call and copy
+    /// kind so far, longest first.
+    pub fn kernel_times(&self) -> Option<Vec<(&'static str, u64, f64)>> {
+        let t = self.ktimer.as_ref()?;
+        let mut t = t.borrow_mut();
+        t.drain().ok()?;
+        let mut v: Vec<_> = t
+            .by_kernel
+            .iter()
+            .map(|(k, (n, ms))| (*k, *n, ms / 1e3))
+            .collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Some(v)
     }
 
     /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu); the v2 kernel
@@ -917,7 +993,7 @@ impl Gpu {
             self.memset(yd, 0, m * n * 8)?;
         } else {
             let (alpha, beta) = (1.0f64, 0.0f64);
-            unsafe {
+            self.timed("cuBLAS DGEMM", || unsafe {
                 blas::gemm_ex(
                     *self.blas.handle(),
                     bsys::cublasOperation_t::CUBLAS_OP_T,
@@ -939,8 +1015,8 @@ impl Gpu {
                     bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
                     bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
-            }
-            .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))?;
+                .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))
+            })?;
         }
         self.launch(
             "from_f64",
@@ -991,7 +1067,8 @@ impl Gpu {
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // column-major view: Yᵀ[n, m] = W[k, n]ᵀ · Xᵀ[k, m]
-        unsafe {
+        let what = if ty == Ty::F32 { "cuBLAS GEMM f32" } else { "cuBLAS GEMM bf16" };
+        self.timed(what, || unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
                 bsys::cublasOperation_t::CUBLAS_OP_T,
@@ -1013,8 +1090,8 @@ impl Gpu {
                 ct,
                 bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        }
-        .map_err(|e| cuda_err(&format!("GEMM {m}x{n}x{k} {ty:?}"), e))
+            .map_err(|e| cuda_err(&format!("GEMM {m}x{n}x{k} {ty:?}"), e))
+        })
     }
 
     // ---- weights ------------------------------------------------------------------------------
@@ -1444,8 +1521,8 @@ impl Gpu {
             for (path, off, len) in batch {
                 let b = self.alloc(*len)?;
                 let src = unsafe { std::slice::from_raw_parts((base + at) as *const u8, *len) };
-                unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
-                    .map_err(|e| cuda_err("copy to device", e))?;
+                self.timed("copy host->device", || unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
+                    .map_err(|e| cuda_err("copy to device", e)))?;
                 ckpt.note_read(*len);
                 self.counters.bytes_uploaded += *len as u64;
                 self.preloaded.insert((path.clone(), *off), b);
@@ -1508,10 +1585,10 @@ impl Gpu {
                         ),
                     )
                 })?;
-            unsafe {
+            self.timed("copy host->device", || unsafe {
                 dres::memcpy_htod_async(b.ptr + done as u64, &dst[..], self.stream.cu_stream())
             }
-            .map_err(|e| cuda_err("copy to device", e))?;
+            .map_err(|e| cuda_err("copy to device", e)))?;
             ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
             done += n;
             ci += 1;

@@ -390,6 +390,25 @@ pub fn run_capturing(
                     "gpu counters: {}",
                     serde_json::to_string(&g.counters).unwrap_or_default()
                 );
+                if let Some(kt) = g.kernel_times() {
+                    let sum = |copies: bool| -> f64 {
+                        kt.iter()
+                            .filter(|(k, _, _)| k.starts_with("copy") == copies)
+                            .map(|(_, _, s)| s)
+                            .sum()
+                    };
+                    let top: Vec<String> = kt
+                        .iter()
+                        .take(16)
+                        .map(|(k, n, s)| format!("{k} {s:.3} ({n})"))
+                        .collect();
+                    eprintln!(
+                        "gpu device time (events around every launch and copy): kernels + cuBLAS {:.3} s, copies {:.3} s; by kernel (s, calls): {}",
+                        sum(false),
+                        sum(true),
+                        top.join(", ")
+                    );
+                }
             }
         }
     }
