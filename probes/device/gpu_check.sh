@@ -52,6 +52,13 @@ if has flash; then
   # device time per kernel, cuBLAS call and copy (CUDA events around each; the run itself is slower)
   ( NVFP4_PROBE_KERNEL_TIME=1 NVFP4_PROBE_PROFILE=1 timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet ) > "$OUT/flash_ktime.txt" 2>&1
   grep -E "ops,|device time" "$OUT/flash_ktime.txt" | cut -c1-1500
+  if [ -n "${PREV_B:-}" ]; then
+    # the previous binary on the same job: every op's numbers must agree (run_diff)
+    ( timeout ${RUN_TIMEOUT:-120} $PREV_B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_prev.json ) > "$OUT/flash_prev.txt" 2>&1
+    grep -E "ops," "$OUT/flash_prev.txt"
+    python3 probes/device/run_diff.py $OUT/flash_prev.json $OUT/flash_warm1.json > "$OUT/flash_prev_vs_new.txt" 2>&1
+    echo "run_diff prev rc=$?" >> "$OUT/flash_prev_vs_new.txt"; cut -c1-300 "$OUT/flash_prev_vs_new.txt"
+  fi
   if has experts; then
     ( NVFP4_PROBE_EXPERTS=loop NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_loop.json ) > "$OUT/flash_loop.txt" 2>&1
     grep -E "ops,|routed|Elapsed" "$OUT/flash_loop.txt" | cut -c1-300

@@ -147,6 +147,16 @@ pub enum A {
     U32(u32),
 }
 
+/// Which weight rows a linear uses.
+#[derive(Clone, Copy, Debug)]
+enum WRows {
+    All,
+    /// Rows r0..r0 + n.
+    Range(usize, usize),
+    /// G equal slices, each multiplying its own block of activation rows.
+    Groups(usize),
+}
+
 /// Which element type a GEMM operand holds.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Ty {
@@ -1031,6 +1041,39 @@ impl Gpu {
         )
     }
 
+    /// [`Gpu::gemm`] over `groups` blocks: x block g (m rows from row g·m) times weight rows
+    /// g·n.. (n of them) into columns g·n.. of y.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_g(
+        &mut self,
+        ty: Ty,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+        groups: usize,
+    ) -> Result<()> {
+        let es = if ty == Ty::F32 { 4 } else { 2 };
+        for g in 0..groups {
+            self.gemm(
+                ty,
+                x + (g * m * ldx * es) as u64,
+                ldx,
+                w + (g * n * k * es) as u64,
+                y + (g * n * 4) as u64,
+                ldy,
+                m,
+                n,
+                k,
+            )?;
+        }
+        Ok(())
+    }
+
     /// The hardware GEMM: F32 operands with `CUBLAS_COMPUTE_32F_PEDANTIC` (no TF32), BF16
     /// operands with FP32 accumulation (`gemm_ex`, tensor cores).
     #[allow(clippy::too_many_arguments)]
@@ -1714,7 +1757,9 @@ impl Gpu {
     }
 
     /// One linear of one path, all on the device: x [m, k] f32 at `x` (row stride k) →
-    /// y [m, rows] f32 at `y` (row stride `ldy`), using weight rows `r0..r0+rows` (all when None).
+    /// y [m, rows] f32 at `y` (row stride `ldy`), using the weight rows `rows` selects
+    /// ([`WRows::Groups`]: x holds G blocks of m rows, block g multiplied by the g-th slice of
+    /// n / G weight rows into columns g·n/G.. of y; one activation quantization over all blocks).
     /// `x_bf16`: x holds BF16 values exactly (lets the BF16 GEMM be used without rounding x).
     /// `health`: H_SLOTS device counters for the served NVFP4 activation quantization.
     /// Returns the served NVFP4 parameters when the served path quantized the activation.
@@ -1727,7 +1772,7 @@ impl Gpu {
         x: u64,
         m: usize,
         x_bf16: bool,
-        rows: Option<(usize, usize)>,
+        rows: WRows,
         y: u64,
         ldy: usize,
         health: Option<u64>,
@@ -1749,36 +1794,42 @@ impl Gpu {
         x: u64,
         m: usize,
         x_bf16: bool,
-        rows: Option<(usize, usize)>,
+        rows: WRows,
         y: u64,
         ldy: usize,
         health: Option<u64>,
     ) -> Result<Option<Nvfp4Params>> {
         let (n, k) = (w.n, w.k);
-        let (r0, nr) = rows.unwrap_or((0, n));
+        let (r0, nr, groups) = match rows {
+            WRows::All => (0, n, 1),
+            WRows::Range(r0, nr) => (r0, nr, 1),
+            WRows::Groups(g) => (0, n / g.max(1), g.max(1)),
+        };
         let nk = n * k;
         let off = |ptr: u64, elem: usize| ptr + (r0 * k * elem) as u64;
         match kind {
             PathKind::OracleFp32 => {
                 let wp = self.scratch("w32", nk * 4)?;
                 self.dequant(w, wp, Ty::F32, false, false, None)?;
-                self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+                self.gemm_g(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
                 Ok(None)
             }
             PathKind::OracleBf16 => {
                 if x_bf16 {
                     let wp = self.scratch("w16", nk * 2)?;
                     self.dequant(w, wp, Ty::Bf16, false, true, None)?;
-                    let xp = self.bf16_copy("x16", x, m * k)?;
-                    self.gemm(Ty::Bf16, xp, k, off(wp, 2), y, ldy, m, nr, k)?;
+                    let xp = self.bf16_copy("x16", x, m * groups * k)?;
+                    self.gemm_g(Ty::Bf16, xp, k, off(wp, 2), y, ldy, m, nr, k, groups)?;
                 } else {
                     let wp = self.scratch("w32", nk * 4)?;
                     self.dequant(w, wp, Ty::F32, false, true, None)?;
-                    self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+                    self.gemm_g(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
                 }
                 Ok(None)
             }
-            PathKind::Served => self.served_linear(lc, w, x, m, x_bf16, (r0, nr), y, ldy, health),
+            PathKind::Served => {
+                self.served_linear(lc, w, x, m, x_bf16, (r0, nr, groups), y, ldy, health)
+            }
         }
     }
 
@@ -1815,7 +1866,7 @@ impl Gpu {
         x: u64,
         m: usize,
         x_bf16: bool,
-        (r0, nr): (usize, usize),
+        (r0, nr, groups): (usize, usize, usize),
         y: u64,
         ldy: usize,
         health: Option<u64>,
@@ -1823,7 +1874,7 @@ impl Gpu {
         let (n, k) = (w.n, w.k);
         let nk = n * k;
         let off = |ptr: u64, elem: usize| ptr + (r0 * k * elem) as u64;
-        let mk = (m * k) as u64;
+        let mk = (m * groups * k) as u64;
         // the operand the served GEMM multiplies: (pointer, type), weight decode without tensor scale for NVFP4
         let (nv, host_w, fp8_act, non_pow2, dense) = match &w.served {
             ServedDev::Native { nv, non_pow2, .. } => (
@@ -1851,7 +1902,7 @@ impl Gpu {
                     wp
                 }
             };
-            self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+            self.gemm_g(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
             return Ok(None);
         }
         if fp8_act {
@@ -1863,20 +1914,20 @@ impl Gpu {
                     wp
                 }
             };
-            let xq = self.scratch("xq32", m * k * 4)?;
+            let xq = self.scratch("xq32", m * groups * k * 4)?;
             self.launch(
                 "act_quant_fp8",
-                (m * k.div_ceil(128)) as u64,
+                (m * groups * k.div_ceil(128)) as u64,
                 &[
                     A::P(x),
-                    A::U(m as u64),
+                    A::U((m * groups) as u64),
                     A::U(k as u64),
                     A::I(non_pow2 as i32),
                     A::P(xq),
                 ],
             )?;
-            self.gemm(Ty::F32, xq, k, off(wp, 4), y, ldy, m, nr, k)?;
-            self.epilogue(y, m, nr, ldy, 1.0)?;
+            self.gemm_g(Ty::F32, xq, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
+            self.epilogue(y, m, nr * groups, ldy, 1.0)?;
             return Ok(None);
         }
         let p = nv.ok_or_else(|| Error::Backend("cuda: NVFP4 weight without parameters".into()))?;
@@ -1913,18 +1964,18 @@ impl Gpu {
         let h = health.unwrap_or(0);
         match _lc.profile {
             Profile::BlackwellW4a4 => {
-                let xq = self.scratch("xq16", m * k * 2)?;
+                let xq = self.scratch("xq16", m * groups * k * 2)?;
                 let o = ActQuantOut {
                     xq16: xq,
                     health: h,
                     ..Default::default()
                 };
                 self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
-                self.gemm(Ty::Bf16, xq, k, off(wq16, 2), y, ldy, m, nr, k)?;
-                self.epilogue(y, m, nr, ldy, p.alpha)?;
+                self.gemm_g(Ty::Bf16, xq, k, off(wq16, 2), y, ldy, m, nr, k, groups)?;
+                self.epilogue(y, m, nr * groups, ldy, p.alpha)?;
             }
             Profile::Emulation => {
-                let xh = self.scratch("xq32", m * k * 4)?;
+                let xh = self.scratch("xq32", m * groups * k * 4)?;
                 let o = ActQuantOut {
                     xhat: xh,
                     xhat_bf16: true,
@@ -1932,9 +1983,9 @@ impl Gpu {
                     ..Default::default()
                 };
                 self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
-                let xp = self.bf16_copy("x16", xh, m * k)?;
-                self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
-                self.epilogue(y, m, nr, ldy, 1.0)?;
+                let xp = self.bf16_copy("x16", xh, m * groups * k)?;
+                self.gemm_g(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k, groups)?;
+                self.epilogue(y, m, nr * groups, ldy, 1.0)?;
             }
             Profile::HopperW4a16 => {
                 // activations stay BF16; the amax is still observed
@@ -1944,14 +1995,14 @@ impl Gpu {
                 };
                 self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
                 if x_bf16 {
-                    let xp = self.bf16_copy("x16", x, m * k)?;
-                    self.gemm(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k)?;
+                    let xp = self.bf16_copy("x16", x, m * groups * k)?;
+                    self.gemm_g(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k, groups)?;
                 } else {
                     let wp = self.scratch("w32", nk * 4)?;
                     self.dequant(w, wp, Ty::F32, true, false, None)?;
-                    self.gemm(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k)?;
+                    self.gemm_g(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
                 }
-                self.epilogue(y, m, nr, ldy, p.d_w)?;
+                self.epilogue(y, m, nr * groups, ldy, p.d_w)?;
             }
         }
         Ok(Some(p))
@@ -2041,7 +2092,7 @@ impl Gpu {
             xb.ptr,
             m,
             exact,
-            rows,
+            rows.map_or(WRows::All, |(r0, nr)| WRows::Range(r0, nr)),
             yb.ptr,
             n,
             Some(hb.ptr),
@@ -2083,40 +2134,39 @@ impl Gpu {
         }
         let r = n / groups;
         let xb = self.upload(x)?;
-        let xg = self.alloc(rows * k * 4)?;
+        // all groups' rows at once, group-major: block g holds x[t, g, :] for every token t
+        let xg = self.alloc(groups * rows * k * 4)?;
         let yb = self.alloc(rows * n * 4)?;
         let hb = self.alloc(H_SLOTS * 8)?;
         self.memset(hb.ptr, 0, H_SLOTS * 8)?;
         let exact = is_bf16_exact(x);
-        let mut p = None;
-        for g in 0..groups {
-            let idx: Vec<i32> = (0..rows).map(|t| (t * groups + g) as i32).collect();
-            let ib = self.upload(&idx)?;
-            self.launch(
-                "gather_rows",
-                (rows * k) as u64,
-                &[
-                    A::P(xb.ptr),
-                    A::P(ib.ptr),
-                    A::U(rows as u64),
-                    A::U(k as u64),
-                    A::P(xg.ptr),
-                ],
-            )?;
-            p = self.linear_dev(
-                lc,
-                kind,
-                base,
-                xg.ptr,
-                rows,
-                exact,
-                Some((g * r, r)),
-                yb.ptr + (g * r * 4) as u64,
-                n,
-                Some(hb.ptr),
-            )?;
-            self.sync()?; // `ib` and the shared gather buffer are reused next group
-        }
+        let idx: Vec<i32> = (0..groups)
+            .flat_map(|g| (0..rows).map(move |t| (t * groups + g) as i32))
+            .collect();
+        let ib = self.upload(&idx)?;
+        self.launch(
+            "gather_rows",
+            (groups * rows * k) as u64,
+            &[
+                A::P(xb.ptr),
+                A::P(ib.ptr),
+                A::U((groups * rows) as u64),
+                A::U(k as u64),
+                A::P(xg.ptr),
+            ],
+        )?;
+        let p = self.linear_dev(
+            lc,
+            kind,
+            base,
+            xg.ptr,
+            rows,
+            exact,
+            WRows::Groups(groups),
+            yb.ptr,
+            n,
+            Some(hb.ptr),
+        )?;
         let y: Vec<f32> = self.download(yb.ptr, rows * n)?;
         let obs = if kind == PathKind::Served {
             let h: Vec<u64> = self.download(hb.ptr, H_SLOTS)?;
@@ -2535,9 +2585,9 @@ impl Gpu {
                 let act = self.scratch("act", rows * inter * 4)?;
                 let xe = xs.ptr + (s0 * d * 4) as u64;
                 let p1 =
-                    self.linear_dev(lc, kind, b1, xe, rows, exact, None, gt, inter, Some(h(ui, 0)))?;
+                    self.linear_dev(lc, kind, b1, xe, rows, exact, WRows::All, gt, inter, Some(h(ui, 0)))?;
                 let p3 =
-                    self.linear_dev(lc, kind, b3, xe, rows, exact, None, up, inter, Some(h(ui, 1)))?;
+                    self.linear_dev(lc, kind, b3, xe, rows, exact, WRows::All, up, inter, Some(h(ui, 1)))?;
                 // the store of gt/up, then SwiGLU with the clamp and its store
                 let n_el = (rows * inter) as u64;
                 if round {
@@ -2558,7 +2608,7 @@ impl Gpu {
                 )?;
                 let ye = ys.ptr + (s0 * d * 4) as u64;
                 let p2 =
-                    self.linear_dev(lc, kind, b2, act, rows, exact, None, ye, d, Some(h(ui, 2)))?;
+                    self.linear_dev(lc, kind, b2, act, rows, exact, WRows::All, ye, d, Some(h(ui, 2)))?;
                 if p2.is_none() {
                     // no served NVFP4 quantization observed w2's activation: its amax alone (slot
                     // 7; the other counters of this slot are never read for such a linear)
@@ -2624,23 +2674,60 @@ impl Gpu {
         r: Option<u64>,
         n: usize,
     ) -> Result<(Stats, Option<Compare>)> {
-        self.counters.metric_passes += 1;
-        let acc = self.scratch("stat_acc", 5 * 8 + 11 * 8)?;
-        let cnt = acc + 40;
-        self.memset(acc, 0, 5 * 8 + 11 * 8)?;
-        self.launch(
-            "fused_stats",
-            n as u64,
-            &[
-                A::P(x),
-                A::P(r.unwrap_or(0)),
-                A::U(n as u64),
-                A::P(acc),
-                A::P(cnt),
-            ],
-        )?;
-        let a: Vec<f64> = self.download(acc, 5)?;
-        let c: Vec<u64> = self.download(cnt, 11)?;
+        let raw = self.stats_raw(&[(x, r, n)])?;
+        let (a, c) = &raw[0];
+        Ok(Self::stats_of(n, a, c, r.is_some(), |idx| {
+            let xa: Vec<f32> = self.download(x + (idx * 4) as u64, 1).ok()?;
+            let ra: Vec<f32> = self.download(r? + (idx * 4) as u64, 1).ok()?;
+            Some((xa[0], ra[0]))
+        }))
+    }
+
+    /// `fused_stats` over many (x, reference, n) on the device, one launch each into its own
+    /// accumulator slots, then one download for all: per item the 5 f64 sums and 11 counters.
+    #[allow(clippy::type_complexity)]
+    fn stats_raw(
+        &mut self,
+        items: &[(u64, Option<u64>, usize)],
+    ) -> Result<Vec<([f64; 5], [u64; 11])>> {
+        const PER: usize = 16; // 5 f64 + 11 u64 per item
+        self.counters.metric_passes += items.len() as u64;
+        let acc = self.scratch("stat_acc", items.len().max(1) * PER * 8)?;
+        self.memset(acc, 0, items.len() * PER * 8)?;
+        for (i, &(x, r, n)) in items.iter().enumerate() {
+            let a = acc + (i * PER * 8) as u64;
+            self.launch(
+                "fused_stats",
+                n as u64,
+                &[
+                    A::P(x),
+                    A::P(r.unwrap_or(0)),
+                    A::U(n as u64),
+                    A::P(a),
+                    A::P(a + 40),
+                ],
+            )?;
+        }
+        let raw: Vec<u64> = self.download(acc, items.len() * PER)?;
+        Ok(raw
+            .chunks(PER)
+            .map(|v| {
+                let a: [f64; 5] = std::array::from_fn(|j| f64::from_bits(v[j]));
+                let c: [u64; 11] = std::array::from_fn(|j| v[5 + j]);
+                (a, c)
+            })
+            .collect())
+    }
+
+    /// Stats and comparison from `fused_stats`' sums and counters; `at(i)` gives (x[i], r[i])
+    /// for the largest error's index.
+    fn stats_of(
+        n: usize,
+        a: &[f64; 5],
+        c: &[u64; 11],
+        has_ref: bool,
+        at: impl FnOnce(usize) -> Option<(f32, f32)>,
+    ) -> (Stats, Option<Compare>) {
         let f = |v: u64| f32::from_bits(v as u32) as f64;
         let finite = c[3] as usize;
         let stats = Stats {
@@ -2655,16 +2742,13 @@ impl Gpu {
             inf: c[1] as usize,
             zeros: c[2] as usize,
         };
-        let cmp = r.map(|rp| {
-            let max_err = (c[10] > 0).then(|| {
-                let idx = (0xFFFF_FFFFu64 - (c[9] & 0xFFFF_FFFF)) as usize;
-                (idx, rp)
-            });
-            let max_err = max_err.and_then(|(idx, rp)| {
-                let xa: Vec<f32> = self.download(x + (idx * 4) as u64, 1).ok()?;
-                let ra: Vec<f32> = self.download(rp + (idx * 4) as u64, 1).ok()?;
-                Some(((xa[0] as f64 - ra[0] as f64).abs(), idx))
-            });
+        let cmp = has_ref.then(|| {
+            let max_err = (c[10] > 0)
+                .then(|| (0xFFFF_FFFFu64 - (c[9] & 0xFFFF_FFFF)) as usize)
+                .and_then(|idx| {
+                    let (xa, ra) = at(idx)?;
+                    Some(((xa as f64 - ra as f64).abs(), idx))
+                });
             Compare::from_sums(&PairSums {
                 dot: a[1],
                 nx: a[2],
@@ -2677,21 +2761,16 @@ impl Gpu {
                 new_non_finite: c[4] as usize,
             })
         });
-        Ok((stats, cmp))
+        (stats, cmp)
     }
 
     /// Upload host tensors once and compute, for each (x, reference) pair, x's statistics and the
-    /// comparison; pairs with `None` give statistics only.
+    /// comparison; pairs with `None` give statistics only. One synchronization for all pairs.
     pub fn metrics(
         &mut self,
         tensors: &[&[f32]],
         pairs: &[(usize, Option<usize>)],
     ) -> Result<Vec<(Stats, Option<Compare>)>> {
-        let bufs: Vec<Buf> = tensors
-            .iter()
-            .map(|t| self.upload(t))
-            .collect::<Result<_>>()?;
-        let mut out = Vec::with_capacity(pairs.len());
         for &(i, j) in pairs {
             let n = tensors[i].len();
             if let Some(j) = j {
@@ -2702,9 +2781,25 @@ impl Gpu {
                     )));
                 }
             }
-            out.push(self.stats_compare(bufs[i].ptr, j.map(|j| bufs[j].ptr), n)?);
         }
-        Ok(out)
+        let bufs: Vec<Buf> = tensors
+            .iter()
+            .map(|t| self.upload(t))
+            .collect::<Result<_>>()?;
+        let items: Vec<(u64, Option<u64>, usize)> = pairs
+            .iter()
+            .map(|&(i, j)| (bufs[i].ptr, j.map(|j| bufs[j].ptr), tensors[i].len()))
+            .collect();
+        let raw = self.stats_raw(&items)?;
+        Ok(pairs
+            .iter()
+            .zip(&raw)
+            .map(|(&(i, j), (a, c))| {
+                Self::stats_of(tensors[i].len(), a, c, j.is_some(), |idx| {
+                    Some((*tensors[i].get(idx)?, *tensors[j?].get(idx)?))
+                })
+            })
+            .collect())
     }
 }
 
