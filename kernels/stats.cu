@@ -338,12 +338,100 @@ __device__ __forceinline__ void moe_tile(const void* x, int xbf, u64 ldx, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS, 1)
-moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    __shared__ float mq[256];    // block multiplier by scale byte
-    __shared__ float2 me[256];   // (even, odd) element code values by packed byte
-    __shared__ double part[MOE_WARPS][MOE_R][MOE_C];
-    const MoeTile t = tiles[blockIdx.y];
+// moe_tile_cv: moe_tile with the x values kept as f32 and converted at each use (fewer registers,
+// more resident blocks; the same products in the same order, so the same bits).
+template <int R>
+__device__ __forceinline__ void moe_tile_cv(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
+                                            u64 k, float* y, u64 ldy, const float* mq, const float2* me,
+                                            double (*part)[MOE_R][MOE_C]) {
+    const bool mx = (t.flags & MT_CONV) == 3u, post = (t.flags & MT_POST) != 0u,
+               wbf = (t.flags & MT_WBF16) != 0u;
+    const u8* packed = (const u8*)t.packed;
+    const u8* scales = (const u8*)t.scales;
+    const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
+    const u64 pieces = k / 16;
+    for (u64 c0 = (u64)blockIdx.x * MOE_C; c0 < n; c0 += (u64)gridDim.x * MOE_C) {
+        double acc[R][MOE_C];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int j = 0; j < MOE_C; j++) acc[r][j] = 0.0;
+        for (u64 p = threadIdx.x; p < pieces; p += blockDim.x) {
+            float xv[R][16];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                u64 o = (u64)(t.row0 + r) * ldx + p * 16;
+                if (xbf) {
+                    const uint4* q = (const uint4*)((const u16*)x + o);
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        uint4 u = q[h];
+                        u32 wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            xv[r][8 * h + 2 * i] = __uint_as_float(wd[i] << 16);
+                            xv[r][8 * h + 2 * i + 1] = __uint_as_float(wd[i] & 0xFFFF0000u);
+                        }
+                    }
+                } else {
+                    const float4* q = (const float4*)((const float*)x + o);
+#pragma unroll
+                    for (int h = 0; h < 4; h++) {
+                        float4 f = q[h];
+                        xv[r][4 * h] = f.x; xv[r][4 * h + 1] = f.y;
+                        xv[r][4 * h + 2] = f.z; xv[r][4 * h + 3] = f.w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < MOE_C; j++) {
+                u64 c = c0 + j;
+                if (c >= n) continue;
+                u64 e0 = c * k + p * 16;
+                uint2 pk = *(const uint2*)(packed + e0 / 2);
+                float q = mq[scales[mx ? e0 / 32 : e0 / 16]];
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    u32 byte = ((i < 4 ? pk.x : pk.y) >> (8 * (i & 3))) & 0xFFu;
+                    float2 e = me[byte];
+                    float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
+                    if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
+                    if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
+                    double d0 = (double)w0, d1 = (double)w1;
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        acc[r][j] = __fma_rn((double)xv[r][2 * i], d0, acc[r][j]);
+                        acc[r][j] = __fma_rn((double)xv[r][2 * i + 1], d1, acc[r][j]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+#pragma unroll
+            for (int j = 0; j < MOE_C; j++) {
+                double v = acc[r][j];
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+                if (lane == 0) part[wid][r][j] = v;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < R * MOE_C) {
+            u32 r = threadIdx.x / MOE_C, j = threadIdx.x % MOE_C;
+            if (c0 + j < n) {
+                double v = 0.0;
+                for (u32 w = 0; w < MOE_WARPS; w++) v = __dadd_rn(v, part[w][r][j]);
+                float o = __double2float_rn(v);
+                if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
+                y[(u64)(t.row0 + r) * ldy + c0 + j] = o;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// The decode tables of a tile (shared by both kernel variants).
+__device__ __forceinline__ void moe_tables(const MoeTile& t, float* mq, float2* me) {
     const u32 conv = t.flags & MT_CONV;
     const bool mx = conv == 3u;
     for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
@@ -354,10 +442,37 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
         me[i] = make_float2(e2m1_decode(lo), e2m1_decode(hi));
     }
     __syncthreads();
+}
+
+// Two variants with the same arguments and output bits: moe_gemm_f64 converts each x value to f64
+// once per half piece (202 registers on sm_90, 2 blocks per SM); moe_gemm_f64_cv converts at use
+// (fewer registers, more blocks per SM). Gpu::moe_kernel picks one (NVFP4_PROBE_MOE_KERNEL).
+extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS, 1)
+moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
+    __shared__ float mq[256];    // block multiplier by scale byte
+    __shared__ float2 me[256];   // (even, odd) element code values by packed byte
+    __shared__ double part[MOE_WARPS][MOE_R][MOE_C];
+    const MoeTile t = tiles[blockIdx.y];
+    moe_tables(t, mq, me);
     switch (t.rows) {
         case 1: moe_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
         case 2: moe_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
         case 3: moe_tile<3>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
         default: moe_tile<MOE_R>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
+moe_gemm_f64_cv(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
+    __shared__ float mq[256];
+    __shared__ float2 me[256];
+    __shared__ double part[MOE_WARPS][MOE_R][MOE_C];
+    const MoeTile t = tiles[blockIdx.y];
+    moe_tables(t, mq, me);
+    switch (t.rows) {
+        case 1: moe_tile_cv<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
+        case 2: moe_tile_cv<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
+        case 3: moe_tile_cv<3>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
+        default: moe_tile_cv<MOE_R>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
     }
 }

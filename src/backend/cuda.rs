@@ -64,6 +64,7 @@ const KERNELS: &[&str] = &[
     "from_f64",
     "gemm_small_f64",
     "moe_gemm_f64",
+    "moe_gemm_f64_cv",
     "row_rms",
     "rms_apply",
     "rope_rows",
@@ -86,6 +87,12 @@ pub const AQ_KERNELS: [(&str, f64); 2] = [("act_quant_nvfp4_v2", 0.5), ("act_qua
 /// The default of [`Gpu::aq_kernel`] (`NVFP4_PROBE_AQ_KERNEL` names another of [`AQ_KERNELS`]):
 /// v3, 90 % of the copy bandwidth on the H200 where v2 reaches 60 % (codes + scales).
 pub const AQ_KERNEL_DEFAULT: &str = "act_quant_nvfp4_v3";
+
+/// The grouped experts GEMM kernels (same arguments, same output bits): `moe_gemm_f64` converts
+/// each activation value to f64 once per half piece (more registers), `_cv` at each use.
+pub const MOE_KERNELS: [&str; 2] = ["moe_gemm_f64", "moe_gemm_f64_cv"];
+/// The default of [`Gpu::moe_kernel`] (`NVFP4_PROBE_MOE_KERNEL` names another of [`MOE_KERNELS`]).
+pub const MOE_KERNEL_DEFAULT: &str = "moe_gemm_f64_cv";
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
 pub const H_SLOTS: usize = 8;
@@ -387,6 +394,8 @@ pub struct Gpu {
     /// (`moe_gemm_f64`, `act_quant_nvfp4_seg`) instead of a launch sequence per expert. True
     /// unless `NVFP4_PROBE_EXPERTS=loop` was set when the backend opened.
     pub grouped_experts: bool,
+    /// The grouped experts GEMM kernel (one of [`MOE_KERNELS`]).
+    pub moe_kernel: &'static str,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
 }
@@ -503,6 +512,10 @@ impl Gpu {
                 .unwrap_or(AQ_KERNEL_DEFAULT),
             grouped_experts: std::env::var("NVFP4_PROBE_EXPERTS").ok().as_deref().map(str::trim)
                 != Some("loop"),
+            moe_kernel: std::env::var("NVFP4_PROBE_MOE_KERNEL")
+                .ok()
+                .and_then(|v| MOE_KERNELS.iter().find(|k| **k == v.trim()).copied())
+                .unwrap_or(MOE_KERNEL_DEFAULT),
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
         })
@@ -874,7 +887,7 @@ impl Gpu {
         )
     }
 
-    /// `moe_gemm_f64`: for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
+    /// `moe_gemm_f64` ([`Gpu::moe_kernel`]): for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
     /// rounded once (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`,
     /// y f32 with row stride `ldy`. Needs k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
     #[allow(clippy::too_many_arguments)]
@@ -911,7 +924,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         self.launch_cfg(
-            "moe_gemm_f64",
+            self.moe_kernel,
             cfg,
             &[
                 A::P(x),
