@@ -510,7 +510,10 @@ impl Gpu {
                         .map(|(k, _)| *k)
                 })
                 .unwrap_or(AQ_KERNEL_DEFAULT),
-            grouped_experts: std::env::var("NVFP4_PROBE_EXPERTS").ok().as_deref().map(str::trim)
+            grouped_experts: std::env::var("NVFP4_PROBE_EXPERTS")
+                .ok()
+                .as_deref()
+                .map(str::trim)
                 != Some("loop"),
             moe_kernel: std::env::var("NVFP4_PROBE_MOE_KERNEL")
                 .ok()
@@ -573,8 +576,10 @@ impl Gpu {
             let b = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, bytes) };
             return self.stage_in(dst, b);
         }
-        self.timed("copy host->device", || unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| cuda_err("copy to device", e)))
+        self.timed("copy host->device", || {
+            unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copy to device", e))
+        })
     }
 
     /// Device → host; synchronizes the stream. From 1 MiB on through the pinned staging buffers.
@@ -609,14 +614,16 @@ impl Gpu {
             pin.par_chunks_mut(1 << 20)
                 .zip(chunk.par_chunks(1 << 20))
                 .for_each(|(d, s)| d.copy_from_slice(s));
-            self.timed("copy host->device", || unsafe {
-                dres::memcpy_htod_async(
-                    dst + (ci * STAGE) as u64,
-                    &pin[..],
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(|e| cuda_err("copy to device", e)))?;
+            self.timed("copy host->device", || {
+                unsafe {
+                    dres::memcpy_htod_async(
+                        dst + (ci * STAGE) as u64,
+                        &pin[..],
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| cuda_err("copy to device", e))
+            })?;
             ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
         }
         Ok(())
@@ -663,8 +670,10 @@ impl Gpu {
     pub fn copy_pinned_to(&self, dst: u64) -> Result<usize> {
         let (p, n, _) = &self.pinned[0];
         let src = unsafe { std::slice::from_raw_parts(*p as *const u8, *n) };
-        self.timed("copy host->device", || unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| cuda_err("copy to device", e)))?;
+        self.timed("copy host->device", || {
+            unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copy to device", e))
+        })?;
         Ok(*n)
     }
 
@@ -1123,7 +1132,11 @@ impl Gpu {
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // column-major view: Yᵀ[n, m] = W[k, n]ᵀ · Xᵀ[k, m]
-        let what = if ty == Ty::F32 { "cuBLAS GEMM f32" } else { "cuBLAS GEMM bf16" };
+        let what = if ty == Ty::F32 {
+            "cuBLAS GEMM f32"
+        } else {
+            "cuBLAS GEMM bf16"
+        };
         self.timed(what, || unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -1577,8 +1590,10 @@ impl Gpu {
             for (path, off, len) in batch {
                 let b = self.alloc(*len)?;
                 let src = unsafe { std::slice::from_raw_parts((base + at) as *const u8, *len) };
-                self.timed("copy host->device", || unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
-                    .map_err(|e| cuda_err("copy to device", e)))?;
+                self.timed("copy host->device", || {
+                    unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
+                        .map_err(|e| cuda_err("copy to device", e))
+                })?;
                 ckpt.note_read(*len);
                 self.counters.bytes_uploaded += *len as u64;
                 self.preloaded.insert((path.clone(), *off), b);
@@ -1641,10 +1656,12 @@ impl Gpu {
                         ),
                     )
                 })?;
-            self.timed("copy host->device", || unsafe {
-                dres::memcpy_htod_async(b.ptr + done as u64, &dst[..], self.stream.cu_stream())
-            }
-            .map_err(|e| cuda_err("copy to device", e)))?;
+            self.timed("copy host->device", || {
+                unsafe {
+                    dres::memcpy_htod_async(b.ptr + done as u64, &dst[..], self.stream.cu_stream())
+                }
+                .map_err(|e| cuda_err("copy to device", e))
+            })?;
             ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
             done += n;
             ci += 1;
@@ -2299,7 +2316,9 @@ impl Gpu {
                     ..t
                 };
                 Some(match profile {
-                    Profile::BlackwellW4a4 => (MoeAct::Nvfp4W4a4, MoeTile { mul: p.alpha, ..t }, Some(p)),
+                    Profile::BlackwellW4a4 => {
+                        (MoeAct::Nvfp4W4a4, MoeTile { mul: p.alpha, ..t }, Some(p))
+                    }
                     Profile::Emulation => (
                         MoeAct::Nvfp4Emul,
                         MoeTile {
@@ -2310,7 +2329,9 @@ impl Gpu {
                         },
                         Some(p),
                     ),
-                    Profile::HopperW4a16 => (MoeAct::Nvfp4W4a16, MoeTile { mul: p.d_w, ..t }, Some(p)),
+                    Profile::HopperW4a16 => {
+                        (MoeAct::Nvfp4W4a16, MoeTile { mul: p.d_w, ..t }, Some(p))
+                    }
                 })
             }
         }
@@ -2452,8 +2473,9 @@ impl Gpu {
                 A::P(act),
             ],
         )?;
-        let (xp, xbf) =
-            self.moe_act(acts[2], act, total, inter, &segs, &plans[2], &|ui| health(ui, 2))?;
+        let (xp, xbf) = self.moe_act(acts[2], act, total, inter, &segs, &plans[2], &|ui| {
+            health(ui, 2)
+        })?;
         self.moe_gemm(xp, xbf, inter, &tiles(&plans[2]), d, inter, ys, d)?;
         if plans[2].iter().all(|(_, p)| p.is_none()) {
             // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7), as
@@ -2577,12 +2599,12 @@ impl Gpu {
             .map(|&e| starts[e + 1] - starts[e])
             .max()
             .unwrap_or(0);
-        let plan = if self.grouped_experts && self.exact64 && self.v2 && most_rows <= GROUPED_MAX_ROWS
-        {
-            self.moe_plan(kind, lc.profile, &used, bases)
-        } else {
-            None
-        };
+        let plan =
+            if self.grouped_experts && self.exact64 && self.v2 && most_rows <= GROUPED_MAX_ROWS {
+                self.moe_plan(kind, lc.profile, &used, bases)
+            } else {
+                None
+            };
         if let Some((acts, plans, inter)) = plan {
             params = self.experts_grouped(
                 kind, &acts, &plans, inter, &used, &starts, xs.ptr, total, d, ys.ptr, &h, limit,
@@ -2597,10 +2619,30 @@ impl Gpu {
                 let up = self.scratch("up", rows * inter * 4)?;
                 let act = self.scratch("act", rows * inter * 4)?;
                 let xe = xs.ptr + (s0 * d * 4) as u64;
-                let p1 =
-                    self.linear_dev(lc, kind, b1, xe, rows, exact, WRows::All, gt, inter, Some(h(ui, 0)))?;
-                let p3 =
-                    self.linear_dev(lc, kind, b3, xe, rows, exact, WRows::All, up, inter, Some(h(ui, 1)))?;
+                let p1 = self.linear_dev(
+                    lc,
+                    kind,
+                    b1,
+                    xe,
+                    rows,
+                    exact,
+                    WRows::All,
+                    gt,
+                    inter,
+                    Some(h(ui, 0)),
+                )?;
+                let p3 = self.linear_dev(
+                    lc,
+                    kind,
+                    b3,
+                    xe,
+                    rows,
+                    exact,
+                    WRows::All,
+                    up,
+                    inter,
+                    Some(h(ui, 1)),
+                )?;
                 // the store of gt/up, then SwiGLU with the clamp and its store
                 let n_el = (rows * inter) as u64;
                 if round {
@@ -2620,8 +2662,18 @@ impl Gpu {
                     ],
                 )?;
                 let ye = ys.ptr + (s0 * d * 4) as u64;
-                let p2 =
-                    self.linear_dev(lc, kind, b2, act, rows, exact, WRows::All, ye, d, Some(h(ui, 2)))?;
+                let p2 = self.linear_dev(
+                    lc,
+                    kind,
+                    b2,
+                    act,
+                    rows,
+                    exact,
+                    WRows::All,
+                    ye,
+                    d,
+                    Some(h(ui, 2)),
+                )?;
                 if p2.is_none() {
                     // no served NVFP4 quantization observed w2's activation: its amax alone (slot
                     // 7; the other counters of this slot are never read for such a linear)

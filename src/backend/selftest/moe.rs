@@ -152,7 +152,11 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             g.moe_kernel = prev;
             r?;
             let got: Vec<f32> = g.download(y.ptr, total * n)?;
-            let mut c = exact(&format!("grouped experts GEMM {kernel}: {name}"), &got, &want);
+            let mut c = exact(
+                &format!("grouped experts GEMM {kernel}: {name}"),
+                &got,
+                &want,
+            );
             c.note = format!(
                 "{} experts of {rows:?} rows in {} tiles, [{n}, {k}] weights; {finite} finite outputs",
                 rows.len(),
@@ -232,7 +236,10 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         ]
         .concat(),
     );
-    c.note = format!("{} segments, input scales {gs:?}, one NaN and one Inf", rows.len());
+    c.note = format!(
+        "{} segments, input scales {gs:?}, one NaN and one Inf",
+        rows.len()
+    );
     out.push(c);
     let hg: Vec<u64> = g.download(got_b[4].ptr, rows.len() * H_SLOTS)?;
     let hw: Vec<u64> = g.download(want_b[4].ptr, rows.len() * H_SLOTS)?;
