@@ -2905,6 +2905,5 @@ fn store_ptx(path: &std::path::Path, ptx: &str) {
 
 /// True when every element is a BF16 value (NaN counts: the GEMM propagates it either way).
 pub fn is_bf16_exact(x: &[f32]) -> bool {
-    x.iter()
-        .all(|&v| v.is_nan() || crate::numerics::bf16::round(v) == v)
+    crate::numerics::bf16::all_exact(x)
 }

@@ -8,10 +8,28 @@ pub fn round(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// Round every element in place.
+/// Round every element in place (in parallel from 64 Ki elements on: the GPU runner rounds every
+/// op output of the BF16 paths on the host, millions of elements per op).
 pub fn round_slice(xs: &mut [f32]) {
-    for x in xs.iter_mut() {
-        *x = round(*x);
+    const CHUNK: usize = 1 << 16;
+    if xs.len() >= CHUNK {
+        use rayon::prelude::*;
+        xs.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x = round(*x)));
+    } else {
+        for x in xs.iter_mut() {
+            *x = round(*x);
+        }
+    }
+}
+
+/// Whether every element is a BF16 value (NaN counts as one), in parallel from 64 Ki elements on.
+pub fn all_exact(xs: &[f32]) -> bool {
+    let exact = |c: &[f32]| c.iter().all(|&v| v.is_nan() || round(v) == v);
+    if xs.len() >= 1 << 16 {
+        use rayon::prelude::*;
+        xs.par_chunks(1 << 16).all(exact)
+    } else {
+        exact(xs)
     }
 }
 
@@ -69,6 +87,34 @@ mod tests {
         let sub2 = f32::from_bits(0x0000_8000); // halfway between 0 and 0x0001 → 0
         assert_eq!(to_bits(sub2), 0x0000);
         assert_eq!(from_bits(0x3F80), 1.0);
+    }
+
+    #[test]
+    fn slices_round_and_test_like_single_values() {
+        // sizes below, at and above the parallel chunk, every value through the bit reference;
+        // a sweep of bit patterns with NaN, ±inf, ±0, subnormals and ties among them
+        for n in [1000usize, 1 << 16, (1 << 18) + 123] {
+            let xs: Vec<f32> = (0..n as u32)
+                .map(|i| match i % 97 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => -0.0,
+                    3 => f32::from_bits(0x0001_8000),
+                    _ => f32::from_bits(i.wrapping_mul(0x9E37_79B9) ^ 0x8000),
+                })
+                .collect();
+            let mut r = xs.clone();
+            round_slice(&mut r);
+            for (x, y) in xs.iter().zip(&r) {
+                assert_eq!(y.to_bits() >> 16, rne_bits(*x) as u32, "{x:e}");
+                assert_eq!(y.to_bits() & 0xFFFF, 0);
+            }
+            assert!(all_exact(&r));
+            assert!(!all_exact(&xs));
+            let mut one_off = r.clone();
+            one_off[n - 1] = f32::from_bits(0x3F80_0001);
+            assert!(!all_exact(&one_off), "the last element decides at n = {n}");
+        }
     }
 
     #[test]
