@@ -176,7 +176,8 @@ fn nvfp4_scale_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
         .collect()
 }
 
-/// bf16-valued activations, rows at very different magnitudes, some all-zero blocks, one NaN.
+/// bf16-valued activations, rows at very different magnitudes, some all-zero blocks, one NaN
+/// element and one all-NaN block.
 fn activations(rng: &mut Rng, m: usize, k: usize, nan: bool) -> Vec<f32> {
     let mut x = vec![0f32; m * k];
     for r in 0..m {
@@ -192,6 +193,10 @@ fn activations(rng: &mut Rng, m: usize, k: usize, nan: bool) -> Vec<f32> {
     }
     if nan && m * k > 40 {
         x[37] = f32::NAN;
+        if m > 1 && k >= 48 {
+            // a whole 16-element block of NaN in row 1: its maximum is NaN, not 0 (scale 0x7F)
+            x[k + 32..k + 48].fill(f32::NAN);
+        }
     }
     x
 }

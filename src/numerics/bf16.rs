@@ -14,7 +14,8 @@ pub fn round_slice(xs: &mut [f32]) {
     const CHUNK: usize = 1 << 16;
     if xs.len() >= CHUNK {
         use rayon::prelude::*;
-        xs.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x = round(*x)));
+        xs.par_chunks_mut(CHUNK)
+            .for_each(|c| c.iter_mut().for_each(|x| *x = round(*x)));
     } else {
         for x in xs.iter_mut() {
             *x = round(*x);

@@ -85,10 +85,20 @@ pub fn alpha_modelopt(d_x: f32, d_w: f32) -> f32 {
     d_x * d_w
 }
 
-/// max |x| over a slice. NaN elements are skipped (like `fmaxf` on the GPU).
+/// max |x| over a slice. NaN elements are skipped (like `fmaxf` on the GPU); 0 for an empty or
+/// all-NaN slice.
 #[inline]
 pub fn amax(x: &[f32]) -> f32 {
     x.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// The runtime kernel's block maximum: |x[0]|, then `max` with each further |x[i]| — `__hmax2` /
+/// `fmaxf` semantics, which return the other operand when one is NaN and NaN when both are. So a
+/// NaN element is skipped, but a block of NaN only has maximum NaN (its scale byte becomes NaN,
+/// 0x7F, as on the GPU), where [`amax`] would say 0.
+#[inline]
+pub fn block_vmax(x: &[f32]) -> f32 {
+    x.iter().map(|v| v.abs()).reduce(f32::max).unwrap_or(0.0)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,7 +277,7 @@ pub fn quantize_block_kernel(x: &[f32], g: f32) -> (u8, [u8; 8]) {
     let mut buf = [0f32; BLOCK];
     let n = x.len().min(BLOCK);
     buf[..n].copy_from_slice(&x[..n]);
-    let vmax = amax(&buf);
+    let vmax = block_vmax(&buf);
     let (code, _, osc) = kernel_scale(vmax, g, rcp_approx(g));
     let mut packed = [0u8; 8];
     for (i, p) in packed.iter_mut().enumerate() {
@@ -341,7 +351,7 @@ pub fn quantize_activation(x: &[f32], rows: usize, cols: usize, g: f32) -> NvFp4
             .chunks_exact(BLOCK)
             .zip(ps.chunks_exact_mut(BLOCK / 2).zip(ss.iter_mut()))
         {
-            let (code, _, osc) = kernel_scale(amax(xb), g, rcp_g);
+            let (code, _, osc) = kernel_scale(block_vmax(xb), g, rcp_g);
             *sb = code;
             for (i, p) in pb.iter_mut().enumerate() {
                 *p = e2m1::pack(
@@ -367,7 +377,7 @@ pub fn quantize_activation(x: &[f32], rows: usize, cols: usize, g: f32) -> NvFp4
 fn fake_quant_rows(xs: &[f32], out: &mut [f32], g: f32, rcp_g: f32) -> QuantHealth {
     let mut h = QuantHealth::default();
     for (xb, ob) in xs.chunks_exact(BLOCK).zip(out.chunks_exact_mut(BLOCK)) {
-        let (code, sfq, osc) = kernel_scale(amax(xb), g, rcp_g);
+        let (code, sfq, osc) = kernel_scale(block_vmax(xb), g, rcp_g);
         h.blocks += 1;
         match code {
             0x00 => h.scale_zero += 1,
@@ -572,6 +582,28 @@ mod tests {
         assert_eq!(RCP6, 1.0f32 / 6.0);
         assert_eq!(rcp_approx(6.0), RCP6);
         assert_eq!(RCP6.to_bits(), 0x3E2A_AAAB);
+    }
+
+    #[test]
+    fn block_maximum_skips_nan_but_a_nan_block_has_a_nan_scale() {
+        let mut x = [0.5f32; 16];
+        x[3] = f32::NAN;
+        x[9] = -3.0;
+        assert_eq!(block_vmax(&x), 3.0);
+        let mut q = quantize_activation(&x, 1, 16, 1.0);
+        assert!(!e4m3::is_nan_byte(q.scales[0]));
+        // a whole block of NaN: maximum NaN, scale byte NaN (the GPU's fmaxf chain), where the
+        // NaN-skipping tensor amax gives 0
+        let nan = [f32::NAN; 16];
+        assert!(block_vmax(&nan).is_nan());
+        assert_eq!(amax(&nan), 0.0);
+        q = quantize_activation(&nan, 1, 16, 1.0);
+        assert!(e4m3::is_nan_byte(q.scales[0]), "{:#x}", q.scales[0]);
+        let (_, h) = fake_quant_activation(&nan, 1, 16, 1.0);
+        assert_eq!(h.scale_nan, 1);
+        // the kernel's padding reads zeros: a short all-NaN block has maximum 0
+        assert_eq!(quantize_block_kernel(&nan[..8], 1.0).0, 0x00);
+        assert!(e4m3::is_nan_byte(quantize_block_kernel(&nan, 1.0).0));
     }
 
     #[test]
