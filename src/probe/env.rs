@@ -59,8 +59,10 @@ pub struct Shared<'a> {
     pub cache_budget: usize,
     /// Served linears observed during the current op: sub id → observation.
     pub observed: Vec<(String, LinearObs)>,
-    /// Weight bases touched during the current op (for reports and bisect).
+    /// Weight bases touched during the current op (for reports and bisect), in first-touch order.
     pub touched: Vec<String>,
+    /// The same bases as a set: an experts op touches hundreds of weights on every path.
+    touched_set: std::collections::HashSet<String>,
     pub record_observations: bool,
     /// Where linears, routed experts and statistics run.
     pub backend: Backend,
@@ -81,6 +83,7 @@ impl<'a> Shared<'a> {
             cache_budget: 4 << 30,
             observed: Vec::new(),
             touched: Vec::new(),
+            touched_set: Default::default(),
             record_observations: false,
             backend: Backend::Cpu,
         }
@@ -98,7 +101,8 @@ impl<'a> Shared<'a> {
     }
 
     fn touch(&mut self, base: &str) {
-        if !self.touched.iter().any(|t| t == base) {
+        if !self.touched_set.contains(base) {
+            self.touched_set.insert(base.to_string());
             self.touched.push(base.to_string());
         }
     }
@@ -122,6 +126,7 @@ impl<'a> Shared<'a> {
         self.cache_bytes = 0;
         self.observed.clear();
         self.touched.clear();
+        self.touched_set.clear();
     }
 
     fn load(&mut self, base: &str) -> Result<&mut Cached> {
@@ -144,9 +149,7 @@ impl<'a> Shared<'a> {
                     served: None,
                 },
             );
-            if !self.touched.iter().any(|t| t == base) {
-                self.touched.push(base.to_string());
-            }
+            self.touch(base);
         }
         Ok(self.cache.get_mut(base).expect("inserted above"))
     }
