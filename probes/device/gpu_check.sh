@@ -33,10 +33,12 @@ if has selftest; then
   [ $rc -ge 2 ] && { echo "selftest could not run: skipping the rest"; exit 1; }
 fi
 if has experts; then
-  for fmt in modelopt-nvfp4 ct-nvfp4; do
-    $B synth --preset tiny --format $fmt --out /tmp/tiny_$fmt > /dev/null 2>&1 || echo "synth $fmt failed"
-    ( timeout 300 $B selftest --backend cuda --model /tmp/tiny_$fmt --json "$OUT/experts_tiny_$fmt.json" ) > "$OUT/experts_tiny_$fmt.txt" 2>&1
-    echo "tiny $fmt rc=$?" >> "$OUT/experts_tiny_$fmt.txt"; grep -E "^whole|grouped|^selftest|rc=|FAIL" "$OUT/experts_tiny_$fmt.txt" | cut -c1-300
+  # MXFP4 experts: the per-expert path (default) and the grouped one (NVFP4_PROBE_EXPERTS=grouped-mx)
+  for v in modelopt-nvfp4: ct-nvfp4: mxfp4: mxfp4:grouped-mx; do
+    fmt=${v%%:*}; ex=${v#*:}; tag=$fmt${ex:+-$ex}
+    [ -f /tmp/tiny_$fmt/config.json ] || $B synth --preset tiny --format $fmt --out /tmp/tiny_$fmt > /dev/null 2>&1 || echo "synth $fmt failed"
+    ( env ${ex:+NVFP4_PROBE_EXPERTS=$ex} timeout 300 $B selftest --backend cuda --model /tmp/tiny_$fmt --json "$OUT/experts_tiny_$tag.json" ) > "$OUT/experts_tiny_$tag.txt" 2>&1
+    echo "tiny $tag rc=$?" >> "$OUT/experts_tiny_$tag.txt"; grep -E "^whole|^selftest|rc=|FAIL" "$OUT/experts_tiny_$tag.txt" | cut -c1-300
   done
 fi
 if has flash; then
