@@ -247,103 +247,13 @@ struct MoeTile {
     u32 flags;
 };
 // The work of one tile of R rows (1 <= R <= MOE_R; instantiated per row count, so a tile of one
-// token does no work for the three rows it lacks). Per 16-element piece of k a lane converts its
-// x values to f64 once per half piece and reuses them for all MOE_C columns.
+// token does no work for the rows it lacks). A lane loads its 16 x values per row and piece once
+// as f32 and converts them to f64 at each use: a variant that converted them once per half piece
+// (more registers, 2 blocks per SM instead of 3) ran 31 % slower on the H200 (BENCHMARKS.md).
 template <int R>
-__device__ __forceinline__ void moe_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n, u64 k,
-                                         float* y, u64 ldy, const float* mq, const float2* me,
+__device__ __forceinline__ void moe_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
+                                         u64 k, float* y, u64 ldy, const float* mq, const float2* me,
                                          double (*part)[MOE_R][MOE_C]) {
-    const bool mx = (t.flags & MT_CONV) == 3u, post = (t.flags & MT_POST) != 0u,
-               wbf = (t.flags & MT_WBF16) != 0u;
-    const u8* packed = (const u8*)t.packed;
-    const u8* scales = (const u8*)t.scales;
-    const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
-    const u64 pieces = k / 16;
-    for (u64 c0 = (u64)blockIdx.x * MOE_C; c0 < n; c0 += (u64)gridDim.x * MOE_C) {
-        double acc[R][MOE_C];
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int j = 0; j < MOE_C; j++) acc[r][j] = 0.0;
-        for (u64 p = threadIdx.x; p < pieces; p += blockDim.x) {
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                // x[row0 + r, 16 p + 8 hf .. + 8) as f64
-                double xd[R][8];
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    u64 o = (u64)(t.row0 + r) * ldx + p * 16 + hf * 8;
-                    if (xbf) {
-                        uint4 u = *(const uint4*)((const u16*)x + o);
-                        u32 wd[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            xd[r][2 * i] = (double)__uint_as_float(wd[i] << 16);
-                            xd[r][2 * i + 1] = (double)__uint_as_float(wd[i] & 0xFFFF0000u);
-                        }
-                    } else {
-                        const float4* q = (const float4*)((const float*)x + o);
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            float4 f = q[h];
-                            xd[r][4 * h] = (double)f.x; xd[r][4 * h + 1] = (double)f.y;
-                            xd[r][4 * h + 2] = (double)f.z; xd[r][4 * h + 3] = (double)f.w;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < MOE_C; j++) {
-                    u64 c = c0 + j;
-                    if (c >= n) continue;
-                    u64 e0 = c * k + p * 16;
-                    u32 pk = *(const u32*)(packed + e0 / 2 + hf * 4);
-                    float q = mq[scales[mx ? e0 / 32 : e0 / 16]];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        float2 e = me[(pk >> (8 * i)) & 0xFFu];
-                        float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
-                        if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
-                        if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
-                        double d0 = (double)w0, d1 = (double)w1;
-#pragma unroll
-                        for (int r = 0; r < R; r++) {
-                            acc[r][j] = __fma_rn(xd[r][2 * i], d0, acc[r][j]);
-                            acc[r][j] = __fma_rn(xd[r][2 * i + 1], d1, acc[r][j]);
-                        }
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-#pragma unroll
-            for (int j = 0; j < MOE_C; j++) {
-                double v = acc[r][j];
-                for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-                if (lane == 0) part[wid][r][j] = v;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < R * MOE_C) {
-            u32 r = threadIdx.x / MOE_C, j = threadIdx.x % MOE_C;
-            if (c0 + j < n) {
-                double v = 0.0;
-                for (u32 w = 0; w < MOE_WARPS; w++) v = __dadd_rn(v, part[w][r][j]);
-                float o = __double2float_rn(v);
-                if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
-                y[(u64)(t.row0 + r) * ldy + c0 + j] = o;
-            }
-        }
-        __syncthreads();
-    }
-}
-
-// moe_tile_cv: moe_tile with the x values kept as f32 and converted at each use (fewer registers,
-// more resident blocks; the same products in the same order, so the same bits).
-template <int R>
-__device__ __forceinline__ void moe_tile_cv(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
-                                            u64 k, float* y, u64 ldy, const float* mq, const float2* me,
-                                            double (*part)[MOE_R][MOE_C]) {
     const bool mx = (t.flags & MT_CONV) == 3u, post = (t.flags & MT_POST) != 0u,
                wbf = (t.flags & MT_WBF16) != 0u;
     const u8* packed = (const u8*)t.packed;
@@ -430,7 +340,7 @@ __device__ __forceinline__ void moe_tile_cv(const void* x, int xbf, u64 ldx, con
     }
 }
 
-// The decode tables of a tile (shared by both kernel variants).
+// The decode tables of a tile.
 __device__ __forceinline__ void moe_tables(const MoeTile& t, float* mq, float2* me) {
     const u32 conv = t.flags & MT_CONV;
     const bool mx = conv == 3u;
@@ -444,13 +354,10 @@ __device__ __forceinline__ void moe_tables(const MoeTile& t, float* mq, float2* 
     __syncthreads();
 }
 
-// Two variants with the same arguments and output bits: moe_gemm_f64 converts each x value to f64
-// once per half piece (202 registers on sm_90, 2 blocks per SM); moe_gemm_f64_cv converts at use
-// (fewer registers, more blocks per SM). Gpu::moe_kernel picks one (NVFP4_PROBE_MOE_KERNEL).
-extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS, 1)
+extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
 moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    __shared__ float mq[256];    // block multiplier by scale byte
-    __shared__ float2 me[256];   // (even, odd) element code values by packed byte
+    __shared__ float mq[256];
+    __shared__ float2 me[256];
     __shared__ double part[MOE_WARPS][MOE_R][MOE_C];
     const MoeTile t = tiles[blockIdx.y];
     moe_tables(t, mq, me);
@@ -459,20 +366,5 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
         case 2: moe_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
         case 3: moe_tile<3>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
         default: moe_tile<MOE_R>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
-moe_gemm_f64_cv(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    __shared__ float mq[256];
-    __shared__ float2 me[256];
-    __shared__ double part[MOE_WARPS][MOE_R][MOE_C];
-    const MoeTile t = tiles[blockIdx.y];
-    moe_tables(t, mq, me);
-    switch (t.rows) {
-        case 1: moe_tile_cv<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
-        case 2: moe_tile_cv<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
-        case 3: moe_tile_cv<3>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
-        default: moe_tile_cv<MOE_R>(x, xbf, ldx, t, n, k, y, ldy, mq, me, part); break;
     }
 }

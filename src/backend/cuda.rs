@@ -64,7 +64,6 @@ const KERNELS: &[&str] = &[
     "from_f64",
     "gemm_small_f64",
     "moe_gemm_f64",
-    "moe_gemm_f64_cv",
     "row_rms",
     "rms_apply",
     "rope_rows",
@@ -87,12 +86,6 @@ pub const AQ_KERNELS: [(&str, f64); 2] = [("act_quant_nvfp4_v2", 0.5), ("act_qua
 /// The default of [`Gpu::aq_kernel`] (`NVFP4_PROBE_AQ_KERNEL` names another of [`AQ_KERNELS`]):
 /// v3, 90 % of the copy bandwidth on the H200 where v2 reaches 60 % (codes + scales).
 pub const AQ_KERNEL_DEFAULT: &str = "act_quant_nvfp4_v3";
-
-/// The grouped experts GEMM kernels (same arguments, same output bits): `moe_gemm_f64` converts
-/// each activation value to f64 once per half piece (more registers), `_cv` at each use.
-pub const MOE_KERNELS: [&str; 2] = ["moe_gemm_f64", "moe_gemm_f64_cv"];
-/// The default of [`Gpu::moe_kernel`] (`NVFP4_PROBE_MOE_KERNEL` names another of [`MOE_KERNELS`]).
-pub const MOE_KERNEL_DEFAULT: &str = "moe_gemm_f64_cv";
 
 /// Health slots per served linear (7 counters + the activation amax as f32 bits).
 pub const H_SLOTS: usize = 8;
@@ -398,8 +391,6 @@ pub struct Gpu {
     /// MXFP4 decode passes the self-test, but no whole run of an MXFP4-expert checkpoint has
     /// been compared across backends with it yet (`gpu_check.sh` stage `experts` does that).
     pub grouped_mx: bool,
-    /// The grouped experts GEMM kernel (one of [`MOE_KERNELS`]).
-    pub moe_kernel: &'static str,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
 }
@@ -524,10 +515,6 @@ impl Gpu {
                 .as_deref()
                 .map(str::trim)
                 == Some("grouped-mx"),
-            moe_kernel: std::env::var("NVFP4_PROBE_MOE_KERNEL")
-                .ok()
-                .and_then(|v| MOE_KERNELS.iter().find(|k| **k == v.trim()).copied())
-                .unwrap_or(MOE_KERNEL_DEFAULT),
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
         })
@@ -905,7 +892,7 @@ impl Gpu {
         )
     }
 
-    /// `moe_gemm_f64` ([`Gpu::moe_kernel`]): for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
+    /// `moe_gemm_f64`: for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
     /// rounded once (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`,
     /// y f32 with row stride `ldy`. Needs k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
     #[allow(clippy::too_many_arguments)]
@@ -942,7 +929,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         self.launch_cfg(
-            self.moe_kernel,
+            "moe_gemm_f64",
             cfg,
             &[
                 A::P(x),
@@ -2468,23 +2455,7 @@ impl Gpu {
                 self.moe_act(acts[j], xs, total, d, &segs, &plans[j], &|ui| health(ui, j))?;
             self.moe_gemm(xp, xbf, d, &tiles(&plans[j]), inter, d, out, inter)?;
         }
-        let n64 = n_el as u64;
-        if round {
-            self.launch("round_bf16", n64, &[A::P(gt), A::U(n64), A::P(0)])?;
-            self.launch("round_bf16", n64, &[A::P(up), A::U(n64), A::P(0)])?;
-        }
-        self.launch(
-            "swiglu_clamp",
-            n64,
-            &[
-                A::P(gt),
-                A::P(up),
-                A::U(n64),
-                A::F(limit),
-                A::I(round as i32),
-                A::P(act),
-            ],
-        )?;
+        self.swiglu_store(gt, up, act, n_el, limit, round)?;
         let (xp, xbf) = self.moe_act(acts[2], act, total, inter, &segs, &plans[2], &|ui| {
             health(ui, 2)
         })?;
@@ -2512,6 +2483,36 @@ impl Gpu {
             .enumerate()
             .map(|(ui, &e)| (e, [plans[0][ui].1, plans[1][ui].1, plans[2][ui].1]))
             .collect())
+    }
+
+    /// The store of an expert's gate and up projections (BF16 rounding when `round`), then SwiGLU
+    /// with the clamp and its store, over `n` elements.
+    fn swiglu_store(
+        &self,
+        gt: u64,
+        up: u64,
+        act: u64,
+        n: usize,
+        limit: f32,
+        round: bool,
+    ) -> Result<()> {
+        let n = n as u64;
+        if round {
+            self.launch("round_bf16", n, &[A::P(gt), A::U(n), A::P(0)])?;
+            self.launch("round_bf16", n, &[A::P(up), A::U(n), A::P(0)])?;
+        }
+        self.launch(
+            "swiglu_clamp",
+            n,
+            &[
+                A::P(gt),
+                A::P(up),
+                A::U(n),
+                A::F(limit),
+                A::I(round as i32),
+                A::P(act),
+            ],
+        )
     }
 
     /// The routed-experts op of one path on the device: x [t, d], routing weights and expert ids
@@ -2655,24 +2656,8 @@ impl Gpu {
                     inter,
                     Some(h(ui, 1)),
                 )?;
-                // the store of gt/up, then SwiGLU with the clamp and its store
                 let n_el = (rows * inter) as u64;
-                if round {
-                    self.launch("round_bf16", n_el, &[A::P(gt), A::U(n_el), A::P(0)])?;
-                    self.launch("round_bf16", n_el, &[A::P(up), A::U(n_el), A::P(0)])?;
-                }
-                self.launch(
-                    "swiglu_clamp",
-                    n_el,
-                    &[
-                        A::P(gt),
-                        A::P(up),
-                        A::U(n_el),
-                        A::F(limit),
-                        A::I(round as i32),
-                        A::P(act),
-                    ],
-                )?;
+                self.swiglu_store(gt, up, act, rows * inter, limit, round)?;
                 let ye = ys.ptr + (s0 * d * 4) as u64;
                 let p2 = self.linear_dev(
                     lc,

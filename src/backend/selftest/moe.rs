@@ -9,8 +9,7 @@
 
 use super::{exact, exact_u, nvfp4_scale_bytes, Check};
 use crate::backend::cuda::{
-    ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MOE_KERNELS, MOE_R, MT_EPI, MT_POST, MT_SWAP,
-    MT_WBF16,
+    ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
 use crate::model::mem_env::Rng;
 use crate::numerics::nvfp4::{self, Convention};
@@ -142,28 +141,18 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             }));
         }
         let finite = want.iter().filter(|v| v.is_finite()).count();
-        let prev = g.moe_kernel;
-        for kernel in MOE_KERNELS {
-            g.moe_kernel = kernel;
-            let y = g.alloc(total * n * 4)?;
-            g.memset(y.ptr, 0xFF, total * n * 4)?;
-            let xp = if xbf { x16b.ptr } else { xb.ptr };
-            let r = g.moe_gemm(xp, xbf, k, &tiles, n, k, y.ptr, n);
-            g.moe_kernel = prev;
-            r?;
-            let got: Vec<f32> = g.download(y.ptr, total * n)?;
-            let mut c = exact(
-                &format!("grouped experts GEMM {kernel}: {name}"),
-                &got,
-                &want,
-            );
-            c.note = format!(
-                "{} experts of {rows:?} rows in {} tiles, [{n}, {k}] weights; {finite} finite outputs",
-                rows.len(),
-                tiles.len()
-            );
-            out.push(c);
-        }
+        let y = g.alloc(total * n * 4)?;
+        g.memset(y.ptr, 0xFF, total * n * 4)?;
+        let xp = if xbf { x16b.ptr } else { xb.ptr };
+        g.moe_gemm(xp, xbf, k, &tiles, n, k, y.ptr, n)?;
+        let got: Vec<f32> = g.download(y.ptr, total * n)?;
+        let mut c = exact(&format!("grouped experts GEMM: {name}"), &got, &want);
+        c.note = format!(
+            "{} experts of {rows:?} rows in {} tiles, [{n}, {k}] weights; {finite} finite outputs",
+            rows.len(),
+            tiles.len()
+        );
+        out.push(c);
     }
 
     // ---- act_quant_nvfp4_seg = act_quant_nvfp4_v3 segment by segment ----
