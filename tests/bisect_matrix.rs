@@ -11,8 +11,6 @@ use std::sync::Mutex;
 use nvfp4_probe::bisect::{self, BisectResult, Family};
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
 use nvfp4_probe::probe::faults::{Fault, FaultKind};
-use nvfp4_probe::probe::served::Profile;
-use nvfp4_probe::probe::spec::ProbeSpec;
 use nvfp4_probe::probe::{synthetic_tokens, RunOptions};
 use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
 use rayon::prelude::*;
@@ -25,16 +23,8 @@ fn opts(tokens: Vec<u32>, faults: Vec<Fault>) -> RunOptions {
 
 fn opts_to(last: usize, tokens: Vec<u32>, faults: Vec<Fault>) -> RunOptions {
     RunOptions {
-        layers: (0, last),
-        tokens,
-        profile: Profile::BlackwellW4a4,
         loader_faults: faults,
-        spec: ProbeSpec::builtin(),
-        keep_outputs: false,
-        progress: false,
-        overrides: Vec::new(),
-        stop_after: None,
-        backend: Default::default(),
+        ..RunOptions::new((0, last), tokens)
     }
 }
 

@@ -6,8 +6,6 @@ use nvfp4_probe::bisect::{self, BisectResult, Search};
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
 use nvfp4_probe::probe::faults::{Fault, FaultKind};
 use nvfp4_probe::probe::scan::{self, ShowRule};
-use nvfp4_probe::probe::served::Profile;
-use nvfp4_probe::probe::spec::ProbeSpec;
 use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions};
 use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
 use rayon::prelude::*;
@@ -16,16 +14,8 @@ const T: usize = 32;
 
 fn opts(last: usize, faults: Vec<Fault>, tseed: u64) -> RunOptions {
     RunOptions {
-        layers: (0, last),
-        tokens: synthetic_tokens(T, 512, tseed),
-        profile: Profile::BlackwellW4a4,
         loader_faults: faults,
-        spec: ProbeSpec::builtin(),
-        keep_outputs: false,
-        progress: false,
-        overrides: Vec::new(),
-        stop_after: None,
-        backend: Default::default(),
+        ..RunOptions::new((0, last), synthetic_tokens(T, 512, tseed))
     }
 }
 

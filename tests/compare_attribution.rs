@@ -4,8 +4,6 @@
 use assert_cmd::Command;
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
 use nvfp4_probe::probe::faults::Fault;
-use nvfp4_probe::probe::served::Profile;
-use nvfp4_probe::probe::spec::ProbeSpec;
 use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions};
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 use nvfp4_probe::trace::read::{write, WriteDtype};
@@ -23,16 +21,8 @@ fn trace_divergence_explained_by_the_checkpoint_gets_a_verdict() {
     let res = run(
         &ckpt,
         &RunOptions {
-            layers: (0, 1),
-            tokens: tokens.clone(),
-            profile: Profile::BlackwellW4a4,
-            loader_faults: vec![],
-            spec: ProbeSpec::builtin(),
             keep_outputs: true,
-            progress: false,
-            overrides: vec![],
-            stop_after: None,
-            backend: Default::default(),
+            ..RunOptions::new((0, 1), tokens.clone())
         },
     )
     .unwrap();

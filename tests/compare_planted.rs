@@ -8,8 +8,6 @@ use assert_cmd::Command;
 use nvfp4_probe::checkpoint::Checkpoint;
 use nvfp4_probe::cli::{CompareArgs, TokenArgs};
 use nvfp4_probe::commands::compare::{compare, CompareReport};
-use nvfp4_probe::probe::served::Profile;
-use nvfp4_probe::probe::spec::ProbeSpec;
 use nvfp4_probe::probe::{run, RunOptions};
 use nvfp4_probe::trace::read::{write, WriteDtype};
 use nvfp4_probe::Tensor;
@@ -33,16 +31,8 @@ fn oracle() -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
     let res = run(
         &ckpt,
         &RunOptions {
-            layers: (0, 2),
-            tokens: tokens(),
-            profile: Profile::BlackwellW4a4,
-            loader_faults: vec![],
-            spec: ProbeSpec::builtin(),
             keep_outputs: true,
-            progress: false,
-            overrides: vec![],
-            stop_after: None,
-            backend: Default::default(),
+            ..RunOptions::new((0, 2), tokens())
         },
     )
     .unwrap();

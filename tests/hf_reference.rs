@@ -6,8 +6,6 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use nvfp4_probe::checkpoint::Checkpoint;
-use nvfp4_probe::probe::served::Profile;
-use nvfp4_probe::probe::spec::ProbeSpec;
 use nvfp4_probe::probe::{run, RunOptions};
 use nvfp4_probe::trace::names::map_hf;
 use nvfp4_probe::Tensor;
@@ -55,16 +53,8 @@ fn check(t: usize) {
             .unwrap();
     assert_eq!(tokens.len(), t);
     let opts = RunOptions {
-        layers: (0, 4),
-        tokens,
-        profile: Profile::BlackwellW4a4,
-        loader_faults: vec![],
-        spec: ProbeSpec::builtin(),
         keep_outputs: true,
-        progress: false,
-        overrides: vec![],
-        stop_after: None,
-        backend: Default::default(),
+        ..RunOptions::new((0, 4), tokens)
     };
     let res = run(&ckpt, &opts).expect("run");
     let ours: HashMap<&str, &Tensor> = res.outputs["oracle_fp32"]

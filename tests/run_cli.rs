@@ -3,8 +3,6 @@
 
 use assert_cmd::Command;
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
-use nvfp4_probe::probe::served::Profile;
-use nvfp4_probe::probe::spec::ProbeSpec;
 use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions};
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 
@@ -13,18 +11,7 @@ fn bin() -> Command {
 }
 
 fn opts(tokens: Vec<u32>, layers: (usize, usize)) -> RunOptions {
-    RunOptions {
-        layers,
-        tokens,
-        profile: Profile::BlackwellW4a4,
-        loader_faults: vec![],
-        spec: ProbeSpec::builtin(),
-        keep_outputs: false,
-        progress: false,
-        overrides: vec![],
-        stop_after: None,
-        backend: Default::default(),
-    }
+    RunOptions::new(layers, tokens)
 }
 
 #[test]

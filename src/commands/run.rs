@@ -172,16 +172,12 @@ pub fn prepare(
         bytes_read: 0,
     };
     let opts = RunOptions {
-        layers: (a, b),
-        tokens: toks,
         profile,
         loader_faults: faults,
         spec,
-        keep_outputs: false,
         progress: true,
-        overrides: Vec::new(),
-        stop_after: None,
         backend: backend_sel,
+        ..RunOptions::new((a, b), toks)
     };
     Ok(Prepared {
         ckpt,

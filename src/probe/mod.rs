@@ -48,6 +48,24 @@ pub struct RunOptions {
 }
 
 impl RunOptions {
+    /// Layers `layers` over `tokens` under the served W4A4 profile on the CPU: no loader faults,
+    /// no hypotheses, the built-in probe spec, no kept outputs, no progress bar. Callers change
+    /// what they need with struct update syntax.
+    pub fn new(layers: (usize, usize), tokens: Vec<u32>) -> RunOptions {
+        RunOptions {
+            layers,
+            tokens,
+            profile: Profile::BlackwellW4a4,
+            loader_faults: Vec::new(),
+            spec: ProbeSpec::builtin(),
+            keep_outputs: false,
+            progress: false,
+            overrides: Vec::new(),
+            stop_after: None,
+            backend: crate::backend::Backend::Cpu,
+        }
+    }
+
     /// The paths' shared state for this run: backend, loader faults and hypotheses applied.
     pub fn shared<'a>(&self, ckpt: &'a Checkpoint, cfg: crate::model::ModelConfig) -> Shared<'a> {
         let mut shared = Shared::new(ckpt, cfg, self.tokens.clone(), self.profile);

@@ -1043,7 +1043,6 @@ mod tests {
     use super::*;
     use crate::checkpoint::Naming;
     use crate::probe::faults::FaultKind;
-    use crate::probe::spec::ProbeSpec;
     use crate::synth::{self, Format, Preset, SynthOptions};
 
     fn ckpt(format: Format, faults: Vec<Fault>) -> Checkpoint {
@@ -1066,16 +1065,8 @@ mod tests {
             .find(|o| o.id == "L1.ffn.experts")
             .unwrap();
         let opts = RunOptions {
-            layers: (0, 1),
-            tokens: crate::probe::synthetic_tokens(8, cfg.vocab_size, 0),
-            profile: Profile::BlackwellW4a4,
             loader_faults: faults,
-            spec: ProbeSpec::builtin(),
-            keep_outputs: false,
-            progress: false,
-            overrides: Vec::new(),
-            stop_after: None,
-            backend: Backend::Cpu,
+            ..RunOptions::new((0, 1), crate::probe::synthetic_tokens(8, cfg.vocab_size, 0))
         };
         let cap = Capture {
             op,
