@@ -137,6 +137,17 @@ pub struct ActQuantOut {
     pub health: u64,
 }
 
+impl ActQuantOut {
+    /// Whether v3 (and the segmented kernel) may run on input `x` with these outputs: they load
+    /// and store whole blocks with 8- and 16-byte accesses.
+    fn v3_aligned(&self, x: u64) -> bool {
+        x.is_multiple_of(16)
+            && self.packed.is_multiple_of(8)
+            && self.xq16.is_multiple_of(16)
+            && self.xhat.is_multiple_of(16)
+    }
+}
+
 /// A kernel argument.
 #[derive(Clone, Copy)]
 pub enum A {
@@ -215,6 +226,26 @@ pub const MT_POST: u32 = 4;
 pub const MT_SWAP: u32 = 8;
 pub const MT_WBF16: u32 = 16;
 pub const MT_EPI: u32 = 32;
+
+/// The `act_quant_nvfp4_seg` segments of rows (first row, row count) of a [.., k] activation:
+/// segment i with encode scale `g(i)` and counters at `health(i)`.
+fn aq_segs(
+    segs: &[(usize, usize)],
+    k: usize,
+    g: &dyn Fn(usize) -> f32,
+    health: &dyn Fn(usize) -> u64,
+) -> Vec<AqSeg> {
+    segs.iter()
+        .enumerate()
+        .map(|(i, &(r0, rows))| AqSeg {
+            block0: (r0 * k / 16) as u64,
+            nblocks: (rows * k / 16) as u64,
+            g: g(i),
+            pad: 0,
+            health: health(i),
+        })
+        .collect()
+}
 
 /// One segment of `act_quant_nvfp4_seg` (kernels/quant.cu, same layout).
 #[repr(C)]
@@ -823,10 +854,7 @@ impl Gpu {
     pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
         let (name, n) = if self.v2 {
             // v3 stores whole blocks with 8- and 16-byte stores: aligned buffers only
-            let aligned = x.is_multiple_of(16)
-                && o.packed.is_multiple_of(8)
-                && o.xq16.is_multiple_of(16)
-                && o.xhat.is_multiple_of(16);
+            let aligned = o.v3_aligned(x);
             let (name, per) = AQ_KERNELS
                 .iter()
                 .copied()
@@ -860,11 +888,7 @@ impl Gpu {
         if segs.is_empty() {
             return Ok(());
         }
-        let aligned = x.is_multiple_of(16)
-            && o.packed.is_multiple_of(8)
-            && o.xq16.is_multiple_of(16)
-            && o.xhat.is_multiple_of(16);
-        if !aligned || segs.len() > 65_535 {
+        if !o.v3_aligned(x) || segs.len() > 65_535 {
             return Err(Error::Backend(
                 "cuda: act_quant_nvfp4_seg needs 16-byte aligned buffers and at most 65535 segments"
                     .into(),
@@ -2110,7 +2134,7 @@ impl Gpu {
         let yb = self.alloc(m * n * 4)?;
         let hb = self.alloc(H_SLOTS * 8)?;
         self.memset(hb.ptr, 0, H_SLOTS * 8)?;
-        let exact = is_bf16_exact(x);
+        let exact = crate::numerics::bf16::all_exact(x);
         let p = self.linear_dev(
             lc,
             kind,
@@ -2165,7 +2189,7 @@ impl Gpu {
         let yb = self.alloc(rows * n * 4)?;
         let hb = self.alloc(H_SLOTS * 8)?;
         self.memset(hb.ptr, 0, H_SLOTS * 8)?;
-        let exact = is_bf16_exact(x);
+        let exact = crate::numerics::bf16::all_exact(x);
         let idx: Vec<i32> = (0..groups)
             .flat_map(|g| (0..rows).map(move |t| (t * groups + g) as i32))
             .collect();
@@ -2351,18 +2375,7 @@ impl Gpu {
         health: &dyn Fn(usize) -> u64,
     ) -> Result<(u64, bool)> {
         let n = total * k;
-        let aq = |g: &dyn Fn(usize) -> f32| -> Vec<AqSeg> {
-            segs.iter()
-                .enumerate()
-                .map(|(ui, &(r0, rows))| AqSeg {
-                    block0: (r0 * k / 16) as u64,
-                    nblocks: (rows * k / 16) as u64,
-                    g: g(ui),
-                    pad: 0,
-                    health: health(ui),
-                })
-                .collect()
-        };
+        let aq = |g: &dyn Fn(usize) -> f32| aq_segs(segs, k, g, health);
         let gx = |ui: usize| plan[ui].1.map_or(f32::NAN, |p| p.g_x);
         Ok(match act {
             MoeAct::F32 => (x, false),
@@ -2463,17 +2476,7 @@ impl Gpu {
         if plans[2].iter().all(|(_, p)| p.is_none()) {
             // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7), as
             // the per-expert sequence counts it
-            let s: Vec<AqSeg> = segs
-                .iter()
-                .enumerate()
-                .map(|(ui, &(r0, rows))| AqSeg {
-                    block0: (r0 * inter / 16) as u64,
-                    nblocks: (rows * inter / 16) as u64,
-                    g: 1.0,
-                    pad: 0,
-                    health: health(ui, 2),
-                })
-                .collect();
+            let s = aq_segs(&segs, inter, &|_| 1.0, &|ui| health(ui, 2));
             self.act_quant_nvfp4_seg(act, &s, ActQuantOut::default())?;
         }
         self.counters.linears += 3 * used.len() as u64;
@@ -2898,9 +2901,4 @@ fn store_ptx(path: &std::path::Path, ptx: &str) {
     if std::fs::write(&tmp, ptx).is_ok() {
         let _ = std::fs::rename(&tmp, path);
     }
-}
-
-/// True when every element is a BF16 value (NaN counts: the GEMM propagates it either way).
-pub fn is_bf16_exact(x: &[f32]) -> bool {
-    crate::numerics::bf16::all_exact(x)
 }
