@@ -167,6 +167,16 @@ extern "C" __global__ void round_bf16(float* x, u64 n, u16* out16) {
     }
 }
 
+// cnt += number of x[i] that are not BF16 values (NaN counts as one); one atomic per thread.
+extern "C" __global__ void count_inexact_bf16(const float* x, u64 n, unsigned long long* cnt) {
+    unsigned long long c = 0;
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        if (!isnan(v) && bf16_round(v) != v) c++;
+    }
+    if (c) atomicAdd(cnt, c);
+}
+
 // GEMM epilogues: y = bf16(y * mul) (round != 0) or y * mul.
 extern "C" __global__ void scale_round(float* y, u64 n, float mul, int round) {
     GRID_STRIDE(i, n) {

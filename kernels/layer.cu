@@ -392,3 +392,8 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, u6
         }
     }
 }
+
+// out = a + b element by element (the residual sum; f32, rounded once like the host's `+`).
+extern "C" __global__ void add_f32(const float* a, const float* b, u64 n, float* out) {
+    GRID_STRIDE(i, n) { out[i] = __fadd_rn(a[i], b[i]); }
+}

@@ -32,3 +32,41 @@ pub fn storage_read_bytes() -> Option<u64> {
         .find_map(|l| l.strip_prefix("read_bytes:"))
         .and_then(|v| v.trim().parse().ok())
 }
+
+/// Host seconds and counts of named spans (`span`), summed over the process when profiling.
+static SPANS: std::sync::Mutex<Vec<(&'static str, u64, f64)>> = std::sync::Mutex::new(Vec::new());
+
+/// Times the enclosing scope under `name` when profiling (`NVFP4_PROBE_PROFILE=1`); `spans`
+/// reports the sums. A no-op otherwise.
+pub struct Span(Option<(&'static str, Instant)>);
+
+pub fn span(name: &'static str) -> Span {
+    Span(enabled().then(|| (name, Instant::now())))
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        if let Some((name, t0)) = self.0 {
+            let s = t0.elapsed().as_secs_f64();
+            if let Ok(mut v) = SPANS.lock() {
+                match v.iter_mut().find(|e| e.0 == name) {
+                    Some(e) => {
+                        e.1 += 1;
+                        e.2 += s;
+                    }
+                    None => v.push((name, 1, s)),
+                }
+            }
+        }
+    }
+}
+
+/// The spans so far as `name s (count)`, longest first.
+pub fn spans() -> String {
+    let mut v = SPANS.lock().map(|v| v.clone()).unwrap_or_default();
+    v.sort_by(|a, b| b.2.total_cmp(&a.2));
+    v.iter()
+        .map(|(n, c, s)| format!("{n} {s:.3} ({c})"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -112,7 +112,7 @@ fn columns(t: &Tensor, n: usize) -> Vec<Tensor> {
     (0..n)
         .map(|k| {
             let c = w / n;
-            let data = (0..r)
+            let data: Vec<f32> = (0..r)
                 .flat_map(|i| t.data[i * w + k * c..i * w + (k + 1) * c].iter().copied())
                 .collect();
             Tensor::new(vec![r, c], data)
@@ -189,7 +189,7 @@ fn tp_files(bf: &HashMap<String, Tensor>, dir: &Path, scale_rank1_q_b_of: Option
                 // pad rank 1 to 3 heads of 512 (1 real), as FlashMLA-style padding does
                 let p = &parts[1];
                 let w = p.cols();
-                let data = (0..p.rows())
+                let data: Vec<f32> = (0..p.rows())
                     .flat_map(|i| {
                         p.data[i * w..(i + 1) * w]
                             .iter()
@@ -398,7 +398,7 @@ fn padded_batch_rows_metadata_and_user_map() {
             vec![keep.len(), w],
             keep.iter()
                 .flat_map(|&r| t.data[r * w..(r + 1) * w].iter().copied())
-                .collect(),
+                .collect::<Vec<f32>>(),
         )
     };
     let mut q = sub(&bf["L0.attn.q_b"]);

@@ -83,7 +83,7 @@ fn check(t: usize) {
                 .flat_map(|&r| mine.data[r * row_len..(r + 1) * row_len].iter().copied())
                 .collect()
         } else {
-            mine.data.clone()
+            mine.data.to_vec()
         };
         assert_eq!(mine_rows.len(), theirs.len(), "{name} → {}: size", m.op);
         if m.op.ends_with(".attn.indexer") {

@@ -28,6 +28,7 @@ use crate::numerics::nvfp4::{Convention, QuantHealth};
 use crate::probe::env::PathKind;
 use crate::probe::faults::Fault;
 use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, ServedWeight};
+use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
 /// The device source, embedded in the binary and compiled at run time.
@@ -42,6 +43,7 @@ const KERNELS: &[&str] = &[
     "decode_bytes",
     "encode_floats",
     "round_bf16",
+    "count_inexact_bf16",
     "scale_round",
     "rcp_approx_map",
     "rcp_sweep",
@@ -74,6 +76,7 @@ const KERNELS: &[&str] = &[
     "compress_pool",
     "indexer_scores",
     "route_topk",
+    "add_f32",
 ];
 
 /// Pieces (one 16-byte store each) per lane and step of `dequant_nvfp4_v2` (`DQ2_U` in
@@ -96,9 +99,48 @@ fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
 
 /// A device allocation with its raw address (event tracking is off: one stream orders everything).
 pub struct Buf {
-    _s: CudaSlice<u8>,
+    /// The allocation; shared by the pieces of one arena (`Gpu::preload`), freed with the last.
+    _s: std::sync::Arc<CudaSlice<u8>>,
     pub ptr: u64,
     pub bytes: usize,
+}
+
+/// A tensor's values in device memory, produced by a device op or uploaded once from the host
+/// (`Gpu::input`); read-only. `Data` fetches them to the host only when host code reads them.
+pub struct DevTensor {
+    buf: Buf,
+    n: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl crate::tensor::DeviceValues for DevTensor {
+    fn ptr(&self) -> u64 {
+        self.buf.ptr
+    }
+    fn len(&self) -> usize {
+        self.n
+    }
+    fn owner(&self) -> usize {
+        Arc::as_ptr(&self.stream) as *const u8 as usize
+    }
+    fn to_host(&self) -> std::result::Result<Vec<f32>, String> {
+        let _s = crate::profile::span("host: device values read by host code");
+        let mut v = vec![0f32; self.n];
+        if self.n > 0 {
+            unsafe { dres::memcpy_dtoh_async(&mut v[..], self.buf.ptr, self.stream.cu_stream()) }
+                .map_err(|e| format!("cuda: copy to host: {e:?}"))?;
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| format!("cuda: kernel execution: {e:?}"))?;
+        Ok(v)
+    }
+}
+
+/// A device address that stays valid while this lives (it holds the values' allocation).
+pub struct DevRef {
+    pub ptr: u64,
+    _keep: Arc<dyn crate::tensor::DeviceValues>,
 }
 
 /// The routed-experts op's output, the served observations per expert linear (sub id, what it
@@ -571,7 +613,11 @@ impl Gpu {
             let (p, _g) = s.device_ptr(&self.stream);
             p
         };
-        Ok(Buf { _s: s, ptr, bytes })
+        Ok(Buf {
+            _s: std::sync::Arc::new(s),
+            ptr,
+            bytes,
+        })
     }
 
     /// A grow-only scratch buffer by name.
@@ -582,6 +628,102 @@ impl Gpu {
             self.scratch.insert(name, b);
         }
         Ok(self.scratch[name].ptr)
+    }
+
+    /// This device state's identity (`DeviceValues::owner` of what it made).
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.stream) as *const u8 as usize
+    }
+
+    /// The device address of a tensor's values: its device copy, or the host values uploaded
+    /// now and kept with the tensor, so the next op (or path) that reads it does not upload again.
+    pub fn input(&self, x: &Data) -> Result<DevRef> {
+        if let Some(d) = x.device() {
+            if d.owner() == self.id() {
+                return Ok(DevRef {
+                    ptr: d.ptr(),
+                    _keep: d.clone(),
+                });
+            }
+        }
+        let n = x.len();
+        let b = self.upload(&x[..])?;
+        let d: Arc<dyn crate::tensor::DeviceValues> = Arc::new(DevTensor {
+            buf: b,
+            n,
+            stream: self.stream.clone(),
+        });
+        if x.device().is_none() {
+            x.attach_device(d.clone());
+        }
+        Ok(DevRef {
+            ptr: d.ptr(),
+            _keep: d,
+        })
+    }
+
+    /// Device values as a tensor's data, left on the device; `exact`: every value is known to be
+    /// a BF16 value (the producer rounded).
+    pub fn output(&self, b: Buf, n: usize, exact: bool) -> Data {
+        debug_assert!(b.bytes >= n * 4);
+        let d = Data::from_device(Arc::new(DevTensor {
+            buf: b,
+            n,
+            stream: self.stream.clone(),
+        }));
+        if exact {
+            d.set_bf16_exact(true);
+        }
+        d
+    }
+
+    /// A device copy of `x`'s values in a new allocation (for kernels that work in place).
+    pub fn input_copy(&self, x: &Data) -> Result<Buf> {
+        let n = x.len();
+        let src = self.input(x)?;
+        let b = self.alloc(n * 4)?;
+        if n > 0 {
+            unsafe { dres::memcpy_dtod_async(b.ptr, src.ptr, n * 4, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copy on device", e))?;
+        }
+        Ok(b)
+    }
+
+    /// The BF16 storage rounding of `x` on the device (values that are not on the host stay there).
+    pub fn round_data(&self, x: &mut Data) -> Result<()> {
+        let n = x.len();
+        let b = self.input_copy(x)?;
+        self.launch(
+            "round_bf16",
+            n as u64,
+            &[A::P(b.ptr), A::U(n as u64), A::P(0)],
+        )?;
+        *x = self.output(b, n, true);
+        Ok(())
+    }
+
+    /// Whether every value of `x` is a BF16 value (NaN counts as one): known from its producer,
+    /// scanned on the host when the values are there, else counted on the device.
+    pub fn bf16_exact(&mut self, x: &Data) -> Result<bool> {
+        if let Some(e) = x.known_bf16_exact() {
+            return Ok(e);
+        }
+        if x.on_host() {
+            return Ok(crate::numerics::bf16::all_exact(&x[..]));
+        }
+        let n = x.len();
+        let p = self.input(x)?;
+        let c = self.scratch("inexact_count", 8)?;
+        self.memset(c, 0, 8)?;
+        self.launch(
+            "count_inexact_bf16",
+            n as u64,
+            &[A::P(p.ptr), A::U(n as u64), A::P(c)],
+        )?;
+        let v: Vec<u64> = self.download(c, 1)?;
+        let exact = v[0] == 0;
+        x.set_bf16_exact(exact);
+        Ok(exact)
     }
 
     /// Pageable host → device (small tensors: activations, scalars).
@@ -603,7 +745,7 @@ impl Gpu {
             let b = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, bytes) };
             return self.stage_in(dst, b);
         }
-        self.timed("copy host->device", || {
+        self.timed("copy host->device (small)", || {
             unsafe { dres::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
                 .map_err(|e| cuda_err("copy to device", e))
         })
@@ -636,12 +778,16 @@ impl Gpu {
         use rayon::prelude::*;
         for (ci, chunk) in src.chunks(STAGE).enumerate() {
             let (p, _, ev) = &self.pinned[ci % 2];
-            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            {
+                let _s = crate::profile::span("host: stage_in wait");
+                ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            }
             let pin = unsafe { std::slice::from_raw_parts_mut(*p, chunk.len()) };
+            let _s = crate::profile::span("host: stage_in memcpy");
             pin.par_chunks_mut(1 << 20)
                 .zip(chunk.par_chunks(1 << 20))
                 .for_each(|(d, s)| d.copy_from_slice(s));
-            self.timed("copy host->device", || {
+            self.timed("copy host->device (staged)", || {
                 unsafe {
                     dres::memcpy_htod_async(
                         dst + (ci * STAGE) as u64,
@@ -673,7 +819,11 @@ impl Gpu {
                 }
                 .map_err(|e| cuda_err("copy to host", e))
             })?;
-            self.sync()?;
+            {
+                let _s = crate::profile::span("host: stage_out wait");
+                self.sync()?;
+            }
+            let _s = crate::profile::span("host: stage_out memcpy");
             chunk
                 .par_chunks_mut(1 << 20)
                 .zip(pin.par_chunks(1 << 20))
@@ -683,6 +833,7 @@ impl Gpu {
     }
 
     pub fn sync(&self) -> Result<()> {
+        let _s = crate::profile::span("host: sync");
         self.stream
             .synchronize()
             .map_err(|e| cuda_err("kernel execution", e))
@@ -722,7 +873,7 @@ impl Gpu {
         // reductions end in per-warp atomics: keep their grids small; element-wise kernels get
         // one thread per item (many short-lived blocks keep the most memory requests in flight)
         let cap = match name {
-            "fused_stats" | "rcp_sweep" => self.sm_count as u64 * 16,
+            "fused_stats" | "rcp_sweep" | "count_inexact_bf16" => self.sm_count as u64 * 16,
             "act_quant_nvfp4" => self.sm_count as u64 * 64,
             // v2 kernels: warp-strided loops over shared tables built once per CUDA block. The
             // cap keeps the table build well under 2 % of a block's work on multi-GB tensors,
@@ -751,6 +902,7 @@ impl Gpu {
 
     /// Launch kernel `name` with an explicit grid, block and dynamic shared memory.
     pub fn launch_cfg(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
+        let _s = crate::profile::span("host: launch");
         let f = self
             .funcs
             .get(name)
@@ -1276,6 +1428,7 @@ impl Gpu {
     }
 
     fn ensure_weight(&mut self, lc: &LinearCtx, base: &str) -> Result<()> {
+        let _s = crate::profile::span("host: ensure_weight");
         let key = served_key(lc, base);
         if let Some(w) = self.weights.get(base) {
             if w.served_key.as_ref().is_none_or(|k| *k == key) {
@@ -1354,7 +1507,7 @@ impl Gpu {
                         .iter()
                         .map(|&b| crate::numerics::ue8m0::decode(b))
                         .collect(),
-                    Fp8ScaleKind::F32 => lc.ckpt.tensor_f32(&sc)?.data,
+                    Fp8ScaleKind::F32 => lc.ckpt.tensor_f32(&sc)?.data.into_vec(),
                 };
                 let ns = n.div_ceil(block[0].max(1)) * k.div_ceil(block[1].max(1));
                 let sp = span(&lay.weight)?;
@@ -1580,8 +1733,12 @@ impl Gpu {
             }
             let batch = &spans[i..j];
             let (p, _, ev) = &self.pinned[ci % 2];
-            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            {
+                let _s = crate::profile::span("host: preload wait");
+                ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            }
             let base = *p as usize;
+            let _s = crate::profile::span("host: preload read");
             // pieces of at most 4 MiB: (span index, offset in file, offset in pinned, length)
             let mut pieces = Vec::new();
             let mut at = 0usize;
@@ -1606,17 +1763,25 @@ impl Gpu {
                     )
                 })
             })?;
+            drop(_s);
+            // the whole batch in one DMA into one allocation, which its tensors then share
+            // (thousands of per-tensor copies ran at half the bus's rate)
+            let arena = self.alloc(tot)?;
+            let src = unsafe { std::slice::from_raw_parts(base as *const u8, tot) };
+            self.timed("copy host->device (weights, batched)", || {
+                unsafe { dres::memcpy_htod_async(arena.ptr, src, self.stream.cu_stream()) }
+                    .map_err(|e| cuda_err("copy to device", e))
+            })?;
             let mut at = 0usize;
             for (path, off, len) in batch {
-                let b = self.alloc(*len)?;
-                let src = unsafe { std::slice::from_raw_parts((base + at) as *const u8, *len) };
-                self.timed("copy host->device", || {
-                    unsafe { dres::memcpy_htod_async(b.ptr, src, self.stream.cu_stream()) }
-                        .map_err(|e| cuda_err("copy to device", e))
-                })?;
                 ckpt.note_read(*len);
                 self.counters.bytes_uploaded += *len as u64;
-                self.preloaded.insert((path.clone(), *off), b);
+                let piece = Buf {
+                    _s: arena._s.clone(),
+                    ptr: arena.ptr + at as u64,
+                    bytes: *len,
+                };
+                self.preloaded.insert((path.clone(), *off), piece);
                 at += len;
             }
             self.pinned[ci % 2]
@@ -1634,6 +1799,7 @@ impl Gpu {
     /// pinned memory (overlapping the previous chunk's DMA), in-memory shards by copy.
     fn upload_span(&mut self, ckpt: &Checkpoint, sp: &crate::checkpoint::Span) -> Result<Buf> {
         use crate::checkpoint::Span;
+        let _s = crate::profile::span("host: upload_span (not preloaded)");
         let (path, offset, len) = match sp {
             Span::Mem(b) => {
                 ckpt.note_read(b.len());
@@ -1676,7 +1842,7 @@ impl Gpu {
                         ),
                     )
                 })?;
-            self.timed("copy host->device", || {
+            self.timed("copy host->device (weights)", || {
                 unsafe {
                     dres::memcpy_htod_async(b.ptr + done as u64, &dst[..], self.stream.cu_stream())
                 }
@@ -2087,9 +2253,9 @@ impl Gpu {
         lc: &LinearCtx,
         kind: PathKind,
         base: &str,
-        x: &[f32],
+        x: &Data,
         m: usize,
-    ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
+    ) -> Result<(Data, usize, Option<LinearObs>)> {
         self.linear_rows(lc, kind, base, x, m, None)
     }
 
@@ -2100,10 +2266,10 @@ impl Gpu {
         lc: &LinearCtx,
         kind: PathKind,
         base: &str,
-        x: &[f32],
+        x: &Data,
         m: usize,
         rows: Option<(usize, usize)>,
-    ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
+    ) -> Result<(Data, usize, Option<LinearObs>)> {
         self.ensure_weight(lc, base)?;
         let (n_all, k) = {
             let w = &self.weights[base];
@@ -2130,11 +2296,12 @@ impl Gpu {
                 ),
             ));
         }
-        let xb = self.upload(x)?;
+        let xb = self.input(x)?;
         let yb = self.alloc(m * n * 4)?;
         let hb = self.alloc(H_SLOTS * 8)?;
         self.memset(hb.ptr, 0, H_SLOTS * 8)?;
-        let exact = crate::numerics::bf16::all_exact(x);
+        // only the BF16 and served paths choose their operand by it
+        let exact = kind != PathKind::OracleFp32 && self.bf16_exact(x)?;
         let p = self.linear_dev(
             lc,
             kind,
@@ -2147,7 +2314,7 @@ impl Gpu {
             n,
             Some(hb.ptr),
         )?;
-        let y: Vec<f32> = self.download(yb.ptr, m * n)?;
+        let y = self.output(yb, m * n, false);
         let obs = if kind == PathKind::Served && p.is_some() {
             let h: Vec<u64> = self.download(hb.ptr, H_SLOTS)?;
             Some(Self::observation(p, &h, lc.profile))
@@ -2166,10 +2333,10 @@ impl Gpu {
         lc: &LinearCtx,
         kind: PathKind,
         base: &str,
-        x: &[f32],
+        x: &Data,
         rows: usize,
         groups: usize,
-    ) -> Result<(Vec<f32>, usize, Option<LinearObs>)> {
+    ) -> Result<(Data, usize, Option<LinearObs>)> {
         self.ensure_weight(lc, base)?;
         let (n, k) = {
             let w = &self.weights[base];
@@ -2183,13 +2350,13 @@ impl Gpu {
             ));
         }
         let r = n / groups;
-        let xb = self.upload(x)?;
+        let xb = self.input(x)?;
         // all groups' rows at once, group-major: block g holds x[t, g, :] for every token t
         let xg = self.alloc(groups * rows * k * 4)?;
         let yb = self.alloc(rows * n * 4)?;
         let hb = self.alloc(H_SLOTS * 8)?;
         self.memset(hb.ptr, 0, H_SLOTS * 8)?;
-        let exact = crate::numerics::bf16::all_exact(x);
+        let exact = kind != PathKind::OracleFp32 && self.bf16_exact(x)?;
         let idx: Vec<i32> = (0..groups)
             .flat_map(|g| (0..rows).map(move |t| (t * groups + g) as i32))
             .collect();
@@ -2217,7 +2384,7 @@ impl Gpu {
             n,
             Some(hb.ptr),
         )?;
-        let y: Vec<f32> = self.download(yb.ptr, rows * n)?;
+        let y = self.output(yb, rows * n, false);
         let obs = if kind == PathKind::Served {
             let h: Vec<u64> = self.download(hb.ptr, H_SLOTS)?;
             Some(Self::observation(p, &h, lc.profile))
@@ -2557,7 +2724,7 @@ impl Gpu {
         }
         starts.push(order.len());
         let total = order.len();
-        let xb = self.upload(&x.data)?;
+        let xb = self.input(&x.data)?;
         let ob = self.upload(&order)?;
         let xs = self.alloc(total * d * 4)?;
         self.launch(
@@ -2708,7 +2875,7 @@ impl Gpu {
                 A::P(out.ptr),
             ],
         )?;
-        let y: Vec<f32> = self.download(out.ptr, t * d)?;
+        let y = self.output(out, t * d, false);
         let mut obs = Vec::new();
         let h: Vec<u64> = self.download(hb.ptr, used.len() * 3 * H_SLOTS)?;
         let w2_amax: Vec<(usize, f32)> = used
@@ -2833,7 +3000,7 @@ impl Gpu {
     /// comparison; pairs with `None` give statistics only. One synchronization for all pairs.
     pub fn metrics(
         &mut self,
-        tensors: &[&[f32]],
+        tensors: &[&Data],
         pairs: &[(usize, Option<usize>)],
     ) -> Result<Vec<(Stats, Option<Compare>)>> {
         for &(i, j) in pairs {
@@ -2847,9 +3014,9 @@ impl Gpu {
                 }
             }
         }
-        let bufs: Vec<Buf> = tensors
+        let bufs: Vec<DevRef> = tensors
             .iter()
-            .map(|t| self.upload(t))
+            .map(|t| self.input(t))
             .collect::<Result<_>>()?;
         let items: Vec<(u64, Option<u64>, usize)> = pairs
             .iter()
@@ -2861,7 +3028,19 @@ impl Gpu {
             .zip(&raw)
             .map(|(&(i, j), (a, c))| {
                 Self::stats_of(tensors[i].len(), a, c, j.is_some(), |idx| {
-                    Some((*tensors[i].get(idx)?, *tensors[j?].get(idx)?))
+                    // the largest error's two values, read where they are
+                    let at = |k: usize| -> Option<f32> {
+                        if tensors[k].on_host() {
+                            tensors[k].get(idx).copied()
+                        } else if idx < tensors[k].len() {
+                            let v: Vec<f32> =
+                                self.download(bufs[k].ptr + (idx * 4) as u64, 1).ok()?;
+                            v.first().copied()
+                        } else {
+                            None
+                        }
+                    };
+                    Some((at(i)?, at(j?)?))
                 })
             })
             .collect())

@@ -11,6 +11,7 @@ use cudarc::driver::LaunchConfig;
 use super::cuda::{Gpu, A};
 use crate::model::kern::{AttnDims, HcParams, Scoring};
 use crate::model::ops::RopeTable;
+use crate::tensor::Data;
 use crate::{Error, Result};
 
 /// The device a path's host ops run on, and whether its `store` rounds to BF16.
@@ -137,16 +138,18 @@ impl Gpu {
     /// RMSNorm of each row of x [rows, cols] with weight `w` (or none), then the path's rounding.
     pub fn rmsnorm(
         &mut self,
-        x: &[f32],
+        x: &Data,
         cols: usize,
         w: Option<&[f32]>,
         eps: f32,
         round: bool,
-    ) -> Result<Vec<f32>> {
-        let rows = x.len() / cols.max(1);
-        let xb = self.upload(x)?;
+    ) -> Result<Data> {
+        let n = x.len();
+        let rows = n / cols.max(1);
+        let xb = self.input(x)?;
         let rb = self.out(rows * 4)?;
         let wb = w.map(|w| self.upload(w)).transpose()?;
+        let ob = self.out(n * 4)?;
         self.row_rms_dev(xb.ptr, rows, cols, eps, rb.ptr)?;
         self.rms_apply_dev(
             xb.ptr,
@@ -155,9 +158,9 @@ impl Gpu {
             rb.ptr,
             wb.as_ref().map_or(0, |b| b.ptr),
             round,
-            xb.ptr,
+            ob.ptr,
         )?;
-        self.download(xb.ptr, x.len())
+        Ok(self.output(ob, n, round))
     }
 
     /// The q path's per-head RMSNorm without weight, RoPE on dims [nope, dh) of each head at
@@ -165,55 +168,57 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn q_rope(
         &mut self,
-        q: &[f32],
+        q: &Data,
         h: usize,
         dh: usize,
         nope: usize,
         tab: &RopeTable,
         eps: f32,
         round: bool,
-    ) -> Result<Vec<f32>> {
-        let rows = q.len() / (h * dh).max(1);
-        let xb = self.upload(q)?;
+    ) -> Result<Data> {
+        let n = q.len();
+        let rows = n / (h * dh).max(1);
+        let xb = self.input_copy(q)?;
         let rb = self.out(rows * h * 4)?;
         self.row_rms_dev(xb.ptr, rows * h, dh, eps, rb.ptr)?;
         self.rms_apply_dev(xb.ptr, rows * h, dh, rb.ptr, 0, false, xb.ptr)?;
         self.rope_dev(xb.ptr, rows, h, dh, nope, tab, false)?;
-        self.round_in_place(xb.ptr, q.len(), round)?;
-        self.download(xb.ptr, q.len())
+        self.round_in_place(xb.ptr, n, round)?;
+        Ok(self.output(xb, n, round))
     }
 
     /// RoPE of dims [off, off + 2·half) of each head, then the path's rounding.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &mut self,
-        x: &[f32],
+        x: &Data,
         nh: usize,
         dh: usize,
         off: usize,
         tab: &RopeTable,
         inverse: bool,
         round: bool,
-    ) -> Result<Vec<f32>> {
-        let rows = x.len() / (nh * dh).max(1);
-        let xb = self.upload(x)?;
+    ) -> Result<Data> {
+        let n = x.len();
+        let rows = n / (nh * dh).max(1);
+        let xb = self.input_copy(x)?;
         self.rope_dev(xb.ptr, rows, nh, dh, off, tab, inverse)?;
-        self.round_in_place(xb.ptr, x.len(), round)?;
-        self.download(xb.ptr, x.len())
+        self.round_in_place(xb.ptr, n, round)?;
+        Ok(self.output(xb, n, round))
     }
 
     /// (x [t, w] · fᵀ [rows_out, w]) scaled per token by ρ (f64-accumulated GEMM, as
     /// `kern::hc_scale_rows` after `served::matmul_nt`), left on the device with x.
     fn hc_mix_dev(
         &mut self,
-        x: &[f32],
+        x: &Data,
         t: usize,
         f: &[f32],
         rows_out: usize,
         eps: f32,
-    ) -> Result<(super::cuda::Buf, super::cuda::Buf)> {
+    ) -> Result<(super::cuda::DevRef, super::cuda::Buf)> {
         let w = x.len() / t.max(1);
-        let xb = self.upload(x)?;
+        let xb = self.input(x)?;
         let fb = self.upload(f)?;
         let mb = self.out(t * rows_out * 4)?;
         self.gemm(
@@ -239,14 +244,14 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn hc_pre(
         &mut self,
-        x: &[f32],
+        x: &Data,
         t: usize,
         d: usize,
         f: &[f32],
         p: &HcParams,
         rms_eps: f32,
         round: bool,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    ) -> Result<(Data, Data, Data)> {
         let hc = p.hc;
         if hc > 8 {
             return Err(Error::Backend(format!(
@@ -280,9 +285,9 @@ impl Gpu {
         let yb = self.out(t * d * 4)?;
         self.hc_wsum_dev(xb.ptr, pre.ptr, t, hc, d, round, yb.ptr)?;
         Ok((
-            self.download(yb.ptr, t * d)?,
-            self.download(post.ptr, t * hc)?,
-            self.download(comb.ptr, t * hc * hc)?,
+            self.output(yb, t * d, round),
+            self.output(post, t * hc, false),
+            self.output(comb, t * hc * hc, false),
         ))
     }
 
@@ -317,7 +322,7 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn hc_head(
         &mut self,
-        x: &[f32],
+        x: &Data,
         t: usize,
         d: usize,
         hc: usize,
@@ -325,33 +330,33 @@ impl Gpu {
         rms_eps: f32,
         coef: impl Fn(&[f32]) -> Vec<f32>,
         round: bool,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Data> {
         let (xb, mb) = self.hc_mix_dev(x, t, f, hc, rms_eps)?;
         let m: Vec<f32> = self.download(mb.ptr, t * hc)?;
         let cb = self.upload(&coef(&m))?;
         let yb = self.out(t * d * 4)?;
         self.hc_wsum_dev(xb.ptr, cb.ptr, t, hc, d, round, yb.ptr)?;
-        self.download(yb.ptr, t * d)
+        Ok(self.output(yb, t * d, round))
     }
 
     /// mHC post: out [t, hc, d] = post · y + combᵀ · x, rounded by the path.
     #[allow(clippy::too_many_arguments)]
     pub fn hc_post(
         &mut self,
-        y: &[f32],
-        x: &[f32],
-        post: &[f32],
-        comb: &[f32],
+        y: &Data,
+        x: &Data,
+        post: &Data,
+        comb: &Data,
         t: usize,
         hc: usize,
         d: usize,
         round: bool,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Data> {
         let (yb, xb, pb, cb) = (
-            self.upload(y)?,
-            self.upload(x)?,
-            self.upload(post)?,
-            self.upload(comb)?,
+            self.input(y)?,
+            self.input(x)?,
+            self.input(post)?,
+            self.input(comb)?,
         );
         let ob = self.out(t * hc * d * 4)?;
         self.launch(
@@ -369,29 +374,29 @@ impl Gpu {
                 A::P(ob.ptr),
             ],
         )?;
-        self.download(ob.ptr, t * hc * d)
+        Ok(self.output(ob, t * hc * d, round))
     }
 
     /// The attention core (`kern::attention_core`), None when its scores do not fit the kernel's
     /// shared memory (the caller computes it on the host).
     pub fn attention_core(
         &mut self,
-        q: &[f32],
-        kv: &[f32],
-        cmp: &[f32],
+        q: &Data,
+        kv: &Data,
+        cmp: &Data,
         allowed: &[u8],
         sink: &[f32],
         a: AttnDims,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<Data>> {
         let smem = 32 * 8 + (a.win + a.n_c) * 8;
         if smem > SMEM_DEFAULT {
             return Ok(None);
         }
         let n = a.t * a.h;
         let (qb, kb, cb, ab, sb) = (
-            self.upload(q)?,
-            self.upload(kv)?,
-            self.upload(cmp)?,
+            self.input(q)?,
+            self.input(kv)?,
+            self.input(cmp)?,
             self.upload(allowed)?,
             self.upload(sink)?,
         );
@@ -421,7 +426,7 @@ impl Gpu {
                 ],
             )?;
         }
-        Ok(Some(self.download(ob.ptr, n * a.dh)?))
+        Ok(Some(self.output(ob, n * a.dh, false)))
     }
 
     /// The whole attention op after its inputs: core, rounding, inverse RoPE on each head's dims
@@ -429,24 +434,25 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &mut self,
-        q: &[f32],
-        kv: &[f32],
-        cmp: &[f32],
+        q: &Data,
+        kv: &Data,
+        cmp: &Data,
         allowed: &[u8],
         sink: &[f32],
         a: AttnDims,
         nope: usize,
         tab: &RopeTable,
         round: bool,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<Data>> {
         let Some(o) = self.attention_core(q, kv, cmp, allowed, sink, a)? else {
             return Ok(None);
         };
-        let ob = self.upload(&o)?;
-        self.round_in_place(ob.ptr, o.len(), round)?;
+        let n = o.len();
+        let ob = self.input_copy(&o)?;
+        self.round_in_place(ob.ptr, n, round)?;
         self.rope_dev(ob.ptr, a.t, a.h, a.dh, nope, tab, true)?;
-        self.round_in_place(ob.ptr, o.len(), round)?;
-        Ok(Some(self.download(ob.ptr, o.len())?))
+        self.round_in_place(ob.ptr, n, round)?;
+        Ok(Some(self.output(ob, n, round)))
     }
 
     /// `kern::compress_pool` alone (no rounding).
@@ -497,8 +503,8 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn compress_tail(
         &mut self,
-        a: &[f32],
-        g: &[f32],
+        a: &Data,
+        g: &Data,
         ape: &[f32],
         norm: &[f32],
         n_c: usize,
@@ -507,10 +513,10 @@ impl Gpu {
         eps: f32,
         tab: &RopeTable,
         round: bool,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Data> {
         let (ab, gb, pb, nb) = (
-            self.upload(a)?,
-            self.upload(g)?,
+            self.input(a)?,
+            self.input(g)?,
             self.upload(ape)?,
             self.upload(norm)?,
         );
@@ -523,7 +529,7 @@ impl Gpu {
         self.rms_apply_dev(ob.ptr, n_c, dc, rb.ptr, nb.ptr, round, ob.ptr)?;
         self.rope_dev(ob.ptr, n_c, 1, dc, dc - 2 * tab.half, tab, false)?;
         self.round_in_place(ob.ptr, n, round)?;
-        self.download(ob.ptr, n)
+        Ok(self.output(ob, n, round))
     }
 
     /// `kern::indexer_scores`: [t, n_c].
@@ -561,7 +567,7 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn route(
         &mut self,
-        logits: &[f32],
+        logits: &Data,
         bias: &[f32],
         t: usize,
         e: usize,
@@ -570,7 +576,7 @@ impl Gpu {
         norm: bool,
         rs: f32,
     ) -> Result<(Vec<f32>, Vec<usize>)> {
-        let (lb, bb) = (self.upload(logits)?, self.upload(bias)?);
+        let (lb, bb) = (self.input(logits)?, self.upload(bias)?);
         let wb = self.out(t * k * 4)?;
         let ib = self.out(t * k * 4)?;
         self.launch(
@@ -594,5 +600,77 @@ impl Gpu {
             self.download(wb.ptr, t * k)?,
             idx.iter().map(|&v| v as usize).collect(),
         ))
+    }
+
+    /// a + b ([`Data`] of equal length), then the path's rounding.
+    pub fn add(&mut self, a: &Data, b: &Data, round: bool) -> Result<Data> {
+        let n = a.len();
+        if b.len() != n {
+            return Err(Error::Backend(format!(
+                "cuda: add of {n} and {} elements",
+                b.len()
+            )));
+        }
+        let (ab, bb) = (self.input(a)?, self.input(b)?);
+        let ob = self.out(n * 4)?;
+        self.launch(
+            "add_f32",
+            n as u64,
+            &[A::P(ab.ptr), A::P(bb.ptr), A::U(n as u64), A::P(ob.ptr)],
+        )?;
+        self.round_in_place(ob.ptr, n, round)?;
+        Ok(self.output(ob, n, round))
+    }
+
+    /// Each row of x [t, d] repeated `hc` times: [t, hc, d] (the hc_mult expansion).
+    pub fn repeat_rows(&mut self, x: &Data, d: usize, hc: usize) -> Result<Data> {
+        let t = x.len() / d.max(1);
+        let idx: Vec<i32> = (0..t * hc).map(|r| (r / hc.max(1)) as i32).collect();
+        let xb = self.input(x)?;
+        let ib = self.upload(&idx)?;
+        let ob = self.out(t * hc * d * 4)?;
+        self.launch(
+            "gather_rows",
+            (t * hc * d) as u64,
+            &[
+                A::P(xb.ptr),
+                A::P(ib.ptr),
+                A::U((t * hc) as u64),
+                A::U(d as u64),
+                A::P(ob.ptr),
+            ],
+        )?;
+        let out = self.output(ob, t * hc * d, false);
+        if let Some(e) = x.known_bf16_exact() {
+            out.set_bf16_exact(e);
+        }
+        Ok(out)
+    }
+
+    /// SwiGLU with the clamp on stored gate and up projections (`exec::swiglu_hidden`'s last
+    /// step): a = silu(min(g, L)) · clamp(u, ±L), then the path's rounding.
+    pub fn swiglu(&mut self, g: &Data, u: &Data, limit: f32, round: bool) -> Result<Data> {
+        let n = g.len();
+        if u.len() != n {
+            return Err(Error::Backend(format!(
+                "cuda: swiglu of {n} and {} elements",
+                u.len()
+            )));
+        }
+        let (gb, ub) = (self.input(g)?, self.input(u)?);
+        let ob = self.out(n * 4)?;
+        self.launch(
+            "swiglu_clamp",
+            n as u64,
+            &[
+                A::P(gb.ptr),
+                A::P(ub.ptr),
+                A::U(n as u64),
+                A::F(limit),
+                A::I(round as i32),
+                A::P(ob.ptr),
+            ],
+        )?;
+        Ok(self.output(ob, n, round))
     }
 }

@@ -711,7 +711,7 @@ impl Checkpoint {
                 let kind = m.fp8_scale_kind.unwrap_or(Fp8ScaleKind::F32);
                 let scales = match kind {
                     Fp8ScaleKind::Ue8m0 => scale_raw.iter().map(|&b| ue8m0::decode(b)).collect(),
-                    Fp8ScaleKind::F32 => self.tensor_f32(&sc)?.data,
+                    Fp8ScaleKind::F32 => self.tensor_f32(&sc)?.data.into_vec(),
                 };
                 RawFormat::Fp8Block {
                     bytes: self.canonical_bytes(&wc)?,

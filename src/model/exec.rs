@@ -177,6 +177,10 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tens
             let e = inputs[0];
             let t = e.numel() / d.max(1);
             check_shape(op, "embedding", e, &[t, d])?;
+            if let Some(dev) = env.device() {
+                let y = dev.with(|g| g.repeat_rows(&e.data, d, hc))?;
+                return Ok(vec![Tensor::new(vec![t, hc, d], y)]);
+            }
             let mut data = Vec::with_capacity(t * hc * d);
             for row in e.data.chunks(d) {
                 for _ in 0..hc {
@@ -306,9 +310,17 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tens
                     format!("shapes {:?} and {:?} differ", a.shape, b.shape),
                 ));
             }
+            if let Some(dev) = env.device() {
+                let y = dev.with(|g| g.add(&a.data, &b.data, dev.round))?;
+                return Ok(vec![Tensor::new(a.shape.clone(), y)]);
+            }
             let mut y = Tensor::new(
                 a.shape.clone(),
-                a.data.iter().zip(&b.data).map(|(x, y)| x + y).collect(),
+                a.data
+                    .iter()
+                    .zip(&b.data)
+                    .map(|(x, y)| x + y)
+                    .collect::<Vec<f32>>(),
             );
             env.store(&mut y);
             vec![y]
@@ -382,7 +394,7 @@ fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
             let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
             let mut y = Tensor::new(vec![t, d], kern::hc_weighted_sum(&x.data, &pre, t, hc, d));
             env.store(&mut y);
-            (y.data, post, comb)
+            (y.data, post.into(), comb.into())
         }
     };
     Ok(vec![
@@ -497,7 +509,11 @@ pub(crate) fn compress(
     }
     let w = if ratio == 4 { 2 * dc } else { dc };
     let n = n_c * ratio;
-    let xs = Tensor::new(vec![n, x.cols()], x.data[..n * x.cols()].to_vec());
+    let xs = if n == t {
+        x.clone() // shares device values, if any
+    } else {
+        Tensor::new(vec![n, x.cols()], x.data[..n * x.cols()].to_vec())
+    };
     let a = linear_checked(env, &format!("{sub_prefix}.wkv"), &xs, names[0], w)?;
     let g = linear_checked(env, &format!("{sub_prefix}.wgate"), &xs, names[1], w)?;
     let ape = param_n(env, names[2], ratio * w)?;
@@ -596,7 +612,10 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     };
     Ok(vec![
         Tensor::new(vec![t, k], wts),
-        Tensor::new(vec![t, k], idx.iter().map(|&i| i as f32).collect()),
+        Tensor::new(
+            vec![t, k],
+            idx.iter().map(|&i| i as f32).collect::<Vec<f32>>(),
+        ),
     ])
 }
 
@@ -622,6 +641,10 @@ fn swiglu_hidden(
     }
     env.store(&mut gt);
     env.store(&mut up);
+    if let Some(dev) = env.device() {
+        let y = dev.with(|g| g.swiglu(&gt.data, &up.data, limit, dev.round))?;
+        return Ok(Tensor::new(gt.shape.clone(), y));
+    }
     let mut a = gt;
     for (g, u) in a.data.iter_mut().zip(&up.data) {
         let (mut g2, mut u2) = (*g, *u);

@@ -13,6 +13,7 @@ use crate::model::ModelConfig;
 use crate::numerics::nvfp4::QuantHealth;
 use crate::probe::faults::Fault;
 use crate::probe::served::{self, LinearObs, Override, Profile, ServedWeight};
+use crate::tensor::Data;
 use crate::{Result, Tensor};
 
 /// Which forward a path computes.
@@ -132,7 +133,7 @@ impl<'a> Shared<'a> {
     fn load(&mut self, base: &str) -> Result<&mut Cached> {
         if !self.cache.contains_key(base) {
             let qw = self.ckpt.weight(base)?;
-            let f32 = Arc::new(qw.dequantize()?.data);
+            let f32 = Arc::new(qw.dequantize()?.data.into_vec());
             // f32 dequant + BF16 or served copy + the stored bytes, roughly
             let size = f32.len() * 4 * 3;
             if self.cache_bytes + size > self.cache_budget && !self.cache.is_empty() {
@@ -223,7 +224,7 @@ pub struct PathEnv<'s, 'a> {
 }
 
 impl PathEnv<'_, '_> {
-    fn gemm(&mut self, sub_id: &str, x: &[f32], m: usize, base: &str) -> Result<(Vec<f32>, usize)> {
+    fn gemm(&mut self, sub_id: &str, x: &Data, m: usize, base: &str) -> Result<(Data, usize)> {
         if let Some(g) = self.shared.backend.gpu().cloned() {
             let mut g = lock(&g)?;
             let (y, n, obs) = g.linear(&self.shared.linear_ctx(), self.kind, base, x, m)?;
@@ -253,7 +254,7 @@ impl PathEnv<'_, '_> {
                 y
             }
         };
-        Ok((y, n))
+        Ok((y.into(), n))
     }
 }
 
@@ -328,9 +329,21 @@ impl OpEnv for PathEnv<'_, '_> {
         Ok(Tensor::new(vec![rows, groups, r], out))
     }
     fn store(&self, t: &mut Tensor) {
-        if self.kind != PathKind::OracleFp32 {
-            t.round_bf16();
+        if self.kind == PathKind::OracleFp32 || t.data.known_bf16_exact() == Some(true) {
+            return;
         }
+        // values only on the device are rounded there (no trip through the host)
+        if !t.data.on_host() {
+            if let Some(g) = self.shared.backend.gpu() {
+                if let Ok(g) = g.lock() {
+                    if g.round_data(&mut t.data).is_ok() {
+                        return;
+                    }
+                }
+            }
+        }
+        let _s = crate::profile::span("host: store round_bf16");
+        t.round_bf16();
     }
     fn experts_fused(
         &mut self,

@@ -306,6 +306,11 @@ pub fn run_capturing(
                         kind: *kind,
                         shared: &mut shared,
                     };
+                    let _s = crate::profile::span(match kind {
+                        PathKind::OracleFp32 => "exec: oracle_fp32",
+                        PathKind::OracleBf16 => "exec: oracle_bf16",
+                        PathKind::Served => "exec: served",
+                    });
                     outs.push(exec(op, &inputs, &mut env)?);
                 }
                 shared.record_observations = false;
@@ -323,6 +328,7 @@ pub fn run_capturing(
                             kind: PathKind::Served,
                             shared: &mut shared,
                         };
+                        let _s = crate::profile::span("exec: served isolated");
                         exec(op, &inputs, &mut env)?
                     } else {
                         outs[1].clone()
@@ -335,6 +341,7 @@ pub fn run_capturing(
                             kind: PathKind::OracleFp32,
                             shared: &mut shared,
                         };
+                        let _s = crate::profile::span("exec: fp32 on bf16 inputs");
                         exec(op, &inputs, &mut env)?
                     };
                     let t_m = Instant::now();
@@ -364,6 +371,7 @@ pub fn run_capturing(
                         }
                     }
                 }
+                let _s = crate::profile::span("runner: clear + bookkeeping");
                 shared.clear();
                 for (pi, out) in outs.into_iter().enumerate() {
                     if out.len() != op.outputs.len() {
@@ -381,6 +389,10 @@ pub fn run_capturing(
                 // drop tensors nothing later consumes
                 for m in maps.iter_mut() {
                     m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
+                }
+                // a device → host read that failed inside `Data` (values read as NaN) ends the run
+                if let Some(e) = crate::tensor::take_device_error() {
+                    return Err(Error::Backend(format!("op {}: {e}", op.id)));
                 }
                 pb.inc(1);
                 *prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
@@ -402,6 +414,7 @@ pub fn run_capturing(
             "profile (s, ops include their metrics): {}",
             line.join(", ")
         );
+        eprintln!("profile host spans (s, count): {}", crate::profile::spans());
         if let Some(g) = opts.backend.gpu() {
             if let Ok(g) = g.lock() {
                 eprintln!(
@@ -791,7 +804,7 @@ fn measure(
     is: &Tensor,
     fp_on_bf: &Tensor,
 ) -> Result<Measured> {
-    let t: [&[f32]; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
+    let td: [&crate::tensor::Data; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
     // (x, reference): statistics of x and, with a reference, the comparison
     const PAIRS: [(usize, Option<usize>); 7] = [
         (0, None),
@@ -802,19 +815,25 @@ fn measure(
         (3, Some(0)),
         (2, Some(0)),
     ];
-    let same = t.iter().all(|x| x.len() == t[0].len());
+    let same = td.iter().all(|x| x.len() == td[0].len());
     let r: Vec<(Stats, Option<Compare>)> = match backend.gpu() {
         Some(g) if same => {
             let mut g = g
                 .lock()
                 .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-            g.metrics(&t, &PAIRS)?
+            g.metrics(&td, &PAIRS)?
         }
-        _ if same => crate::metrics::stats_and_compares(&t, &PAIRS),
-        _ => PAIRS
-            .iter()
-            .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
-            .collect(),
+        _ => {
+            let t: [&[f32]; 5] = td.map(|d| &d[..]);
+            if same {
+                crate::metrics::stats_and_compares(&t, &PAIRS)
+            } else {
+                PAIRS
+                    .iter()
+                    .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
+                    .collect()
+            }
+        }
     };
     let c = |i: usize| r[i].1.clone().unwrap_or_default();
     Ok(Measured {

@@ -886,7 +886,8 @@ impl OpEnv for DevEnv<'_, '_> {
             overrides,
         };
         let out = served::grouped(&x.data, rows, groups, k, r, |g, xg| {
-            let (y, _, o) = lock(gpu)?.linear_rows(&lc, kind, base, xg, rows, Some((g * r, r)))?;
+            let xd = crate::tensor::Data::from(xg.to_vec());
+            let (y, _, o) = lock(gpu)?.linear_rows(&lc, kind, base, &xd, rows, Some((g * r, r)))?;
             note_amax(act_amax, base, amax(xg));
             if kind == PathKind::Served {
                 obs.push((
@@ -895,7 +896,7 @@ impl OpEnv for DevEnv<'_, '_> {
                     o.unwrap_or_default(),
                 ));
             }
-            Ok(y)
+            Ok(y.into_vec())
         })?;
         Ok(Tensor::new(vec![rows, groups, r], out))
     }

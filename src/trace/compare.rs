@@ -229,10 +229,10 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
             }
             let r = f.shape.first().copied().unwrap_or(1);
             (
-                a.data.clone(),
-                f.data.clone(),
-                b.data.clone(),
-                s.data.clone(),
+                a.data.to_vec(),
+                f.data.to_vec(),
+                b.data.to_vec(),
+                s.data.to_vec(),
                 (0..r).collect(),
             )
         };

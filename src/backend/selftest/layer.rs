@@ -8,6 +8,7 @@ use crate::model::kern::{self, AttnDims, HcParams, Scoring};
 use crate::model::mem_env::Rng;
 use crate::model::ops::{rmsnorm_rows, rope_freqs, RopeTable};
 use crate::numerics::bf16;
+use crate::tensor::Data;
 use crate::Result;
 
 fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
@@ -31,6 +32,11 @@ fn rounded(mut v: Vec<f32>, round: bool) -> Vec<f32> {
     v
 }
 
+/// Host values as tensor data (the device ops upload them on first use).
+fn dv(v: &[f32]) -> Data {
+    Data::from(v.to_vec())
+}
+
 fn tag(name: &str, round: bool) -> String {
     format!("{name}{}", if round { " (bf16 store)" } else { "" })
 }
@@ -44,7 +50,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let w = normals(rng, cols, 1.0);
         let mut want = x.clone();
         rmsnorm_rows(&mut want, cols, Some(&w), eps);
-        let got = g.rmsnorm(&x, cols, Some(&w), eps, round)?;
+        let got = g.rmsnorm(&dv(&x), cols, Some(&w), eps, round)?;
         out.push(exact(&tag("rmsnorm", round), &got, &rounded(want, round)));
 
         // ---- q path: per-head RMSNorm + RoPE ----
@@ -58,7 +64,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 tab.apply(&mut head[nope..], p, false);
             }
         }
-        let got = g.q_rope(&q, h, dh, nope, &tab, eps, round)?;
+        let got = g.q_rope(&dv(&q), h, dh, nope, &tab, eps, round)?;
         out.push(exact(
             &tag("q norm + rope", round),
             &got,
@@ -72,7 +78,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 tab.apply(&mut head[nope..], p, true);
             }
         }
-        let got = g.rope(&q, h, dh, nope, &tab, true, round)?;
+        let got = g.rope(&dv(&q), h, dh, nope, &tab, true, round)?;
         out.push(exact(
             &tag("rope inverse", round),
             &got,
@@ -97,7 +103,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         kern::hc_scale_rows(&mut m, &x, t, mix, eps);
         let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
         let want_y = rounded(kern::hc_weighted_sum(&x, &pre, t, hc, d), round);
-        let (gy, gpost, gcomb) = g.hc_pre(&x, t, d, &f, &p, eps, round)?;
+        let (gy, gpost, gcomb) = g.hc_pre(&dv(&x), t, d, &f, &p, eps, round)?;
         out.push(exact(&tag("mhc pre: y", round), &gy, &want_y));
         out.push(exact(&tag("mhc pre: post", round), &gpost, &post));
         out.push(exact(&tag("mhc pre: sinkhorn comb", round), &gcomb, &comb));
@@ -112,12 +118,12 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let mut mh = crate::probe::served::matmul_nt(&x, &fh, t, hc * d, hc);
         kern::hc_scale_rows(&mut mh, &x, t, hc, eps);
         let want = rounded(kern::hc_weighted_sum(&x, &coef(&mh), t, hc, d), round);
-        let got = g.hc_head(&x, t, d, hc, &fh, eps, coef, round)?;
+        let got = g.hc_head(&dv(&x), t, d, hc, &fh, eps, coef, round)?;
         out.push(exact(&tag("mhc head", round), &got, &want));
 
         let y = normals(rng, t * d, 1.0);
         let want = rounded(kern::hc_post(&y, &x, &post, &comb, t, hc, d), round);
-        let got = g.hc_post(&y, &x, &post, &comb, t, hc, d, round)?;
+        let got = g.hc_post(&dv(&y), &dv(&x), &dv(&post), &dv(&comb), t, hc, d, round)?;
         out.push(exact(&tag("mhc post", round), &got, &want));
     }
 
@@ -150,7 +156,8 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         };
         let want = kern::attention_core(&q, &kv, &cmp, &allowed, &sink, a);
         let got = g
-            .attention_core(&q, &kv, &cmp, &allowed, &sink, a)?
+            .attention_core(&dv(&q), &dv(&kv), &dv(&cmp), &allowed, &sink, a)?
+            .map(Data::into_vec)
             .unwrap_or_default();
         let name = match (ratio, use_sel) {
             (0, _) => "attention core (window)",
@@ -187,7 +194,18 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             tab.apply(&mut row[dc - rd..], b, false);
         }
         let w = rounded(w, true);
-        let got = g.compress_tail(&a, &gt, &ape, &norm, n_c, dc, ratio, eps, &tab, true)?;
+        let got = g.compress_tail(
+            &dv(&a),
+            &dv(&gt),
+            &ape,
+            &norm,
+            n_c,
+            dc,
+            ratio,
+            eps,
+            &tab,
+            true,
+        )?;
         out.push(exact(
             &format!("compressor tail (ratio {ratio}, bf16 store)"),
             &got,
@@ -214,7 +232,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             let mut bias = normals(rng, e, 0.1);
             bias[3] = bias[7];
             let (ww, wi) = kern::route(&l, &bias, t, e, k, f, norm, 2.5);
-            let (gw, gi) = g.route(&l, &bias, t, e, k, f, norm, 2.5)?;
+            let (gw, gi) = g.route(&dv(&l), &bias, t, e, k, f, norm, 2.5)?;
             let name = format!("router top-k ({f:?}, norm {norm})");
             let mut c = exact(&name, &gw, &ww);
             c.mismatches += gi.iter().zip(&wi).filter(|(a, b)| a != b).count();
