@@ -266,6 +266,7 @@ impl OpEnv for PathEnv<'_, '_> {
         &self.shared.tokens
     }
     fn param(&mut self, canonical: &str) -> Result<Tensor> {
+        let _s = crate::profile::span("host: param read");
         self.shared.ckpt.tensor_f32(canonical)
     }
     fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
@@ -366,6 +367,7 @@ impl OpEnv for PathEnv<'_, '_> {
                 k,
                 bases,
                 limit,
+                self.kind == PathKind::Served,
             )?;
             drop(g);
             for b in touched {

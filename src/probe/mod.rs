@@ -475,7 +475,10 @@ pub(crate) fn op_record(
 ) -> Result<OpRecord> {
     let th = &opts.spec.thresholds;
     let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
-    let ms = measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?;
+    let ms = {
+        let _s = crate::profile::span("metrics: measure");
+        measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?
+    };
     let mut stats = BTreeMap::new();
     stats.insert("oracle_fp32".to_string(), ms.fp);
     stats.insert("oracle_bf16".to_string(), ms.bf);

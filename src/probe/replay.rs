@@ -941,7 +941,7 @@ impl OpEnv for DevEnv<'_, '_> {
                 faults: &self.r.faults,
                 overrides: &self.overrides,
             };
-            lock(&self.gpu)?.experts(&lc, kind, layer, x, per, k, bases, limit)
+            lock(&self.gpu)?.experts(&lc, kind, layer, x, per, k, bases, limit, true)
         })();
         let (y, obs, _, w2_amax) = match r {
             Ok(v) => v,
