@@ -33,8 +33,8 @@ if has selftest; then
   [ $rc -ge 2 ] && { echo "selftest could not run: skipping the rest"; exit 1; }
 fi
 if has experts; then
-  # MXFP4 experts: the per-expert path (default) and the grouped one (NVFP4_PROBE_EXPERTS=grouped-mx)
-  for v in modelopt-nvfp4: ct-nvfp4: mxfp4: mxfp4:grouped-mx; do
+  # MXFP4 experts: grouped (default) and per expert (NVFP4_PROBE_EXPERTS=loop-mx)
+  for v in modelopt-nvfp4: ct-nvfp4: mxfp4: mxfp4:loop-mx; do
     fmt=${v%%:*}; ex=${v#*:}; tag=$fmt${ex:+-$ex}
     [ -f /tmp/tiny_$fmt/config.json ] || $B synth --preset tiny --format $fmt --out /tmp/tiny_$fmt > /dev/null 2>&1 || echo "synth $fmt failed"
     ( env ${ex:+NVFP4_PROBE_EXPERTS=$ex} timeout 300 $B selftest --backend cuda --model /tmp/tiny_$fmt --json "$OUT/experts_tiny_$tag.json" ) > "$OUT/experts_tiny_$tag.txt" 2>&1

@@ -460,9 +460,9 @@ pub struct Gpu {
     /// `act_quant_nvfp4_seg`) instead of a launch sequence per expert. True unless
     /// `NVFP4_PROBE_EXPERTS=loop` was set when the backend opened.
     pub grouped_experts: bool,
-    /// Group MXFP4 experts too (`NVFP4_PROBE_EXPERTS=grouped-mx`). Off by default: the kernel's
-    /// MXFP4 decode passes the self-test, but no whole run of an MXFP4-expert checkpoint has
-    /// been compared across backends with it yet (`gpu_check.sh` stage `experts` does that).
+    /// Group MXFP4 experts too. True unless `NVFP4_PROBE_EXPERTS=loop-mx` (MXFP4 experts per
+    /// expert, NVFP4 grouped) or `loop`: whole MXFP4-expert runs of the tiny model matched the
+    /// CPU reference under every profile through the grouped kernel on the H200.
     pub grouped_mx: bool,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
@@ -583,11 +583,13 @@ impl Gpu {
                 .as_deref()
                 .map(str::trim)
                 != Some("loop"),
-            grouped_mx: std::env::var("NVFP4_PROBE_EXPERTS")
-                .ok()
-                .as_deref()
-                .map(str::trim)
-                == Some("grouped-mx"),
+            grouped_mx: !matches!(
+                std::env::var("NVFP4_PROBE_EXPERTS")
+                    .ok()
+                    .as_deref()
+                    .map(str::trim),
+                Some("loop" | "loop-mx")
+            ),
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
         })
@@ -873,7 +875,10 @@ impl Gpu {
         // reductions end in per-warp atomics: keep their grids small; element-wise kernels get
         // one thread per item (many short-lived blocks keep the most memory requests in flight)
         let cap = match name {
-            "fused_stats" | "rcp_sweep" | "count_inexact_bf16" => self.sm_count as u64 * 16,
+            // fused_stats ends in 16 atomics per warp on the same 16 words: two blocks per SM
+            // keep that contention small (at 16 per SM a 2M-element pair took 128 µs)
+            "fused_stats" => self.sm_count as u64 * 2,
+            "rcp_sweep" | "count_inexact_bf16" => self.sm_count as u64 * 16,
             "act_quant_nvfp4" => self.sm_count as u64 * 64,
             // v2 kernels: warp-strided loops over shared tables built once per CUDA block. The
             // cap keeps the table build well under 2 % of a block's work on multi-GB tensors,

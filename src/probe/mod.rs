@@ -287,6 +287,19 @@ pub fn run_capturing(
                 let t_op = Instant::now();
                 pb.set_message(op.id.clone());
                 let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
+                // an op made of linears: its weights in one parallel read and one copy per batch
+                // (routed experts load themselves once routed)
+                if matches!(
+                    op.kind,
+                    OpKind::Linear | OpKind::GroupedLinear | OpKind::SharedExpert
+                ) {
+                    if let Some(g) = opts.backend.gpu() {
+                        let bases: Vec<&str> = op.weights.iter().map(String::as_str).collect();
+                        g.lock()
+                            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
+                            .preload(ckpt, &bases)?;
+                    }
+                }
                 let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
                 for (pi, kind) in PathKind::ALL.iter().enumerate() {
                     let inputs: Vec<&Tensor> = op
