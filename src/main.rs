@@ -18,6 +18,12 @@ fn main() {
             nvfp4_probe::error::EXIT_UNUSABLE
         }
     };
+    if nvfp4_probe::profile::enabled() {
+        eprintln!(
+            "profile host spans, whole process (s, count): {}",
+            nvfp4_probe::profile::spans()
+        );
+    }
     nvfp4_probe::profile::mark("exit");
     std::process::exit(code);
 }

@@ -90,6 +90,9 @@ pub struct Checkpoint {
     raw_to_canon: HashMap<String, String>,
     naming: Naming,
     bytes_read: AtomicU64,
+    /// `weight_meta` results by base (the headers and scalars never change once opened): the
+    /// device runner asks for the same routed experts' metadata on every path and hypothesis.
+    meta_cache: std::sync::Mutex<HashMap<String, quant::WeightMeta>>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -359,6 +362,7 @@ impl Checkpoint {
             raw_to_canon,
             naming,
             bytes_read: AtomicU64::new(0),
+            meta_cache: Default::default(),
         })
     }
 

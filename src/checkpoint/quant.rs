@@ -437,6 +437,22 @@ impl Checkpoint {
 
     /// Scheme, shapes and scalar scales of a linear weight, reading no packed or dense bytes.
     pub fn weight_meta(&self, base: &str) -> Result<WeightMeta> {
+        if let Some(m) = self
+            .meta_cache
+            .lock()
+            .ok()
+            .and_then(|c| c.get(base).cloned())
+        {
+            return Ok(m);
+        }
+        let m = self.weight_meta_uncached(base)?;
+        if let Ok(mut c) = self.meta_cache.lock() {
+            c.insert(base.to_string(), m.clone());
+        }
+        Ok(m)
+    }
+
+    fn weight_meta_uncached(&self, base: &str) -> Result<WeightMeta> {
         let packed = self.cinfo(base, "weight_packed");
         let plain = self.cinfo(base, "weight");
         let (wc, wi) = match packed.clone().or(plain) {
