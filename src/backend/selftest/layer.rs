@@ -127,6 +127,96 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         out.push(exact(&tag("mhc post", round), &got, &want));
     }
 
+    // ---- residual sum, hc_mult expansion, SwiGLU with the clamp: chained on the device ----
+    for round in [false, true] {
+        let (t, d, hc) = (11 * s + 3, 384, 4);
+        let a = normals(rng, t * d, 1.0);
+        let mut b = normals(rng, t * d, 1e-3);
+        b[7] = f32::NAN;
+        b[8] = f32::INFINITY;
+        let want_sum = rounded(a.iter().zip(&b).map(|(x, y)| x + y).collect(), round);
+        let sum = g.add(&dv(&a), &dv(&b), round)?;
+        // the sum stays on the device and feeds the expansion (never read by the host first)
+        let mut want_rep = Vec::with_capacity(t * hc * d);
+        for row in want_sum.chunks(d) {
+            for _ in 0..hc {
+                want_rep.extend_from_slice(row);
+            }
+        }
+        let rep = g.repeat_rows(&sum, d, hc)?;
+        let untouched = !sum.on_host() && !rep.on_host();
+        out.push(exact(&tag("residual sum", round), &sum, &want_sum));
+        let mut c = exact(
+            &tag("hc_mult expansion of a device-only tensor", round),
+            &rep,
+            &want_rep,
+        );
+        if !untouched {
+            c.mismatches += 1;
+            c.note = "an output was fetched to the host before it was read".into();
+        }
+        out.push(c);
+
+        let limit = if round { 7.0 } else { 0.0 };
+        let mut gt = normals(rng, t * d, 4.0);
+        let up = normals(rng, t * d, 4.0);
+        gt[3] = f32::NAN;
+        let want: Vec<f32> = gt
+            .iter()
+            .zip(&up)
+            .map(|(&x, &u)| {
+                let (mut x2, mut u2) = (x, u);
+                if limit > 0.0 {
+                    x2 = x2.min(limit);
+                    u2 = u2.clamp(-limit, limit);
+                }
+                crate::model::ops::silu(x2) * u2
+            })
+            .collect();
+        let got = g.swiglu(&dv(&gt), &dv(&up), limit, round)?;
+        out.push(exact(
+            &format!(
+                "swiglu{}",
+                if limit > 0.0 {
+                    " clamp 7 (bf16 store)"
+                } else {
+                    ""
+                }
+            ),
+            &got,
+            &rounded(want, round),
+        ));
+    }
+
+    // ---- BF16 storage rounding and the BF16-exactness count on device-only values ----
+    {
+        let n = 5000 * s + 17;
+        let x = normals(rng, n, 3.0);
+        // device-only copies (never on the host until read back below)
+        let dev_only = |g: &mut Gpu, v: &[f32]| -> Result<Data> {
+            let b = g.input_copy(&dv(v))?;
+            Ok(g.output(b, v.len(), false))
+        };
+        let mut xd = dev_only(g, &x)?;
+        let inexact_before = x.iter().filter(|v| bf16::round(**v) != **v).count();
+        let exact_before = g.bf16_exact(&xd)?;
+        g.round_data(&mut xd)?;
+        let rounded_x = rounded(x.clone(), true);
+        let mut c = exact("bf16 rounding of device-only values", &xd, &rounded_x);
+        let mut nanb = rounded_x.clone();
+        nanb[1] = f32::NAN;
+        let nd = dev_only(g, &nanb)?;
+        let exact_nan = g.bf16_exact(&nd)?;
+        // a random normal vector has inexact values; rounded ones (and NaN) are exact
+        if exact_before != (inexact_before == 0) || !exact_nan {
+            c.mismatches += 1;
+            c.note = format!(
+                "bf16-exactness count: {exact_before} for {inexact_before} inexact values, {exact_nan} after rounding with a NaN"
+            );
+        }
+        out.push(c);
+    }
+
     // ---- attention core: window + compressed rows, causal and with an indexer selection ----
     for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
         let (t, h, dh, win) = (70 * s + 3, 3, 96, 16);
