@@ -2760,25 +2760,10 @@ impl Gpu {
             self.preload(lc.ckpt, &routed)?;
         }
         let _s = crate::profile::span("experts: ensure + checks");
-        // each weight's hypotheses, found once: a bisect hypothesis can name all 768 routed
-        // weights, and a scan of the whole list per weight made this loop quadratic
-        let mut by_base: HashMap<&str, Vec<(String, Override)>> = HashMap::new();
-        for (b, o) in lc.overrides {
-            by_base
-                .entry(b.as_str())
-                .or_default()
-                .push((b.clone(), o.clone()));
-        }
-        let none = Vec::new();
         for &e in &used {
             let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
             for b in [b1, b3, b2] {
-                // only this weight's hypotheses: what ensure_weight reads of lc.overrides
-                let own = LinearCtx {
-                    overrides: by_base.get(b).unwrap_or(&none),
-                    ..*lc
-                };
-                self.ensure_weight(&own, b)?;
+                self.ensure_weight(lc, b)?;
                 touched.push(b.to_string());
             }
             let inter = self.weights[b1].n;
