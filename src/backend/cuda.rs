@@ -897,6 +897,21 @@ impl Gpu {
         }
     }
 
+    /// out[r] = x[rows[r]] for `nrows` rows of width `d` (`rows`: device i32 row indices).
+    pub fn gather_rows(&self, x: u64, rows: u64, nrows: usize, d: usize, out: u64) -> Result<()> {
+        self.launch(
+            "gather_rows",
+            (nrows * d) as u64,
+            &[
+                A::P(x),
+                A::P(rows),
+                A::U(nrows as u64),
+                A::U(d as u64),
+                A::P(out),
+            ],
+        )
+    }
+
     /// Launch kernel `name` over `n` work items (grid-stride).
     pub fn launch(&self, name: &str, n: u64, args: &[A]) -> Result<()> {
         if n == 0 {
@@ -2366,17 +2381,7 @@ impl Gpu {
             .flat_map(|g| (0..rows).map(move |t| (t * groups + g) as i32))
             .collect();
         let ib = self.upload(&idx)?;
-        self.launch(
-            "gather_rows",
-            (groups * rows * k) as u64,
-            &[
-                A::P(xb.ptr),
-                A::P(ib.ptr),
-                A::U((groups * rows) as u64),
-                A::U(k as u64),
-                A::P(xg.ptr),
-            ],
-        )?;
+        self.gather_rows(xb.ptr, ib.ptr, groups * rows, k, xg.ptr)?;
         let p = self.linear_dev(
             lc,
             kind,
@@ -2733,17 +2738,7 @@ impl Gpu {
         let xb = self.input(&x.data)?;
         let ob = self.upload(&order)?;
         let xs = self.alloc(total * d * 4)?;
-        self.launch(
-            "gather_rows",
-            (total * d) as u64,
-            &[
-                A::P(xb.ptr),
-                A::P(ob.ptr),
-                A::U(total as u64),
-                A::U(d as u64),
-                A::P(xs.ptr),
-            ],
-        )?;
+        self.gather_rows(xb.ptr, ob.ptr, total, d, xs.ptr)?;
         let ys = self.alloc(total * d * 4)?;
         let used: Vec<usize> = (0..per.len()).filter(|&e| !per[e].is_empty()).collect();
         let hb = self.alloc(used.len() * 3 * H_SLOTS * 8)?;

@@ -629,17 +629,7 @@ impl Gpu {
         let xb = self.input(x)?;
         let ib = self.upload(&idx)?;
         let ob = self.out(t * hc * d * 4)?;
-        self.launch(
-            "gather_rows",
-            (t * hc * d) as u64,
-            &[
-                A::P(xb.ptr),
-                A::P(ib.ptr),
-                A::U((t * hc) as u64),
-                A::U(d as u64),
-                A::P(ob.ptr),
-            ],
-        )?;
+        self.gather_rows(xb.ptr, ib.ptr, t * hc, d, ob.ptr)?;
         let out = self.output(ob, t * hc * d, false);
         if let Some(e) = x.known_bf16_exact() {
             out.set_bf16_exact(e);
