@@ -1819,7 +1819,7 @@ impl Gpu {
     /// pinned memory (overlapping the previous chunk's DMA), in-memory shards by copy.
     fn upload_span(&mut self, ckpt: &Checkpoint, sp: &crate::checkpoint::Span) -> Result<Buf> {
         use crate::checkpoint::Span;
-        let _s = crate::profile::span("host: upload_span (not preloaded)");
+        let _s = crate::profile::span("host: upload_span");
         let (path, offset, len) = match sp {
             Span::Mem(b) => {
                 ckpt.note_read(b.len());
