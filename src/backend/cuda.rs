@@ -2676,18 +2676,31 @@ impl Gpu {
         limit: f32,
         round: bool,
     ) -> Result<()> {
-        let n = n as u64;
         if round {
-            self.launch("round_bf16", n, &[A::P(gt), A::U(n), A::P(0)])?;
-            self.launch("round_bf16", n, &[A::P(up), A::U(n), A::P(0)])?;
+            let m = n as u64;
+            self.launch("round_bf16", m, &[A::P(gt), A::U(m), A::P(0)])?;
+            self.launch("round_bf16", m, &[A::P(up), A::U(m), A::P(0)])?;
         }
+        self.swiglu_clamp(gt, up, n, limit, round, act)
+    }
+
+    /// act = silu(min(gt, L)) · clamp(up, ±L) over `n` elements, rounded to BF16 when `round`.
+    pub(crate) fn swiglu_clamp(
+        &self,
+        gt: u64,
+        up: u64,
+        n: usize,
+        limit: f32,
+        round: bool,
+        act: u64,
+    ) -> Result<()> {
         self.launch(
             "swiglu_clamp",
-            n,
+            n as u64,
             &[
                 A::P(gt),
                 A::P(up),
-                A::U(n),
+                A::U(n as u64),
                 A::F(limit),
                 A::I(round as i32),
                 A::P(act),

@@ -649,18 +649,7 @@ impl Gpu {
         }
         let (gb, ub) = (self.input(g)?, self.input(u)?);
         let ob = self.out(n * 4)?;
-        self.launch(
-            "swiglu_clamp",
-            n as u64,
-            &[
-                A::P(gb.ptr),
-                A::P(ub.ptr),
-                A::U(n as u64),
-                A::F(limit),
-                A::I(round as i32),
-                A::P(ob.ptr),
-            ],
-        )?;
+        self.swiglu_clamp(gb.ptr, ub.ptr, n, limit, round, ob.ptr)?;
         Ok(self.output(ob, n, round))
     }
 }
