@@ -97,12 +97,32 @@ fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Backend(format!("cuda: {what}: {e:?}"))
 }
 
-/// A device allocation with its raw address (event tracking is off: one stream orders everything).
+/// Device memory: allocated on the compute stream (freed in its order), or staged by the loader
+/// thread (handed back to it, freed once the compute stream is past its last use).
+pub enum Mem {
+    Own(CudaSlice<u8>),
+    Staged(super::stage::Lease),
+}
+
+/// A device allocation with its raw address (event tracking is off: one stream orders everything,
+/// and the loader's copies are ordered by events, `stage`).
 pub struct Buf {
-    /// The allocation; shared by the pieces of one arena (`Gpu::preload`), freed with the last.
-    _s: std::sync::Arc<CudaSlice<u8>>,
+    /// The allocation; shared by the pieces of one arena (`Gpu::preload`, the loader's batches),
+    /// freed with the last.
+    _s: std::sync::Arc<Mem>,
     pub ptr: u64,
     pub bytes: usize,
+}
+
+impl Buf {
+    /// A piece `[ptr, ptr + bytes)` of a shared allocation.
+    pub(crate) fn shared(m: &Arc<Mem>, ptr: u64, bytes: usize) -> Buf {
+        Buf {
+            _s: m.clone(),
+            ptr,
+            bytes,
+        }
+    }
 }
 
 /// A tensor's values in device memory, produced by a device op or uploaded once from the host
@@ -466,6 +486,8 @@ pub struct Gpu {
     pub grouped_mx: bool,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
+    /// The loader thread's staged weights, while a run has one (`stage`).
+    pub stager: Option<Arc<super::stage::Stager>>,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -482,7 +504,7 @@ impl Drop for Gpu {
     }
 }
 
-const STAGE: usize = 256 << 20;
+pub(crate) const STAGE: usize = 256 << 20;
 /// Transfers from this size on go through the pinned staging buffers.
 const STAGED_MIN: usize = 1 << 20;
 
@@ -592,6 +614,7 @@ impl Gpu {
             ),
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
+            stager: None,
         })
     }
 
@@ -616,7 +639,7 @@ impl Gpu {
             p
         };
         Ok(Buf {
-            _s: std::sync::Arc::new(s),
+            _s: std::sync::Arc::new(Mem::Own(s)),
             ptr,
             bytes,
         })
@@ -1710,11 +1733,51 @@ impl Gpu {
         Ok(served)
     }
 
+    /// The stored tensors `ensure_weight` uploads for a weight, as (file, offset, length): the
+    /// data of a BF16/F16/F32 dense weight, the bytes of an FP8 block weight (its scales are read
+    /// on the host), the codes and block scales of an NVFP4/MXFP4 weight. Empty for a name that
+    /// is not a weight, or a tensor in memory.
+    pub fn staged_spans(ckpt: &Checkpoint, base: &str) -> Vec<(std::path::PathBuf, u64, usize)> {
+        use crate::checkpoint::{Dtype, Scheme, Span};
+        let Ok(l) = ckpt.weight_layout(base) else {
+            return Vec::new();
+        };
+        let names: Vec<&String> = match l.meta.scheme {
+            Scheme::Dense => match l.meta.weight_dtype {
+                Dtype::BF16 | Dtype::F16 | Dtype::F32 => vec![&l.weight],
+                _ => Vec::new(),
+            },
+            Scheme::Fp8Block => vec![&l.weight],
+            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
+                std::iter::once(&l.weight).chain(l.scale.as_ref()).collect()
+            }
+        };
+        names
+            .into_iter()
+            .filter_map(|n| match ckpt.canonical_span(n) {
+                Ok(Span::File { path, offset, len }) => Some((path.to_path_buf(), offset, len)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The loader's device copy of a stored tensor, if it staged it (the compute stream then
+    /// waits for that copy); `None`: read it here (the loader will not).
+    fn take_staged(&mut self, key: &(std::path::PathBuf, u64)) -> Result<Option<Buf>> {
+        let Some(st) = &self.stager else {
+            return Ok(None);
+        };
+        let b = st.take(key)?;
+        if let Some(b) = &b {
+            self.counters.bytes_uploaded += b.bytes as u64;
+        }
+        Ok(b)
+    }
+
     /// Read the stored tensors of many weights in batches: all their file ranges are read in
     /// parallel into pinned memory (one 256 MiB batch while the previous one is in flight), then
     /// copied to the device; `ensure_weight` then finds them in `preloaded`.
     pub fn preload(&mut self, ckpt: &Checkpoint, bases: &[&str]) -> Result<()> {
-        use crate::checkpoint::Span;
         use rayon::prelude::*;
         use std::os::unix::fs::FileExt;
         let t0 = Instant::now();
@@ -1723,15 +1786,15 @@ impl Gpu {
             if self.weights.contains_key(*b) {
                 continue;
             }
-            let Ok(l) = ckpt.weight_layout(b) else {
-                continue; // ensure_weight reports it
-            };
-            for name in std::iter::once(&l.weight).chain(l.scale.as_ref()) {
-                if let Ok(Span::File { path, offset, len }) = ckpt.canonical_span(name) {
-                    let key = (path.to_path_buf(), offset);
-                    if len <= STAGE && !self.preloaded.contains_key(&key) {
-                        spans.push((key.0, offset, len));
+            // (a weight that does not resolve has no spans: ensure_weight reports it)
+            for (path, offset, len) in Self::staged_spans(ckpt, b) {
+                let key = (path, offset);
+                if len <= STAGE && !self.preloaded.contains_key(&key) {
+                    if let Some(b) = self.take_staged(&key)? {
+                        self.preloaded.insert(key, b);
+                        continue;
                     }
+                    spans.push((key.0, offset, len));
                 }
             }
         }
@@ -1828,6 +1891,9 @@ impl Gpu {
             Span::File { path, offset, len } => (*path, *offset, *len),
         };
         if let Some(b) = self.preloaded.remove(&(path.to_path_buf(), offset)) {
+            return Ok(b);
+        }
+        if let Some(b) = self.take_staged(&(path.to_path_buf(), offset))? {
             return Ok(b);
         }
         let t0 = Instant::now();

@@ -277,7 +277,38 @@ pub fn run_capturing(
     };
     // experts op step → the experts any path routed to (published after the router's step)
     let routed: std::sync::Mutex<HashMap<usize, Vec<bool>>> = Default::default();
-    std::thread::scope(|sc| -> Result<()> {
+    // With the CUDA backend a loader thread also stages the weights of the coming ops on the
+    // device (its own pinned buffers and copy stream), so the host's reads and the copies overlap
+    // the kernels (`backend::stage`). NVFP4_PROBE_STAGE=0 switches it off.
+    let stager = match opts.backend.gpu() {
+        Some(g) if crate::backend::stage::Stager::enabled() => {
+            let mut g = g
+                .lock()
+                .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+            let s = crate::backend::stage::Stager::new(g.ctx.clone(), g.stream.clone());
+            g.stager = Some(s.clone());
+            Some(s)
+        }
+        _ => None,
+    };
+    let stage_plan: Vec<Vec<crate::backend::stage::StageGroup>> = match &stager {
+        Some(_) => ops.iter().map(|op| stage_groups(ckpt, op)).collect(),
+        None => Vec::new(),
+    };
+    let scoped = std::thread::scope(|sc| -> Result<()> {
+        if let Some(st) = &stager {
+            let (routed, at_step, done) = (&routed, &at_step, &done);
+            let (ops, stage_plan, cfg) = (&ops, &stage_plan, &cfg);
+            sc.spawn(move || {
+                // hash-routed layers: their experts are known from the token ids alone
+                for (target, used) in hash_routing(ckpt, cfg, ops, &opts.tokens) {
+                    if let Ok(mut m) = routed.lock() {
+                        m.entry(target).or_insert(used);
+                    }
+                }
+                crate::backend::stage::run_loader(st, ckpt, stage_plan, routed, at_step, done)
+            });
+        }
         if !plan.is_empty() {
             sc.spawn(|| prefetch_loop(ckpt, &plan, &routed, &at_step, &done, PREFETCH_AHEAD));
         }
@@ -417,7 +448,17 @@ pub fn run_capturing(
         })();
         done.store(true, std::sync::atomic::Ordering::Relaxed);
         r
-    })?;
+    });
+    let stage_stats = stager.map(|st| {
+        if let Some(g) = opts.backend.gpu() {
+            if let Ok(mut g) = g.lock() {
+                g.stager = None;
+            }
+        }
+        st.shutdown();
+        st.stats()
+    });
+    scoped?;
     pb.finish_and_clear();
     if profile {
         let mut v: Vec<_> = prof.into_iter().collect();
@@ -434,6 +475,12 @@ pub fn run_capturing(
                     "gpu counters: {}",
                     serde_json::to_string(&g.counters).unwrap_or_default()
                 );
+                if let Some(s) = &stage_stats {
+                    eprintln!(
+                        "loader (weights staged ahead): {}",
+                        serde_json::to_string(s).unwrap_or_default()
+                    );
+                }
                 if let Some(kt) = g.kernel_times() {
                     let sum = |copies: bool| -> f64 {
                         kt.iter()
@@ -624,6 +671,77 @@ fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
             names: prefetch_names(ckpt, &op.weights),
         }]
     }
+}
+
+/// The weights an op uploads, for the loader: one group per routed expert, one for the rest.
+fn stage_groups(ckpt: &Checkpoint, op: &Op) -> Vec<crate::backend::stage::StageGroup> {
+    use crate::backend::{cuda::Gpu, stage::StageGroup};
+    let spans = |ws: &[String]| -> Vec<_> {
+        ws.iter()
+            .flat_map(|w| Gpu::staged_spans(ckpt, w))
+            .collect()
+    };
+    if op.kind == OpKind::Experts {
+        op.weights
+            .chunks(3)
+            .enumerate()
+            .map(|(e, w)| StageGroup {
+                expert: Some(e),
+                spans: spans(w),
+            })
+            .collect()
+    } else {
+        vec![StageGroup {
+            expert: None,
+            spans: spans(&op.weights),
+        }]
+    }
+}
+
+/// The experts op each hash-routed layer's router feeds, with the experts its table gives the
+/// run's tokens (known before the run: the table and the token ids are all it depends on).
+/// Tables that do not fit are left out (the router reports them; the loader then just waits).
+fn hash_routing(
+    ckpt: &Checkpoint,
+    cfg: &crate::model::config::ModelConfig,
+    ops: &[Op],
+    tokens: &[u32],
+) -> Vec<(usize, Vec<bool>)> {
+    let k = cfg.num_experts_per_tok;
+    let mut out = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        if op.kind != OpKind::Router || !op.layer.is_some_and(|l| cfg.is_hash_layer(l)) {
+            continue;
+        }
+        let (Some(idx_id), Some(name)) = (op.outputs.get(1), op.weights.get(1)) else {
+            continue;
+        };
+        let Some(target) = (step + 1..ops.len())
+            .find(|&i| ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id))
+        else {
+            continue;
+        };
+        let Ok(table) = ckpt.tensor_f32(name) else {
+            continue;
+        };
+        if table.cols() != k || k == 0 {
+            continue;
+        }
+        let n = ops[target].weights.len() / 3;
+        let mut used = vec![false; n];
+        for &tok in tokens {
+            let row = tok as usize * k;
+            for j in 0..k {
+                if let Some(&v) = table.data.get(row + j) {
+                    if v.is_finite() && v >= 0.0 && (v as usize) < n {
+                        used[v as usize] = true;
+                    }
+                }
+            }
+        }
+        out.push((target, used));
+    }
+    out
 }
 
 /// After the router's step: the experts op that consumes its choice (the op reading its `idx`

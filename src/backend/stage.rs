@@ -1,0 +1,600 @@
+//! Weights read ahead of the runner on the CUDA backend.
+//!
+//! A loader thread walks the run's ops in order and, for each weight an op will upload, reads its
+//! stored bytes from the checkpoint files into the loader's own pinned buffers (positioned reads
+//! in parallel) and copies them to the device on the loader's own stream. The runner's thread
+//! then finds them ready ([`Stager::take`]): its compute stream waits on the copy's event instead
+//! of the host reading, so the host's reads and the DMA overlap the device's kernels.
+//!
+//! What is read: the weights of the ops to come, and of a routed-experts op only the experts a
+//! path routed to, once known (the router's step publishes them; hash-routed layers know them
+//! from the token ids before the run starts). No byte of an unrouted expert is read.
+//!
+//! Device memory: what the loader has allocated and not yet seen released stays under a cap
+//! (`NVFP4_PROBE_STAGE_GIB`, default [`DEFAULT_CAP`]); when full, the loader waits for the
+//! runner to finish ops. A staged allocation is freed only after the compute stream has passed
+//! the point where its last user let go (an event recorded then), so the two streams never race
+//! on memory.
+//!
+//! The runner never waits for the loader to start something: an entry the loader has not claimed
+//! is claimed by the runner's own read (`Taken`), and the loader claims a batch only once the
+//! memory for it is reserved, so a claimed (`Loading`) batch always completes.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result as dres, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+
+use super::cuda::{Buf, Mem, STAGE};
+use crate::checkpoint::Checkpoint;
+use crate::{Error, Result};
+
+/// A stored tensor's place: (shard file, byte offset).
+pub type Key = (PathBuf, u64);
+
+/// Default cap on the device memory the loader holds (allocated and not yet released).
+pub const DEFAULT_CAP: usize = 8 << 30;
+
+/// The stored tensors of one op to read ahead: one group per routed expert (`expert` set), one
+/// for everything else. Spans are (file, offset, length).
+#[derive(Clone, Debug)]
+pub struct StageGroup {
+    pub expert: Option<usize>,
+    pub spans: Vec<(PathBuf, u64, usize)>,
+}
+
+enum Entry {
+    /// In a batch being read and copied: ready soon.
+    Loading,
+    /// On the device once `ready` has fired on the loader's stream.
+    Ready {
+        buf: Buf,
+        ready: Arc<CudaEvent>,
+        step: usize,
+    },
+    /// The runner took it or reads it itself: the loader leaves it alone.
+    Taken,
+}
+
+/// What the loader did (printed with the profile).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StageStats {
+    /// Bytes read and copied by the loader, and in how many batches.
+    pub bytes: u64,
+    pub batches: u64,
+    /// Of those, bytes the runner took; bytes dropped unused (the op had passed).
+    pub taken_bytes: u64,
+    pub dropped_bytes: u64,
+    /// Host seconds of the loader's reads into pinned memory.
+    pub read_seconds: f64,
+    /// Seconds the loader waited for device memory (the cap), and for routing.
+    pub memory_wait_seconds: f64,
+    pub routing_wait_seconds: f64,
+    /// Seconds the runner waited for a batch in flight.
+    pub runner_wait_seconds: f64,
+    /// The loader's error, if it stopped on one (the runner then reads by itself).
+    pub error: Option<String>,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<Key, Entry>,
+    /// Released allocations: freed once their event (on the compute stream) has fired.
+    graveyard: VecDeque<(CudaSlice<u8>, Option<CudaEvent>, usize)>,
+    /// Bytes allocated by the loader and not yet freed.
+    outstanding: usize,
+    stopped: bool,
+    stats: StageStats,
+}
+
+/// The shared state between the loader thread and the runner's device state (`Gpu::stager`).
+pub struct Stager {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    state: Mutex<State>,
+    cv: Condvar,
+    cap: usize,
+}
+
+/// A staged allocation: on drop it is handed back to the loader, freed once the compute stream
+/// has passed this point.
+pub struct Lease {
+    slice: Option<CudaSlice<u8>>,
+    bytes: usize,
+    st: Arc<Stager>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(s) = self.slice.take() {
+            self.st.release(s, self.bytes);
+        }
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        // nothing on the compute stream may still read what is freed here
+        let _ = self.compute.synchronize();
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.entries.clear();
+        st.graveyard.clear();
+    }
+}
+
+impl Stager {
+    /// The loader's shared state for a device context and its compute stream; the cap from
+    /// `NVFP4_PROBE_STAGE_GIB` (GiB) or [`DEFAULT_CAP`].
+    pub fn new(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Arc<Stager> {
+        let cap = std::env::var("NVFP4_PROBE_STAGE_GIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|g| *g > 0.0)
+            .map(|g| (g * (1u64 << 30) as f64) as usize)
+            .unwrap_or(DEFAULT_CAP);
+        Arc::new(Stager {
+            ctx,
+            compute,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            cap,
+        })
+    }
+
+    /// Whether the loader is switched on (`NVFP4_PROBE_STAGE=0` switches it off).
+    pub fn enabled() -> bool {
+        std::env::var("NVFP4_PROBE_STAGE").ok().as_deref().map(str::trim) != Some("0")
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn stats(&self) -> StageStats {
+        self.lock().stats.clone()
+    }
+
+    fn release(&self, slice: CudaSlice<u8>, bytes: usize) {
+        let ev = self
+            .ctx
+            .new_event(None)
+            .ok()
+            .filter(|e| e.record(&self.compute).is_ok());
+        if ev.is_none() {
+            // no event: wait here instead, so freeing it later is safe
+            let _ = self.compute.synchronize();
+        }
+        let mut st = self.lock();
+        st.graveyard.push_back((slice, ev, bytes));
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// The runner's side: the staged device copy of `key`, with the compute stream made to wait
+    /// for its DMA; `None` when the loader does not have it (the runner reads it itself, and the
+    /// loader will not). Waits while its batch is in flight.
+    pub fn take(&self, key: &Key) -> Result<Option<Buf>> {
+        let mut st = self.lock();
+        let mut waited: Option<Instant> = None;
+        let out = loop {
+            match st.entries.get(key) {
+                Some(Entry::Loading) => {
+                    waited.get_or_insert_with(Instant::now);
+                    let _s = crate::profile::span("host: wait for staged weights");
+                    st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                Some(Entry::Ready { .. }) => {
+                    let Some(Entry::Ready { buf, ready, .. }) =
+                        st.entries.insert(key.clone(), Entry::Taken)
+                    else {
+                        unreachable!("matched Ready above")
+                    };
+                    st.stats.taken_bytes += buf.bytes as u64;
+                    break Some((buf, ready));
+                }
+                Some(Entry::Taken) => break None,
+                None => {
+                    st.entries.insert(key.clone(), Entry::Taken);
+                    break None;
+                }
+            }
+        };
+        if let Some(t) = waited {
+            st.stats.runner_wait_seconds += t.elapsed().as_secs_f64();
+        }
+        drop(st);
+        match out {
+            Some((buf, ready)) => {
+                self.compute
+                    .wait(&ready)
+                    .map_err(|e| Error::Backend(format!("cuda: wait for staged copy: {e:?}")))?;
+                Ok(Some(buf))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// End of the run: no more loading; staged copies nobody took are dropped.
+    pub fn shutdown(&self) {
+        let mut st = self.lock();
+        st.stopped = true;
+        let left: Vec<Entry> = st.entries.drain().map(|(_, e)| e).collect();
+        drop(st);
+        self.cv.notify_all();
+        drop(left); // outside the lock: dropping a Buf may release its allocation
+    }
+
+    /// Free the released allocations the compute stream is done with; drop ready entries of ops
+    /// the runner has passed (`before`). Returns the slices to drop outside the lock.
+    fn reap(st: &mut State, before: usize) -> (Vec<CudaSlice<u8>>, Vec<Entry>) {
+        let mut freed = Vec::new();
+        let mut i = 0;
+        while i < st.graveyard.len() {
+            if st.graveyard[i].1.as_ref().is_none_or(|e| e.is_complete()) {
+                let (s, _, n) = st.graveyard.remove(i).expect("index checked");
+                st.outstanding = st.outstanding.saturating_sub(n);
+                freed.push(s);
+            } else {
+                i += 1;
+            }
+        }
+        let stale: Vec<Key> = st
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e, Entry::Ready { step, .. } if *step < before))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut dropped = Vec::new();
+        for k in stale {
+            if let Some(e) = st.entries.remove(&k) {
+                if let Entry::Ready { buf, .. } = &e {
+                    st.stats.dropped_bytes += buf.bytes as u64;
+                }
+                dropped.push(e);
+            }
+        }
+        (freed, dropped)
+    }
+
+    /// Reserve `bytes` of device memory under the cap, waiting for the runner to release some.
+    /// False when the run is over.
+    fn reserve(&self, bytes: usize, at: &AtomicUsize, done: &AtomicBool) -> bool {
+        let t0 = Instant::now();
+        loop {
+            let mut st = self.lock();
+            let (freed, dropped) = Self::reap(&mut st, at.load(Relaxed));
+            let stop = st.stopped || done.load(Relaxed);
+            let fits = st.outstanding + bytes <= self.cap || st.outstanding == 0;
+            if stop || fits {
+                if !stop {
+                    st.outstanding += bytes;
+                }
+                st.stats.memory_wait_seconds += t0.elapsed().as_secs_f64();
+                drop(st);
+                drop(freed);
+                drop(dropped); // outside the lock: may release allocations
+                return !stop;
+            }
+            // sleep until a release, or briefly: events fire without a notify
+            let (g, _) = self
+                .cv
+                .wait_timeout(st, Duration::from_micros(500))
+                .unwrap_or_else(|p| p.into_inner());
+            drop(g);
+            drop(freed);
+            drop(dropped);
+        }
+    }
+
+    fn unreserve(&self, bytes: usize) {
+        let mut st = self.lock();
+        st.outstanding = st.outstanding.saturating_sub(bytes);
+    }
+}
+
+/// The loader's own resources: its copy stream, pinned buffers and open files.
+struct Loader<'a> {
+    st: &'a Arc<Stager>,
+    ckpt: &'a Checkpoint,
+    copy: Arc<CudaStream>,
+    pinned: Vec<(*mut u8, Option<Arc<CudaEvent>>)>,
+    next_pin: usize,
+    files: HashMap<PathBuf, std::fs::File>,
+    pool: rayon::ThreadPool,
+}
+
+impl Drop for Loader<'_> {
+    fn drop(&mut self) {
+        // the DMAs read the pinned buffers until they finish
+        let _ = self.copy.synchronize();
+        for (p, _) in self.pinned.drain(..) {
+            unsafe {
+                let _ = dres::free_host(p as _);
+            }
+        }
+    }
+}
+
+fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Backend(format!("cuda: stage: {what}: {e:?}"))
+}
+
+impl Loader<'_> {
+    /// Read the spans (claimed as `Loading`, `bytes` reserved) into one allocation and publish
+    /// them as ready.
+    fn load(&mut self, spans: &[(Key, usize, usize)], total: usize) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        for ((p, _), _, _) in spans {
+            if !self.files.contains_key(p) {
+                let f = std::fs::File::open(p)
+                    .map_err(|e| Error::bad(p, None, format!("cannot open shard: {e}")))?;
+                self.files.insert(p.clone(), f);
+            }
+        }
+        let slice = unsafe { self.copy.alloc::<u8>(total.max(16)) }
+            .map_err(|e| cuda_err(&format!("alloc {total} B"), e))?;
+        let base_dev = {
+            let (p, _g) = slice.device_ptr(&self.copy);
+            p
+        };
+        let mem = Arc::new(Mem::Staged(Lease {
+            slice: Some(slice),
+            bytes: total,
+            st: self.st.clone(),
+        }));
+        let ci = self.next_pin;
+        self.next_pin = (ci + 1) % self.pinned.len();
+        if let Some(ev) = &self.pinned[ci].1 {
+            ev.synchronize().map_err(|e| cuda_err("pinned buffer", e))?;
+        }
+        let pin = self.pinned[ci].0 as usize;
+        let t0 = Instant::now();
+        let mut pieces = Vec::new();
+        let mut at = 0usize;
+        for (si, (_, _, len)) in spans.iter().enumerate() {
+            let mut d = 0;
+            while d < *len {
+                let n = (4 << 20).min(len - d);
+                pieces.push((si, d, at + d, n));
+                d += n;
+            }
+            at += len;
+        }
+        let files = &self.files;
+        self.pool.install(|| {
+            use rayon::prelude::*;
+            pieces.par_iter().try_for_each(|&(si, d, poff, n)| {
+                let ((path, off), _, _) = &spans[si];
+                let foff = off + d as u64;
+                // disjoint ranges of the pinned buffer
+                let dst = unsafe { std::slice::from_raw_parts_mut((pin + poff) as *mut u8, n) };
+                files[path].read_exact_at(dst, foff).map_err(|e| {
+                    Error::bad(
+                        path,
+                        None,
+                        format!("read of bytes {foff}..{} failed: {e}", foff + n as u64),
+                    )
+                })
+            })
+        })?;
+        let read_s = t0.elapsed().as_secs_f64();
+        let src = unsafe { std::slice::from_raw_parts(pin as *const u8, total) };
+        unsafe { dres::memcpy_htod_async(base_dev, src, self.copy.cu_stream()) }
+            .map_err(|e| cuda_err("copy to device", e))?;
+        let ready = Arc::new(
+            self.st
+                .ctx
+                .new_event(None)
+                .map_err(|e| cuda_err("event", e))?,
+        );
+        ready
+            .record(&self.copy)
+            .map_err(|e| cuda_err("event", e))?;
+        self.pinned[ci].1 = Some(ready.clone());
+        let mut st = self.st.lock();
+        let mut at = 0usize;
+        for (key, len, step) in spans {
+            self.ckpt.note_read(*len);
+            let buf = Buf::shared(&mem, base_dev + at as u64, *len);
+            st.entries.insert(
+                key.clone(),
+                Entry::Ready {
+                    buf,
+                    ready: ready.clone(),
+                    step: *step,
+                },
+            );
+            at += len;
+        }
+        st.stats.bytes += total as u64;
+        st.stats.batches += 1;
+        st.stats.read_seconds += read_s;
+        drop(st);
+        drop(mem);
+        self.st.cv.notify_all();
+        Ok(())
+    }
+
+    /// Claim what is still unclaimed of `cand` (spans of ops the runner has not passed), reserve
+    /// memory first (so a claimed batch never waits on the runner), then load it.
+    fn flush(
+        &mut self,
+        cand: &mut Vec<(Key, usize, usize)>,
+        at: &AtomicUsize,
+        done: &AtomicBool,
+    ) -> Result<bool> {
+        if cand.is_empty() {
+            return Ok(true);
+        }
+        let want: usize = cand.iter().map(|c| c.1).sum();
+        if !self.st.reserve(want, at, done) {
+            cand.clear();
+            return Ok(false);
+        }
+        let mut claimed = Vec::new();
+        {
+            let mut st = self.st.lock();
+            let now = at.load(Relaxed);
+            for c in cand.drain(..) {
+                if c.2 >= now && !st.entries.contains_key(&c.0) {
+                    st.entries.insert(c.0.clone(), Entry::Loading);
+                    claimed.push(c);
+                }
+            }
+        }
+        let total: usize = claimed.iter().map(|c| c.1).sum();
+        self.st.unreserve(want - total);
+        if claimed.is_empty() {
+            return Ok(true);
+        }
+        if let Err(e) = self.load(&claimed, total) {
+            // hand the claimed entries back to the runner (it reads them itself and reports)
+            let mut st = self.st.lock();
+            for (k, _, _) in &claimed {
+                st.entries.insert(k.clone(), Entry::Taken);
+            }
+            st.outstanding = st.outstanding.saturating_sub(total);
+            drop(st);
+            self.st.cv.notify_all();
+            return Err(e);
+        }
+        Ok(true)
+    }
+}
+
+/// The loader thread's body: stage the weights of `plan` (per op step, in order) ahead of the
+/// runner, whose current step is `at`. A routed expert's group waits for `routed[step]`
+/// (published after the router's step, or before the run for hash-routed layers); it is skipped
+/// when its op has passed. Returns when the plan is done or `done` is set; an error stops the
+/// loader (recorded in the stats) and leaves the rest to the runner.
+pub fn run_loader(
+    st: &Arc<Stager>,
+    ckpt: &Checkpoint,
+    plan: &[Vec<StageGroup>],
+    routed: &Mutex<HashMap<usize, Vec<bool>>>,
+    at: &AtomicUsize,
+    done: &AtomicBool,
+) {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        loader_body(st, ckpt, plan, routed, at, done)
+    }));
+    let err = match r {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => Some("the loader thread panicked".to_string()),
+    };
+    // whatever is still claimed goes back to the runner, which never waits on a dead loader
+    let mut s = st.lock();
+    for e in s.entries.values_mut() {
+        if matches!(e, Entry::Loading) {
+            *e = Entry::Taken;
+        }
+    }
+    if err.is_some() {
+        s.stats.error = err;
+    }
+    drop(s);
+    st.cv.notify_all();
+}
+
+fn loader_body(
+    st: &Arc<Stager>,
+    ckpt: &Checkpoint,
+    plan: &[Vec<StageGroup>],
+    routed: &Mutex<HashMap<usize, Vec<bool>>>,
+    at: &AtomicUsize,
+    done: &AtomicBool,
+) -> Result<()> {
+    st.ctx.bind_to_thread().map_err(|e| cuda_err("context", e))?;
+    let copy = st.ctx.new_stream().map_err(|e| cuda_err("stream", e))?;
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(8);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("stage-read-{i}"))
+        .build()
+        .map_err(|e| Error::Backend(format!("stage: thread pool: {e}")))?;
+    let mut ld = Loader {
+        st,
+        ckpt,
+        copy,
+        pinned: Vec::new(),
+        next_pin: 0,
+        files: HashMap::new(),
+        pool,
+    };
+    for _ in 0..2 {
+        let p = unsafe { dres::malloc_host(STAGE, 0) }.map_err(|e| cuda_err("pinned", e))?;
+        ld.pinned.push((p as *mut u8, None));
+    }
+    let mut cand: Vec<(Key, usize, usize)> = Vec::new();
+    let mut cand_bytes = 0usize;
+    for (step, groups) in plan.iter().enumerate() {
+        for g in groups {
+            if done.load(Relaxed) {
+                return Ok(());
+            }
+            if let Some(e) = g.expert {
+                let known = |m: &Mutex<HashMap<usize, Vec<bool>>>| {
+                    m.lock()
+                        .ok()
+                        .and_then(|m| m.get(&step).map(|u| u.get(e).copied().unwrap_or(true)))
+                };
+                let chosen = match known(routed) {
+                    Some(c) => c,
+                    None => {
+                        // what is gathered so far goes now: the wait may be long
+                        if !ld.flush(&mut cand, at, done)? {
+                            return Ok(());
+                        }
+                        cand_bytes = 0;
+                        let t0 = Instant::now();
+                        let c = loop {
+                            if done.load(Relaxed) {
+                                return Ok(());
+                            }
+                            if at.load(Relaxed) > step {
+                                break false;
+                            }
+                            if let Some(c) = known(routed) {
+                                break c;
+                            }
+                            std::thread::sleep(Duration::from_micros(200));
+                        };
+                        st.lock().stats.routing_wait_seconds += t0.elapsed().as_secs_f64();
+                        c
+                    }
+                };
+                if !chosen {
+                    continue;
+                }
+            }
+            if at.load(Relaxed) > step {
+                continue;
+            }
+            for (path, off, len) in &g.spans {
+                if *len > STAGE {
+                    continue; // the runner streams it itself
+                }
+                if cand_bytes + len > STAGE {
+                    if !ld.flush(&mut cand, at, done)? {
+                        return Ok(());
+                    }
+                    cand_bytes = 0;
+                }
+                cand.push(((path.clone(), *off), *len, step));
+                cand_bytes += len;
+            }
+        }
+        // the end of an op: do not hold its weights back for the next op's
+        if !ld.flush(&mut cand, at, done)? {
+            return Ok(());
+        }
+        cand_bytes = 0;
+    }
+    Ok(())
+}
