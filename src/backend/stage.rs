@@ -38,6 +38,18 @@ pub type Key = (PathBuf, u64);
 /// Default cap on the device memory the loader holds (allocated and not yet released).
 pub const DEFAULT_CAP: usize = 8 << 30;
 
+/// Bytes of the loader's batches (one allocation, one DMA each), unless a tensor is larger.
+const BATCH: usize = 64 << 20;
+/// The loader's pinned buffers: the read into one overlaps the DMA out of the others.
+const PINNED: usize = 3;
+
+fn plan_bytes(plan: &[Vec<StageGroup>]) -> usize {
+    plan.iter()
+        .flatten()
+        .flat_map(|g| g.spans.iter().map(|s| s.2))
+        .sum()
+}
+
 /// The stored tensors of one op to read ahead: one group per routed expert (`expert` set), one
 /// for everything else. Spans are (file, offset, length).
 #[derive(Clone, Debug)]
@@ -68,6 +80,8 @@ pub struct StageStats {
     /// Of those, bytes the runner took; bytes dropped unused (the op had passed).
     pub taken_bytes: u64,
     pub dropped_bytes: u64,
+    /// (op step, bytes) of what was dropped, by step.
+    pub dropped_at: Vec<(usize, u64)>,
     /// Host seconds of the loader's reads into pinned memory.
     pub read_seconds: f64,
     /// Seconds the loader waited for device memory (the cap), and for routing.
@@ -250,8 +264,12 @@ impl Stager {
         let mut dropped = Vec::new();
         for k in stale {
             if let Some(e) = st.entries.remove(&k) {
-                if let Entry::Ready { buf, .. } = &e {
+                if let Entry::Ready { buf, step, .. } = &e {
                     st.stats.dropped_bytes += buf.bytes as u64;
+                    match st.stats.dropped_at.iter_mut().find(|d| d.0 == *step) {
+                        Some(d) => d.1 += buf.bytes as u64,
+                        None => st.stats.dropped_at.push((*step, buf.bytes as u64)),
+                    }
                 }
                 dropped.push(e);
             }
@@ -302,6 +320,8 @@ struct Loader<'a> {
     copy: Arc<CudaStream>,
     pinned: Vec<(*mut u8, Option<Arc<CudaEvent>>)>,
     next_pin: usize,
+    /// Bytes of one batch (the size of each pinned buffer).
+    batch: usize,
     files: HashMap<PathBuf, std::fs::File>,
     pool: rayon::ThreadPool,
 }
@@ -354,7 +374,7 @@ impl Loader<'_> {
         let t0 = Instant::now();
         let mut pieces = Vec::new();
         let mut at = 0usize;
-        for (si, (_, _, len)) in spans.iter().enumerate() {
+        for (si, (_, len, _)) in spans.iter().enumerate() {
             let mut d = 0;
             while d < *len {
                 let n = (4 << 20).min(len - d);
@@ -524,13 +544,26 @@ fn loader_body(
         copy,
         pinned: Vec::new(),
         next_pin: 0,
+        batch: 0,
         files: HashMap::new(),
         pool,
     };
-    for _ in 0..2 {
-        let p = unsafe { dres::malloc_host(STAGE, 0) }.map_err(|e| cuda_err("pinned", e))?;
+    // pinned buffers: pinning is slow (and holds the driver up), so no larger than the largest
+    // stored tensor the plan stages or a batch
+    let largest = plan
+        .iter()
+        .flatten()
+        .flat_map(|g| g.spans.iter().map(|s| s.2))
+        .filter(|&n| n <= STAGE)
+        .max()
+        .unwrap_or(0);
+    let batch = BATCH.max(largest).next_multiple_of(1 << 20);
+    let batch = if plan_bytes(plan) < batch { largest.max(1 << 20) } else { batch };
+    for _ in 0..PINNED {
+        let p = unsafe { dres::malloc_host(batch, 0) }.map_err(|e| cuda_err("pinned", e))?;
         ld.pinned.push((p as *mut u8, None));
     }
+    ld.batch = batch;
     let mut cand: Vec<(Key, usize, usize)> = Vec::new();
     let mut cand_bytes = 0usize;
     for (step, groups) in plan.iter().enumerate() {
@@ -577,10 +610,10 @@ fn loader_body(
                 continue;
             }
             for (path, off, len) in &g.spans {
-                if *len > STAGE {
+                if *len > ld.batch {
                     continue; // the runner streams it itself
                 }
-                if cand_bytes + len > STAGE {
+                if cand_bytes + len > ld.batch {
                     if !ld.flush(&mut cand, at, done)? {
                         return Ok(());
                     }

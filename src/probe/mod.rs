@@ -476,9 +476,17 @@ pub fn run_capturing(
                     serde_json::to_string(&g.counters).unwrap_or_default()
                 );
                 if let Some(s) = &stage_stats {
+                    let dropped: Vec<String> = s
+                        .dropped_at
+                        .iter()
+                        .map(|(step, b)| {
+                            format!("{} {b}", ops.get(*step).map_or("?", |o| o.id.as_str()))
+                        })
+                        .collect();
                     eprintln!(
-                        "loader (weights staged ahead): {}",
-                        serde_json::to_string(s).unwrap_or_default()
+                        "loader (weights staged ahead): {}; dropped by op: {}",
+                        serde_json::to_string(s).unwrap_or_default(),
+                        dropped.join(", ")
                     );
                 }
                 if let Some(kt) = g.kernel_times() {
