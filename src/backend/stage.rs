@@ -82,8 +82,13 @@ pub struct StageStats {
     pub dropped_bytes: u64,
     /// (op step, bytes) of what was dropped, by step.
     pub dropped_at: Vec<(usize, u64)>,
-    /// Host seconds of the loader's reads into pinned memory.
-    pub read_seconds: f64,
+    /// Host seconds of the loader's copies: registering page-cache ranges and issuing their DMA,
+    /// or reading into pinned memory.
+    pub host_seconds: f64,
+    /// Bytes copied straight from the page cache (the rest went through pinned buffers).
+    pub registered_bytes: u64,
+    /// Why the driver refused to register a page-cache range (then the pinned path is used).
+    pub register_refused: Option<String>,
     /// Seconds the loader waited for device memory (the cap), and for routing.
     pub memory_wait_seconds: f64,
     pub routing_wait_seconds: f64,
@@ -322,14 +327,19 @@ struct Loader<'a> {
     next_pin: usize,
     /// Bytes of one batch (the size of each pinned buffer).
     batch: usize,
+    /// Copy straight from the page cache (registered mappings); false: through pinned buffers.
+    register: bool,
+    /// Registered mappings whose copies may still run, with the event that ends them.
+    pending: VecDeque<(Arc<CudaEvent>, Vec<Mapped>)>,
     files: HashMap<PathBuf, std::fs::File>,
     pool: rayon::ThreadPool,
 }
 
 impl Drop for Loader<'_> {
     fn drop(&mut self) {
-        // the DMAs read the pinned buffers until they finish
+        // the DMAs read the pinned buffers and mappings until they finish
         let _ = self.copy.synchronize();
+        self.pending.clear();
         for (p, _) in self.pinned.drain(..) {
             unsafe {
                 let _ = dres::free_host(p as _);
@@ -338,15 +348,38 @@ impl Drop for Loader<'_> {
     }
 }
 
+/// A fresh read-only mapping of a file range, registered with the driver (page-locked) while a
+/// copy reads it; unregistered, then unmapped, on drop.
+struct Mapped {
+    m: memmap2::Mmap,
+    ptr: *mut std::ffi::c_void,
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = cudarc::driver::sys::cuMemHostUnregister(self.ptr);
+        }
+    }
+}
+
+fn page_size() -> usize {
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Backend(format!("cuda: stage: {what}: {e:?}"))
 }
 
 impl Loader<'_> {
-    /// Read the spans (claimed as `Loading`, `bytes` reserved) into one allocation and publish
-    /// them as ready.
+    /// Copy the spans (claimed as `Loading`, their bytes reserved) into one new device
+    /// allocation and publish them as ready.
     fn load(&mut self, spans: &[(Key, usize, usize)], total: usize) -> Result<()> {
-        use std::os::unix::fs::FileExt;
         for ((p, _), _, _) in spans {
             if !self.files.contains_key(p) {
                 let f = std::fs::File::open(p)
@@ -354,6 +387,7 @@ impl Loader<'_> {
                 self.files.insert(p.clone(), f);
             }
         }
+        self.retire(false)?;
         let slice = unsafe { self.copy.alloc::<u8>(total.max(16)) }
             .map_err(|e| cuda_err(&format!("alloc {total} B"), e))?;
         let base_dev = {
@@ -365,13 +399,155 @@ impl Loader<'_> {
             bytes: total,
             st: self.st.clone(),
         }));
+        let t0 = Instant::now();
+        let mapped = if self.register {
+            self.copy_registered(spans, base_dev)?
+        } else {
+            None
+        };
+        let pin = match mapped {
+            Some(_) => None,
+            None => {
+                self.register = false;
+                Some(self.copy_read(spans, total, base_dev)?)
+            }
+        };
+        let host_s = t0.elapsed().as_secs_f64();
+        let ready = Arc::new(
+            self.st
+                .ctx
+                .new_event(None)
+                .map_err(|e| cuda_err("event", e))?,
+        );
+        ready
+            .record(&self.copy)
+            .map_err(|e| cuda_err("event", e))?;
+        let registered = mapped.is_some();
+        match (mapped, pin) {
+            (Some(m), _) => self.pending.push_back((ready.clone(), m)),
+            (None, Some(ci)) => self.pinned[ci].1 = Some(ready.clone()),
+            (None, None) => {}
+        }
+        let mut st = self.st.lock();
+        let mut at = 0usize;
+        for (key, len, step) in spans {
+            self.ckpt.note_read(*len);
+            let buf = Buf::shared(&mem, base_dev + at as u64, *len);
+            st.entries.insert(
+                key.clone(),
+                Entry::Ready {
+                    buf,
+                    ready: ready.clone(),
+                    step: *step,
+                },
+            );
+            at += len;
+        }
+        st.stats.bytes += total as u64;
+        st.stats.batches += 1;
+        st.stats.host_seconds += host_s;
+        if registered {
+            st.stats.registered_bytes += total as u64;
+        }
+        drop(st);
+        drop(mem);
+        self.st.cv.notify_all();
+        Ok(())
+    }
+
+    /// Unregister and unmap the page-cache ranges whose copies have finished (all, waiting for
+    /// them, with `block`).
+    fn retire(&mut self, block: bool) -> Result<()> {
+        while let Some((ev, _)) = self.pending.front() {
+            if block {
+                ev.synchronize().map_err(|e| cuda_err("copy", e))?;
+            } else if !ev.is_complete() {
+                break;
+            }
+            self.pending.pop_front();
+        }
+        Ok(())
+    }
+
+    /// DMA straight from the page cache: each run of adjacent spans is mapped afresh (so no two
+    /// registrations share a page), registered read-only with the driver (pinning the cached
+    /// pages, no host copy) and copied. `None` when the driver refuses the registration (the
+    /// caller then reads through pinned buffers, and so does every later batch).
+    fn copy_registered(
+        &mut self,
+        spans: &[(Key, usize, usize)],
+        base_dev: u64,
+    ) -> Result<Option<Vec<Mapped>>> {
+        let page = page_size();
+        let mut maps: Vec<Mapped> = Vec::new();
+        let mut at = 0usize;
+        let mut i = 0;
+        while i < spans.len() {
+            let ((path, off), len, _) = &spans[i];
+            let mut end = off + *len as u64;
+            let mut j = i + 1;
+            while j < spans.len() && spans[j].0 .0 == *path && spans[j].0 .1 == end {
+                end += spans[j].1 as u64;
+                j += 1;
+            }
+            let a = off - off % page as u64;
+            let mlen = (end - a) as usize;
+            let m = unsafe {
+                memmap2::MmapOptions::new()
+                    .offset(a)
+                    .len(mlen)
+                    .map(&self.files[path])
+            }
+            .map_err(|e| Error::bad(path, None, format!("cannot map bytes {a}..{end}: {e}")))?;
+            let ptr = m.as_ptr() as *mut std::ffi::c_void;
+            let r = unsafe {
+                cudarc::driver::sys::cuMemHostRegister_v2(
+                    ptr,
+                    mlen.next_multiple_of(page),
+                    cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
+                )
+            };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                // what was issued must finish before those mappings go
+                self.copy
+                    .synchronize()
+                    .map_err(|e| cuda_err("copy", e))?;
+                let mut st = self.st.lock();
+                st.stats.register_refused = Some(format!("{r:?}"));
+                return Ok(None);
+            }
+            let mapped = Mapped { m, ptr };
+            let src = &mapped.m[(off - a) as usize..mlen];
+            unsafe { dres::memcpy_htod_async(base_dev + at as u64, src, self.copy.cu_stream()) }
+                .map_err(|e| cuda_err("copy to device", e))?;
+            at += src.len();
+            maps.push(mapped);
+            i = j;
+        }
+        Ok(Some(maps))
+    }
+
+    /// Positioned reads into a pinned buffer (in parallel), then one DMA. Returns the buffer used.
+    fn copy_read(
+        &mut self,
+        spans: &[(Key, usize, usize)],
+        total: usize,
+        base_dev: u64,
+    ) -> Result<usize> {
+        use std::os::unix::fs::FileExt;
+        if self.pinned.is_empty() {
+            for _ in 0..PINNED {
+                let p = unsafe { dres::malloc_host(self.batch, 0) }
+                    .map_err(|e| cuda_err("pinned", e))?;
+                self.pinned.push((p as *mut u8, None));
+            }
+        }
         let ci = self.next_pin;
         self.next_pin = (ci + 1) % self.pinned.len();
         if let Some(ev) = &self.pinned[ci].1 {
             ev.synchronize().map_err(|e| cuda_err("pinned buffer", e))?;
         }
         let pin = self.pinned[ci].0 as usize;
-        let t0 = Instant::now();
         let mut pieces = Vec::new();
         let mut at = 0usize;
         for (si, (_, len, _)) in spans.iter().enumerate() {
@@ -400,42 +576,10 @@ impl Loader<'_> {
                 })
             })
         })?;
-        let read_s = t0.elapsed().as_secs_f64();
         let src = unsafe { std::slice::from_raw_parts(pin as *const u8, total) };
         unsafe { dres::memcpy_htod_async(base_dev, src, self.copy.cu_stream()) }
             .map_err(|e| cuda_err("copy to device", e))?;
-        let ready = Arc::new(
-            self.st
-                .ctx
-                .new_event(None)
-                .map_err(|e| cuda_err("event", e))?,
-        );
-        ready
-            .record(&self.copy)
-            .map_err(|e| cuda_err("event", e))?;
-        self.pinned[ci].1 = Some(ready.clone());
-        let mut st = self.st.lock();
-        let mut at = 0usize;
-        for (key, len, step) in spans {
-            self.ckpt.note_read(*len);
-            let buf = Buf::shared(&mem, base_dev + at as u64, *len);
-            st.entries.insert(
-                key.clone(),
-                Entry::Ready {
-                    buf,
-                    ready: ready.clone(),
-                    step: *step,
-                },
-            );
-            at += len;
-        }
-        st.stats.bytes += total as u64;
-        st.stats.batches += 1;
-        st.stats.read_seconds += read_s;
-        drop(st);
-        drop(mem);
-        self.st.cv.notify_all();
-        Ok(())
+        Ok(ci)
     }
 
     /// Claim what is still unclaimed of `cand` (spans of ops the runner has not passed), reserve
@@ -545,11 +689,13 @@ fn loader_body(
         pinned: Vec::new(),
         next_pin: 0,
         batch: 0,
+        register: std::env::var("NVFP4_PROBE_STAGE").ok().as_deref().map(str::trim) != Some("read"),
+        pending: VecDeque::new(),
         files: HashMap::new(),
         pool,
     };
-    // pinned buffers: pinning is slow (and holds the driver up), so no larger than the largest
-    // stored tensor the plan stages or a batch
+    // batches (and the pinned buffers of the read path): pinning is slow and holds the driver
+    // up, so no larger than the largest stored tensor the plan stages or a batch
     let largest = plan
         .iter()
         .flatten()
@@ -558,11 +704,11 @@ fn loader_body(
         .max()
         .unwrap_or(0);
     let batch = BATCH.max(largest).next_multiple_of(1 << 20);
-    let batch = if plan_bytes(plan) < batch { largest.max(1 << 20) } else { batch };
-    for _ in 0..PINNED {
-        let p = unsafe { dres::malloc_host(batch, 0) }.map_err(|e| cuda_err("pinned", e))?;
-        ld.pinned.push((p as *mut u8, None));
-    }
+    let batch = if plan_bytes(plan) < batch {
+        largest.max(1 << 20)
+    } else {
+        batch
+    };
     ld.batch = batch;
     let mut cand: Vec<(Key, usize, usize)> = Vec::new();
     let mut cand_bytes = 0usize;
