@@ -95,6 +95,23 @@ extern "C" __global__ void fused_stats(const float* x, const float* r, u64 n, do
     }
 }
 
+// After fused_stats over (x, r): the two values at the largest error's index (what a comparison
+// reports next to the error), so the host reads them in the same download as the sums.
+// out[0] = x's bits | 1 << 32 when there is such an index, out[1] = r's bits. One thread.
+extern "C" __global__ void stats_pick(const float* x, const float* r, u64 n, const u64* cnt, u64* out) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    u64 a = 0, b = 0;
+    if (r && cnt[10] > 0) {
+        u64 idx = 0xFFFFFFFFull - (cnt[9] & 0xFFFFFFFFull);
+        if (idx < n) {
+            a = (u64)__float_as_uint(x[idx]) | (1ull << 32);
+            b = (u64)__float_as_uint(r[idx]);
+        }
+    }
+    out[0] = a;
+    out[1] = b;
+}
+
 // ---- MoE -----------------------------------------------------------------------------------
 
 // out[i, :] = x[rows[i], :]

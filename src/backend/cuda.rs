@@ -59,6 +59,7 @@ const KERNELS: &[&str] = &[
     "act_quant_nvfp4_seg",
     "act_quant_fp8",
     "fused_stats",
+    "stats_pick",
     "gather_rows",
     "swiglu_clamp",
     "moe_combine",
@@ -488,6 +489,27 @@ pub struct Gpu {
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
     /// The loader thread's staged weights, while a run has one (`stage`).
     pub stager: Option<Arc<super::stage::Stager>>,
+    /// Pinned host slots the metrics' results are copied into ([`Gpu::metrics_launch`]): the
+    /// blocks (freed on drop) and the free slots' addresses.
+    metric_blocks: Vec<*mut u8>,
+    metric_free: Vec<usize>,
+}
+
+/// Bytes of one pinned metrics slot: room for [`METRIC_SLOT`] / 8 / [`STAT_WORDS`] pairs.
+const METRIC_SLOT: usize = 8 << 10;
+/// Slots per pinned block.
+const METRIC_SLOTS_PER_BLOCK: usize = 64;
+/// Words (u64) per statistics item: 5 f64 sums, 11 counters, 2 values at the largest error.
+const STAT_WORDS: usize = 18;
+
+/// Metrics launched on the device and copied (asynchronously) into a pinned slot; read with
+/// [`Gpu::metrics_collect`], which waits only for this copy, not for work queued after it.
+pub struct PendingMetrics {
+    slot: usize,
+    ev: CudaEvent,
+    items: Vec<(usize, bool)>,
+    _keep: Vec<DevRef>,
+    _acc: Buf,
 }
 
 // The raw pinned pointers are owned by `Gpu` and only touched under its `&mut self`.
@@ -497,6 +519,11 @@ impl Drop for Gpu {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
         for (p, _, _) in self.pinned.drain(..) {
+            unsafe {
+                let _ = dres::free_host(p as _);
+            }
+        }
+        for p in self.metric_blocks.drain(..) {
             unsafe {
                 let _ = dres::free_host(p as _);
             }
@@ -615,6 +642,8 @@ impl Gpu {
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
             stager: None,
+            metric_blocks: Vec::new(),
+            metric_free: Vec::new(),
         })
     }
 
@@ -1472,13 +1501,20 @@ impl Gpu {
 
     fn ensure_weight(&mut self, lc: &LinearCtx, base: &str) -> Result<()> {
         let _s = crate::profile::span("host: ensure_weight");
-        let key = served_key(lc, base);
+        let key = {
+            let _s = crate::profile::span("host: ensure_weight served_key");
+            served_key(lc, base)
+        };
         if let Some(w) = self.weights.get(base) {
             if w.served_key.as_ref().is_none_or(|k| *k == key) {
                 return Ok(());
             }
             // the bytes stay; only the served reading follows the new faults/hypotheses
-            let lay = lc.ckpt.weight_layout(base)?;
+            let lay = {
+                let _s = crate::profile::span("host: ensure_weight layout");
+                lc.ckpt.weight_layout(base)?
+            };
+            let _s = crate::profile::span("host: ensure_weight re-read served");
             let served = self.served_reading(lc, base, &lay)?;
             let w = self.weights.get_mut(base).expect("present above");
             w.served = served;
@@ -1617,6 +1653,7 @@ impl Gpu {
         let m = &lay.meta;
         let (n, k) = (m.out_features, m.in_features);
         use crate::checkpoint::Scheme;
+        let sp = crate::profile::span("host: served_reading filter");
         let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
         let overrides: Vec<Override> = lc
             .overrides
@@ -1624,6 +1661,7 @@ impl Gpu {
             .filter(|(b, _)| b == base)
             .map(|(_, o)| o.clone())
             .collect();
+        drop(sp);
         use crate::probe::faults::FaultKind as K;
         let has = |k: K| faults.iter().any(|f| f.kind == k);
         let nvfp4 = matches!(
@@ -1644,6 +1682,7 @@ impl Gpu {
                 _ => None,
             };
             if let Some(reused) = reuse {
+                let _s = crate::profile::span("host: served_reading params (scales reused)");
                 let p =
                     served::nvfp4_params_of(lc.ckpt, m, conv, lc.fuse_pairs, &faults, &overrides);
                 return Ok(ServedDev::Native {
@@ -1654,6 +1693,7 @@ impl Gpu {
                     scales: Some(reused),
                 });
             }
+            let _s = crate::profile::span("host: served_reading served bytes");
             let (sc, swap, p) = served::nvfp4_served_bytes(
                 lc.ckpt,
                 m,
@@ -3095,6 +3135,18 @@ impl Gpu {
         tensors: &[&Data],
         pairs: &[(usize, Option<usize>)],
     ) -> Result<Vec<(Stats, Option<Compare>)>> {
+        let p = self.metrics_launch(tensors, pairs)?;
+        self.metrics_collect(p)
+    }
+
+    /// [`Gpu::metrics`] without waiting: the statistics kernels, the pick of the values at each
+    /// comparison's largest error, and the copy of the results into a pinned slot are queued on
+    /// the stream; [`Gpu::metrics_collect`] reads them.
+    pub fn metrics_launch(
+        &mut self,
+        tensors: &[&Data],
+        pairs: &[(usize, Option<usize>)],
+    ) -> Result<PendingMetrics> {
         for &(i, j) in pairs {
             let n = tensors[i].len();
             if let Some(j) = j {
@@ -3106,42 +3158,104 @@ impl Gpu {
                 }
             }
         }
+        let bytes = pairs.len() * STAT_WORDS * 8;
+        if bytes > METRIC_SLOT {
+            return Err(Error::Backend(format!(
+                "metrics: {} pairs in one call (at most {})",
+                pairs.len(),
+                METRIC_SLOT / 8 / STAT_WORDS
+            )));
+        }
         let bufs: Vec<DevRef> = tensors
             .iter()
             .map(|t| self.input(t))
             .collect::<Result<_>>()?;
-        let items: Vec<(u64, Option<u64>, usize)> = pairs
+        self.counters.metric_passes += pairs.len() as u64;
+        let acc = self.alloc(bytes)?;
+        self.memset(acc.ptr, 0, bytes)?;
+        for (k, &(i, j)) in pairs.iter().enumerate() {
+            let a = acc.ptr + (k * STAT_WORDS * 8) as u64;
+            let (x, r, n) = (bufs[i].ptr, j.map_or(0, |j| bufs[j].ptr), tensors[i].len());
+            self.launch(
+                "fused_stats",
+                n as u64,
+                &[A::P(x), A::P(r), A::U(n as u64), A::P(a), A::P(a + 40)],
+            )?;
+            if j.is_some() {
+                let one = LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launch_cfg(
+                    "stats_pick",
+                    one,
+                    &[A::P(x), A::P(r), A::U(n as u64), A::P(a + 40), A::P(a + 128)],
+                )?;
+            }
+        }
+        if self.metric_free.is_empty() {
+            let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
+                .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
+            self.metric_blocks.push(blk);
+            self.metric_free
+                .extend((0..METRIC_SLOTS_PER_BLOCK).map(|i| blk as usize + i * METRIC_SLOT));
+        }
+        let slot = self.metric_free.pop().expect("refilled above");
+        let dst = unsafe { std::slice::from_raw_parts_mut(slot as *mut u8, bytes) };
+        let copied = self.timed("copy device->host (metrics)", || {
+            unsafe { dres::memcpy_dtoh_async(dst, acc.ptr, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copy to host", e))
+        });
+        let ev = copied.and_then(|_| {
+            let ev = self.ctx.new_event(None).map_err(|e| cuda_err("event", e))?;
+            ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+            Ok(ev)
+        });
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                self.metric_free.push(slot);
+                return Err(e);
+            }
+        };
+        Ok(PendingMetrics {
+            slot,
+            ev,
+            items: pairs
+                .iter()
+                .map(|&(i, j)| (tensors[i].len(), j.is_some()))
+                .collect(),
+            _keep: bufs,
+            _acc: acc,
+        })
+    }
+
+    /// The results of [`Gpu::metrics_launch`], once its copy has landed.
+    pub fn metrics_collect(&mut self, p: PendingMetrics) -> Result<Vec<(Stats, Option<Compare>)>> {
+        let waited = {
+            let _s = crate::profile::span("host: metrics wait");
+            p.ev.synchronize()
+        };
+        let n = p.items.len() * STAT_WORDS;
+        let raw: Vec<u64> = unsafe { std::slice::from_raw_parts(p.slot as *const u64, n) }.to_vec();
+        self.metric_free.push(p.slot);
+        waited.map_err(|e| cuda_err("kernel execution", e))?;
+        Ok(p.items
             .iter()
-            .map(|&(i, j)| (bufs[i].ptr, j.map(|j| bufs[j].ptr), tensors[i].len()))
-            .collect();
-        let raw = self.stats_raw(&items)?;
-        Ok(pairs
-            .iter()
-            .zip(&raw)
-            .map(|(&(i, j), (a, c))| {
-                Self::stats_of(tensors[i].len(), a, c, j.is_some(), |idx| {
-                    // the largest error's two values, read where they are
-                    let at = |k: usize| -> Option<f32> {
-                        if tensors[k].on_host() {
-                            tensors[k].get(idx).copied()
-                        } else if idx < tensors[k].len() {
-                            let v: Vec<f32> =
-                                self.download(bufs[k].ptr + (idx * 4) as u64, 1).ok()?;
-                            v.first().copied()
-                        } else {
-                            None
-                        }
-                    };
-                    Some((at(i)?, at(j?)?))
+            .zip(raw.chunks(STAT_WORDS))
+            .map(|(&(n, has_ref), v)| {
+                let a: [f64; 5] = std::array::from_fn(|j| f64::from_bits(v[j]));
+                let c: [u64; 11] = std::array::from_fn(|j| v[5 + j]);
+                let (x, r) = (v[16], v[17]);
+                Self::stats_of(n, &a, &c, has_ref, |_| {
+                    (x >> 32 == 1).then(|| (f32::from_bits(x as u32), f32::from_bits(r as u32)))
                 })
             })
             .collect())
     }
 }
 
-/// Where the PTX compiled for (source, arch) is cached: `$XDG_CACHE_HOME/nvfp4-probe` or
-/// `~/.cache/nvfp4-probe`, keyed by a hash of the source and the architecture. NVRTC takes about a
-/// second; loading cached PTX (the driver caches its own SASS) takes milliseconds.
 fn ptx_cache_path(src: &str, arch: &str) -> Option<std::path::PathBuf> {
     use sha2::{Digest, Sha256};
     let dir = std::env::var_os("XDG_CACHE_HOME")

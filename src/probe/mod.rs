@@ -295,6 +295,20 @@ pub fn run_capturing(
         Some(_) => ops.iter().map(|op| stage_groups(ckpt, op)).collect(),
         None => Vec::new(),
     };
+    // the last op's record, its metrics still queued on the device
+    let mut queued: Option<(PendingRecord, Option<replay::Capture>)> = None;
+    let finish = |p: PendingRecord,
+                  cand: Option<replay::Capture>,
+                  records: &mut Vec<OpRecord>,
+                  captured: &mut Option<replay::Capture>|
+     -> Result<()> {
+        let r = op_record_finish(ckpt, opts, p)?;
+        if r.divergent && captured.is_none() {
+            *captured = cand;
+        }
+        records.push(r);
+        Ok(())
+    };
     let scoped = std::thread::scope(|sc| -> Result<()> {
         if let Some(st) = &stager {
             let (routed, at_step, done) = (&routed, &at_step, &done);
@@ -389,18 +403,21 @@ pub fn run_capturing(
                         exec(op, &inputs, &mut env)?
                     };
                     let t_m = Instant::now();
-                    records.push(op_record(
-                        ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
-                    )?);
-                    *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
-                    if capture && captured.is_none() && records.last().is_some_and(|r| r.divergent)
-                    {
-                        captured = Some(replay::Capture {
-                            op: op.clone(),
-                            inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
-                            oracle_bf16: outs[1].clone(),
-                        });
+                    let p = op_record_begin(
+                        opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
+                    )?;
+                    // what bisect would start from, should this op be the first divergent one
+                    let cand = (capture && captured.is_none()).then(|| replay::Capture {
+                        op: op.clone(),
+                        inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
+                        oracle_bf16: outs[1].clone(),
+                    });
+                    // the previous op's record: its metrics were queued before this op's work,
+                    // so waiting for them leaves the device busy
+                    if let Some((q, c)) = queued.replace((p, cand)) {
+                        finish(q, c, &mut records, &mut captured)?;
                     }
+                    *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
                     if opts.keep_outputs {
                         for (name, ts) in [
                             ("oracle_fp32", &outs[0]),
@@ -443,6 +460,9 @@ pub fn run_capturing(
                 if opts.stop_after.as_deref() == Some(op.id.as_str()) {
                     break;
                 }
+            }
+            if let Some((q, c)) = queued.take() {
+                finish(q, c, &mut records, &mut captured)?;
             }
             Ok(())
         })();
@@ -541,11 +561,80 @@ pub(crate) fn op_record(
     touched: &[String],
     observed: &[(String, served::LinearObs)],
 ) -> Result<OpRecord> {
-    let th = &opts.spec.thresholds;
+    let p = op_record_begin(opts, step, op, outs, iso, fp_on_bf, touched, observed)?;
+    op_record_finish(ckpt, opts, p)
+}
+
+/// An op's record whose metrics may still be computing on the device.
+pub(crate) struct PendingRecord {
+    step: usize,
+    op: Op,
+    shape: Vec<usize>,
+    touched: Vec<String>,
+    observed: Vec<(String, served::LinearObs)>,
+    agreement: Option<Agreement>,
+    metrics: PendingMeasure,
+}
+
+/// The first half of [`op_record`]: what needs the outputs' values on the host now, and the
+/// metrics launched (on the device they only queue: [`op_record_finish`] waits for them, so the
+/// runner can queue the next op's work first).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn op_record_begin(
+    opts: &RunOptions,
+    step: usize,
+    op: &Op,
+    outs: &[Vec<Tensor>],
+    iso: &[Tensor],
+    fp_on_bf: &[Tensor],
+    touched: &[String],
+    observed: &[(String, served::LinearObs)],
+) -> Result<PendingRecord> {
     let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
+    let metrics = {
+        let _s = crate::profile::span("metrics: launch");
+        measure_launch(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?
+    };
+    let agreement = if is_index_output(op) {
+        Some(Agreement {
+            served_isolated: agreement(&is.data, &bf.data),
+            served_propagated: agreement(&sv.data, &bf.data),
+            oracle_bf16: agreement(&bf.data, &fp.data),
+        })
+    } else {
+        None
+    };
+    Ok(PendingRecord {
+        step,
+        op: op.clone(),
+        shape: sv.shape.clone(),
+        touched: touched.to_vec(),
+        observed: observed.to_vec(),
+        agreement,
+        metrics,
+    })
+}
+
+/// The second half of [`op_record`]: the metrics' values, tolerances and verdicts.
+pub(crate) fn op_record_finish(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    p: PendingRecord,
+) -> Result<OpRecord> {
+    let th = &opts.spec.thresholds;
+    let PendingRecord {
+        step,
+        op,
+        shape,
+        touched,
+        observed,
+        agreement,
+        metrics,
+    } = p;
+    let (op, touched, observed) = (&op, &touched[..], &observed[..]);
     let ms = {
         let _s = crate::profile::span("metrics: measure");
-        measure(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?
+        measure_finish(&opts.backend, metrics)?
     };
     let mut stats = BTreeMap::new();
     stats.insert("oracle_fp32".to_string(), ms.fp);
@@ -572,15 +661,6 @@ pub(crate) fn op_record(
     let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
         .max(format_tolerance(th, opts.profile, &formats, &class))
         .max(th.min_rel_l2);
-    let agreement = if is_index_output(op) {
-        Some(Agreement {
-            served_isolated: agreement(&is.data, &bf.data),
-            served_propagated: agreement(&sv.data, &bf.data),
-            oracle_bf16: agreement(&bf.data, &fp.data),
-        })
-    } else {
-        None
-    };
     let bf_nf = stats["oracle_bf16"].non_finite();
     let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
         (
@@ -618,7 +698,7 @@ pub(crate) fn op_record(
         id: op.id.clone(),
         class,
         layer: op.layer,
-        shape: sv.shape.clone(),
+        shape,
         weights,
         stats,
         bf16_vs_fp32: noise,
@@ -937,45 +1017,66 @@ struct Measured {
     prop_fp: Compare,
 }
 
-/// The metrics of one op, on the device when the run has one (one fused pass per pair).
-fn measure(
+/// (x, reference) pairs of an op's metrics over [fp, bf, sv, is, fp_on_bf]: statistics of x
+/// and, with a reference, the comparison.
+const PAIRS: [(usize, Option<usize>); 7] = [
+    (0, None),
+    (1, Some(0)),
+    (2, Some(1)),
+    (3, Some(1)),
+    (1, Some(4)),
+    (3, Some(0)),
+    (2, Some(0)),
+];
+
+/// An op's metrics: computed (host), or queued on the device.
+pub(crate) enum PendingMeasure {
+    Done(Vec<(Stats, Option<Compare>)>),
+    Device(crate::backend::cuda::PendingMetrics),
+}
+
+/// The metrics of one op, on the device when the run has one (one fused pass per pair, queued).
+fn measure_launch(
     backend: &crate::backend::Backend,
     fp: &Tensor,
     bf: &Tensor,
     sv: &Tensor,
     is: &Tensor,
     fp_on_bf: &Tensor,
-) -> Result<Measured> {
+) -> Result<PendingMeasure> {
     let td: [&crate::tensor::Data; 5] = [&fp.data, &bf.data, &sv.data, &is.data, &fp_on_bf.data];
-    // (x, reference): statistics of x and, with a reference, the comparison
-    const PAIRS: [(usize, Option<usize>); 7] = [
-        (0, None),
-        (1, Some(0)),
-        (2, Some(1)),
-        (3, Some(1)),
-        (1, Some(4)),
-        (3, Some(0)),
-        (2, Some(0)),
-    ];
     let same = td.iter().all(|x| x.len() == td[0].len());
-    let r: Vec<(Stats, Option<Compare>)> = match backend.gpu() {
+    Ok(match backend.gpu() {
         Some(g) if same => {
             let mut g = g
                 .lock()
                 .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-            g.metrics(&td, &PAIRS)?
+            PendingMeasure::Device(g.metrics_launch(&td, &PAIRS)?)
         }
         _ => {
             let t: [&[f32]; 5] = td.map(|d| &d[..]);
-            if same {
+            PendingMeasure::Done(if same {
                 crate::metrics::stats_and_compares(&t, &PAIRS)
             } else {
                 PAIRS
                     .iter()
                     .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
                     .collect()
-            }
+            })
         }
+    })
+}
+
+fn measure_finish(backend: &crate::backend::Backend, m: PendingMeasure) -> Result<Measured> {
+    let r = match m {
+        PendingMeasure::Done(r) => r,
+        PendingMeasure::Device(p) => match backend.gpu() {
+            Some(g) => g
+                .lock()
+                .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
+                .metrics_collect(p)?,
+            None => return Err(Error::Backend("metrics queued without a device".into())),
+        },
     };
     let c = |i: usize| r[i].1.clone().unwrap_or_default();
     Ok(Measured {
