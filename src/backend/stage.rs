@@ -327,7 +327,8 @@ struct Loader<'a> {
     next_pin: usize,
     /// Bytes of one batch (the size of each pinned buffer).
     batch: usize,
-    /// Copy straight from the page cache (registered mappings); false: through pinned buffers.
+    /// Copy straight from the page cache (registered mappings, `NVFP4_PROBE_STAGE=register`);
+    /// false: through pinned buffers (the default).
     register: bool,
     /// Registered mappings whose copies may still run, with the event that ends them.
     pending: VecDeque<(Arc<CudaEvent>, Vec<Mapped>)>,
@@ -689,7 +690,10 @@ fn loader_body(
         pinned: Vec::new(),
         next_pin: 0,
         batch: 0,
-        register: std::env::var("NVFP4_PROBE_STAGE").ok().as_deref().map(str::trim) != Some("read"),
+        // measured on the H200: registering page-cache ranges stalls the runner's own driver
+        // calls (launches took 10× longer), so it is opt-in
+        register: std::env::var("NVFP4_PROBE_STAGE").ok().as_deref().map(str::trim)
+            == Some("register"),
         pending: VecDeque::new(),
         files: HashMap::new(),
         pool,
