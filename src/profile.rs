@@ -70,3 +70,41 @@ pub fn spans() -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+/// `NVFP4_PROBE_TIMELINE=FILE`: intervals (what, a number such as the op step, start, end; in
+/// seconds since the process started) of the runner's ops and the loader's batches, written as
+/// JSON lines by [`write_timeline`], for seeing which of them waits on which.
+static TIMELINE: std::sync::Mutex<Vec<(&'static str, usize, f64, f64)>> =
+    std::sync::Mutex::new(Vec::new());
+
+pub fn timeline_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("NVFP4_PROBE_TIMELINE").is_some())
+}
+
+/// Record the interval `[t0, now)` as `what` (with `n`) when the timeline is on.
+pub fn interval(what: &'static str, n: usize, t0: Instant) {
+    if !timeline_on() {
+        return;
+    }
+    let origin = *START.get_or_init(Instant::now);
+    let s = |t: Instant| t.saturating_duration_since(origin).as_secs_f64();
+    if let Ok(mut v) = TIMELINE.lock() {
+        v.push((what, n, s(t0), s(Instant::now())));
+    }
+}
+
+/// Write the recorded intervals to `NVFP4_PROBE_TIMELINE`'s file (when set), one JSON object a line.
+pub fn write_timeline() {
+    let Some(path) = std::env::var_os("NVFP4_PROBE_TIMELINE") else {
+        return;
+    };
+    let v = TIMELINE.lock().map(|v| v.clone()).unwrap_or_default();
+    let text: String = v
+        .iter()
+        .map(|(w, n, a, b)| format!("{{\"what\":\"{w}\",\"n\":{n},\"t0\":{a:.6},\"t1\":{b:.6}}}\n"))
+        .collect();
+    if let Err(e) = std::fs::write(&path, text) {
+        eprintln!("timeline: cannot write {}: {e}", std::path::Path::new(&path).display());
+    }
+}

@@ -1709,11 +1709,15 @@ impl Gpu {
                             "quantized weight without a block-scale tensor",
                         )
                     })?;
+                    let _s = crate::profile::span("host: served_reading stored scale bytes");
                     Ok(lc.ckpt.canonical_bytes(name)?.to_vec())
                 },
             )?;
             let scales = match sc {
-                Some(sc) => Some((self.upload_scales(&sc, base, &m.file, n, k)?, lkey)),
+                Some(sc) => {
+                    let _s = crate::profile::span("host: served_reading upload rearranged scales");
+                    Some((self.upload_scales(&sc, base, &m.file, n, k)?, lkey))
+                }
                 None => None,
             };
             return Ok(ServedDev::Native {
@@ -3235,7 +3239,10 @@ impl Gpu {
     pub fn metrics_collect(&mut self, p: PendingMetrics) -> Result<Vec<(Stats, Option<Compare>)>> {
         let waited = {
             let _s = crate::profile::span("host: metrics wait");
-            p.ev.synchronize()
+            let t0 = Instant::now();
+            let r = p.ev.synchronize();
+            crate::profile::interval("metrics wait", 0, t0);
+            r
         };
         let n = p.items.len() * STAT_WORDS;
         let raw: Vec<u64> = unsafe { std::slice::from_raw_parts(p.slot as *const u64, n) }.to_vec();

@@ -223,6 +223,7 @@ impl Stager {
         };
         if let Some(t) = waited {
             st.stats.runner_wait_seconds += t.elapsed().as_secs_f64();
+            crate::profile::interval("staged wait", 0, t);
         }
         drop(st);
         match out {
@@ -414,6 +415,7 @@ impl Loader<'_> {
             }
         };
         let host_s = t0.elapsed().as_secs_f64();
+        crate::profile::interval("load", spans.first().map_or(0, |c| c.2), t0);
         let ready = Arc::new(
             self.st
                 .ctx
@@ -749,6 +751,7 @@ fn loader_body(
                             std::thread::sleep(Duration::from_micros(200));
                         };
                         st.lock().stats.routing_wait_seconds += t0.elapsed().as_secs_f64();
+                        crate::profile::interval("routing wait", step, t0);
                         c
                     }
                 };

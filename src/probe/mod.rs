@@ -456,6 +456,7 @@ pub fn run_capturing(
                     return Err(Error::Backend(format!("op {}: {e}", op.id)));
                 }
                 pb.inc(1);
+                crate::profile::interval("op", step, t_op);
                 *prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
                 if opts.stop_after.as_deref() == Some(op.id.as_str()) {
                     break;
@@ -479,6 +480,7 @@ pub fn run_capturing(
         st.stats()
     });
     scoped?;
+    crate::profile::write_timeline();
     pb.finish_and_clear();
     if profile {
         let mut v: Vec<_> = prof.into_iter().collect();
