@@ -467,7 +467,13 @@ pub struct Gpu {
     /// Tensors read ahead of `ensure_weight` in one batch, by (file, offset).
     preloaded: HashMap<(std::path::PathBuf, u64), Buf>,
     scratch: HashMap<&'static str, Buf>,
+    /// The pinned staging buffers in use (2 × [`STAGE`], or the small set while the large one is
+    /// lent to a run's loader thread: [`Gpu::lend_pinned`]).
     pinned: Vec<(*mut u8, usize, CudaEvent)>,
+    /// The other set: the small one (allocated on first lending), or the large one while lent.
+    pinned_spare: Vec<(*mut u8, usize, CudaEvent)>,
+    /// Whether the large set is lent out.
+    lent: bool,
     pub counters: GpuCounters,
     /// Accumulate every GEMM in f64 (bit-equal to the CPU reference); false = hardware GEMMs.
     pub exact64: bool,
@@ -518,7 +524,7 @@ unsafe impl Send for Gpu {}
 impl Drop for Gpu {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
-        for (p, _, _) in self.pinned.drain(..) {
+        for (p, _, _) in self.pinned.drain(..).chain(self.pinned_spare.drain(..)) {
             unsafe {
                 let _ = dres::free_host(p as _);
             }
@@ -532,6 +538,8 @@ impl Drop for Gpu {
 }
 
 pub(crate) const STAGE: usize = 256 << 20;
+/// The pinned staging buffers of a device state whose large ones are lent to a loader.
+const SMALL_STAGE: usize = 16 << 20;
 /// Transfers from this size on go through the pinned staging buffers.
 const STAGED_MIN: usize = 1 << 20;
 
@@ -611,6 +619,8 @@ impl Gpu {
             preloaded: HashMap::new(),
             scratch: HashMap::new(),
             pinned,
+            pinned_spare: Vec::new(),
+            lent: false,
             counters: GpuCounters::default(),
             exact64: true,
             v2: std::env::var("NVFP4_PROBE_KERNELS")
@@ -830,7 +840,8 @@ impl Gpu {
     /// a pinned buffer once that buffer's previous DMA has finished, then sent asynchronously.
     fn stage_in(&self, dst: u64, src: &[u8]) -> Result<()> {
         use rayon::prelude::*;
-        for (ci, chunk) in src.chunks(STAGE).enumerate() {
+        let stage = self.stage_len();
+        for (ci, chunk) in src.chunks(stage).enumerate() {
             let (p, _, ev) = &self.pinned[ci % 2];
             {
                 let _s = crate::profile::span("host: stage_in wait");
@@ -844,7 +855,7 @@ impl Gpu {
             self.timed("copy host->device (staged)", || {
                 unsafe {
                     dres::memcpy_htod_async(
-                        dst + (ci * STAGE) as u64,
+                        dst + (ci * stage) as u64,
                         &pin[..],
                         self.stream.cu_stream(),
                     )
@@ -859,7 +870,8 @@ impl Gpu {
     /// Device → host bytes through a pinned buffer (DMA, then a parallel copy out).
     fn stage_out(&self, dst: &mut [u8], src: u64) -> Result<()> {
         use rayon::prelude::*;
-        for (ci, chunk) in dst.chunks_mut(STAGE).enumerate() {
+        let stage = self.stage_len();
+        for (ci, chunk) in dst.chunks_mut(stage).enumerate() {
             let (p, _, ev) = &self.pinned[ci % 2];
             ev.synchronize().map_err(|e| cuda_err("staging", e))?;
             let pin = unsafe { std::slice::from_raw_parts_mut(*p, chunk.len()) };
@@ -867,7 +879,7 @@ impl Gpu {
                 unsafe {
                     dres::memcpy_dtoh_async(
                         &mut pin[..],
-                        src + (ci * STAGE) as u64,
+                        src + (ci * stage) as u64,
                         self.stream.cu_stream(),
                     )
                 }
@@ -882,6 +894,52 @@ impl Gpu {
                 .par_chunks_mut(1 << 20)
                 .zip(pin.par_chunks(1 << 20))
                 .for_each(|(d, s)| d.copy_from_slice(s));
+        }
+        Ok(())
+    }
+
+    /// Bytes of one pinned staging buffer in use.
+    fn stage_len(&self) -> usize {
+        self.pinned.first().map_or(STAGE, |p| p.1)
+    }
+
+    /// Lend the large pinned staging buffers (pointer, bytes) to a run's loader thread, which
+    /// then has them to itself; this state stages through a small set meanwhile (allocated on the
+    /// first lending, kept). Give them back with [`Gpu::unlend_pinned`] once the loader is done.
+    pub fn lend_pinned(&mut self) -> Result<Vec<(usize, usize)>> {
+        if self.lent {
+            return Ok(Vec::new());
+        }
+        if self.pinned_spare.is_empty() {
+            for _ in 0..2 {
+                let p = unsafe { dres::malloc_host(SMALL_STAGE, 0) }
+                    .map_err(|e| cuda_err("pinned", e))?;
+                let ev = self.ctx.new_event(None).map_err(|e| cuda_err("event", e))?;
+                ev.record(&self.stream).map_err(|e| cuda_err("event", e))?;
+                self.pinned_spare.push((p as *mut u8, SMALL_STAGE, ev));
+            }
+        }
+        // nothing of this state may still be copying out of them
+        for (_, _, ev) in &self.pinned {
+            ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+        }
+        std::mem::swap(&mut self.pinned, &mut self.pinned_spare);
+        self.lent = true;
+        Ok(self
+            .pinned_spare
+            .iter()
+            .map(|(p, n, _)| (*p as usize, *n))
+            .collect())
+    }
+
+    /// Take the lent buffers back (the loader has finished every copy out of them).
+    pub fn unlend_pinned(&mut self) -> Result<()> {
+        if self.lent {
+            for (_, _, ev) in &self.pinned {
+                ev.synchronize().map_err(|e| cuda_err("staging", e))?;
+            }
+            std::mem::swap(&mut self.pinned, &mut self.pinned_spare);
+            self.lent = false;
         }
         Ok(())
     }
@@ -1833,7 +1891,7 @@ impl Gpu {
             // (a weight that does not resolve has no spans: ensure_weight reports it)
             for (path, offset, len) in Self::staged_spans(ckpt, b) {
                 let key = (path, offset);
-                if len <= STAGE && !self.preloaded.contains_key(&key) {
+                if len <= self.stage_len() && !self.preloaded.contains_key(&key) {
                     if let Some(b) = self.take_staged(&key)? {
                         self.preloaded.insert(key, b);
                         continue;
@@ -1854,7 +1912,7 @@ impl Gpu {
         while i < spans.len() {
             let mut j = i;
             let mut tot = 0usize;
-            while j < spans.len() && tot + spans[j].2 <= STAGE {
+            while j < spans.len() && tot + spans[j].2 <= self.stage_len() {
                 tot += spans[j].2;
                 j += 1;
             }
@@ -1952,7 +2010,7 @@ impl Gpu {
         let mut done = 0usize;
         let mut ci = 0usize;
         while done < len {
-            let n = STAGE.min(len - done);
+            let n = self.stage_len().min(len - done);
             let (p, _, ev) = &self.pinned[ci % 2];
             ev.synchronize().map_err(|e| cuda_err("staging", e))?;
             let dst = unsafe { std::slice::from_raw_parts_mut(*p, n) };

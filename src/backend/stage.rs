@@ -113,6 +113,8 @@ struct State {
 pub struct Stager {
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
+    /// Pinned buffers lent by the device state for the loader's reads (pointer, bytes).
+    lent: Vec<(usize, usize)>,
     state: Mutex<State>,
     cv: Condvar,
     cap: usize,
@@ -147,7 +149,11 @@ impl Drop for Stager {
 impl Stager {
     /// The loader's shared state for a device context and its compute stream; the cap from
     /// `NVFP4_PROBE_STAGE_GIB` (GiB) or [`DEFAULT_CAP`].
-    pub fn new(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Arc<Stager> {
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        compute: Arc<CudaStream>,
+        lent: Vec<(usize, usize)>,
+    ) -> Arc<Stager> {
         let cap = std::env::var("NVFP4_PROBE_STAGE_GIB")
             .ok()
             .and_then(|v| v.trim().parse::<f64>().ok())
@@ -157,6 +163,7 @@ impl Stager {
         Arc::new(Stager {
             ctx,
             compute,
+            lent,
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
             cap,
@@ -325,6 +332,8 @@ struct Loader<'a> {
     ckpt: &'a Checkpoint,
     copy: Arc<CudaStream>,
     pinned: Vec<(*mut u8, Option<Arc<CudaEvent>>)>,
+    /// Whether `pinned` was allocated here (freed on drop) or lent (`Stager::lent`).
+    own_pinned: bool,
     next_pin: usize,
     /// Bytes of one batch (the size of each pinned buffer).
     batch: usize,
@@ -343,8 +352,10 @@ impl Drop for Loader<'_> {
         let _ = self.copy.synchronize();
         self.pending.clear();
         for (p, _) in self.pinned.drain(..) {
-            unsafe {
-                let _ = dres::free_host(p as _);
+            if self.own_pinned {
+                unsafe {
+                    let _ = dres::free_host(p as _);
+                }
             }
         }
     }
@@ -539,6 +550,7 @@ impl Loader<'_> {
     ) -> Result<usize> {
         use std::os::unix::fs::FileExt;
         if self.pinned.is_empty() {
+            self.own_pinned = true;
             for _ in 0..PINNED {
                 let p = unsafe { dres::malloc_host(self.batch, 0) }
                     .map_err(|e| cuda_err("pinned", e))?;
@@ -689,7 +701,12 @@ fn loader_body(
         st,
         ckpt,
         copy,
-        pinned: Vec::new(),
+        pinned: st
+            .lent
+            .iter()
+            .map(|&(p, _)| (p as *mut u8, None))
+            .collect(),
+        own_pinned: false,
         next_pin: 0,
         batch: 0,
         // measured on the H200: registering page-cache ranges stalls the runner's own driver
@@ -714,6 +731,14 @@ fn loader_body(
         largest.max(1 << 20)
     } else {
         batch
+    };
+    // lent buffers: batches of their size (they are there already: no pinning cost)
+    let batch = match st.lent.iter().map(|l| l.1).min() {
+        Some(n) if n >= largest => n,
+        _ => {
+            ld.pinned.clear();
+            batch
+        }
     };
     ld.batch = batch;
     let mut cand: Vec<(Key, usize, usize)> = Vec::new();

@@ -285,7 +285,10 @@ pub fn run_capturing(
             let mut g = g
                 .lock()
                 .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-            let s = crate::backend::stage::Stager::new(g.ctx.clone(), g.stream.clone());
+            // the loader reads through the device state's large pinned buffers (pinning new
+            // ones would stall this thread's driver calls at the start of the run)
+            let lent = g.lend_pinned()?;
+            let s = crate::backend::stage::Stager::new(g.ctx.clone(), g.stream.clone(), lent);
             g.stager = Some(s.clone());
             Some(s)
         }
@@ -474,6 +477,8 @@ pub fn run_capturing(
         if let Some(g) = opts.backend.gpu() {
             if let Ok(mut g) = g.lock() {
                 g.stager = None;
+                // the loader thread has ended (the scope joined it) and synchronized its copies
+                let _ = g.unlend_pinned();
             }
         }
         st.shutdown();
