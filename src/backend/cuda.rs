@@ -596,6 +596,23 @@ impl Gpu {
         }
         let compile_seconds = t0.elapsed().as_secs_f64();
         unsafe { ctx.disable_event_tracking() };
+        // Keep freed device memory in the stream-ordered allocator's pool: with the default
+        // release threshold (0) the pool hands memory back to the driver at every
+        // synchronization, and the next allocations map it again (milliseconds each for the
+        // weight batches). Best effort: without it only speed changes.
+        unsafe {
+            let mut pool: dsys::CUmemoryPool = std::ptr::null_mut();
+            if dsys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                == dsys::CUresult::CUDA_SUCCESS
+            {
+                let mut keep: u64 = u64::MAX;
+                let _ = dsys::cuMemPoolSetAttribute(
+                    pool,
+                    dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut std::ffi::c_void,
+                );
+            }
+        }
         let stream = ctx.new_stream().map_err(|e| cuda_err("stream", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
         let mut pinned = Vec::new();
