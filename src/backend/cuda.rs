@@ -499,7 +499,13 @@ pub struct Gpu {
     /// blocks (freed on drop) and the free slots' addresses.
     metric_blocks: Vec<*mut u8>,
     metric_free: Vec<usize>,
+    /// Served NVFP4 readings with rearranged block scales, computed in parallel for the routed
+    /// experts of one `experts` call ([`Gpu::prepare_layouts`]) and consumed by `served_reading`.
+    prepared: HashMap<String, PreparedLayout>,
 }
+
+/// `served::nvfp4_served_bytes`' result: rearranged scale bytes, nibble order, scalars.
+type PreparedLayout = (Option<Vec<u8>>, bool, Nvfp4Params);
 
 /// Bytes of one pinned metrics slot: room for [`METRIC_SLOT`] / 8 / [`STAT_WORDS`] pairs.
 const METRIC_SLOT: usize = 8 << 10;
@@ -671,6 +677,7 @@ impl Gpu {
             stager: None,
             metric_blocks: Vec::new(),
             metric_free: Vec::new(),
+            prepared: HashMap::new(),
         })
     }
 
@@ -1488,6 +1495,7 @@ impl Gpu {
     pub fn clear_weights(&mut self) {
         self.weights.clear();
         self.preloaded.clear();
+        self.prepared.clear();
     }
 
     /// Serve an NVFP4 weight from its resident bytes (uploaded now if absent) with `scales` as its
@@ -1769,7 +1777,11 @@ impl Gpu {
                 });
             }
             let _s = crate::profile::span("host: served_reading served bytes");
-            let (sc, swap, p) = served::nvfp4_served_bytes(
+            let prepared = self.prepared.remove(base);
+            let (sc, swap, p) = if let Some(r) = prepared {
+                r
+            } else {
+                served::nvfp4_served_bytes(
                 lc.ckpt,
                 m,
                 conv,
@@ -1787,7 +1799,8 @@ impl Gpu {
                     let _s = crate::profile::span("host: served_reading stored scale bytes");
                     Ok(lc.ckpt.canonical_bytes(name)?.to_vec())
                 },
-            )?;
+            )?
+            };
             let scales = match sc {
                 Some(sc) => {
                     let _s = crate::profile::span("host: served_reading upload rearranged scales");
@@ -2897,6 +2910,64 @@ impl Gpu {
     /// [t, k]; `bases[3e..3e+3]` = (w1, w3, w2) of expert e. Returns [t, d] and the served
     /// observations per expert linear (sub ids as the CPU path names them).
     #[allow(clippy::too_many_arguments)]
+    /// For the weights among `bases` whose served reading will rearrange NVFP4 block scales
+    /// (layout faults or repairs under `lc`, not already resident in that layout), compute the
+    /// rearranged bytes in parallel now (`served::nvfp4_served_bytes`, the same call
+    /// `served_reading` makes one weight at a time). Failures are left to that sequential path,
+    /// which reports them.
+    fn prepare_layouts(&mut self, lc: &LinearCtx, bases: &[&str]) {
+        use crate::checkpoint::Scheme;
+        use rayon::prelude::*;
+        let _s = crate::profile::span("host: prepare layouts");
+        self.prepared.clear();
+        let mut todo: Vec<(&str, Vec<&Fault>, Vec<Override>)> = Vec::new();
+        for &b in bases {
+            let key = served_key(lc, b);
+            let w = self.weights.get(b);
+            if w.is_some_and(|w| w.served_key.as_ref().is_none_or(|k| *k == key)) {
+                continue; // ensure_weight keeps what it has
+            }
+            let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(b)).collect();
+            let ovs: Vec<Override> = lc
+                .overrides
+                .iter()
+                .filter(|(x, _)| x == b)
+                .map(|(_, o)| o.clone())
+                .collect();
+            if !served::nvfp4_layout_changed(&faults, &ovs) {
+                continue;
+            }
+            let lkey = layout_key(&faults, &ovs);
+            if matches!(w.map(|w| &w.served), Some(ServedDev::Native { scales: Some((_, k)), .. }) if *k == lkey)
+            {
+                continue; // reused as it is
+            }
+            todo.push((b, faults, ovs));
+        }
+        if todo.len() < 2 {
+            return;
+        }
+        let done: Vec<(String, PreparedLayout)> = todo
+            .par_iter()
+            .filter_map(|(b, faults, ovs)| {
+                let lay = lc.ckpt.weight_layout(b).ok()?;
+                let m = &lay.meta;
+                let nvfp4 = matches!(
+                    m.scheme,
+                    Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt
+                );
+                let conv = m.convention.filter(|_| nvfp4)?;
+                let scale = lay.scale.as_deref()?;
+                served::nvfp4_served_bytes(lc.ckpt, m, conv, lc.fuse_pairs, faults, ovs, || {
+                    Ok(lc.ckpt.canonical_bytes(scale)?.to_vec())
+                })
+                .ok()
+                .map(|r| (b.to_string(), r))
+            })
+            .collect();
+        self.prepared.extend(done);
+    }
+
     pub fn experts(
         &mut self,
         lc: &LinearCtx,
@@ -2952,6 +3023,7 @@ impl Gpu {
             let _s = crate::profile::span("experts: preload");
             self.preload(lc.ckpt, &routed)?;
         }
+        self.prepare_layouts(lc, &routed);
         let _s = crate::profile::span("experts: ensure + checks");
         for &e in &used {
             let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
@@ -2979,6 +3051,7 @@ impl Gpu {
                 ));
             }
         }
+        self.prepared.clear();
         drop(_s);
         let _s = crate::profile::span("experts: plan + launches");
         let h = |ui: usize, j: usize| hb.ptr + (((ui * 3 + j) * H_SLOTS) * 8) as u64;
