@@ -105,6 +105,9 @@ pub fn write_timeline() {
         .map(|(w, n, a, b)| format!("{{\"what\":\"{w}\",\"n\":{n},\"t0\":{a:.6},\"t1\":{b:.6}}}\n"))
         .collect();
     if let Err(e) = std::fs::write(&path, text) {
-        eprintln!("timeline: cannot write {}: {e}", std::path::Path::new(&path).display());
+        eprintln!(
+            "timeline: cannot write {}: {e}",
+            std::path::Path::new(&path).display()
+        );
     }
 }

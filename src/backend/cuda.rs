@@ -1782,24 +1782,24 @@ impl Gpu {
                 r
             } else {
                 served::nvfp4_served_bytes(
-                lc.ckpt,
-                m,
-                conv,
-                lc.fuse_pairs,
-                &faults,
-                &overrides,
-                || {
-                    let name = lay.scale.as_deref().ok_or_else(|| {
-                        Error::bad(
-                            &m.file,
-                            Some(base),
-                            "quantized weight without a block-scale tensor",
-                        )
-                    })?;
-                    let _s = crate::profile::span("host: served_reading stored scale bytes");
-                    Ok(lc.ckpt.canonical_bytes(name)?.to_vec())
-                },
-            )?
+                    lc.ckpt,
+                    m,
+                    conv,
+                    lc.fuse_pairs,
+                    &faults,
+                    &overrides,
+                    || {
+                        let name = lay.scale.as_deref().ok_or_else(|| {
+                            Error::bad(
+                                &m.file,
+                                Some(base),
+                                "quantized weight without a block-scale tensor",
+                            )
+                        })?;
+                        let _s = crate::profile::span("host: served_reading stored scale bytes");
+                        Ok(lc.ckpt.canonical_bytes(name)?.to_vec())
+                    },
+                )?
             };
             let scales = match sc {
                 Some(sc) => {
@@ -2906,10 +2906,6 @@ impl Gpu {
         )
     }
 
-    /// The routed-experts op of one path on the device: x [t, d], routing weights and expert ids
-    /// [t, k]; `bases[3e..3e+3]` = (w1, w3, w2) of expert e. Returns [t, d] and the served
-    /// observations per expert linear (sub ids as the CPU path names them).
-    #[allow(clippy::too_many_arguments)]
     /// For the weights among `bases` whose served reading will rearrange NVFP4 block scales
     /// (layout faults or repairs under `lc`, not already resident in that layout), compute the
     /// rearranged bytes in parallel now (`served::nvfp4_served_bytes`, the same call
@@ -2968,6 +2964,10 @@ impl Gpu {
         self.prepared.extend(done);
     }
 
+    /// The routed-experts op of one path on the device: x [t, d], routing weights and expert ids
+    /// [t, k]; `bases[3e..3e+3]` = (w1, w3, w2) of expert e. Returns [t, d] and the served
+    /// observations per expert linear (sub ids as the CPU path names them).
+    #[allow(clippy::too_many_arguments)]
     pub fn experts(
         &mut self,
         lc: &LinearCtx,
@@ -3342,7 +3342,13 @@ impl Gpu {
                 self.launch_cfg(
                     "stats_pick",
                     one,
-                    &[A::P(x), A::P(r), A::U(n as u64), A::P(a + 40), A::P(a + 128)],
+                    &[
+                        A::P(x),
+                        A::P(r),
+                        A::U(n as u64),
+                        A::P(a + 40),
+                        A::P(a + 128),
+                    ],
                 )?;
             }
         }

@@ -172,7 +172,11 @@ impl Stager {
 
     /// Whether the loader is switched on (`NVFP4_PROBE_STAGE=0` switches it off).
     pub fn enabled() -> bool {
-        std::env::var("NVFP4_PROBE_STAGE").ok().as_deref().map(str::trim) != Some("0")
+        std::env::var("NVFP4_PROBE_STAGE")
+            .ok()
+            .as_deref()
+            .map(str::trim)
+            != Some("0")
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -433,9 +437,7 @@ impl Loader<'_> {
                 .new_event(None)
                 .map_err(|e| cuda_err("event", e))?,
         );
-        ready
-            .record(&self.copy)
-            .map_err(|e| cuda_err("event", e))?;
+        ready.record(&self.copy).map_err(|e| cuda_err("event", e))?;
         let registered = mapped.is_some();
         match (mapped, pin) {
             (Some(m), _) => self.pending.push_back((ready.clone(), m)),
@@ -523,9 +525,7 @@ impl Loader<'_> {
             };
             if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
                 // what was issued must finish before those mappings go
-                self.copy
-                    .synchronize()
-                    .map_err(|e| cuda_err("copy", e))?;
+                self.copy.synchronize().map_err(|e| cuda_err("copy", e))?;
                 let mut st = self.st.lock();
                 st.stats.register_refused = Some(format!("{r:?}"));
                 return Ok(None);
@@ -687,7 +687,9 @@ fn loader_body(
     at: &AtomicUsize,
     done: &AtomicBool,
 ) -> Result<()> {
-    st.ctx.bind_to_thread().map_err(|e| cuda_err("context", e))?;
+    st.ctx
+        .bind_to_thread()
+        .map_err(|e| cuda_err("context", e))?;
     let copy = st.ctx.new_stream().map_err(|e| cuda_err("stream", e))?;
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -701,17 +703,16 @@ fn loader_body(
         st,
         ckpt,
         copy,
-        pinned: st
-            .lent
-            .iter()
-            .map(|&(p, _)| (p as *mut u8, None))
-            .collect(),
+        pinned: st.lent.iter().map(|&(p, _)| (p as *mut u8, None)).collect(),
         own_pinned: false,
         next_pin: 0,
         batch: 0,
         // measured on the H200: registering page-cache ranges stalls the runner's own driver
         // calls (launches took 10× longer), so it is opt-in
-        register: std::env::var("NVFP4_PROBE_STAGE").ok().as_deref().map(str::trim)
+        register: std::env::var("NVFP4_PROBE_STAGE")
+            .ok()
+            .as_deref()
+            .map(str::trim)
             == Some("register"),
         pending: VecDeque::new(),
         files: HashMap::new(),

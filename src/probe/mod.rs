@@ -771,11 +771,8 @@ fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
 /// The weights an op uploads, for the loader: one group per routed expert, one for the rest.
 fn stage_groups(ckpt: &Checkpoint, op: &Op) -> Vec<crate::backend::stage::StageGroup> {
     use crate::backend::{cuda::Gpu, stage::StageGroup};
-    let spans = |ws: &[String]| -> Vec<_> {
-        ws.iter()
-            .flat_map(|w| Gpu::staged_spans(ckpt, w))
-            .collect()
-    };
+    let spans =
+        |ws: &[String]| -> Vec<_> { ws.iter().flat_map(|w| Gpu::staged_spans(ckpt, w)).collect() };
     if op.kind == OpKind::Experts {
         op.weights
             .chunks(3)
