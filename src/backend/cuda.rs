@@ -1510,7 +1510,12 @@ impl Gpu {
         scales: Option<&[u8]>,
         swap: bool,
     ) -> Result<()> {
-        self.ensure_weight(lc, base)?;
+        // only the bytes are needed: the served reading is replaced below, so a resident weight
+        // is not re-read under `lc` (that recomputed each repair's rearranged block scales once
+        // more, one weight at a time, after the caller had prepared them in parallel)
+        if !self.weights.contains_key(base) {
+            self.ensure_weight(lc, base)?;
+        }
         let (n, k) = {
             let w = &self.weights[base];
             (w.n, w.k)
