@@ -295,7 +295,16 @@ pub fn run_capturing(
         _ => None,
     };
     let stage_plan: Vec<Vec<crate::backend::stage::StageGroup>> = match &stager {
-        Some(_) => ops.iter().map(|op| stage_groups(ckpt, op)).collect(),
+        Some(_) => ops
+            .iter()
+            .map(|op| {
+                if indexer_reads_nothing(&cfg, op, opts.tokens.len()) {
+                    Vec::new()
+                } else {
+                    stage_groups(ckpt, op)
+                }
+            })
+            .collect(),
         None => Vec::new(),
     };
     // the last op's record, its metrics still queued on the device
@@ -766,6 +775,16 @@ fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
             names: prefetch_names(ckpt, &op.weights),
         }]
     }
+}
+
+/// An indexer whose every causal compressed row fits its top-k budget selects them all without
+/// scoring (`model::attn::indexer`), so it reads none of its weights: nothing to stage.
+fn indexer_reads_nothing(cfg: &crate::model::config::ModelConfig, op: &Op, t: usize) -> bool {
+    op.kind == OpKind::Indexer
+        && op.layer.is_some_and(|l| {
+            let ratio = cfg.ratio(l);
+            ratio > 0 && (cfg.index_topk == 0 || t / ratio <= cfg.index_topk)
+        })
 }
 
 /// The weights an op uploads, for the loader: one group per routed expert, one for the rest.
