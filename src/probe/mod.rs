@@ -1137,3 +1137,89 @@ pub struct TokenSource {
     pub kind: String,
     pub detail: Option<PathBuf>,
 }
+
+#[cfg(test)]
+mod stage_plan_tests {
+    //! What the CUDA loader thread plans from before the run (`hash_routing`,
+    //! `indexer_reads_nothing`), checked against what the run itself does on the CPU.
+    use super::*;
+
+    fn tiny() -> (Checkpoint, crate::model::config::ModelConfig) {
+        let ck = crate::synth::builtin(0).expect("built-in model");
+        let cfg = ck.model_config().expect("config").clone();
+        (ck, cfg)
+    }
+
+    #[test]
+    fn hash_routing_known_before_the_run_is_what_the_routers_choose() {
+        let (ck, cfg) = tiny();
+        assert!(
+            cfg.num_hash_layers > 0,
+            "the tiny model has hash-routed layers"
+        );
+        let last = cfg.num_hash_layers.min(cfg.num_hidden_layers - 1);
+        let tokens = synthetic_tokens(48, cfg.vocab_size, 7);
+        let ops = build_graph(&cfg, last, false);
+        let early = hash_routing(&ck, &cfg, &ops, &tokens);
+        assert_eq!(early.len(), cfg.num_hash_layers.min(last + 1));
+        let mut opts = RunOptions::new((0, last), tokens);
+        opts.keep_outputs = true;
+        let r = run(&ck, &opts).expect("run");
+        for (target, used) in &early {
+            // the router whose expert ids the experts op at `target` consumes
+            let router = ops
+                .iter()
+                .find(|o| {
+                    o.kind == OpKind::Router
+                        && o.outputs
+                            .get(1)
+                            .is_some_and(|id| ops[*target].inputs.contains(id))
+                })
+                .expect("router of the experts op");
+            let idx_id = &router.outputs[1];
+            let mut chosen = vec![false; used.len()];
+            for path in ["oracle_fp32", "oracle_bf16", "served"] {
+                let (_, t) = r.outputs[path]
+                    .iter()
+                    .find(|(id, _)| id == idx_id)
+                    .expect("router ids kept");
+                for &v in t.data.iter() {
+                    chosen[v as usize] = true;
+                }
+            }
+            assert_eq!(&chosen, used, "experts of {}", ops[*target].id);
+            assert!(used.iter().any(|&u| u));
+        }
+    }
+
+    #[test]
+    fn indexers_left_out_of_the_plan_read_no_weight() {
+        let (ck, cfg) = tiny();
+        let ops = build_graph(&cfg, cfg.num_hidden_layers - 1, false);
+        let indexers: Vec<&Op> = ops.iter().filter(|o| o.kind == OpKind::Indexer).collect();
+        assert!(!indexers.is_empty(), "the tiny model has indexers");
+        let mut seen = (false, false);
+        for t in [12, 64] {
+            let opts = RunOptions::new(
+                (0, cfg.num_hidden_layers - 1),
+                synthetic_tokens(t, cfg.vocab_size, 3),
+            );
+            let r = run(&ck, &opts).expect("run");
+            for op in &indexers {
+                let rec = r
+                    .records
+                    .iter()
+                    .find(|x| x.id == op.id)
+                    .expect("indexer record");
+                let skip = indexer_reads_nothing(&cfg, op, t);
+                assert_eq!(skip, rec.weights.is_empty(), "{} at T = {t}", op.id);
+                if skip {
+                    seen.0 = true;
+                } else {
+                    seen.1 = true;
+                }
+            }
+        }
+        assert_eq!(seen, (true, true), "both cases occur");
+    }
+}
