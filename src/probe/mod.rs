@@ -824,12 +824,7 @@ fn hash_routing(
         if op.kind != OpKind::Router || !op.layer.is_some_and(|l| cfg.is_hash_layer(l)) {
             continue;
         }
-        let (Some(idx_id), Some(name)) = (op.outputs.get(1), op.weights.get(1)) else {
-            continue;
-        };
-        let Some(target) = (step + 1..ops.len())
-            .find(|&i| ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id))
-        else {
+        let (Some(target), Some(name)) = (experts_fed_by(ops, step), op.weights.get(1)) else {
             continue;
         };
         let Ok(table) = ckpt.tensor_f32(name) else {
@@ -855,6 +850,14 @@ fn hash_routing(
     out
 }
 
+/// The step of the routed-experts op that consumes the expert ids (output 1) of the router at
+/// `step`.
+fn experts_fed_by(ops: &[Op], step: usize) -> Option<usize> {
+    let idx_id = ops[step].outputs.get(1)?;
+    (step + 1..ops.len())
+        .find(|&i| ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id))
+}
+
 /// After the router's step: the experts op that consumes its choice (the op reading its `idx`
 /// output) gets the union of the experts every path chose.
 fn publish_routing(
@@ -863,12 +866,7 @@ fn publish_routing(
     outs: &[Vec<Tensor>],
     routed: &std::sync::Mutex<HashMap<usize, Vec<bool>>>,
 ) {
-    let Some(idx_id) = ops[step].outputs.get(1) else {
-        return;
-    };
-    let Some(target) = (step + 1..ops.len())
-        .find(|&i| ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id))
-    else {
+    let Some(target) = experts_fed_by(ops, step) else {
         return;
     };
     let n = ops[target].weights.len() / 3;
