@@ -3195,49 +3195,63 @@ impl Gpu {
         r: Option<u64>,
         n: usize,
     ) -> Result<(Stats, Option<Compare>)> {
-        let raw = self.stats_raw(&[(x, r, n)])?;
-        let (a, c) = &raw[0];
-        Ok(Self::stats_of(n, a, c, r.is_some(), |idx| {
-            let xa: Vec<f32> = self.download(x + (idx * 4) as u64, 1).ok()?;
-            let ra: Vec<f32> = self.download(r? + (idx * 4) as u64, 1).ok()?;
-            Some((xa[0], ra[0]))
-        }))
+        let acc = self.stats_queue(&[(x, r, n)])?;
+        let raw: Vec<u64> = self.download(acc.ptr, STAT_WORDS)?;
+        Ok(Self::stats_parse(&[(n, r.is_some())], &raw).remove(0))
     }
 
-    /// `fused_stats` over many (x, reference, n) on the device, one launch each into its own
-    /// accumulator slots, then one download for all: per item the 5 f64 sums and 11 counters.
-    #[allow(clippy::type_complexity)]
-    fn stats_raw(
-        &mut self,
-        items: &[(u64, Option<u64>, usize)],
-    ) -> Result<Vec<([f64; 5], [u64; 11])>> {
-        const PER: usize = 16; // 5 f64 + 11 u64 per item
+    /// Queue, per (x, reference, n), `fused_stats` into its own accumulator words of a new
+    /// allocation and, with a reference, `stats_pick` (the two values at the largest error):
+    /// [`STAT_WORDS`] words per item, read by [`Gpu::stats_parse`].
+    fn stats_queue(&mut self, items: &[(u64, Option<u64>, usize)]) -> Result<Buf> {
+        let bytes = items.len().max(1) * STAT_WORDS * 8;
         self.counters.metric_passes += items.len() as u64;
-        let acc = self.scratch("stat_acc", items.len().max(1) * PER * 8)?;
-        self.memset(acc, 0, items.len() * PER * 8)?;
-        for (i, &(x, r, n)) in items.iter().enumerate() {
-            let a = acc + (i * PER * 8) as u64;
+        let acc = self.alloc(bytes)?;
+        self.memset(acc.ptr, 0, bytes)?;
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (k, &(x, r, n)) in items.iter().enumerate() {
+            let a = acc.ptr + (k * STAT_WORDS * 8) as u64;
+            let r0 = r.unwrap_or(0);
             self.launch(
                 "fused_stats",
                 n as u64,
-                &[
-                    A::P(x),
-                    A::P(r.unwrap_or(0)),
-                    A::U(n as u64),
-                    A::P(a),
-                    A::P(a + 40),
-                ],
+                &[A::P(x), A::P(r0), A::U(n as u64), A::P(a), A::P(a + 40)],
             )?;
+            if r.is_some() {
+                self.launch_cfg(
+                    "stats_pick",
+                    one,
+                    &[
+                        A::P(x),
+                        A::P(r0),
+                        A::U(n as u64),
+                        A::P(a + 40),
+                        A::P(a + 128),
+                    ],
+                )?;
+            }
         }
-        let raw: Vec<u64> = self.download(acc, items.len() * PER)?;
-        Ok(raw
-            .chunks(PER)
-            .map(|v| {
+        Ok(acc)
+    }
+
+    /// Statistics and comparisons from [`Gpu::stats_queue`]'s words, per item (n, has reference).
+    fn stats_parse(items: &[(usize, bool)], raw: &[u64]) -> Vec<(Stats, Option<Compare>)> {
+        items
+            .iter()
+            .zip(raw.chunks(STAT_WORDS))
+            .map(|(&(n, has_ref), v)| {
                 let a: [f64; 5] = std::array::from_fn(|j| f64::from_bits(v[j]));
                 let c: [u64; 11] = std::array::from_fn(|j| v[5 + j]);
-                (a, c)
+                let (x, r) = (v[16], v[17]);
+                Self::stats_of(n, &a, &c, has_ref, |_| {
+                    (x >> 32 == 1).then(|| (f32::from_bits(x as u32), f32::from_bits(r as u32)))
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Stats and comparison from `fused_stats`' sums and counters; `at(i)` gives (x[i], r[i])
@@ -3327,36 +3341,11 @@ impl Gpu {
             .iter()
             .map(|t| self.input(t))
             .collect::<Result<_>>()?;
-        self.counters.metric_passes += pairs.len() as u64;
-        let acc = self.alloc(bytes)?;
-        self.memset(acc.ptr, 0, bytes)?;
-        for (k, &(i, j)) in pairs.iter().enumerate() {
-            let a = acc.ptr + (k * STAT_WORDS * 8) as u64;
-            let (x, r, n) = (bufs[i].ptr, j.map_or(0, |j| bufs[j].ptr), tensors[i].len());
-            self.launch(
-                "fused_stats",
-                n as u64,
-                &[A::P(x), A::P(r), A::U(n as u64), A::P(a), A::P(a + 40)],
-            )?;
-            if j.is_some() {
-                let one = LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                self.launch_cfg(
-                    "stats_pick",
-                    one,
-                    &[
-                        A::P(x),
-                        A::P(r),
-                        A::U(n as u64),
-                        A::P(a + 40),
-                        A::P(a + 128),
-                    ],
-                )?;
-            }
-        }
+        let items: Vec<(u64, Option<u64>, usize)> = pairs
+            .iter()
+            .map(|&(i, j)| (bufs[i].ptr, j.map(|j| bufs[j].ptr), tensors[i].len()))
+            .collect();
+        let acc = self.stats_queue(&items)?;
         if self.metric_free.is_empty() {
             let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
                 .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
@@ -3407,18 +3396,7 @@ impl Gpu {
         let raw: Vec<u64> = unsafe { std::slice::from_raw_parts(p.slot as *const u64, n) }.to_vec();
         self.metric_free.push(p.slot);
         waited.map_err(|e| cuda_err("kernel execution", e))?;
-        Ok(p.items
-            .iter()
-            .zip(raw.chunks(STAT_WORDS))
-            .map(|(&(n, has_ref), v)| {
-                let a: [f64; 5] = std::array::from_fn(|j| f64::from_bits(v[j]));
-                let c: [u64; 11] = std::array::from_fn(|j| v[5 + j]);
-                let (x, r) = (v[16], v[17]);
-                Self::stats_of(n, &a, &c, has_ref, |_| {
-                    (x >> 32 == 1).then(|| (f32::from_bits(x as u32), f32::from_bits(r as u32)))
-                })
-            })
-            .collect())
+        Ok(Self::stats_parse(&p.items, &raw))
     }
 }
 
