@@ -67,6 +67,9 @@ pub struct Shared<'a> {
     pub record_observations: bool,
     /// Where linears, routed experts and statistics run.
     pub backend: Backend,
+    /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
+    /// path of the op reads the same values, so they come from the checkpoint once per op.
+    params: HashMap<String, Tensor>,
 }
 
 impl<'a> Shared<'a> {
@@ -85,6 +88,7 @@ impl<'a> Shared<'a> {
             observed: Vec::new(),
             touched: Vec::new(),
             touched_set: Default::default(),
+            params: HashMap::new(),
             record_observations: false,
             backend: Backend::Cpu,
         }
@@ -125,6 +129,7 @@ impl<'a> Shared<'a> {
         }
         self.cache.clear();
         self.cache_bytes = 0;
+        self.params.clear();
         self.observed.clear();
         self.touched.clear();
         self.touched_set.clear();
@@ -266,8 +271,13 @@ impl OpEnv for PathEnv<'_, '_> {
         &self.shared.tokens
     }
     fn param(&mut self, canonical: &str) -> Result<Tensor> {
+        if let Some(t) = self.shared.params.get(canonical) {
+            return Ok(t.clone());
+        }
         let _s = crate::profile::span("host: param read");
-        self.shared.ckpt.tensor_f32(canonical)
+        let t = self.shared.ckpt.tensor_f32(canonical)?;
+        self.shared.params.insert(canonical.to_string(), t.clone());
+        Ok(t)
     }
     fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
         self.shared.ckpt.embedding_rows(ids)
@@ -419,5 +429,40 @@ pub fn format_name(f: &WeightFormat) -> &'static str {
         WeightFormat::Fp8Block { .. } => "fp8-block",
         WeightFormat::Mxfp4 { .. } => "mxfp4",
         WeightFormat::Nvfp4 { .. } => "nvfp4",
+    }
+}
+
+#[cfg(test)]
+mod param_cache_tests {
+    use super::*;
+    use crate::model::exec::OpEnv;
+
+    #[test]
+    fn the_paths_of_one_op_read_a_parameter_once_and_get_the_same_values() {
+        let ck = crate::synth::builtin(0).expect("built-in model");
+        let cfg = ck.model_config().expect("config").clone();
+        let name = "layers.0.attn_norm.weight";
+        let direct = ck.tensor_f32(name).expect("param");
+        let mut sh = Shared::new(&ck, cfg, vec![1, 2, 3], Profile::BlackwellW4a4);
+        let b0 = ck.bytes_read();
+        for kind in PathKind::ALL {
+            let mut env = PathEnv {
+                kind,
+                shared: &mut sh,
+            };
+            let t = env.param(name).expect("param");
+            assert_eq!(t.shape, direct.shape);
+            assert_eq!(&t.data[..], &direct.data[..], "{kind:?}");
+        }
+        let once = ck.bytes_read() - b0;
+        assert!(once > 0, "the first path reads it from the checkpoint");
+        // the next op reads it again
+        sh.clear();
+        let mut env = PathEnv {
+            kind: PathKind::Served,
+            shared: &mut sh,
+        };
+        env.param(name).expect("param");
+        assert_eq!(ck.bytes_read() - b0, 2 * once);
     }
 }
