@@ -49,7 +49,7 @@ if has flash; then
   cat $F/*.safetensors > /dev/null   # warm the page cache
   for i in 1 2 3; do
     ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_warm$i.json ) > "$OUT/flash_warm$i.txt" 2>&1
-    grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_warm$i.txt" | cut -c1-400
+    grep -E "ops,|profile|gpu counters|^loader|Elapsed|Maximum resident|rror" "$OUT/flash_warm$i.txt" | cut -c1-400
   done
   # device time per kernel, cuBLAS call and copy (CUDA events around each; the run itself is slower)
   ( NVFP4_PROBE_KERNEL_TIME=1 NVFP4_PROBE_PROFILE=1 timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet ) > "$OUT/flash_ktime.txt" 2>&1
@@ -69,7 +69,7 @@ if has flash; then
   fi
   sync; evict $F
   ( NVFP4_PROBE_PROFILE=1 /usr/bin/time -v timeout ${RUN_TIMEOUT:-120} $B run --model $F --layers $L --seq-len 128 --backend cuda --quiet --json $OUT/flash_cold.json ) > "$OUT/flash_cold.txt" 2>&1
-  grep -E "ops,|profile|gpu counters|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
+  grep -E "ops,|profile|gpu counters|^loader|Elapsed|Maximum resident|rror" "$OUT/flash_cold.txt" | cut -c1-400
   sync; evict $F
   ( time dd if=$F/$(ls $F | grep safetensors | head -1) of=/dev/null bs=16M ) > "$OUT/disk_read.txt" 2>&1; tail -4 "$OUT/disk_read.txt"
   # the disk's read bandwidth over the whole checkpoint (the cold floor's denominator)
