@@ -82,13 +82,8 @@ pub struct StageStats {
     pub dropped_bytes: u64,
     /// (op step, bytes) of what was dropped, by step.
     pub dropped_at: Vec<(usize, u64)>,
-    /// Host seconds of the loader's copies: registering page-cache ranges and issuing their DMA,
-    /// or reading into pinned memory.
+    /// Host seconds of the loader's reads into pinned memory (and issuing their DMA).
     pub host_seconds: f64,
-    /// Bytes copied straight from the page cache (the rest went through pinned buffers).
-    pub registered_bytes: u64,
-    /// Why the driver refused to register a page-cache range (then the pinned path is used).
-    pub register_refused: Option<String>,
     /// Seconds the loader waited for device memory (the cap), and for routing.
     pub memory_wait_seconds: f64,
     pub routing_wait_seconds: f64,
@@ -341,20 +336,14 @@ struct Loader<'a> {
     next_pin: usize,
     /// Bytes of one batch (the size of each pinned buffer).
     batch: usize,
-    /// Copy straight from the page cache (registered mappings, `NVFP4_PROBE_STAGE=register`);
-    /// false: through pinned buffers (the default).
-    register: bool,
-    /// Registered mappings whose copies may still run, with the event that ends them.
-    pending: VecDeque<(Arc<CudaEvent>, Vec<Mapped>)>,
     files: HashMap<PathBuf, std::fs::File>,
     pool: rayon::ThreadPool,
 }
 
 impl Drop for Loader<'_> {
     fn drop(&mut self) {
-        // the DMAs read the pinned buffers and mappings until they finish
+        // the DMAs read the pinned buffers until they finish
         let _ = self.copy.synchronize();
-        self.pending.clear();
         for (p, _) in self.pinned.drain(..) {
             if self.own_pinned {
                 unsafe {
@@ -362,30 +351,6 @@ impl Drop for Loader<'_> {
                 }
             }
         }
-    }
-}
-
-/// A fresh read-only mapping of a file range, registered with the driver (page-locked) while a
-/// copy reads it; unregistered, then unmapped, on drop.
-struct Mapped {
-    m: memmap2::Mmap,
-    ptr: *mut std::ffi::c_void,
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        unsafe {
-            let _ = cudarc::driver::sys::cuMemHostUnregister(self.ptr);
-        }
-    }
-}
-
-fn page_size() -> usize {
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
     }
 }
 
@@ -404,7 +369,6 @@ impl Loader<'_> {
                 self.files.insert(p.clone(), f);
             }
         }
-        self.retire(false)?;
         let slice = unsafe { self.copy.alloc::<u8>(total.max(16)) }
             .map_err(|e| cuda_err(&format!("alloc {total} B"), e))?;
         let base_dev = {
@@ -417,18 +381,7 @@ impl Loader<'_> {
             st: self.st.clone(),
         }));
         let t0 = Instant::now();
-        let mapped = if self.register {
-            self.copy_registered(spans, base_dev)?
-        } else {
-            None
-        };
-        let pin = match mapped {
-            Some(_) => None,
-            None => {
-                self.register = false;
-                Some(self.copy_read(spans, total, base_dev)?)
-            }
-        };
+        let pin = self.copy_read(spans, total, base_dev)?;
         let host_s = t0.elapsed().as_secs_f64();
         crate::profile::interval("load", spans.first().map_or(0, |c| c.2), t0);
         let ready = Arc::new(
@@ -438,12 +391,7 @@ impl Loader<'_> {
                 .map_err(|e| cuda_err("event", e))?,
         );
         ready.record(&self.copy).map_err(|e| cuda_err("event", e))?;
-        let registered = mapped.is_some();
-        match (mapped, pin) {
-            (Some(m), _) => self.pending.push_back((ready.clone(), m)),
-            (None, Some(ci)) => self.pinned[ci].1 = Some(ready.clone()),
-            (None, None) => {}
-        }
+        self.pinned[pin].1 = Some(ready.clone());
         let mut st = self.st.lock();
         let mut at = 0usize;
         for (key, len, step) in spans {
@@ -462,83 +410,10 @@ impl Loader<'_> {
         st.stats.bytes += total as u64;
         st.stats.batches += 1;
         st.stats.host_seconds += host_s;
-        if registered {
-            st.stats.registered_bytes += total as u64;
-        }
         drop(st);
         drop(mem);
         self.st.cv.notify_all();
         Ok(())
-    }
-
-    /// Unregister and unmap the page-cache ranges whose copies have finished (all, waiting for
-    /// them, with `block`).
-    fn retire(&mut self, block: bool) -> Result<()> {
-        while let Some((ev, _)) = self.pending.front() {
-            if block {
-                ev.synchronize().map_err(|e| cuda_err("copy", e))?;
-            } else if !ev.is_complete() {
-                break;
-            }
-            self.pending.pop_front();
-        }
-        Ok(())
-    }
-
-    /// DMA straight from the page cache: each run of adjacent spans is mapped afresh (so no two
-    /// registrations share a page), registered read-only with the driver (pinning the cached
-    /// pages, no host copy) and copied. `None` when the driver refuses the registration (the
-    /// caller then reads through pinned buffers, and so does every later batch).
-    fn copy_registered(
-        &mut self,
-        spans: &[(Key, usize, usize)],
-        base_dev: u64,
-    ) -> Result<Option<Vec<Mapped>>> {
-        let page = page_size();
-        let mut maps: Vec<Mapped> = Vec::new();
-        let mut at = 0usize;
-        let mut i = 0;
-        while i < spans.len() {
-            let ((path, off), len, _) = &spans[i];
-            let mut end = off + *len as u64;
-            let mut j = i + 1;
-            while j < spans.len() && spans[j].0 .0 == *path && spans[j].0 .1 == end {
-                end += spans[j].1 as u64;
-                j += 1;
-            }
-            let a = off - off % page as u64;
-            let mlen = (end - a) as usize;
-            let m = unsafe {
-                memmap2::MmapOptions::new()
-                    .offset(a)
-                    .len(mlen)
-                    .map(&self.files[path])
-            }
-            .map_err(|e| Error::bad(path, None, format!("cannot map bytes {a}..{end}: {e}")))?;
-            let ptr = m.as_ptr() as *mut std::ffi::c_void;
-            let r = unsafe {
-                cudarc::driver::sys::cuMemHostRegister_v2(
-                    ptr,
-                    mlen.next_multiple_of(page),
-                    cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
-                )
-            };
-            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-                // what was issued must finish before those mappings go
-                self.copy.synchronize().map_err(|e| cuda_err("copy", e))?;
-                let mut st = self.st.lock();
-                st.stats.register_refused = Some(format!("{r:?}"));
-                return Ok(None);
-            }
-            let mapped = Mapped { m, ptr };
-            let src = &mapped.m[(off - a) as usize..mlen];
-            unsafe { dres::memcpy_htod_async(base_dev + at as u64, src, self.copy.cu_stream()) }
-                .map_err(|e| cuda_err("copy to device", e))?;
-            at += src.len();
-            maps.push(mapped);
-            i = j;
-        }
-        Ok(Some(maps))
     }
 
     /// Positioned reads into a pinned buffer (in parallel), then one DMA. Returns the buffer used.
@@ -707,14 +582,6 @@ fn loader_body(
         own_pinned: false,
         next_pin: 0,
         batch: 0,
-        // measured on the H200: registering page-cache ranges stalls the runner's own driver
-        // calls (launches took 10× longer), so it is opt-in
-        register: std::env::var("NVFP4_PROBE_STAGE")
-            .ok()
-            .as_deref()
-            .map(str::trim)
-            == Some("register"),
-        pending: VecDeque::new(),
         files: HashMap::new(),
         pool,
     };
