@@ -44,10 +44,22 @@ pub fn span(name: &'static str) -> Span {
     Span(enabled().then(|| (name, Instant::now())))
 }
 
+/// The runner's op step, for the spans the timeline records ([`set_step`]).
+static STEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The runner entered op `step`: spans recorded on the timeline from now on carry it.
+pub fn set_step(step: usize) {
+    STEP.store(step, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Drop for Span {
     fn drop(&mut self) {
         if let Some((name, t0)) = self.0 {
             let s = t0.elapsed().as_secs_f64();
+            // on the timeline too (spans of 0.1 ms or more: the file stays small)
+            if s >= 1e-4 {
+                interval(name, STEP.load(std::sync::atomic::Ordering::Relaxed), t0);
+            }
             if let Ok(mut v) = SPANS.lock() {
                 match v.iter_mut().find(|e| e.0 == name) {
                     Some(e) => {
@@ -91,6 +103,17 @@ pub fn interval(what: &'static str, n: usize, t0: Instant) {
     let s = |t: Instant| t.saturating_duration_since(origin).as_secs_f64();
     if let Ok(mut v) = TIMELINE.lock() {
         v.push((what, n, s(t0), s(Instant::now())));
+    }
+}
+
+/// Record a value that is not an interval of this process's clock (such as device seconds of an
+/// op, as `[0, secs)`) when the timeline is on.
+pub fn record(what: &'static str, n: usize, t0: f64, t1: f64) {
+    if !timeline_on() {
+        return;
+    }
+    if let Ok(mut v) = TIMELINE.lock() {
+        v.push((what, n, t0, t1));
     }
 }
 

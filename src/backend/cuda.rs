@@ -435,15 +435,25 @@ pub struct GpuCounters {
 #[derive(Default)]
 pub struct KernelTimer {
     free: Vec<CudaEvent>,
-    pending: Vec<(CudaEvent, CudaEvent, &'static str)>,
+    pending: Vec<(CudaEvent, CudaEvent, &'static str, usize)>,
     by_kernel: HashMap<&'static str, (u64, f64)>,
+    /// Device milliseconds by the runner's op step ([`KernelTimer::step`] when enqueued).
+    by_step: HashMap<usize, f64>,
+    /// Device milliseconds and calls by (op step, kernel).
+    by_step_kernel: HashMap<(usize, &'static str), (u64, f64)>,
+    /// The op step the runner is in (set by [`Gpu::set_timer_step`]).
+    step: usize,
 }
 
 impl KernelTimer {
     fn drain(&mut self) -> Result<()> {
-        for (a, b, name) in self.pending.drain(..) {
+        for (a, b, name, step) in self.pending.drain(..) {
             let ms = a.elapsed_ms(&b).map_err(|e| cuda_err("event timing", e))?;
             let e = self.by_kernel.entry(name).or_default();
+            e.0 += 1;
+            e.1 += ms as f64;
+            *self.by_step.entry(step).or_default() += ms as f64;
+            let e = self.by_step_kernel.entry((step, name)).or_default();
             e.0 += 1;
             e.1 += ms as f64;
             self.free.push(a);
@@ -628,7 +638,14 @@ impl Gpu {
             ev.record(&stream).map_err(|e| cuda_err("event", e))?;
             pinned.push((p as *mut u8, STAGE, ev));
         }
-        Ok(Gpu {
+        // the first block of pinned metrics slots, now: pinning host memory during a run waits
+        // for the driver behind the loader's work (9.5 ms at a Flash run's first op)
+        let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
+            .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
+        let metric_free: Vec<usize> = (0..METRIC_SLOTS_PER_BLOCK)
+            .map(|i| blk as usize + i * METRIC_SLOT)
+            .collect();
+        let mut g = Gpu {
             ctx,
             stream,
             blas,
@@ -675,10 +692,45 @@ impl Gpu {
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
             stager: None,
-            metric_blocks: Vec::new(),
-            metric_free: Vec::new(),
+            metric_blocks: vec![blk],
+            metric_free,
             prepared: HashMap::new(),
-        })
+        };
+        if let Ok(v) = std::env::var("NVFP4_PROBE_BLAS_WARMUP") {
+            g.warm_blas(&v)?;
+        }
+        Ok(g)
+    }
+
+    /// Run GEMMs of the shapes `MxNxK[,…]` (f32 inputs, the exact-f64 path) once and wait:
+    /// `NVFP4_PROBE_BLAS_WARMUP`, for measuring cuBLAS's first-call costs.
+    fn warm_blas(&mut self, shapes: &str) -> Result<()> {
+        for sh in shapes.split(',').filter(|x| !x.trim().is_empty()) {
+            let d: Vec<usize> = sh
+                .split('x')
+                .filter_map(|v| v.trim().parse().ok())
+                .collect();
+            let [m, n, k] = d[..] else {
+                return Err(Error::usage(format!(
+                    "NVFP4_PROBE_BLAS_WARMUP: `{sh}` is not MxNxK"
+                )));
+            };
+            let t0 = std::time::Instant::now();
+            let x = self.alloc(m * k * 4)?;
+            let w = self.alloc(n * k * 4)?;
+            let y = self.alloc(m * n * 4)?;
+            self.memset(x.ptr, 0, m * k * 4)?;
+            self.memset(w.ptr, 0, n * k * 4)?;
+            self.gemm(Ty::F32, x.ptr, k, w.ptr, y.ptr, n, m, n, k)?;
+            self.sync()?;
+            if crate::profile::enabled() {
+                eprintln!(
+                    "profile: BLAS warm-up {m}x{n}x{k}: {:.1} ms",
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+        Ok(())
     }
 
     /// One line for reports: device, architecture, compile time.
@@ -1097,11 +1149,47 @@ impl Gpu {
         let r = f();
         b.record(&self.stream).map_err(|e| cuda_err("event", e))?;
         let mut t = t.borrow_mut();
-        t.pending.push((a, b, name));
+        let step = t.step;
+        t.pending.push((a, b, name, step));
         if t.pending.len() >= 4096 {
             t.drain()?;
         }
         r
+    }
+
+    /// With the kernel timer on: attribute the work enqueued from now on to the runner's op `step`.
+    pub fn set_timer_step(&self, step: usize) {
+        if let Some(t) = &self.ktimer {
+            t.borrow_mut().step = step;
+        }
+    }
+
+    /// With the kernel timer on: device seconds (kernels, cuBLAS calls and copies on the compute
+    /// stream) by op step, in step order.
+    pub fn kernel_times_by_step(&self) -> Option<Vec<(usize, f64)>> {
+        let t = self.ktimer.as_ref()?;
+        let mut t = t.borrow_mut();
+        t.drain().ok()?;
+        let mut v: Vec<_> = t.by_step.iter().map(|(k, ms)| (*k, ms / 1e3)).collect();
+        v.sort_by_key(|x| x.0);
+        Some(v)
+    }
+
+    /// With the kernel timer on: the kernels of op `step` as (name, calls, device seconds),
+    /// longest first.
+    pub fn kernel_times_of_step(&self, step: usize) -> Vec<(&'static str, u64, f64)> {
+        let Some(t) = self.ktimer.as_ref() else {
+            return Vec::new();
+        };
+        let t = t.borrow();
+        let mut v: Vec<_> = t
+            .by_step_kernel
+            .iter()
+            .filter(|((s, _), _)| *s == step)
+            .map(|((_, k), (n, ms))| (*k, *n, ms / 1e3))
+            .collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
     }
 
     /// With the kernel timer on: (name, calls, device seconds) per kernel, cuBLAS call and copy

@@ -213,13 +213,14 @@ impl Gpu {
         &mut self,
         x: &Data,
         t: usize,
-        f: &[f32],
+        f: &Data,
         rows_out: usize,
         eps: f32,
     ) -> Result<(super::cuda::DevRef, super::cuda::Buf)> {
         let w = x.len() / t.max(1);
         let xb = self.input(x)?;
-        let fb = self.upload(f)?;
+        // a parameter the op's paths share: uploaded by the first, attached to it since
+        let fb = self.input(f)?;
         let mb = self.out(t * rows_out * 4)?;
         self.gemm(
             super::cuda::Ty::F32,
@@ -247,7 +248,7 @@ impl Gpu {
         x: &Data,
         t: usize,
         d: usize,
-        f: &[f32],
+        f: &Data,
         p: &HcParams,
         rms_eps: f32,
         round: bool,
@@ -326,7 +327,7 @@ impl Gpu {
         t: usize,
         d: usize,
         hc: usize,
-        f: &[f32],
+        f: &Data,
         rms_eps: f32,
         coef: impl Fn(&[f32]) -> Vec<f32>,
         round: bool,

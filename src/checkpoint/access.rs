@@ -1,4 +1,4 @@
-//! Narrow accessors the runner needs: embedding rows without reading the whole table, the scheme
+//! Narrow accessors the runner needs: embedding and tid2eid rows without reading the whole table, the scheme
 //! of a weight from headers alone, and scalar scales of a weight without its packed data.
 
 use super::{convert, Checkpoint, Source};
@@ -11,18 +11,42 @@ impl Checkpoint {
         let info = self
             .canonical_info(canonical)
             .ok_or_else(|| self.missing(canonical, "the token embedding"))?;
+        if info.shape.len() == 2 {
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= info.shape[0]) {
+                // the prompt's fault, not the checkpoint's
+                return Err(Error::usage(format!(
+                    "token id {id} is outside the embedding table ({} rows, {})",
+                    info.shape[0],
+                    info.file.display()
+                )));
+            }
+        }
+        self.tensor_rows(canonical, ids, "the token embedding")
+    }
+
+    /// Rows `ids` of the 2-D tensor `canonical` as f32 [ids.len(), cols]; touches only those
+    /// rows' bytes (a tensor assembled from several stored pieces is read whole). An id past the
+    /// last row is an error naming the file and tensor. `what` names it in a missing-tensor error.
+    pub fn tensor_rows(&self, canonical: &str, ids: &[u32], what: &str) -> Result<Tensor> {
+        let info = self
+            .canonical_info(canonical)
+            .ok_or_else(|| self.missing(canonical, what))?;
         let raw = self.resolve(canonical).unwrap_or_default();
         if info.shape.len() != 2 {
             return Err(Error::bad(
                 &info.file,
                 Some(&raw),
-                format!(
-                    "embedding has shape {:?}, expected [vocab, hidden]",
-                    info.shape
-                ),
+                format!("shape {:?}, expected [rows, cols]", info.shape),
             ));
         }
-        let (vocab, hidden) = (info.shape[0], info.shape[1]);
+        let (rows, cols) = (info.shape[0], info.shape[1]);
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= rows) {
+            return Err(Error::bad(
+                &info.file,
+                Some(&raw),
+                format!("row {id} asked for, the tensor has {rows} rows"),
+            ));
+        }
         let es = convert::elem_size(info.dtype)
             .filter(|_| convert::supported(info.dtype))
             .ok_or_else(|| {
@@ -34,24 +58,25 @@ impl Checkpoint {
             })?;
         let e = match self.canon.get(canonical) {
             Some(Source::Whole(r)) => &self.raw[r],
-            _ => return Err(self.missing(canonical, "the token embedding")),
+            _ => {
+                let whole = self.tensor_f32(canonical)?;
+                let mut data = Vec::with_capacity(ids.len() * cols);
+                for &id in ids {
+                    let r = id as usize;
+                    data.extend_from_slice(&whole.data[r * cols..(r + 1) * cols]);
+                }
+                return Ok(Tensor::new(vec![ids.len(), cols], data));
+            }
         };
         let buf = self.shards[e.shard].buf();
-        let mut data = Vec::with_capacity(ids.len() * hidden);
+        let mut data = Vec::with_capacity(ids.len() * cols);
         for &id in ids {
-            let id = id as usize;
-            if id >= vocab {
-                return Err(Error::usage(format!(
-                    "token id {id} is outside the embedding table ({vocab} rows, {})",
-                    info.file.display()
-                )));
-            }
-            let start = e.start + id * hidden * es;
-            let row = &buf[start..start + hidden * es];
+            let start = e.start + id as usize * cols * es;
+            let row = &buf[start..start + cols * es];
             self.note_read(row.len());
             data.extend(convert::to_f32(row, info.dtype, &info.file, &raw)?);
         }
-        Ok(Tensor::new(vec![ids.len(), hidden], data))
+        Ok(Tensor::new(vec![ids.len(), cols], data))
     }
 
     /// Scheme label of a linear weight ("bf16", "fp8-block", "mxfp4", "nvfp4-ct", "nvfp4-modelopt"), from headers.

@@ -22,6 +22,17 @@ pub trait OpEnv {
     /// tid2eid, hc_head_*) as f32 values exactly as stored. Canonical official name, e.g.
     /// "layers.0.hc_attn_fn".
     fn param(&mut self, canonical: &str) -> Result<Tensor>;
+    /// [`OpEnv::param`] for a parameter the device reads: an env on a device may hand it out with
+    /// a device copy attached, made once for all the paths of an op.
+    fn param_dev(&mut self, canonical: &str) -> Result<Tensor> {
+        self.param(canonical)
+    }
+    /// Rows `ids` of a 2-D parameter (tid2eid), [ids.len(), cols], as stored; an id past its
+    /// last row is an error naming it. An env may read only those rows.
+    fn param_rows(&mut self, canonical: &str, ids: &[u32]) -> Result<Tensor> {
+        let p = self.param(canonical)?;
+        gather_rows(canonical, &p, ids)
+    }
     /// Embedding rows for the given ids, [ids.len(), D], as stored.
     fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor>;
     /// y = x @ Wᵀ for the checkpoint weight `base` (e.g. "layers.0.attn.wq_a",
@@ -68,6 +79,29 @@ pub trait OpEnv {
     }
 }
 
+/// Rows `ids` of the 2-D tensor `p` (named `name` in errors).
+pub(crate) fn gather_rows(name: &str, p: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    if p.shape.len() != 2 {
+        return Err(bad_weight(
+            name,
+            format!("shape {:?}, expected 2 dimensions", p.shape),
+        ));
+    }
+    let (rows, cols) = (p.shape[0], p.shape[1]);
+    let mut out = Vec::with_capacity(ids.len() * cols);
+    for &id in ids {
+        let r = id as usize;
+        if r >= rows {
+            return Err(bad_weight(
+                name,
+                format!("token id {id} outside the table of {rows} rows"),
+            ));
+        }
+        out.extend_from_slice(&p.data[r * cols..(r + 1) * cols]);
+    }
+    Ok(Tensor::new(vec![ids.len(), cols], out))
+}
+
 pub(crate) fn internal(op: &Op, msg: impl std::fmt::Display) -> Error {
     Error::usage(format!("op {}: {msg}", op.id))
 }
@@ -89,6 +123,16 @@ pub(crate) fn check_shape(op: &Op, what: &str, t: &Tensor, want: &[usize]) -> Re
 
 pub(crate) fn param_n(env: &mut dyn OpEnv, name: &str, n: usize) -> Result<Tensor> {
     let p = env.param(name)?;
+    check_numel(name, p, n)
+}
+
+/// [`param_n`] for a parameter the device reads (its device copy made once per op: [`OpEnv::param_dev`]).
+pub(crate) fn param_n_dev(env: &mut dyn OpEnv, name: &str, n: usize) -> Result<Tensor> {
+    let p = env.param_dev(name)?;
+    check_numel(name, p, n)
+}
+
+fn check_numel(name: &str, p: Tensor, n: usize) -> Result<Tensor> {
     if p.numel() != n {
         return Err(bad_weight(
             name,
@@ -376,7 +420,7 @@ fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let t = x.shape.first().copied().unwrap_or(0);
     check_shape(op, "residual", x, &[t, hc, d])?;
     let mix = cfg.hc_mix();
-    let f = param_n(env, weight(op, 0)?, mix * hc * d)?;
+    let f = param_n_dev(env, weight(op, 0)?, mix * hc * d)?;
     let base = param_n(env, weight(op, 1)?, mix)?;
     let scale = param_n(env, weight(op, 2)?, 3)?;
     let p = HcParams {
@@ -432,7 +476,7 @@ fn hc_head(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Resul
     let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
     let t = x.shape.first().copied().unwrap_or(0);
     check_shape(op, "residual", x, &[t, hc, d])?;
-    let f = param_n(env, weight(op, 0)?, hc * hc * d)?;
+    let f = param_n_dev(env, weight(op, 0)?, hc * hc * d)?;
     let base = param_n(env, weight(op, 1)?, hc)?;
     let scale = param_n(env, weight(op, 2)?, 1)?;
     let eps = cfg.hc_eps as f32;
@@ -569,30 +613,25 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let (norm, rs) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
     let (wts, idx) = if cfg.is_hash_layer(layer) {
         let name = weight(op, 1)?;
-        let table = env.param(name)?;
-        if table.cols() != k || table.rows() == 0 {
-            return Err(bad_weight(
-                name,
-                format!("shape {:?}, expected [vocab, {k}]", table.shape),
-            ));
-        }
-        let ids = env.token_ids();
+        let ids = env.token_ids().to_vec();
         if ids.len() != t {
             return Err(internal(
                 op,
                 format!("{} token ids for {t} rows", ids.len()),
             ));
         }
+        // only the prompt's rows of the table (tid2eid is [vocab, k])
+        let table = env.param_rows(name, &ids)?;
+        if table.cols() != k || table.rows() != t {
+            return Err(bad_weight(
+                name,
+                format!("rows of shape {:?}, expected [{t}, {k}]", table.shape),
+            ));
+        }
         let mut idx = vec![0usize; t * k];
         for (ti, &tok) in ids.iter().enumerate() {
-            if tok as usize >= table.rows() {
-                return Err(bad_weight(
-                    name,
-                    format!("token id {tok} outside the table of {} rows", table.rows()),
-                ));
-            }
             for j in 0..k {
-                let v = table.data[tok as usize * k + j];
+                let v = table.data[ti * k + j];
                 idx[ti * k + j] = as_index(v, e).ok_or_else(|| {
                     bad_weight(
                         name,

@@ -279,6 +279,31 @@ impl OpEnv for PathEnv<'_, '_> {
         self.shared.params.insert(canonical.to_string(), t.clone());
         Ok(t)
     }
+    fn param_dev(&mut self, canonical: &str) -> Result<Tensor> {
+        self.param(canonical)?;
+        let cached = &self.shared.params[canonical];
+        if cached.data.device().is_none() {
+            if let Some(g) = self.shared.backend.gpu() {
+                // attached to the cached tensor: the op's other paths get it with their clones
+                lock(g)?.input(&cached.data)?;
+            }
+        }
+        Ok(cached.clone())
+    }
+    fn param_rows(&mut self, canonical: &str, ids: &[u32]) -> Result<Tensor> {
+        // the runner's token ids are those of the whole run: one entry per parameter
+        let key = format!("{canonical} rows");
+        if let Some(t) = self.shared.params.get(&key) {
+            return Ok(t.clone());
+        }
+        let _s = crate::profile::span("host: param read");
+        let t = self
+            .shared
+            .ckpt
+            .tensor_rows(canonical, ids, "a routing table")?;
+        self.shared.params.insert(key, t.clone());
+        Ok(t)
+    }
     fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
         self.shared.ckpt.embedding_rows(ids)
     }

@@ -342,6 +342,14 @@ pub fn run_capturing(
             for (step, op) in ops.iter().enumerate() {
                 at_step.store(step, std::sync::atomic::Ordering::Relaxed);
                 let t_op = Instant::now();
+                crate::profile::set_step(step);
+                if profile {
+                    if let Some(g) = opts.backend.gpu() {
+                        if let Ok(g) = g.lock() {
+                            g.set_timer_step(step);
+                        }
+                    }
+                }
                 pb.set_message(op.id.clone());
                 let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
                 // an op made of linears: its weights in one parallel read and one copy per batch
@@ -494,7 +502,6 @@ pub fn run_capturing(
         st.stats()
     });
     scoped?;
-    crate::profile::write_timeline();
     pb.finish_and_clear();
     if profile {
         let mut v: Vec<_> = prof.into_iter().collect();
@@ -525,6 +532,34 @@ pub fn run_capturing(
                         dropped.join(", ")
                     );
                 }
+                if let Some(by_step) = g.kernel_times_by_step() {
+                    let mut kinds: HashMap<String, f64> = HashMap::new();
+                    for &(step, secs) in &by_step {
+                        let kind = ops
+                            .get(step)
+                            .map_or("?".into(), |o| format!("{:?}", o.kind));
+                        *kinds.entry(kind).or_default() += secs;
+                        crate::profile::record("device", step, 0.0, secs);
+                    }
+                    let mut v: Vec<_> = kinds.into_iter().collect();
+                    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+                    let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
+                    eprintln!("gpu device time by op kind (s): {}", line.join(", "));
+                    for &(step, secs) in by_step.iter().filter(|x| x.1 > 0.02) {
+                        let top: Vec<String> = g
+                            .kernel_times_of_step(step)
+                            .iter()
+                            .take(4)
+                            .map(|(k, n, s)| format!("{k} {:.1} ms ({n})", s * 1e3))
+                            .collect();
+                        eprintln!(
+                            "gpu device time of step {step} {}: {:.1} ms: {}",
+                            ops.get(step).map_or("?", |o| o.id.as_str()),
+                            secs * 1e3,
+                            top.join(", ")
+                        );
+                    }
+                }
                 if let Some(kt) = g.kernel_times() {
                     let sum = |copies: bool| -> f64 {
                         kt.iter()
@@ -548,6 +583,7 @@ pub fn run_capturing(
         }
     }
 
+    crate::profile::write_timeline();
     let summary = Summary::of(&records);
     Ok((
         RunResult {
@@ -827,7 +863,8 @@ fn hash_routing(
         let (Some(target), Some(name)) = (experts_fed_by(ops, step), op.weights.get(1)) else {
             continue;
         };
-        let Ok(table) = ckpt.tensor_f32(name) else {
+        // only the prompt's rows of the table
+        let Ok(table) = ckpt.tensor_rows(name, tokens, "a routing table") else {
             continue;
         };
         if table.cols() != k || k == 0 {
@@ -835,14 +872,9 @@ fn hash_routing(
         }
         let n = ops[target].weights.len() / 3;
         let mut used = vec![false; n];
-        for &tok in tokens {
-            let row = tok as usize * k;
-            for j in 0..k {
-                if let Some(&v) = table.data.get(row + j) {
-                    if v.is_finite() && v >= 0.0 && (v as usize) < n {
-                        used[v as usize] = true;
-                    }
-                }
+        for &v in table.data.iter() {
+            if v.is_finite() && v >= 0.0 && (v as usize) < n {
+                used[v as usize] = true;
             }
         }
         out.push((target, used));

@@ -103,7 +103,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         kern::hc_scale_rows(&mut m, &x, t, mix, eps);
         let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
         let want_y = rounded(kern::hc_weighted_sum(&x, &pre, t, hc, d), round);
-        let (gy, gpost, gcomb) = g.hc_pre(&dv(&x), t, d, &f, &p, eps, round)?;
+        let (gy, gpost, gcomb) = g.hc_pre(&dv(&x), t, d, &dv(&f), &p, eps, round)?;
         out.push(exact(&tag("mhc pre: y", round), &gy, &want_y));
         out.push(exact(&tag("mhc pre: post", round), &gpost, &post));
         out.push(exact(&tag("mhc pre: sinkhorn comb", round), &gcomb, &comb));
@@ -118,7 +118,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let mut mh = crate::probe::served::matmul_nt(&x, &fh, t, hc * d, hc);
         kern::hc_scale_rows(&mut mh, &x, t, hc, eps);
         let want = rounded(kern::hc_weighted_sum(&x, &coef(&mh), t, hc, d), round);
-        let got = g.hc_head(&dv(&x), t, d, hc, &fh, eps, coef, round)?;
+        let got = g.hc_head(&dv(&x), t, d, hc, &dv(&fh), eps, coef, round)?;
         out.push(exact(&tag("mhc head", round), &got, &want));
 
         let y = normals(rng, t * d, 1.0);
