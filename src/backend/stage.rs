@@ -304,8 +304,12 @@ impl Stager {
                 }
                 st.stats.memory_wait_seconds += t0.elapsed().as_secs_f64();
                 drop(st);
+                let (t_free, n) = (Instant::now(), freed.len());
                 drop(freed);
                 drop(dropped); // outside the lock: may release allocations
+                if n > 0 {
+                    crate::profile::interval("loader free", n, t_free);
+                }
                 return !stop;
             }
             // sleep until a release, or briefly: events fire without a notify
@@ -369,8 +373,10 @@ impl Loader<'_> {
                 self.files.insert(p.clone(), f);
             }
         }
+        let t_alloc = Instant::now();
         let slice = unsafe { self.copy.alloc::<u8>(total.max(16)) }
             .map_err(|e| cuda_err(&format!("alloc {total} B"), e))?;
+        crate::profile::interval("loader alloc", spans.first().map_or(0, |c| c.2), t_alloc);
         let base_dev = {
             let (p, _g) = slice.device_ptr(&self.copy);
             p
@@ -484,7 +490,10 @@ impl Loader<'_> {
             return Ok(true);
         }
         let want: usize = cand.iter().map(|c| c.1).sum();
-        if !self.st.reserve(want, at, done) {
+        let t_res = Instant::now();
+        let reserved = self.st.reserve(want, at, done);
+        crate::profile::interval("loader reserve", cand[0].2, t_res);
+        if !reserved {
             cand.clear();
             return Ok(false);
         }
