@@ -56,3 +56,14 @@ if dev:
                 sp[e["what"]][1] += e["t1"] - e["t0"]
         top = sorted(sp.items(), key=lambda kv: -kv[1][1])[:8]
         print("      host spans (ms, count; nested spans overlap): " + ", ".join(f"{k} {v[1] * 1e3:.1f} ({v[0]})" for k, v in top))
+# the loader's idle gaps between batches (over 5 ms) and what it did inside them
+loads_sorted = sorted(loads, key=lambda e: e["t0"])
+mine = ("loader reserve", "loader alloc", "loader free", "routing wait")
+for a, b in zip(loads_sorted, loads_sorted[1:]):
+    if b["t0"] - a["t1"] < 5e-3:
+        continue
+    inside = [e for e in ev if e["what"] in mine and a["t1"] - 1e-4 <= e["t0"] < b["t0"]]
+    at = next((o["n"] for o in ops if o["t0"] <= b["t0"] < o["t1"]), None)
+    desc = ", ".join(f"{e['what']} {(e['t1'] - e['t0']) * 1e3:.1f} ms" for e in inside if e["t1"] - e["t0"] > 5e-4)
+    print(f"loader idle {(b['t0'] - a['t1']) * 1e3:.1f} ms before its batch for step {b['n']} "
+          f"(runner at step {at}): {desc or 'nothing timed'}")
