@@ -390,6 +390,7 @@ impl Loader<'_> {
         let pin = self.copy_read(spans, total, base_dev)?;
         let host_s = t0.elapsed().as_secs_f64();
         crate::profile::interval("load", spans.first().map_or(0, |c| c.2), t0);
+        let t_pub = Instant::now();
         let ready = Arc::new(
             self.st
                 .ctx
@@ -419,6 +420,7 @@ impl Loader<'_> {
         drop(st);
         drop(mem);
         self.st.cv.notify_all();
+        crate::profile::interval("loader publish", 0, t_pub);
         Ok(())
     }
 
@@ -499,7 +501,9 @@ impl Loader<'_> {
         }
         let mut claimed = Vec::new();
         {
+            let t_claim = Instant::now();
             let mut st = self.st.lock();
+            crate::profile::interval("loader claim lock", 0, t_claim);
             let now = at.load(Relaxed);
             for c in cand.drain(..) {
                 if c.2 >= now && !st.entries.contains_key(&c.0) {
@@ -625,6 +629,7 @@ fn loader_body(
             if done.load(Relaxed) {
                 return Ok(());
             }
+            let t_g = Instant::now();
             if let Some(e) = g.expert {
                 let known = |m: &Mutex<HashMap<usize, Vec<bool>>>| {
                     m.lock()
@@ -660,6 +665,9 @@ fn loader_body(
                 if !chosen {
                     continue;
                 }
+            }
+            if t_g.elapsed() > Duration::from_micros(500) {
+                crate::profile::interval("loader routing check", step, t_g);
             }
             if at.load(Relaxed) > step {
                 continue;
