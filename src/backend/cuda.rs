@@ -12,7 +12,7 @@
 //! each path, so an expert is read from disk once however many paths use it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
@@ -126,12 +126,74 @@ impl Buf {
     }
 }
 
+/// A pinned host buffer that small device → host reads land in ([`BOUNCE`] bytes). A read into
+/// pageable memory is synchronous inside the driver, and while the GPU works off a long queue it
+/// held up the loader thread's driver calls (30-35 ms per Flash layer on the H200); into pinned
+/// memory the copy is asynchronous and the host waits with a stream synchronization.
+pub struct Bounce {
+    ptr: *mut u8,
+    lock: Mutex<()>,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is only touched under `lock`
+unsafe impl Send for Bounce {}
+unsafe impl Sync for Bounce {}
+
+const BOUNCE: usize = 1 << 20;
+
+impl Bounce {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Bounce> {
+        let p = unsafe { dres::malloc_host(BOUNCE, 0) }.map_err(|e| cuda_err("pinned", e))?;
+        Ok(Bounce {
+            ptr: p as *mut u8,
+            lock: Mutex::new(()),
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The values at `src` into `out` through the pinned buffer, a [`BOUNCE`]-byte piece at a
+    /// time; waits for `stream`.
+    fn read<T: Copy>(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        out: &mut [T],
+    ) -> std::result::Result<(), String> {
+        let bytes = std::mem::size_of_val(out);
+        // SAFETY: a byte view of `out` (plain values; every bit pattern is written by the copy)
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, piece) in dst.chunks_mut(BOUNCE).enumerate() {
+            let pin = unsafe { std::slice::from_raw_parts_mut(self.ptr, piece.len()) };
+            let at = src + (i * BOUNCE) as u64;
+            unsafe { dres::memcpy_dtoh_async(pin, at, stream.cu_stream()) }
+                .map_err(|e| format!("cuda: copy to host: {e:?}"))?;
+            stream
+                .synchronize()
+                .map_err(|e| format!("cuda: kernel execution: {e:?}"))?;
+            piece.copy_from_slice(pin);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        unsafe {
+            let _ = dres::free_host(self.ptr as _);
+        }
+    }
+}
+
 /// A tensor's values in device memory, produced by a device op or uploaded once from the host
 /// (`Gpu::input`); read-only. `Data` fetches them to the host only when host code reads them.
 pub struct DevTensor {
     buf: Buf,
     n: usize,
     stream: Arc<CudaStream>,
+    bounce: Arc<Bounce>,
 }
 
 impl crate::tensor::DeviceValues for DevTensor {
@@ -148,12 +210,12 @@ impl crate::tensor::DeviceValues for DevTensor {
         let _s = crate::profile::span("host: device values read by host code");
         let mut v = vec![0f32; self.n];
         if self.n > 0 {
-            unsafe { dres::memcpy_dtoh_async(&mut v[..], self.buf.ptr, self.stream.cu_stream()) }
-                .map_err(|e| format!("cuda: copy to host: {e:?}"))?;
+            self.bounce.read(&self.stream, self.buf.ptr, &mut v)?;
+        } else {
+            self.stream
+                .synchronize()
+                .map_err(|e| format!("cuda: kernel execution: {e:?}"))?;
         }
-        self.stream
-            .synchronize()
-            .map_err(|e| format!("cuda: kernel execution: {e:?}"))?;
         Ok(v)
     }
 }
@@ -501,6 +563,8 @@ pub struct Gpu {
     /// expert, NVFP4 grouped) or `loop`: whole MXFP4-expert runs of the tiny model matched the
     /// CPU reference under every profile through the grouped kernel on the H200.
     pub grouped_mx: bool,
+    /// The pinned buffer small device → host reads go through.
+    bounce: Arc<Bounce>,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
     /// The loader thread's staged weights, while a run has one (`stage`).
@@ -642,6 +706,7 @@ impl Gpu {
         // for the driver behind the loader's work (9.5 ms at a Flash run's first op)
         let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
             .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
+        let bounce = Arc::new(Bounce::new(&ctx)?);
         let metric_free: Vec<usize> = (0..METRIC_SLOTS_PER_BLOCK)
             .map(|i| blk as usize + i * METRIC_SLOT)
             .collect();
@@ -689,6 +754,7 @@ impl Gpu {
                     .map(str::trim),
                 Some("loop" | "loop-mx")
             ),
+            bounce,
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
             stager: None,
@@ -792,6 +858,7 @@ impl Gpu {
             buf: b,
             n,
             stream: self.stream.clone(),
+            bounce: self.bounce.clone(),
         });
         if x.device().is_none() {
             x.attach_device(d.clone());
@@ -810,6 +877,7 @@ impl Gpu {
             buf: b,
             n,
             stream: self.stream.clone(),
+            bounce: self.bounce.clone(),
         }));
         if exact {
             d.set_bf16_exact(true);
@@ -901,6 +969,14 @@ impl Gpu {
             let b = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, bytes) };
             self.stage_out(b, src)?;
             return Ok(v);
+        }
+        if n > 0 && bytes <= BOUNCE {
+            // (not on the kernel timer: the read waits for the stream inside)
+            return self
+                .bounce
+                .read(&self.stream, src, &mut v)
+                .map(|_| v)
+                .map_err(Error::Backend);
         }
         if n > 0 {
             self.timed("copy device->host", || {
