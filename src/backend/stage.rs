@@ -387,7 +387,28 @@ impl Loader<'_> {
             st: self.st.clone(),
         }));
         let t0 = Instant::now();
-        let pin = self.copy_read(spans, total, base_dev)?;
+        let pin = if total > self.batch && spans.len() == 1 {
+            // one tensor larger than a batch (the LM head): a batch-sized piece at a time
+            let ((path, off), _, step) = &spans[0];
+            let (mut d, mut last) = (0usize, 0usize);
+            while d < total {
+                let n = self.batch.min(total - d);
+                let piece = [((path.clone(), off + d as u64), n, *step)];
+                last = self.copy_read(&piece, n, base_dev + d as u64)?;
+                // that pinned buffer is free again once this piece's DMA is done
+                let ev = self
+                    .st
+                    .ctx
+                    .new_event(None)
+                    .map_err(|e| cuda_err("event", e))?;
+                ev.record(&self.copy).map_err(|e| cuda_err("event", e))?;
+                self.pinned[last].1 = Some(Arc::new(ev));
+                d += n;
+            }
+            last
+        } else {
+            self.copy_read(spans, total, base_dev)?
+        };
         let host_s = t0.elapsed().as_secs_f64();
         crate::profile::interval("load", spans.first().map_or(0, |c| c.2), t0);
         let t_pub = Instant::now();
@@ -674,7 +695,16 @@ fn loader_body(
             }
             for (path, off, len) in &g.spans {
                 if *len > ld.batch {
-                    continue; // the runner streams it itself
+                    // alone, in pieces (`Loader::load`)
+                    if !ld.flush(&mut cand, at, done)? {
+                        return Ok(());
+                    }
+                    cand_bytes = 0;
+                    cand.push(((path.clone(), *off), *len, step));
+                    if !ld.flush(&mut cand, at, done)? {
+                        return Ok(());
+                    }
+                    continue;
                 }
                 if cand_bytes + len > ld.batch {
                     if !ld.flush(&mut cand, at, done)? {
