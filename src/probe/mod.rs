@@ -298,7 +298,9 @@ pub fn run_capturing(
         Some(_) => ops
             .iter()
             .map(|op| {
-                if indexer_reads_nothing(&cfg, op, opts.tokens.len()) {
+                if indexer_reads_nothing(&cfg, op, opts.tokens.len())
+                    || compressor_reads_nothing(&cfg, op, opts.tokens.len())
+                {
                     Vec::new()
                 } else {
                     stage_groups(ckpt, op)
@@ -823,11 +825,24 @@ fn indexer_reads_nothing(cfg: &crate::model::config::ModelConfig, op: &Op, t: us
         })
 }
 
+/// A compressor whose ratio exceeds the prompt's length compresses no row and reads no weight.
+fn compressor_reads_nothing(cfg: &crate::model::config::ModelConfig, op: &Op, t: usize) -> bool {
+    op.kind == OpKind::Compressor
+        && op.layer.is_some_and(|l| {
+            let ratio = cfg.ratio(l);
+            ratio > 0 && t / ratio == 0
+        })
+}
+
 /// The weights an op uploads, for the loader: one group per routed expert, one for the rest.
 fn stage_groups(ckpt: &Checkpoint, op: &Op) -> Vec<crate::backend::stage::StageGroup> {
     use crate::backend::{cuda::Gpu, stage::StageGroup};
     let spans =
         |ws: &[String]| -> Vec<_> { ws.iter().flat_map(|w| Gpu::staged_spans(ckpt, w)).collect() };
+    if op.kind == OpKind::Embed {
+        // the runner reads only the prompt's rows of the table (`embedding_rows`)
+        return Vec::new();
+    }
     if op.kind == OpKind::Experts {
         op.weights
             .chunks(3)
@@ -1251,5 +1266,58 @@ mod stage_plan_tests {
             }
         }
         assert_eq!(seen, (true, true), "both cases occur");
+    }
+
+    /// Every op the loader stages weights for reads weights in the run (the embedding, read a
+    /// few rows at a time, is not staged: 1 GB of a Flash checkpoint).
+    #[test]
+    fn the_plan_stages_only_weights_the_ops_read() {
+        // on disk: the loader stages stored file spans
+        let dir = tempfile::tempdir().expect("temp dir");
+        let so = crate::synth::SynthOptions::new(
+            crate::synth::Preset::Tiny,
+            crate::synth::Format::OfficialMixed,
+            crate::checkpoint::naming::Naming::Official,
+            0,
+        );
+        crate::synth::synth_to_dir(&so, dir.path()).expect("synth");
+        let ck = Checkpoint::open(dir.path()).expect("open");
+        let cfg = ck.model_config().expect("config").clone();
+        let last = cfg.num_hidden_layers - 1;
+        let ops = build_graph(&cfg, last, false);
+        let r = run(
+            &ck,
+            &RunOptions::new((0, last), synthetic_tokens(12, cfg.vocab_size, 5)),
+        )
+        .expect("run");
+        let mut staged_ops = 0;
+        for op in &ops {
+            if indexer_reads_nothing(&cfg, op, 12) || compressor_reads_nothing(&cfg, op, 12) {
+                let rec = r.records.iter().find(|x| x.id == op.id).expect("record");
+                assert!(rec.weights.is_empty(), "{} is left out but reads", op.id);
+                continue;
+            }
+            let groups = stage_groups(&ck, op);
+            if groups.iter().all(|g| g.spans.is_empty()) {
+                continue;
+            }
+            staged_ops += 1;
+            let rec = r.records.iter().find(|x| x.id == op.id).expect("record");
+            assert!(
+                !rec.weights.is_empty(),
+                "{} is staged but reads no weight",
+                op.id
+            );
+        }
+        assert!(staged_ops > 0);
+        assert!(
+            ops.iter().any(|o| compressor_reads_nothing(&cfg, o, 12)),
+            "a compressor left out at T = 12"
+        );
+        let embed = ops
+            .iter()
+            .find(|o| o.kind == OpKind::Embed)
+            .expect("embed op");
+        assert!(stage_groups(&ck, embed).is_empty());
     }
 }
