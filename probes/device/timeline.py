@@ -58,7 +58,7 @@ if dev:
         print("      host spans (ms, count; nested spans overlap): " + ", ".join(f"{k} {v[1] * 1e3:.1f} ({v[0]})" for k, v in top))
 # the loader's idle gaps between batches (over 5 ms) and what it did inside them
 loads_sorted = sorted(loads, key=lambda e: e["t0"])
-mine = ("loader reserve", "loader alloc", "loader free", "routing wait", "loader claim lock", "loader publish", "loader routing check")
+mine = ("loader reserve", "loader alloc", "loader free", "routing wait", "loader claim lock", "loader publish")
 for a, b in zip(loads_sorted, loads_sorted[1:]):
     if b["t0"] - a["t1"] < 5e-3:
         continue

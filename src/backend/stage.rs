@@ -387,39 +387,25 @@ impl Loader<'_> {
             st: self.st.clone(),
         }));
         let t0 = Instant::now();
-        let pin = if total > self.batch && spans.len() == 1 {
+        // the copy stream runs in order: the last DMA's event says the whole batch is there
+        let ready = if total > self.batch && spans.len() == 1 {
             // one tensor larger than a batch (the LM head): a batch-sized piece at a time
             let ((path, off), _, step) = &spans[0];
-            let (mut d, mut last) = (0usize, 0usize);
+            let mut d = 0usize;
+            let mut last = None;
             while d < total {
                 let n = self.batch.min(total - d);
                 let piece = [((path.clone(), off + d as u64), n, *step)];
-                last = self.copy_read(&piece, n, base_dev + d as u64)?;
-                // that pinned buffer is free again once this piece's DMA is done
-                let ev = self
-                    .st
-                    .ctx
-                    .new_event(None)
-                    .map_err(|e| cuda_err("event", e))?;
-                ev.record(&self.copy).map_err(|e| cuda_err("event", e))?;
-                self.pinned[last].1 = Some(Arc::new(ev));
+                last = Some(self.copy_read(&piece, n, base_dev + d as u64)?);
                 d += n;
             }
-            last
+            last.ok_or_else(|| Error::Backend("internal: stage: an empty tensor in pieces".into()))?
         } else {
             self.copy_read(spans, total, base_dev)?
         };
         let host_s = t0.elapsed().as_secs_f64();
         crate::profile::interval("load", spans.first().map_or(0, |c| c.2), t0);
         let t_pub = Instant::now();
-        let ready = Arc::new(
-            self.st
-                .ctx
-                .new_event(None)
-                .map_err(|e| cuda_err("event", e))?,
-        );
-        ready.record(&self.copy).map_err(|e| cuda_err("event", e))?;
-        self.pinned[pin].1 = Some(ready.clone());
         let mut st = self.st.lock();
         let mut at = 0usize;
         for (key, len, step) in spans {
@@ -445,13 +431,14 @@ impl Loader<'_> {
         Ok(())
     }
 
-    /// Positioned reads into a pinned buffer (in parallel), then one DMA. Returns the buffer used.
+    /// Positioned reads into a pinned buffer (in parallel), then one DMA. Returns the event
+    /// recorded after that DMA (the buffer is free again once it has fired).
     fn copy_read(
         &mut self,
         spans: &[(Key, usize, usize)],
         total: usize,
         base_dev: u64,
-    ) -> Result<usize> {
+    ) -> Result<Arc<CudaEvent>> {
         use std::os::unix::fs::FileExt;
         if self.pinned.is_empty() {
             self.own_pinned = true;
@@ -498,7 +485,15 @@ impl Loader<'_> {
         let src = unsafe { std::slice::from_raw_parts(pin as *const u8, total) };
         unsafe { dres::memcpy_htod_async(base_dev, src, self.copy.cu_stream()) }
             .map_err(|e| cuda_err("copy to device", e))?;
-        Ok(ci)
+        let done = Arc::new(
+            self.st
+                .ctx
+                .new_event(None)
+                .map_err(|e| cuda_err("event", e))?,
+        );
+        done.record(&self.copy).map_err(|e| cuda_err("event", e))?;
+        self.pinned[ci].1 = Some(done.clone());
+        Ok(done)
     }
 
     /// Claim what is still unclaimed of `cand` (spans of ops the runner has not passed), reserve
@@ -650,7 +645,6 @@ fn loader_body(
             if done.load(Relaxed) {
                 return Ok(());
             }
-            let t_g = Instant::now();
             if let Some(e) = g.expert {
                 let known = |m: &Mutex<HashMap<usize, Vec<bool>>>| {
                     m.lock()
@@ -686,9 +680,6 @@ fn loader_body(
                 if !chosen {
                     continue;
                 }
-            }
-            if t_g.elapsed() > Duration::from_micros(500) {
-                crate::profile::interval("loader routing check", step, t_g);
             }
             if at.load(Relaxed) > step {
                 continue;
