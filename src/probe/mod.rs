@@ -270,8 +270,17 @@ pub fn run_capturing(
     // while the device computes (cold runs are disk-bound; this overlaps the two).
     let at_step = std::sync::atomic::AtomicUsize::new(0);
     let done = std::sync::atomic::AtomicBool::new(false);
+    let t_len = opts.tokens.len();
     let plan: Vec<Vec<Group>> = if opts.backend.gpu().is_some() {
-        ops.iter().map(|op| prefetch_groups(ckpt, op)).collect()
+        ops.iter()
+            .map(|op| {
+                if reads_nothing(&cfg, op, t_len) {
+                    Vec::new()
+                } else {
+                    prefetch_groups(ckpt, op)
+                }
+            })
+            .collect()
     } else {
         Vec::new()
     };
@@ -298,9 +307,7 @@ pub fn run_capturing(
         Some(_) => ops
             .iter()
             .map(|op| {
-                if indexer_reads_nothing(&cfg, op, opts.tokens.len())
-                    || compressor_reads_nothing(&cfg, op, opts.tokens.len())
-                {
+                if reads_nothing(&cfg, op, t_len) {
                     Vec::new()
                 } else {
                     stage_groups(ckpt, op)
@@ -781,7 +788,7 @@ fn prefetch_names(ckpt: &Checkpoint, weights: &[String]) -> Vec<String> {
         if let Ok(l) = ckpt.weight_layout(name) {
             v.push(l.weight);
             v.extend(l.scale);
-        } else if !name.starts_with("embed") && ckpt.canonical_info(name).is_some() {
+        } else if ckpt.canonical_info(name).is_some() {
             // a parameter (norm weight, hc mixing, sink, ...): small, but on the critical path
             v.push(name.clone());
         }
@@ -797,6 +804,9 @@ struct Group {
 }
 
 fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
+    if whole_weights(op).is_empty() {
+        return Vec::new();
+    }
     if op.kind == OpKind::Experts {
         // weights are [e0.w1, e0.w3, e0.w2, e1.w1, ...]
         op.weights
@@ -810,9 +820,26 @@ fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
     } else {
         vec![Group {
             expert: None,
-            names: prefetch_names(ckpt, &op.weights),
+            names: prefetch_names(ckpt, whole_weights(op)),
         }]
     }
+}
+
+/// The weights `op` reads whole from the checkpoint: all of them but the embedding's, of which
+/// the runner reads the prompt's rows (`Checkpoint::embedding_rows`). What the early reader, the
+/// page-cache prefetcher and the CUDA loader read ahead.
+fn whole_weights(op: &Op) -> &[String] {
+    if op.kind == OpKind::Embed {
+        &[]
+    } else {
+        &op.weights
+    }
+}
+
+/// Whether at `t` tokens `op` reads no weight at all: an indexer that selects every compressed
+/// row without scoring, a compressor with nothing to compress.
+fn reads_nothing(cfg: &crate::model::config::ModelConfig, op: &Op, t: usize) -> bool {
+    indexer_reads_nothing(cfg, op, t) || compressor_reads_nothing(cfg, op, t)
 }
 
 /// An indexer whose every causal compressed row fits its top-k budget selects them all without
@@ -839,8 +866,7 @@ fn stage_groups(ckpt: &Checkpoint, op: &Op) -> Vec<crate::backend::stage::StageG
     use crate::backend::{cuda::Gpu, stage::StageGroup};
     let spans =
         |ws: &[String]| -> Vec<_> { ws.iter().flat_map(|w| Gpu::staged_spans(ckpt, w)).collect() };
-    if op.kind == OpKind::Embed {
-        // the runner reads only the prompt's rows of the table (`embedding_rows`)
+    if whole_weights(op).is_empty() {
         return Vec::new();
     }
     if op.kind == OpKind::Experts {
@@ -855,7 +881,7 @@ fn stage_groups(ckpt: &Checkpoint, op: &Op) -> Vec<crate::backend::stage::StageG
     } else {
         vec![StageGroup {
             expert: None,
-            spans: spans(&op.weights),
+            spans: spans(whole_weights(op)),
         }]
     }
 }
@@ -954,7 +980,7 @@ pub fn start_early_read(ckpt: &Checkpoint, last: usize, budget: usize) -> usize 
         if op.kind == OpKind::Experts {
             continue;
         }
-        for name in prefetch_names(ckpt, &op.weights) {
+        for name in prefetch_names(ckpt, whole_weights(&op)) {
             if let Ok(crate::checkpoint::Span::File { path, offset, len }) =
                 ckpt.canonical_span(&name)
             {
@@ -1292,7 +1318,7 @@ mod stage_plan_tests {
         .expect("run");
         let mut staged_ops = 0;
         for op in &ops {
-            if indexer_reads_nothing(&cfg, op, 12) || compressor_reads_nothing(&cfg, op, 12) {
+            if reads_nothing(&cfg, op, 12) {
                 let rec = r.records.iter().find(|x| x.id == op.id).expect("record");
                 assert!(rec.weights.is_empty(), "{} is left out but reads", op.id);
                 continue;
