@@ -458,13 +458,8 @@ fn layout_key(faults: &[&Fault], overrides: &[Override]) -> String {
 
 /// The loader faults, hypotheses and pair fusion that decide a base's served reading.
 fn served_key(lc: &LinearCtx, base: &str) -> String {
-    let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
-    let ovs: Vec<&Override> = lc
-        .overrides
-        .iter()
-        .filter(|(b, _)| b == base)
-        .map(|(_, o)| o)
-        .collect();
+    let faults = crate::probe::faults::hitting(lc.faults, base);
+    let ovs = served::overrides_of(lc.overrides, base);
     if faults.is_empty() && ovs.is_empty() {
         return if lc.fuse_pairs { "f" } else { "-" }.to_string();
     }
@@ -1693,13 +1688,8 @@ impl Gpu {
                 "internal: {base} is not an NVFP4 weight (block scales pinned)"
             )));
         };
-        let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
-        let overrides: Vec<Override> = lc
-            .overrides
-            .iter()
-            .filter(|(b, _)| b == base)
-            .map(|(_, o)| o.clone())
-            .collect();
+        let faults = crate::probe::faults::hitting(lc.faults, base);
+        let overrides = served::overrides_of(lc.overrides, base);
         let p = served::nvfp4_params_of(lc.ckpt, &m, conv, lc.fuse_pairs, &faults, &overrides);
         let scales = match scales {
             Some(sc) => Some((
@@ -1906,13 +1896,8 @@ impl Gpu {
         let (n, k) = (m.out_features, m.in_features);
         use crate::checkpoint::Scheme;
         let sp = crate::profile::span("host: served_reading filter");
-        let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(base)).collect();
-        let overrides: Vec<Override> = lc
-            .overrides
-            .iter()
-            .filter(|(b, _)| b == base)
-            .map(|(_, o)| o.clone())
-            .collect();
+        let faults = crate::probe::faults::hitting(lc.faults, base);
+        let overrides = served::overrides_of(lc.overrides, base);
         drop(sp);
         use crate::probe::faults::FaultKind as K;
         let has = |k: K| faults.iter().any(|f| f.kind == k);
@@ -3092,13 +3077,8 @@ impl Gpu {
             if w.is_some_and(|w| w.served_key.as_ref().is_none_or(|k| *k == key)) {
                 continue; // ensure_weight keeps what it has
             }
-            let faults: Vec<&Fault> = lc.faults.iter().filter(|f| f.hits(b)).collect();
-            let ovs: Vec<Override> = lc
-                .overrides
-                .iter()
-                .filter(|(x, _)| x == b)
-                .map(|(_, o)| o.clone())
-                .collect();
+            let faults = crate::probe::faults::hitting(lc.faults, b);
+            let ovs = served::overrides_of(lc.overrides, b);
             if !served::nvfp4_layout_changed(&faults, &ovs) {
                 continue;
             }

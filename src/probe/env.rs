@@ -167,18 +167,11 @@ impl<'a> Shared<'a> {
     ) -> Result<(Arc<WeightView>, usize, usize)> {
         let profile = self.profile;
         let fuse = self.fuse_pairs;
-        let faults: Vec<Fault> = self
-            .faults
-            .iter()
-            .filter(|f| f.hits(base))
+        let faults: Vec<Fault> = crate::probe::faults::hitting(&self.faults, base)
+            .into_iter()
             .cloned()
             .collect();
-        let overrides: Vec<Override> = self
-            .overrides
-            .iter()
-            .filter(|(b, _)| b == base)
-            .map(|(_, o)| o.clone())
-            .collect();
+        let overrides = served::overrides_of(&self.overrides, base);
         let ckpt = self.ckpt;
         let c = self.load(base)?;
         let (n, k) = (c.qw.out_features, c.qw.in_features);

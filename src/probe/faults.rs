@@ -119,6 +119,11 @@ impl Fault {
     }
 }
 
+/// The loader faults among `faults` that hit weight `base`.
+pub fn hitting<'a>(faults: &'a [Fault], base: &str) -> Vec<&'a Fault> {
+    faults.iter().filter(|f| f.hits(base)).collect()
+}
+
 /// Whether the served path can emulate `kind` as a loader fault on a weight of `scheme`
 /// (a scheme label of `Checkpoint::weight_scheme`).
 pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {

@@ -203,7 +203,7 @@ impl<'a> Replayer<'a> {
         if !self.cache.contains_key(base) {
             let qw = self.ckpt.weight(base)?;
             let f32 = qw.dequantize()?.data;
-            let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(base)).collect();
+            let faults = crate::probe::faults::hitting(&self.faults, base);
             let served = served::prepare(self.ckpt, &qw, &f32, true, &faults, &[])?;
             let bf16 = Arc::new(f32.iter().map(|&v| bf16::round(v)).collect());
             self.cache
@@ -226,7 +226,7 @@ impl<'a> Replayer<'a> {
         let Some(conv) = nvfp4_convention(&m) else {
             return Ok(None);
         };
-        let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(base)).collect();
+        let faults = crate::probe::faults::hitting(&self.faults, base);
         Ok(Some(served::resolve_nvfp4_named(
             self.ckpt,
             &m.canonical,
@@ -250,10 +250,8 @@ impl<'a> Replayer<'a> {
 
     /// Build the served weight of `base` under `patches`.
     fn served_with(&mut self, base: &str, patches: &[&Patch]) -> Result<ServedWeight> {
-        let faults: Vec<Fault> = self
-            .faults
-            .iter()
-            .filter(|f| f.hits(base))
+        let faults: Vec<Fault> = crate::probe::faults::hitting(&self.faults, base)
+            .into_iter()
             .cloned()
             .collect();
         let ckpt = self.ckpt;
@@ -680,12 +678,8 @@ impl Replayer<'_> {
                 let m = &lay.meta;
                 let conv = nvfp4_convention(m)
                     .ok_or_else(|| Error::usage("internal: layout repair of a non-NVFP4 weight"))?;
-                let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(b)).collect();
-                let ovs: Vec<Override> = overrides
-                    .iter()
-                    .filter(|(ob, _)| ob == b)
-                    .map(|(_, o)| o.clone())
-                    .collect();
+                let faults = crate::probe::faults::hitting(&self.faults, b);
+                let ovs = served::overrides_of(overrides, b);
                 let (sc, swap, _) =
                     served::nvfp4_served_bytes(ckpt, m, conv, true, &faults, &ovs, || {
                         let name = lay.scale.as_deref().ok_or_else(|| {
@@ -991,13 +985,8 @@ impl Replayer<'_> {
         if plan.stored.iter().any(|b| b == base) {
             self.stored_scales_of(&[base])?;
         }
-        let faults: Vec<&Fault> = self.faults.iter().filter(|f| f.hits(base)).collect();
-        let ovs: Vec<Override> = plan
-            .overrides
-            .iter()
-            .filter(|(b, _)| b == base)
-            .map(|(_, o)| o.clone())
-            .collect();
+        let faults = crate::probe::faults::hitting(&self.faults, base);
+        let ovs = served::overrides_of(&plan.overrides, base);
         let lay = ckpt.weight_layout(base)?;
         let stored = || -> Result<Vec<u8>> {
             Ok(ckpt

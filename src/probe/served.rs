@@ -45,6 +45,15 @@ impl Profile {
     }
 }
 
+/// The overrides among (weight base, override) pairs that apply to weight `base`, in order.
+pub fn overrides_of(overrides: &[(String, Override)], base: &str) -> Vec<Override> {
+    overrides
+        .iter()
+        .filter(|(b, _)| b == base)
+        .map(|(_, o)| o.clone())
+        .collect()
+}
+
 /// A scale value forced by bisect's hypotheses (applied after the loader's reading).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub enum Override {
