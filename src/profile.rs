@@ -47,9 +47,15 @@ pub fn span(name: &'static str) -> Span {
 /// The runner's op step, for the spans the timeline records ([`set_step`]).
 static STEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// The runner entered op `step`: spans recorded on the timeline from now on carry it.
+/// The runner entered op `step`: spans recorded on the timeline and device time measured by the
+/// kernel timer from now on carry it.
 pub fn set_step(step: usize) {
     STEP.store(step, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The op step the runner is in ([`set_step`]).
+pub fn step() -> usize {
+    STEP.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Drop for Span {
@@ -58,7 +64,7 @@ impl Drop for Span {
             let s = t0.elapsed().as_secs_f64();
             // on the timeline too (spans of 0.1 ms or more: the file stays small)
             if s >= 1e-4 {
-                interval(name, STEP.load(std::sync::atomic::Ordering::Relaxed), t0);
+                interval(name, step(), t0);
             }
             if let Ok(mut v) = SPANS.lock() {
                 match v.iter_mut().find(|e| e.0 == name) {

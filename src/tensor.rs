@@ -208,6 +208,18 @@ impl Tensor {
             self.numel() / self.cols().max(1)
         }
     }
+    /// Rows `ids` of a 2-D tensor, [ids.len(), cols]; `None` when an id is past the last row
+    /// or the tensor is not 2-D.
+    pub fn select_rows(&self, ids: &[u32]) -> Option<Tensor> {
+        if self.shape.len() != 2 || ids.iter().any(|&i| i as usize >= self.shape[0]) {
+            return None;
+        }
+        let mut out = Vec::with_capacity(ids.len() * self.cols());
+        for &i in ids {
+            out.extend_from_slice(self.row(i as usize));
+        }
+        Some(Tensor::new(vec![ids.len(), self.cols()], out))
+    }
     pub fn row(&self, r: usize) -> &[f32] {
         let c = self.cols();
         &self.data[r * c..(r + 1) * c]

@@ -494,12 +494,8 @@ pub struct KernelTimer {
     free: Vec<CudaEvent>,
     pending: Vec<(CudaEvent, CudaEvent, &'static str, usize)>,
     by_kernel: HashMap<&'static str, (u64, f64)>,
-    /// Device milliseconds by the runner's op step ([`KernelTimer::step`] when enqueued).
-    by_step: HashMap<usize, f64>,
-    /// Device milliseconds and calls by (op step, kernel).
+    /// Device milliseconds and calls by (the runner's op step when enqueued, kernel).
     by_step_kernel: HashMap<(usize, &'static str), (u64, f64)>,
-    /// The op step the runner is in (set by [`Gpu::set_timer_step`]).
-    step: usize,
 }
 
 impl KernelTimer {
@@ -509,7 +505,6 @@ impl KernelTimer {
             let e = self.by_kernel.entry(name).or_default();
             e.0 += 1;
             e.1 += ms as f64;
-            *self.by_step.entry(step).or_default() += ms as f64;
             let e = self.by_step_kernel.entry((step, name)).or_default();
             e.0 += 1;
             e.1 += ms as f64;
@@ -697,14 +692,7 @@ impl Gpu {
             ev.record(&stream).map_err(|e| cuda_err("event", e))?;
             pinned.push((p as *mut u8, STAGE, ev));
         }
-        // the first block of pinned metrics slots, now: pinning host memory during a run waits
-        // for the driver behind the loader's work (9.5 ms at a Flash run's first op)
-        let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
-            .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
         let bounce = Arc::new(Bounce::new(&ctx)?);
-        let metric_free: Vec<usize> = (0..METRIC_SLOTS_PER_BLOCK)
-            .map(|i| blk as usize + i * METRIC_SLOT)
-            .collect();
         let mut g = Gpu {
             ctx,
             stream,
@@ -753,10 +741,13 @@ impl Gpu {
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
             stager: None,
-            metric_blocks: vec![blk],
-            metric_free,
+            metric_blocks: Vec::new(),
+            metric_free: Vec::new(),
             prepared: HashMap::new(),
         };
+        // the first block of pinned metrics slots, now: pinning host memory during a run waits
+        // for the driver behind the loader's work (9.5 ms at a Flash run's first op)
+        g.add_metric_block()?;
         if let Ok(v) = std::env::var("NVFP4_PROBE_BLAS_WARMUP") {
             g.warm_blas(&v)?;
         }
@@ -954,7 +945,8 @@ impl Gpu {
         })
     }
 
-    /// Device → host; synchronizes the stream. From 1 MiB on through the pinned staging buffers.
+    /// Device → host; synchronizes the stream. From 1 MiB on through the pinned staging buffers,
+    /// below that through the pinned bounce buffer (never into pageable memory: see [`Bounce`]).
     pub fn download<T: Copy + Default>(&self, src: u64, n: usize) -> Result<Vec<T>> {
         let mut v = vec![T::default(); n];
         let bytes = std::mem::size_of_val(&v[..]);
@@ -965,21 +957,14 @@ impl Gpu {
             self.stage_out(b, src)?;
             return Ok(v);
         }
-        if n > 0 && bytes <= BOUNCE {
-            // (not on the kernel timer: the read waits for the stream inside)
-            return self
-                .bounce
-                .read(&self.stream, src, &mut v)
-                .map(|_| v)
-                .map_err(Error::Backend);
+        if n == 0 {
+            self.sync()?;
+            return Ok(v);
         }
-        if n > 0 {
-            self.timed("copy device->host", || {
-                unsafe { dres::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }
-                    .map_err(|e| cuda_err("copy to host", e))
-            })?;
-        }
-        self.sync()?;
+        // (not on the kernel timer: the read waits for the stream inside)
+        self.bounce
+            .read(&self.stream, src, &mut v)
+            .map_err(Error::Backend)?;
         Ok(v)
     }
 
@@ -1220,19 +1205,11 @@ impl Gpu {
         let r = f();
         b.record(&self.stream).map_err(|e| cuda_err("event", e))?;
         let mut t = t.borrow_mut();
-        let step = t.step;
-        t.pending.push((a, b, name, step));
+        t.pending.push((a, b, name, crate::profile::step()));
         if t.pending.len() >= 4096 {
             t.drain()?;
         }
         r
-    }
-
-    /// With the kernel timer on: attribute the work enqueued from now on to the runner's op `step`.
-    pub fn set_timer_step(&self, step: usize) {
-        if let Some(t) = &self.ktimer {
-            t.borrow_mut().step = step;
-        }
     }
 
     /// With the kernel timer on: device seconds (kernels, cuBLAS calls and copies on the compute
@@ -1241,7 +1218,11 @@ impl Gpu {
         let t = self.ktimer.as_ref()?;
         let mut t = t.borrow_mut();
         t.drain().ok()?;
-        let mut v: Vec<_> = t.by_step.iter().map(|(k, ms)| (*k, ms / 1e3)).collect();
+        let mut by_step: HashMap<usize, f64> = HashMap::new();
+        for ((step, _), (_, ms)) in &t.by_step_kernel {
+            *by_step.entry(*step).or_default() += ms / 1e3;
+        }
+        let mut v: Vec<_> = by_step.into_iter().collect();
         v.sort_by_key(|x| x.0);
         Some(v)
     }
@@ -3491,11 +3472,7 @@ impl Gpu {
             .collect();
         let acc = self.stats_queue(&items)?;
         if self.metric_free.is_empty() {
-            let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
-                .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
-            self.metric_blocks.push(blk);
-            self.metric_free
-                .extend((0..METRIC_SLOTS_PER_BLOCK).map(|i| blk as usize + i * METRIC_SLOT));
+            self.add_metric_block()?;
         }
         let slot = self.metric_free.pop().expect("refilled above");
         let dst = unsafe { std::slice::from_raw_parts_mut(slot as *mut u8, bytes) };
@@ -3525,6 +3502,16 @@ impl Gpu {
             _keep: bufs,
             _acc: acc,
         })
+    }
+
+    /// Pin one more block of [`METRIC_SLOTS_PER_BLOCK`] metrics slots.
+    fn add_metric_block(&mut self) -> Result<()> {
+        let blk = unsafe { dres::malloc_host(METRIC_SLOT * METRIC_SLOTS_PER_BLOCK, 0) }
+            .map_err(|e| cuda_err("pinned metrics slots", e))? as *mut u8;
+        self.metric_blocks.push(blk);
+        self.metric_free
+            .extend((0..METRIC_SLOTS_PER_BLOCK).map(|i| blk as usize + i * METRIC_SLOT));
+        Ok(())
     }
 
     /// The results of [`Gpu::metrics_launch`], once its copy has landed.

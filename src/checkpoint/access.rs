@@ -59,13 +59,10 @@ impl Checkpoint {
         let e = match self.canon.get(canonical) {
             Some(Source::Whole(r)) => &self.raw[r],
             _ => {
-                let whole = self.tensor_f32(canonical)?;
-                let mut data = Vec::with_capacity(ids.len() * cols);
-                for &id in ids {
-                    let r = id as usize;
-                    data.extend_from_slice(&whole.data[r * cols..(r + 1) * cols]);
-                }
-                return Ok(Tensor::new(vec![ids.len(), cols], data));
+                // assembled from several stored pieces: read whole (the ids are in range)
+                return self.tensor_f32(canonical)?.select_rows(ids).ok_or_else(|| {
+                    Error::bad(&info.file, Some(&raw), "rows of the assembled tensor")
+                });
             }
         };
         let buf = self.shards[e.shard].buf();

@@ -87,19 +87,18 @@ pub(crate) fn gather_rows(name: &str, p: &Tensor, ids: &[u32]) -> Result<Tensor>
             format!("shape {:?}, expected 2 dimensions", p.shape),
         ));
     }
-    let (rows, cols) = (p.shape[0], p.shape[1]);
-    let mut out = Vec::with_capacity(ids.len() * cols);
-    for &id in ids {
-        let r = id as usize;
-        if r >= rows {
-            return Err(bad_weight(
-                name,
-                format!("token id {id} outside the table of {rows} rows"),
-            ));
-        }
-        out.extend_from_slice(&p.data[r * cols..(r + 1) * cols]);
-    }
-    Ok(Tensor::new(vec![ids.len(), cols], out))
+    p.select_rows(ids).ok_or_else(|| {
+        let rows = p.shape[0];
+        let id = ids
+            .iter()
+            .find(|&&i| i as usize >= rows)
+            .copied()
+            .unwrap_or(0);
+        bad_weight(
+            name,
+            format!("token id {id} outside the table of {rows} rows"),
+        )
+    })
 }
 
 pub(crate) fn internal(op: &Op, msg: impl std::fmt::Display) -> Error {

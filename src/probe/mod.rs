@@ -352,13 +352,6 @@ pub fn run_capturing(
                 at_step.store(step, std::sync::atomic::Ordering::Relaxed);
                 let t_op = Instant::now();
                 crate::profile::set_step(step);
-                if profile {
-                    if let Some(g) = opts.backend.gpu() {
-                        if let Ok(g) = g.lock() {
-                            g.set_timer_step(step);
-                        }
-                    }
-                }
                 pb.set_message(op.id.clone());
                 let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
                 // an op made of linears: its weights in one parallel read and one copy per batch
