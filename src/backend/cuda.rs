@@ -31,6 +31,9 @@ use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, Serv
 use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
+mod experts;
+pub use experts::{ExpertsJob, DEFAULT_EXPERT_CHUNK};
+
 /// The device source, embedded in the binary and compiled at run time.
 pub const KERNEL_SOURCE: [&str; 4] = [
     include_str!("../../kernels/formats.cu"),
@@ -566,6 +569,11 @@ pub struct Gpu {
     /// Served NVFP4 readings with rearranged block scales, computed in parallel for the routed
     /// experts of one `experts` call ([`Gpu::prepare_layouts`]) and consumed by `served_reading`.
     prepared: HashMap<String, PreparedLayout>,
+    /// Routed-experts ops only begin, until [`Gpu::experts_flush`] (`experts`).
+    defer: bool,
+    deferred: Vec<experts::ExpertsJob>,
+    /// Experts per chunk of a flush ([`experts::expert_chunk_from_env`]; 0 = never defer).
+    pub expert_chunk: usize,
 }
 
 /// `served::nvfp4_served_bytes`' result: rearranged scale bytes, nibble order, scalars.
@@ -744,6 +752,9 @@ impl Gpu {
             metric_blocks: Vec::new(),
             metric_free: Vec::new(),
             prepared: HashMap::new(),
+            defer: false,
+            deferred: Vec::new(),
+            expert_chunk: experts::expert_chunk_from_env(),
         };
         // the first block of pinned metrics slots, now: pinning host memory during a run waits
         // for the driver behind the loader's work (9.5 ms at a Flash run's first op)
@@ -2931,73 +2942,6 @@ impl Gpu {
         })
     }
 
-    /// The routed experts of one path as grouped launches: per linear one activation step and one
-    /// `moe_gemm_f64` over every expert's rows, SwiGLU once over all rows. Same results as the
-    /// per-expert sequence (same decodes, quantizers, f64 accumulation and epilogues), without an
-    /// f32 copy of any weight and with a dozen launches instead of a dozen per expert.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    fn experts_grouped(
-        &mut self,
-        kind: PathKind,
-        acts: &[MoeAct; 3],
-        plans: &[Vec<(MoeTile, Option<Nvfp4Params>)>; 3],
-        inter: usize,
-        used: &[usize],
-        starts: &[usize],
-        xs: u64,
-        total: usize,
-        d: usize,
-        ys: u64,
-        health: &dyn Fn(usize, usize) -> u64,
-        limit: f32,
-    ) -> Result<Vec<(usize, [Option<Nvfp4Params>; 3])>> {
-        let round = kind != PathKind::OracleFp32;
-        let segs: Vec<(usize, usize)> = used
-            .iter()
-            .map(|&e| (starts[e], starts[e + 1] - starts[e]))
-            .collect();
-        let tiles = |plan: &[(MoeTile, Option<Nvfp4Params>)]| -> Vec<MoeTile> {
-            let mut v = Vec::new();
-            for (&(r0, rows), (t, _)) in segs.iter().zip(plan) {
-                for a in (0..rows).step_by(MOE_R) {
-                    v.push(MoeTile {
-                        row0: (r0 + a) as u32,
-                        rows: MOE_R.min(rows - a) as u32,
-                        ..*t
-                    });
-                }
-            }
-            v
-        };
-        let n_el = total * inter;
-        let gt = self.scratch("gt", n_el * 4)?;
-        let up = self.scratch("up", n_el * 4)?;
-        let act = self.scratch("act", n_el * 4)?;
-        for (j, out) in [(0usize, gt), (1, up)] {
-            let (xp, xbf) =
-                self.moe_act(acts[j], xs, total, d, &segs, &plans[j], &|ui| health(ui, j))?;
-            self.moe_gemm(xp, xbf, d, &tiles(&plans[j]), inter, d, out, inter)?;
-        }
-        self.swiglu_store(gt, up, act, n_el, limit, round)?;
-        let (xp, xbf) = self.moe_act(acts[2], act, total, inter, &segs, &plans[2], &|ui| {
-            health(ui, 2)
-        })?;
-        self.moe_gemm(xp, xbf, inter, &tiles(&plans[2]), d, inter, ys, d)?;
-        if plans[2].iter().all(|(_, p)| p.is_none()) {
-            // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7), as
-            // the per-expert sequence counts it
-            let s = aq_segs(&segs, inter, &|_| 1.0, &|ui| health(ui, 2));
-            self.act_quant_nvfp4_seg(act, &s, ActQuantOut::default())?;
-        }
-        self.counters.linears += 3 * used.len() as u64;
-        self.counters.grouped_expert_ops += 1;
-        Ok(used
-            .iter()
-            .enumerate()
-            .map(|(ui, &e)| (e, [plans[0][ui].1, plans[1][ui].1, plans[2][ui].1]))
-            .collect())
-    }
-
     /// The store of an expert's gate and up projections (BF16 rounding when `round`), then SwiGLU
     /// with the clamp and its store, over `n` elements.
     fn swiglu_store(
@@ -3092,223 +3036,6 @@ impl Gpu {
             })
             .collect();
         self.prepared.extend(done);
-    }
-
-    /// The routed-experts op of one path on the device: x [t, d], routing weights and expert ids
-    /// [t, k]; `bases[3e..3e+3]` = (w1, w3, w2) of expert e. Returns [t, d] and the served
-    /// observations per expert linear (sub ids as the CPU path names them).
-    #[allow(clippy::too_many_arguments)]
-    pub fn experts(
-        &mut self,
-        lc: &LinearCtx,
-        kind: PathKind,
-        layer: usize,
-        x: &Tensor,
-        per: &[Vec<(usize, f32)>],
-        k_slots: usize,
-        bases: &[&str],
-        limit: f32,
-        counters: bool,
-    ) -> Result<ExpertsOut> {
-        self.counters.expert_ops += 1;
-        let t = x.rows();
-        let d = x.cols();
-        let round = kind != PathKind::OracleFp32;
-        // rows of the gathered input in expert order
-        let mut order: Vec<i32> = Vec::new();
-        let mut starts = Vec::new();
-        let mut slot_row = vec![-1i32; t * k_slots];
-        let mut slot_w = vec![0f32; t * k_slots];
-        let mut fill = vec![0usize; t];
-        for toks in per {
-            starts.push(order.len());
-            for &(ti, wv) in toks {
-                let j = fill[ti];
-                if j < k_slots {
-                    slot_row[ti * k_slots + j] = order.len() as i32;
-                    slot_w[ti * k_slots + j] = wv;
-                    fill[ti] += 1;
-                }
-                order.push(ti as i32);
-            }
-        }
-        starts.push(order.len());
-        let total = order.len();
-        let xb = self.input(&x.data)?;
-        let ob = self.upload(&order)?;
-        let xs = self.alloc(total * d * 4)?;
-        self.gather_rows(xb.ptr, ob.ptr, total, d, xs.ptr)?;
-        let ys = self.alloc(total * d * 4)?;
-        let used: Vec<usize> = (0..per.len()).filter(|&e| !per[e].is_empty()).collect();
-        let hb = self.alloc(used.len() * 3 * H_SLOTS * 8)?;
-        self.memset(hb.ptr, 0, used.len() * 3 * H_SLOTS * 8)?;
-        let mut params = Vec::new();
-        let mut touched = Vec::new();
-        let exact = kind != PathKind::OracleFp32;
-        let routed: Vec<&str> = used
-            .iter()
-            .flat_map(|&e| [bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]])
-            .collect();
-        {
-            let _s = crate::profile::span("experts: preload");
-            self.preload(lc.ckpt, &routed)?;
-        }
-        self.prepare_layouts(lc, &routed);
-        let _s = crate::profile::span("experts: ensure + checks");
-        for &e in &used {
-            let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
-            for b in [b1, b3, b2] {
-                self.ensure_weight(lc, b)?;
-                touched.push(b.to_string());
-            }
-            let inter = self.weights[b1].n;
-            if self.weights[b3].n != inter || self.weights[b1].k != d || self.weights[b2].k != inter
-            {
-                return Err(Error::bad(
-                    lc.ckpt.location(),
-                    Some(b1),
-                    format!("expert {e}: w1/w3/w2 shapes do not fit hidden size {d}"),
-                ));
-            }
-            if self.weights[b2].n != d {
-                return Err(Error::bad(
-                    lc.ckpt.location(),
-                    Some(b2),
-                    format!(
-                        "expert {e}: w2 has {} outputs, expected {d}",
-                        self.weights[b2].n
-                    ),
-                ));
-            }
-        }
-        self.prepared.clear();
-        drop(_s);
-        let _s = crate::profile::span("experts: plan + launches");
-        let h = |ui: usize, j: usize| hb.ptr + (((ui * 3 + j) * H_SLOTS) * 8) as u64;
-        let most_rows = used
-            .iter()
-            .map(|&e| starts[e + 1] - starts[e])
-            .max()
-            .unwrap_or(0);
-        let plan =
-            if self.grouped_experts && self.exact64 && self.v2 && most_rows <= GROUPED_MAX_ROWS {
-                self.moe_plan(kind, lc.profile, &used, bases)
-            } else {
-                None
-            };
-        if let Some((acts, plans, inter)) = plan {
-            params = self.experts_grouped(
-                kind, &acts, &plans, inter, &used, &starts, xs.ptr, total, d, ys.ptr, &h, limit,
-            )?;
-        } else {
-            for (ui, &e) in used.iter().enumerate() {
-                let (s0, s1) = (starts[e], starts[e + 1]);
-                let rows = s1 - s0;
-                let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
-                let inter = self.weights[b1].n;
-                let gt = self.scratch("gt", rows * inter * 4)?;
-                let up = self.scratch("up", rows * inter * 4)?;
-                let act = self.scratch("act", rows * inter * 4)?;
-                let xe = xs.ptr + (s0 * d * 4) as u64;
-                let p1 = self.linear_dev(
-                    lc,
-                    kind,
-                    b1,
-                    xe,
-                    rows,
-                    exact,
-                    WRows::All,
-                    gt,
-                    inter,
-                    Some(h(ui, 0)),
-                )?;
-                let p3 = self.linear_dev(
-                    lc,
-                    kind,
-                    b3,
-                    xe,
-                    rows,
-                    exact,
-                    WRows::All,
-                    up,
-                    inter,
-                    Some(h(ui, 1)),
-                )?;
-                let n_el = (rows * inter) as u64;
-                self.swiglu_store(gt, up, act, rows * inter, limit, round)?;
-                let ye = ys.ptr + (s0 * d * 4) as u64;
-                let p2 = self.linear_dev(
-                    lc,
-                    kind,
-                    b2,
-                    act,
-                    rows,
-                    exact,
-                    WRows::All,
-                    ye,
-                    d,
-                    Some(h(ui, 2)),
-                )?;
-                if p2.is_none() {
-                    // no served NVFP4 quantization observed w2's activation: its amax alone (slot
-                    // 7; the other counters of this slot are never read for such a linear)
-                    if n_el.is_multiple_of(16) {
-                        let o = ActQuantOut {
-                            health: h(ui, 2),
-                            ..Default::default()
-                        };
-                        self.act_quant_nvfp4(act, n_el / 16, 1.0, o)?;
-                    } else {
-                        let a: Vec<f32> = self.download(act, n_el as usize)?;
-                        let am = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-                        self.copy_in(h(ui, 2) + 7 * 8, &[am.to_bits() as u64])?;
-                    }
-                }
-                params.push((e, [p1, p3, p2]));
-            }
-        }
-        drop(_s);
-        let _s = crate::profile::span("experts: combine + counters");
-        let srb = self.upload(&slot_row)?;
-        let swb = self.upload(&slot_w)?;
-        let out = self.alloc(t * d * 4)?;
-        self.launch(
-            "moe_combine",
-            (t * d) as u64,
-            &[
-                A::P(ys.ptr),
-                A::P(srb.ptr),
-                A::P(swb.ptr),
-                A::U(t as u64),
-                A::U(k_slots as u64),
-                A::U(d as u64),
-                A::P(out.ptr),
-            ],
-        )?;
-        let y = self.output(out, t * d, false);
-        let mut obs = Vec::new();
-        if !counters {
-            // nobody reads them: no download, so the host does not wait for the device here
-            return Ok((Tensor::new(vec![t, d], y), obs, touched, Vec::new()));
-        }
-        let h: Vec<u64> = self.download(hb.ptr, used.len() * 3 * H_SLOTS)?;
-        let w2_amax: Vec<(usize, f32)> = used
-            .iter()
-            .enumerate()
-            .map(|(ui, &e)| (e, f32::from_bits(h[(ui * 3 + 2) * H_SLOTS + 7] as u32)))
-            .collect();
-        if kind == PathKind::Served {
-            for (ui, (e, ps)) in params.iter().enumerate() {
-                for (j, (p, nm)) in ps.iter().zip(["w1", "w3", "w2"]).enumerate() {
-                    let s = (ui * 3 + j) * H_SLOTS;
-                    obs.push((
-                        format!("L{layer}.ffn.expert.{e}.{nm}"),
-                        Self::observation(*p, &h[s..s + H_SLOTS], lc.profile),
-                    ));
-                }
-            }
-        }
-        Ok((Tensor::new(vec![t, d], y), obs, touched, w2_amax))
     }
 
     // ---- statistics -----------------------------------------------------------------------------

@@ -323,6 +323,21 @@ impl Stager {
         }
     }
 
+    /// Reserve `bytes` only if they fit under `limit` now (no waiting). False when they do not,
+    /// or the run is over.
+    fn try_reserve(&self, bytes: usize, limit: usize, at: &AtomicUsize, done: &AtomicBool) -> bool {
+        let mut st = self.lock();
+        let (freed, dropped) = Self::reap(&mut st, at.load(Relaxed));
+        let ok = !st.stopped && !done.load(Relaxed) && st.outstanding + bytes <= limit;
+        if ok {
+            st.outstanding += bytes;
+        }
+        drop(st);
+        drop(freed);
+        drop(dropped);
+        ok
+    }
+
     fn unreserve(&self, bytes: usize) {
         let mut st = self.lock();
         st.outstanding = st.outstanding.saturating_sub(bytes);
@@ -515,6 +530,18 @@ impl Loader<'_> {
             cand.clear();
             return Ok(false);
         }
+        self.claim_load(cand, want, at)?;
+        Ok(true)
+    }
+
+    /// Claim what is still unclaimed of `cand` (its `want` bytes reserved) and load it; the bytes
+    /// of what someone else claimed first are given back.
+    fn claim_load(
+        &mut self,
+        cand: &mut Vec<(Key, usize, usize)>,
+        want: usize,
+        at: &AtomicUsize,
+    ) -> Result<()> {
         let mut claimed = Vec::new();
         {
             let t_claim = Instant::now();
@@ -531,7 +558,7 @@ impl Loader<'_> {
         let total: usize = claimed.iter().map(|c| c.1).sum();
         self.st.unreserve(want - total);
         if claimed.is_empty() {
-            return Ok(true);
+            return Ok(());
         }
         if let Err(e) = self.load(&claimed, total) {
             // hand the claimed entries back to the runner (it reads them itself and reports)
@@ -544,6 +571,76 @@ impl Loader<'_> {
             self.st.cv.notify_all();
             return Err(e);
         }
+        Ok(())
+    }
+
+    /// While the loader waits for the routing of step `step`: load the next batch of weights of
+    /// later ops that do not depend on routing (`ahead` walks the plan past `step`, routed experts
+    /// left out), if it fits under the cap with room left for every expert of `step` (so the
+    /// experts, once routed, never wait for memory). False when there is nothing (more) to load
+    /// now.
+    fn look_ahead(
+        &mut self,
+        plan: &[Vec<StageGroup>],
+        step: usize,
+        ahead: &mut (usize, usize, usize),
+        at: &AtomicUsize,
+        done: &AtomicBool,
+    ) -> Result<bool> {
+        let experts: usize = plan[step]
+            .iter()
+            .filter(|g| g.expert.is_some())
+            .flat_map(|g| g.spans.iter().map(|s| s.2))
+            .sum();
+        let Some(room) = self.st.cap.checked_sub(experts) else {
+            return Ok(false);
+        };
+        if *ahead < (step + 1, 0, 0) {
+            *ahead = (step + 1, 0, 0);
+        }
+        // the next batch: spans in plan order up to a batch (or one larger tensor alone)
+        let mut cand: Vec<(Key, usize, usize)> = Vec::new();
+        let mut bytes = 0usize;
+        let mut cur = *ahead;
+        {
+            let st = self.st.lock();
+            while cur.0 < plan.len() {
+                let Some(g) = plan[cur.0].get(cur.1) else {
+                    cur = (cur.0 + 1, 0, 0);
+                    continue;
+                };
+                let Some((path, off, len)) = g.spans.get(cur.2).filter(|_| g.expert.is_none())
+                else {
+                    cur = (cur.0, cur.1 + 1, 0);
+                    continue;
+                };
+                let key = (path.clone(), *off);
+                if st.entries.contains_key(&key) {
+                    cur.2 += 1;
+                    continue;
+                }
+                if !cand.is_empty() && bytes + len > self.batch {
+                    break;
+                }
+                cand.push((key, *len, cur.0));
+                bytes += len;
+                cur.2 += 1;
+                if bytes >= self.batch {
+                    break;
+                }
+            }
+        }
+        if cand.is_empty() {
+            *ahead = cur;
+            return Ok(false);
+        }
+        let t_res = Instant::now();
+        if !self.st.try_reserve(bytes, room, at, done) {
+            return Ok(false); // not now: the runner frees memory as it goes
+        }
+        crate::profile::interval("loader look-ahead reserve", step, t_res);
+        *ahead = cur;
+        self.claim_load(&mut cand, bytes, at)?;
         Ok(true)
     }
 }
@@ -640,6 +737,9 @@ fn loader_body(
     ld.batch = batch;
     let mut cand: Vec<(Key, usize, usize)> = Vec::new();
     let mut cand_bytes = 0usize;
+    // where the look-ahead during routing waits has got to: (step, group, span)
+    let mut ahead = (0usize, 0usize, 0usize);
+    let look_ahead = std::env::var("NVFP4_PROBE_STAGE_LOOKAHEAD").ok().as_deref() != Some("0");
     for (step, groups) in plan.iter().enumerate() {
         for g in groups {
             if done.load(Relaxed) {
@@ -670,7 +770,10 @@ fn loader_body(
                             if let Some(c) = known(routed) {
                                 break c;
                             }
-                            std::thread::sleep(Duration::from_micros(200));
+                            // meanwhile, what later ops read whatever the routing
+                            if !(look_ahead && ld.look_ahead(plan, step, &mut ahead, at, done)?) {
+                                std::thread::sleep(Duration::from_micros(200));
+                            }
                         };
                         st.lock().stats.routing_wait_seconds += t0.elapsed().as_secs_f64();
                         crate::profile::interval("routing wait", step, t0);

@@ -65,6 +65,9 @@ pub struct Shared<'a> {
     /// The same bases as a set: an experts op touches hundreds of weights on every path.
     touched_set: std::collections::HashSet<String>,
     pub record_observations: bool,
+    /// Per routed-experts op deferred on the device this op (in order): whether its served
+    /// observations are recorded once it is flushed ([`Shared::flush_experts`]).
+    deferred_record: Vec<bool>,
     /// Where linears, routed experts and statistics run.
     pub backend: Backend,
     /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
@@ -90,6 +93,7 @@ impl<'a> Shared<'a> {
             touched_set: Default::default(),
             params: HashMap::new(),
             record_observations: false,
+            deferred_record: Vec::new(),
             backend: Backend::Cpu,
         }
     }
@@ -118,6 +122,22 @@ impl<'a> Shared<'a> {
                 self.observed.push((sub_id, o));
             }
         }
+    }
+
+    /// Run the routed-experts ops deferred on the device during this op (`Gpu::defer_experts`),
+    /// interleaved, and record the served observations of those that asked for it.
+    pub fn flush_experts(&mut self) -> crate::Result<()> {
+        let flags = std::mem::take(&mut self.deferred_record);
+        let Some(g) = self.backend.gpu().cloned() else {
+            return Ok(());
+        };
+        let obs = lock(&g)?.experts_flush(&self.linear_ctx())?;
+        for (o, rec) in obs.into_iter().zip(flags) {
+            if rec {
+                self.observed.extend(o);
+            }
+        }
+        Ok(())
     }
 
     /// Drop every cached weight (called between ops).
@@ -386,6 +406,11 @@ impl OpEnv for PathEnv<'_, '_> {
         let g = self.shared.backend.gpu().cloned()?;
         let r = (|| {
             let mut g = lock(&g)?;
+            if g.deferring() {
+                // its observations come with the flush
+                let rec = self.shared.record_observations && self.kind == PathKind::Served;
+                self.shared.deferred_record.push(rec);
+            }
             let (y, obs, touched, _) = g.experts(
                 &self.shared.linear_ctx(),
                 self.kind,

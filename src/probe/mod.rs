@@ -367,6 +367,18 @@ pub fn run_capturing(
                             .preload(ckpt, &bases)?;
                     }
                 }
+                // a routed-experts op on the device: every path's op (and the isolated and
+                // FP32-on-BF16 ones) only begins here; the flush below runs them interleaved,
+                // chunk by chunk of experts as the loader brings them (`cuda::experts`)
+                let deferred = op.kind == OpKind::Experts
+                    && match opts.backend.gpu() {
+                        Some(g) => g
+                            .lock()
+                            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
+                            .defer_experts(),
+                        None => false,
+                    };
+                let _cancel = deferred.then(|| CancelDeferred(opts.backend.gpu()));
                 let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
                 for (pi, kind) in PathKind::ALL.iter().enumerate() {
                     let inputs: Vec<&Tensor> = op
@@ -397,8 +409,8 @@ pub fn run_capturing(
                 if !plan.is_empty() && op.kind == OpKind::Router {
                     publish_routing(&ops, step, &outs, &routed);
                 }
-                let observed = std::mem::take(&mut shared.observed);
                 let touched = shared.touched.clone();
+                let mut observed = std::mem::take(&mut shared.observed);
                 if report {
                     let quantized = touched.iter().any(|t| shared.is_quantized(t));
                     let iso: Vec<Tensor> = if quantized {
@@ -424,6 +436,10 @@ pub fn run_capturing(
                         let _s = crate::profile::span("exec: fp32 on bf16 inputs");
                         exec(op, &inputs, &mut env)?
                     };
+                    if deferred {
+                        shared.flush_experts()?;
+                        observed.append(&mut shared.observed);
+                    }
                     let t_m = Instant::now();
                     let p = op_record_begin(
                         opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
@@ -453,6 +469,9 @@ pub fn run_capturing(
                             }
                         }
                     }
+                }
+                if deferred && !report {
+                    shared.flush_experts()?;
                 }
                 let _s = crate::profile::span("runner: clear + bookkeeping");
                 shared.clear();
@@ -918,6 +937,17 @@ fn hash_routing(
 
 /// The step of the routed-experts op that consumes the expert ids (output 1) of the router at
 /// `step`.
+/// Drops what a failed op left deferred on the device, so the device state can run again.
+struct CancelDeferred<'a>(Option<&'a std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>>);
+
+impl Drop for CancelDeferred<'_> {
+    fn drop(&mut self) {
+        if let Some(Ok(mut g)) = self.0.map(|g| g.lock()) {
+            g.cancel_deferred();
+        }
+    }
+}
+
 fn experts_fed_by(ops: &[Op], step: usize) -> Option<usize> {
     let idx_id = ops[step].outputs.get(1)?;
     (step + 1..ops.len())
