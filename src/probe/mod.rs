@@ -272,23 +272,8 @@ pub fn run_capturing(
     let at_step = std::sync::atomic::AtomicUsize::new(0);
     let done = std::sync::atomic::AtomicBool::new(false);
     let t_len = opts.tokens.len();
-    // (both plans resolve every routed expert's tensors: 40 and 27 ms for V4-Flash's five
-    // layers on the H200 when made one op and one expert after the other)
-    use rayon::prelude::*;
-    let plan: Vec<Vec<Group>> = if opts.backend.gpu().is_some() {
-        ops.par_iter()
-            .map(|op| {
-                if reads_nothing(&cfg, op, t_len) {
-                    Vec::new()
-                } else {
-                    prefetch_groups(ckpt, op)
-                }
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    crate::profile::mark("runner: prefetch plan made");
+    // the page-cache prefetcher and the routing it follows, with the CUDA backend
+    let reads_ahead = opts.backend.gpu().is_some();
     // experts op step → the experts any path routed to (published after the router's step)
     let routed: std::sync::Mutex<HashMap<usize, Vec<bool>>> = Default::default();
     // With the CUDA backend a loader thread also stages the weights of the coming ops on the
@@ -308,20 +293,7 @@ pub fn run_capturing(
         }
         _ => None,
     };
-    let stage_plan: Vec<Vec<crate::backend::stage::StageGroup>> = match &stager {
-        Some(_) => ops
-            .par_iter()
-            .map(|op| {
-                if reads_nothing(&cfg, op, t_len) {
-                    Vec::new()
-                } else {
-                    stage_groups(ckpt, op)
-                }
-            })
-            .collect(),
-        None => Vec::new(),
-    };
-    crate::profile::mark("runner: loader plan made");
+    crate::profile::mark("runner: loader set up");
     // the last op's record, its metrics still queued on the device
     let mut queued: Option<(PendingRecord, Option<replay::Capture>)> = None;
     let finish = |p: PendingRecord,
@@ -339,19 +311,38 @@ pub fn run_capturing(
     let scoped = std::thread::scope(|sc| -> Result<()> {
         if let Some(st) = &stager {
             let (routed, at_step, done) = (&routed, &at_step, &done);
-            let (ops, stage_plan, cfg) = (&ops, &stage_plan, &cfg);
+            let (ops, cfg) = (&ops, &cfg);
             sc.spawn(move || {
+                // its plan is made here, off the runner's path (it resolves every routed
+                // expert's tensors: 23 ms for V4-Flash's five layers on the H200, in parallel)
+                let stage_plan = plan_of(ops, |op| {
+                    if reads_nothing(cfg, op, t_len) {
+                        Vec::new()
+                    } else {
+                        stage_groups(ckpt, op)
+                    }
+                });
                 // hash-routed layers: their experts are known from the token ids alone
                 for (target, used) in hash_routing(ckpt, cfg, ops, &opts.tokens) {
                     if let Ok(mut m) = routed.lock() {
                         m.entry(target).or_insert(used);
                     }
                 }
-                crate::backend::stage::run_loader(st, ckpt, stage_plan, routed, at_step, done)
+                crate::backend::stage::run_loader(st, ckpt, &stage_plan, routed, at_step, done)
             });
         }
-        if !plan.is_empty() {
-            sc.spawn(|| prefetch_loop(ckpt, &plan, &routed, &at_step, &done, PREFETCH_AHEAD));
+        if reads_ahead {
+            let (ops, cfg, routed, at_step, done) = (&ops, &cfg, &routed, &at_step, &done);
+            sc.spawn(move || {
+                let plan = plan_of(ops, |op| {
+                    if reads_nothing(cfg, op, t_len) {
+                        Vec::new()
+                    } else {
+                        prefetch_groups(ckpt, op)
+                    }
+                });
+                prefetch_loop(ckpt, &plan, routed, at_step, done, PREFETCH_AHEAD)
+            });
         }
         crate::profile::mark("runner: first op");
         let r = (|| -> Result<()> {
@@ -413,7 +404,7 @@ pub fn run_capturing(
                     outs.push(exec(op, &inputs, &mut env)?);
                 }
                 shared.record_observations = false;
-                if !plan.is_empty() && op.kind == OpKind::Router {
+                if reads_ahead && op.kind == OpKind::Router {
                     publish_routing(&ops, step, &outs, &routed);
                 }
                 let touched = shared.touched.clone();
@@ -797,6 +788,12 @@ pub(crate) fn op_record_finish(
         reason,
         shows,
     })
+}
+
+/// Per op, what `f` plans for it (ops in parallel).
+fn plan_of<T: Send>(ops: &[Op], f: impl Fn(&Op) -> Vec<T> + Sync + Send) -> Vec<Vec<T>> {
+    use rayon::prelude::*;
+    ops.par_iter().map(f).collect()
 }
 
 /// How far (bytes of weights) the prefetch thread may run ahead of the op being computed.
