@@ -131,7 +131,9 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
             // the routed experts deferred and run chunk by chunk (one expert per chunk), and not
             // deferred at all: every field of every op's record the same as the default's
             let chunk = {
-                let g = gpu.lock().map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
+                let g = gpu
+                    .lock()
+                    .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
                 g.expert_chunk
             };
             let mut chunk_diff = Vec::new();
@@ -242,7 +244,10 @@ fn differing_ops(a: &[probe::OpRecord], b: &[probe::OpRecord]) -> Vec<String> {
             }
             (Value::Number(u), Value::Number(v)) if u != v => {
                 let exact = path.ends_with(".amax") || !(u.is_f64() && v.is_f64());
-                let (u, v) = (u.as_f64().unwrap_or(f64::NAN), v.as_f64().unwrap_or(f64::NAN));
+                let (u, v) = (
+                    u.as_f64().unwrap_or(f64::NAN),
+                    v.as_f64().unwrap_or(f64::NAN),
+                );
                 if exact || (u - v).abs() > 1e-9 * u.abs().max(v.abs()) + 1e-12 {
                     out.push(format!("{path}: {u} vs {v}"));
                 }
@@ -285,7 +290,10 @@ mod tests {
         let k = key(a);
         let mut b = a.clone();
         b[3].stats.get_mut(&k).expect("stats").mean_abs *= 1.0 + 1e-12;
-        assert!(differing_ops(a, &b).is_empty(), "sum noise is not a difference");
+        assert!(
+            differing_ops(a, &b).is_empty(),
+            "sum noise is not a difference"
+        );
         b[3].stats.get_mut(&k).expect("stats").mean_abs *= 1.0 + 1e-6;
         let d = differing_ops(a, &b);
         assert!(d.len() == 1 && d[0].contains("mean_abs"), "{d:?}");
