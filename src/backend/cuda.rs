@@ -32,7 +32,6 @@ use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
 mod experts;
-pub use experts::{ExpertsJob, DEFAULT_EXPERT_CHUNK};
 
 /// The device source, embedded in the binary and compiled at run time.
 pub const KERNEL_SOURCE: [&str; 4] = [
@@ -2755,15 +2754,15 @@ impl Gpu {
         kind: PathKind,
         profile: Profile,
         used: &[usize],
-        bases: &[&str],
+        bases: &[String],
     ) -> Option<([MoeAct; 3], [Vec<(MoeTile, Option<Nvfp4Params>)>; 3], usize)> {
-        let first = &self.weights[bases[3 * *used.first()?]];
+        let first = &self.weights[&bases[3 * *used.first()?]];
         let inter = first.n;
         let mut acts = [MoeAct::F32; 3];
         let mut plans: [Vec<(MoeTile, Option<Nvfp4Params>)>; 3] = Default::default();
         for (j, (act, plan)) in acts.iter_mut().zip(plans.iter_mut()).enumerate() {
             for (i, &e) in used.iter().enumerate() {
-                let w = self.weights.get(bases[3 * e + j])?;
+                let w = self.weights.get(&bases[3 * e + j])?;
                 if (j < 2 && w.n != inter) || (j == 2 && w.k != inter) {
                     return None;
                 }

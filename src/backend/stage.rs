@@ -293,49 +293,45 @@ impl Stager {
     /// False when the run is over.
     fn reserve(&self, bytes: usize, at: &AtomicUsize, done: &AtomicBool) -> bool {
         let t0 = Instant::now();
-        loop {
-            let mut st = self.lock();
-            let (freed, dropped) = Self::reap(&mut st, at.load(Relaxed));
-            let stop = st.stopped || done.load(Relaxed);
-            let fits = st.outstanding + bytes <= self.cap || st.outstanding == 0;
-            if stop || fits {
-                if !stop {
-                    st.outstanding += bytes;
-                }
-                st.stats.memory_wait_seconds += t0.elapsed().as_secs_f64();
-                drop(st);
-                let (t_free, n) = (Instant::now(), freed.len());
-                drop(freed);
-                drop(dropped); // outside the lock: may release allocations
-                if n > 0 {
-                    crate::profile::interval("loader free", n, t_free);
-                }
-                return !stop;
+        // alone, a tensor larger than the cap still goes
+        let r = loop {
+            if let Some(r) = self.try_reserve(bytes, self.cap, true, at, done) {
+                break r;
             }
             // sleep until a release, or briefly: events fire without a notify
-            let (g, _) = self
-                .cv
-                .wait_timeout(st, Duration::from_micros(500))
-                .unwrap_or_else(|p| p.into_inner());
-            drop(g);
-            drop(freed);
-            drop(dropped);
-        }
+            let g = self.lock();
+            drop(self.cv.wait_timeout(g, Duration::from_micros(500)));
+        };
+        self.lock().stats.memory_wait_seconds += t0.elapsed().as_secs_f64();
+        r
     }
 
-    /// Reserve `bytes` only if they fit under `limit` now (no waiting). False when they do not,
-    /// or the run is over.
-    fn try_reserve(&self, bytes: usize, limit: usize, at: &AtomicUsize, done: &AtomicBool) -> bool {
+    /// One attempt to reserve `bytes` under `limit` (or over it, `alone` and nothing else
+    /// reserved), after freeing what the compute stream is done with: `Some(true)` reserved,
+    /// `Some(false)` the run is over, `None` it does not fit now.
+    fn try_reserve(
+        &self,
+        bytes: usize,
+        limit: usize,
+        alone: bool,
+        at: &AtomicUsize,
+        done: &AtomicBool,
+    ) -> Option<bool> {
         let mut st = self.lock();
         let (freed, dropped) = Self::reap(&mut st, at.load(Relaxed));
-        let ok = !st.stopped && !done.load(Relaxed) && st.outstanding + bytes <= limit;
-        if ok {
+        let stop = st.stopped || done.load(Relaxed);
+        let fits = st.outstanding + bytes <= limit || (alone && st.outstanding == 0);
+        if fits && !stop {
             st.outstanding += bytes;
         }
         drop(st);
+        let (t_free, n) = (Instant::now(), freed.len());
         drop(freed);
-        drop(dropped);
-        ok
+        drop(dropped); // outside the lock: may release allocations
+        if n > 0 {
+            crate::profile::interval("loader free", n, t_free);
+        }
+        (stop || fits).then_some(!stop)
     }
 
     fn unreserve(&self, bytes: usize) {
@@ -635,7 +631,7 @@ impl Loader<'_> {
             return Ok(false);
         }
         let t_res = Instant::now();
-        if !self.st.try_reserve(bytes, room, at, done) {
+        if self.st.try_reserve(bytes, room, false, at, done) != Some(true) {
             return Ok(false); // not now: the runner frees memory as it goes
         }
         crate::profile::interval("loader look-ahead reserve", step, t_res);

@@ -130,21 +130,17 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
             let a = compare_runs(&cpu, &gpu_res);
             // the routed experts deferred and run chunk by chunk (one expert per chunk), and not
             // deferred at all: every field of every op's record the same as the default's
-            let chunk = {
-                let g = gpu
+            let set_chunk = |c: usize| -> Result<usize> {
+                let mut g = gpu
                     .lock()
                     .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-                g.expert_chunk
+                Ok(std::mem::replace(&mut g.expert_chunk, c))
             };
             let mut chunk_diff = Vec::new();
             for c in [1usize, 0] {
-                gpu.lock()
-                    .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
-                    .expert_chunk = c;
+                let chunk = set_chunk(c)?;
                 let r = probe::run(&p.ckpt, &p.opts);
-                gpu.lock()
-                    .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
-                    .expert_chunk = chunk;
+                set_chunk(chunk)?;
                 let differ = differing_ops(&gpu_res.records, &r?.records);
                 if !differ.is_empty() {
                     chunk_diff.push(format!(

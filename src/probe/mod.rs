@@ -947,8 +947,6 @@ fn hash_routing(
     out
 }
 
-/// The step of the routed-experts op that consumes the expert ids (output 1) of the router at
-/// `step`.
 /// Drops what a failed op left deferred on the device, so the device state can run again.
 struct CancelDeferred<'a>(Option<&'a std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>>);
 
@@ -960,6 +958,8 @@ impl Drop for CancelDeferred<'_> {
     }
 }
 
+/// The step of the routed-experts op that consumes the expert ids (output 1) of the router at
+/// `step`.
 fn experts_fed_by(ops: &[Op], step: usize) -> Option<usize> {
     let idx_id = ops[step].outputs.get(1)?;
     (step + 1..ops.len())

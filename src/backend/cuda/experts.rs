@@ -305,9 +305,8 @@ impl Gpu {
         let d = job.d;
         let hb = job.hb.ptr;
         let h = |ui: usize, j: usize| hb + (((ui * 3 + j) * H_SLOTS) * 8) as u64;
-        let bases: Vec<&str> = job.bases.iter().map(String::as_str).collect();
         let plan = if job.grouped_ok {
-            self.moe_plan(job.kind, lc.profile, sub, &bases)
+            self.moe_plan(job.kind, lc.profile, sub, &job.bases)
         } else {
             None
         };
@@ -344,7 +343,8 @@ impl Gpu {
             let ui = i0 + k;
             let (s0, s1) = (job.starts[e], job.starts[e + 1]);
             let rows = s1 - s0;
-            let (b1, b3, b2) = (bases[3 * e], bases[3 * e + 1], bases[3 * e + 2]);
+            let b = &job.bases;
+            let (b1, b3, b2) = (&b[3 * e], &b[3 * e + 1], &b[3 * e + 2]);
             let inter = self.weights[b1].n;
             let gt = self.scratch("gt", rows * inter * 4)?;
             let up = self.scratch("up", rows * inter * 4)?;
