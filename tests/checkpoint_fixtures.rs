@@ -15,7 +15,7 @@ const CASES: [&str; 6] = [
 ];
 
 fn fixtures() -> PathBuf {
-    PathBuf::from("/work/shared/fixtures/producers")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/producers")
 }
 
 /// Copy one producer file into a fresh checkpoint directory with a minimal config.

@@ -1,4 +1,4 @@
-//! Re-encode the BF16 producer fixtures (shared/fixtures/producers, made with
+//! Re-encode the BF16 producer fixtures (tests/data/producers, made with
 //! compressed-tensors 0.20.0 and ModelOpt 0.47.0) and compare with the bytes those libraries
 //! wrote; decode their bytes and compare with their own f32 dequantisation.
 
@@ -6,7 +6,7 @@ use nvfp4_probe::numerics::e4m3;
 use nvfp4_probe::numerics::nvfp4::{self, Convention};
 use safetensors::{Dtype, SafeTensors};
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/producers/");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/producers/");
 const MODULES: [&str; 6] = [
     "case.gaussian",
     "case.outlier_rows",
