@@ -20,7 +20,7 @@ use cudarc::driver::{
     result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream,
     DevicePtr, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 
 use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, PairSums, Stats};
@@ -32,14 +32,9 @@ use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
 mod experts;
+pub mod image;
 
-/// The device source, embedded in the binary and compiled at run time.
-pub const KERNEL_SOURCE: [&str; 4] = [
-    include_str!("../../kernels/formats.cu"),
-    include_str!("../../kernels/quant.cu"),
-    include_str!("../../kernels/stats.cu"),
-    include_str!("../../kernels/layer.cu"),
-];
+pub use image::KERNEL_SOURCE;
 
 const KERNELS: &[&str] = &[
     "decode_bytes",
@@ -525,6 +520,8 @@ pub struct Gpu {
     pub device_name: String,
     pub arch: String,
     pub compile_seconds: f64,
+    /// Where the kernels' code came from: shipped CUBIN, cached PTX or NVRTC.
+    pub kernels_from: &'static str,
     sm_count: u32,
     weights: HashMap<String, DevWeight>,
     files: HashMap<std::path::PathBuf, std::fs::File>,
@@ -621,47 +618,48 @@ const SMALL_STAGE: usize = 16 << 20;
 const STAGED_MIN: usize = 1 << 20;
 
 impl Gpu {
+    /// The kernels' module: the shipped CUBIN for this architecture when it matches the sources
+    /// (no compile, no JIT), else the PTX NVRTC made on an earlier start, else NVRTC now. Returns
+    /// the module, the architecture and where the code came from (for `describe`).
+    fn load_kernels(
+        ctx: &Arc<CudaContext>,
+        maj: i32,
+        min: i32,
+    ) -> Result<(Arc<cudarc::driver::CudaModule>, String, &'static str)> {
+        if std::env::var_os("NVFP4_PROBE_NVRTC").is_none() {
+            if let Some(img) = image::shipped(maj, min) {
+                if let Ok(m) = ctx.load_module(Ptx::from_binary(img.to_vec())) {
+                    return Ok((m, format!("sm_{maj}{min}"), "shipped CUBIN"));
+                }
+            }
+        }
+        let arch = format!("compute_{maj}{min}");
+        if let Some(text) = image::cached_ptx(&arch) {
+            if let Ok(m) = ctx.load_module(Ptx::from_src(text)) {
+                return Ok((m, arch, "cached PTX"));
+            }
+        }
+        let ptx = String::from_utf8(image::compile(&arch)?)
+            .map_err(|e| cuda_err("NVRTC PTX is not text", e))?;
+        image::store_ptx(&arch, &ptx);
+        let m = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| cuda_err("load module", e))?;
+        Ok((m, arch, "NVRTC"))
+    }
+
     /// Open device 0, compile the kernels for its architecture, set up cuBLAS and staging.
     pub fn new() -> Result<Gpu> {
         let ctx = CudaContext::new(0).map_err(|e| cuda_err("no usable device", e))?;
         let (maj, min) = ctx
             .compute_capability()
             .map_err(|e| cuda_err("compute capability", e))?;
-        let arch = format!("compute_{maj}{min}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
         let sm_count = ctx
             .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .unwrap_or(80) as u32;
         let t0 = Instant::now();
-        let src: String = KERNEL_SOURCE.concat();
-        let compile = || -> Result<String> {
-            let opts = CompileOptions {
-                ftz: Some(false),
-                prec_sqrt: Some(true),
-                prec_div: Some(true),
-                fmad: Some(false),
-                options: vec![format!("--gpu-architecture={arch}")],
-                ..Default::default()
-            };
-            let ptx = compile_ptx_with_opts(&src, opts)
-                .map_err(|e| cuda_err(&format!("NVRTC compile for {arch}"), e))?
-                .to_src();
-            if let Some(p) = ptx_cache_path(&src, &arch) {
-                store_ptx(&p, &ptx);
-            }
-            Ok(ptx)
-        };
-        let module = match cached_ptx(&src, &arch) {
-            Some((text, _)) => match ctx.load_module(Ptx::from_src(text)) {
-                Ok(m) => m,
-                Err(_) => ctx
-                    .load_module(Ptx::from_src(compile()?))
-                    .map_err(|e| cuda_err("load module", e))?,
-            },
-            None => ctx
-                .load_module(Ptx::from_src(compile()?))
-                .map_err(|e| cuda_err("load module", e))?,
-        };
+        let (module, arch, kernels_from) = Self::load_kernels(&ctx, maj, min)?;
         let mut funcs = HashMap::new();
         for &k in KERNELS {
             funcs.insert(
@@ -713,6 +711,7 @@ impl Gpu {
             device_name,
             arch,
             compile_seconds,
+            kernels_from,
             sm_count,
             weights: HashMap::new(),
             files: HashMap::new(),
@@ -803,10 +802,11 @@ impl Gpu {
     /// One line for reports: device, architecture, compile time.
     pub fn describe(&self) -> String {
         format!(
-            "{} ({}, {} SMs; kernels compiled by NVRTC in {:.0} ms)",
+            "{} ({}, {} SMs; kernels from {} in {:.0} ms)",
             self.device_name,
             self.arch,
             self.sm_count,
+            self.kernels_from,
             self.compile_seconds * 1e3
         )
     }
@@ -3250,37 +3250,5 @@ impl Gpu {
         self.metric_free.push(p.slot);
         waited.map_err(|e| cuda_err("kernel execution", e))?;
         Ok(Self::stats_parse(&p.items, &raw))
-    }
-}
-
-fn ptx_cache_path(src: &str, arch: &str) -> Option<std::path::PathBuf> {
-    use sha2::{Digest, Sha256};
-    let dir = std::env::var_os("XDG_CACHE_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))?
-        .join("nvfp4-probe");
-    let mut h = Sha256::new();
-    h.update(src.as_bytes());
-    h.update(arch.as_bytes());
-    let d = h.finalize();
-    let hex: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
-    Some(dir.join(format!("kernels-{arch}-{hex}.ptx")))
-}
-
-/// The cached PTX text and its path, when present.
-fn cached_ptx(src: &str, arch: &str) -> Option<(String, std::path::PathBuf)> {
-    let p = ptx_cache_path(src, arch)?;
-    let t = std::fs::read_to_string(&p).ok()?;
-    t.contains(".entry").then_some((t, p))
-}
-
-/// Best effort: a cache that cannot be written only costs the next start a compile.
-fn store_ptx(path: &std::path::Path, ptx: &str) {
-    if let Some(d) = path.parent() {
-        let _ = std::fs::create_dir_all(d);
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    if std::fs::write(&tmp, ptx).is_ok() {
-        let _ = std::fs::rename(&tmp, path);
     }
 }
