@@ -162,6 +162,10 @@ pub struct LintArgs {
     /// Reference checkpoint (BF16 original or another format) to compare tensor by tensor.
     #[arg(long, value_name = "DIR")]
     pub reference: Option<PathBuf>,
+    /// List every tensor of a grouped finding with its own evidence (by default findings of one
+    /// root cause — same rule, op and fix — are shown as one).
+    #[arg(long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -476,3 +476,49 @@ fn json_and_markdown_outputs() {
         "{md}"
     );
 }
+
+/// One inverted global scale over a layer's experts is one root cause: the terminal shows one
+/// block naming all of them as a pattern, `--verbose` each tensor, and the JSON keeps every
+/// finding plus the group.
+#[test]
+fn one_root_cause_over_many_experts_is_one_finding() {
+    let d = synth(
+        Format::ModelOptNvfp4,
+        Naming::Official,
+        &["inverted-weight-scale@L3.ffn.experts"],
+    );
+    let r = run(d.path());
+    let n = r.of_rule("scale.convention").count();
+    assert!(
+        n >= 8,
+        "expected one finding per expert projection, got {n}"
+    );
+    let bin = assert_cmd::cargo::cargo_bin("nvfp4-probe");
+    let out = std::process::Command::new(&bin)
+        .args(["lint", "--model"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let heads: Vec<&str> = text.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(heads.len(), 1, "{text}");
+    assert!(
+        heads[0].contains(&format!("{n} weights: layers.3.ffn.experts.{{0–"))
+            && heads[0].contains("{w1,w2,w3}.weight_scale_2"),
+        "{}",
+        heads[0]
+    );
+    assert!(text.contains("root cause"), "{text}");
+    let out = std::process::Command::new(&bin)
+        .args(["lint", "--verbose", "--model"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let listed = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("layers.3.ffn.experts."))
+        .count();
+    assert_eq!(listed, n, "{text}");
+}

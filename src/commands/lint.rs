@@ -18,6 +18,6 @@ pub fn main(a: &LintArgs) -> Result<i32> {
     if let Some(p) = &a.markdown {
         write_file(p, to_markdown(&rep).as_bytes())?;
     }
-    print!("{}", to_text(&rep));
+    print!("{}", to_text(&rep, a.verbose));
     Ok(rep.exit_code())
 }

@@ -9,6 +9,7 @@
 
 mod checks;
 mod config;
+pub mod group;
 pub mod layout;
 mod output;
 pub mod reference;

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use super::group::{group, Group};
 use super::{Finding, Report, Severity, SCHEMA};
 
 #[derive(Serialize)]
@@ -16,6 +17,8 @@ struct Json<'a> {
     bytes_read: u64,
     seconds: f64,
     findings: &'a [Finding],
+    /// The findings by root cause (same rule, severity, op and fix), as the text and markdown show them.
+    groups: Vec<Group<'a>>,
 }
 
 pub fn to_json(r: &Report) -> String {
@@ -29,6 +32,7 @@ pub fn to_json(r: &Report) -> String {
         bytes_read: r.bytes_read,
         seconds: r.seconds,
         findings: &r.findings,
+        groups: group(&r.findings),
     };
     serde_json::to_string_pretty(&j).unwrap_or_else(|_| "{}".into())
 }
@@ -70,26 +74,46 @@ pub fn to_markdown(r: &Report) -> String {
         s.push_str("No findings.\n");
         return s;
     }
+    let groups = group(&r.findings);
     for sev in [Severity::Error, Severity::Warning, Severity::Info] {
-        let fs: Vec<&Finding> = r.findings.iter().filter(|f| f.severity == sev).collect();
-        if fs.is_empty() {
+        let gs: Vec<&Group> = groups.iter().filter(|g| g.severity == sev).collect();
+        if gs.is_empty() {
             continue;
         }
-        s.push_str(&format!("#### {} ({})\n\n", icon(sev), fs.len()));
+        let n: usize = gs.iter().map(|g| g.count).sum();
+        s.push_str(&format!("#### {} ({n})\n\n", icon(sev)));
         s.push_str("| rule | tensor | op | evidence | fix |\n|---|---|---|---|---|\n");
-        for f in fs {
+        for g in &gs {
             s.push_str(&format!(
-                "| `{}` | `{}` | {} | {} | {} |\n",
-                f.rule,
-                cell(&f.tensor),
-                f.op.as_deref()
-                    .map(|o| format!("`{o}`"))
-                    .unwrap_or_default(),
-                cell(&f.evidence),
-                cell(&f.fix)
+                "| `{}` | {}`{}` | {} | {}{} | {} |\n",
+                g.rule,
+                if g.count > 1 {
+                    format!("{} weights: ", g.count)
+                } else {
+                    String::new()
+                },
+                cell(&g.tensors),
+                g.op.map(|o| format!("`{o}`")).unwrap_or_default(),
+                cell(g.evidence),
+                if g.count > 1 {
+                    " (first of the group)"
+                } else {
+                    ""
+                },
+                cell(g.fix)
             ));
         }
         s.push('\n');
+        for g in gs.iter().filter(|g| g.count > 1) {
+            s.push_str(&format!(
+                "<details><summary>{} weights of <code>{}</code></summary>\n\n",
+                g.count, g.rule
+            ));
+            for f in &g.members {
+                s.push_str(&format!("- `{}`: {}\n", f.tensor, cell(&f.evidence)));
+            }
+            s.push_str("\n</details>\n\n");
+        }
     }
     let mut files: Vec<&str> = r.findings.iter().map(|f| f.file.as_str()).collect();
     files.sort();
@@ -102,27 +126,48 @@ pub fn to_markdown(r: &Report) -> String {
     s
 }
 
-/// Terminal output: one block per finding, then the verdict.
-pub fn to_text(r: &Report) -> String {
+/// Terminal output: one block per root cause (findings of the same rule, op and fix over several
+/// tensors are one block, `verbose` lists each tensor with its own evidence), then the verdict.
+pub fn to_text(r: &Report, verbose: bool) -> String {
     let mut s = String::new();
-    for f in &r.findings {
+    for g in group(&r.findings) {
+        let head = if g.count > 1 {
+            format!("{} weights: {}", g.count, g.tensors)
+        } else {
+            g.tensors.clone()
+        };
         s.push_str(&format!(
-            "{:<7} {:<24} {}{}\n        {}\n        fix: {}\n",
-            f.severity.as_str(),
-            f.rule,
-            f.tensor,
-            f.op.as_deref()
-                .map(|o| format!("  [{o}]"))
-                .unwrap_or_default(),
-            f.evidence,
-            f.fix
+            "{:<7} {:<24} {}{}\n",
+            g.severity.as_str(),
+            g.rule,
+            head,
+            g.op.map(|o| format!("  [{o}]")).unwrap_or_default(),
         ));
+        if verbose && g.count > 1 {
+            for f in &g.members {
+                s.push_str(&format!("        {}: {}\n", f.tensor, f.evidence));
+            }
+        } else if g.count > 1 {
+            s.push_str(&format!(
+                "        {} (first of {}; --verbose lists each)\n",
+                g.evidence, g.count
+            ));
+        } else {
+            s.push_str(&format!("        {}\n", g.evidence));
+        }
+        s.push_str(&format!("        fix: {}\n", g.fix));
     }
+    let groups = group(&r.findings).len();
     s.push_str(&format!(
-        "lint: {} error(s), {} warning(s), {} note(s) over {} weights of {} ({:.2} s, {:.1} MB read)\n",
+        "lint: {} error(s), {} warning(s), {} note(s){} over {} weights of {} ({:.2} s, {:.1} MB read)\n",
         r.count(Severity::Error),
         r.count(Severity::Warning),
         r.count(Severity::Info),
+        if groups < r.findings.len() {
+            format!(" in {groups} root cause(s)")
+        } else {
+            String::new()
+        },
         r.weights,
         r.model.display(),
         r.seconds,
