@@ -110,8 +110,16 @@ pub struct RunArgs {
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct InspectArgs {
+    /// Checkpoint directory.
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
+    /// List the weights whose canonical or raw name matches GLOB (`*` any run, `?` one
+    /// character), e.g. `layers.3.ffn.experts.*.w1`, instead of the per-layer summary.
+    #[arg(long, value_name = "GLOB")]
+    pub filter: Option<String>,
+    /// List every weight instead of the per-layer summary.
+    #[arg(long)]
+    pub all: bool,
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Dequantize this tensor (checkpoint name of the weight) to F32.

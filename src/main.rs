@@ -5,6 +5,11 @@ use clap::Parser;
 use nvfp4_probe::cli::Cli;
 
 fn main() {
+    // A closed pipe (`nvfp4-probe inspect … | head`) ends the process quietly, as for any Unix
+    // tool, instead of a failed print that Rust's ignored SIGPIPE would turn into a panic.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     nvfp4_probe::profile::mark("start");
     let cli = Cli::parse();
     let code = match std::panic::catch_unwind(|| nvfp4_probe::commands::dispatch(cli)) {

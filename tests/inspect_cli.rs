@@ -56,7 +56,7 @@ fn table_lists_every_weight() {
     let d = tempfile::tempdir().unwrap();
     patterned_model(d.path());
     let out = cli()
-        .args(["inspect", "--model"])
+        .args(["inspect", "--all", "--model"])
         .arg(d.path())
         .assert()
         .success();
@@ -429,4 +429,50 @@ fn full_size_layer_reads_only_scales() {
         "inspect of a 256-expert layer: {took:?}, {} MB of scales",
         scale_bytes >> 20
     );
+}
+
+/// By default one line per layer (formats counted, worst block-scale health of the layer);
+/// `--filter` lists the matching weights only; a filter matching nothing is a usage error.
+#[test]
+fn summary_by_default_and_filter() {
+    let d = tempfile::tempdir().unwrap();
+    patterned_model(d.path());
+    let out = cli()
+        .args(["inspect", "--model"])
+        .arg(d.path())
+        .assert()
+        .success();
+    let s = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    let rows: Vec<&str> = s.lines().filter(|l| l.starts_with("│ ")).collect();
+    assert_eq!(rows.len(), 3, "header, L0, head:\n{s}");
+    assert!(
+        rows[1].starts_with("│ L0 ") && rows[1].contains("nvfp4-ct ×"),
+        "{s}"
+    );
+    // wo_b's 25 % zero and 12.5 % saturated block scales are the layer's worst; its 6.25 % NaN
+    // is not: another weight of the pattern has 12.5 % NaN scales (each column is the worst).
+    assert!(
+        rows[1].contains("0x00 25.00% · 0x7E 12.50% · NaN 12.50%"),
+        "{s}"
+    );
+    assert!(rows[2].starts_with("│ head "), "{s}");
+    assert!(
+        !s.contains("layers.0.attn.wq_a"),
+        "the summary lists no weight:\n{s}"
+    );
+
+    let out = cli()
+        .args(["inspect", "--filter", "layers.0.ffn.experts.*", "--model"])
+        .arg(d.path())
+        .assert()
+        .success();
+    let s = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(s.contains("layers.0.ffn.experts.1.w2"), "{s}");
+    assert!(!s.contains("layers.0.attn.wq_a"), "{s}");
+    let a = cli()
+        .args(["inspect", "--filter", "nothing.*", "--model"])
+        .arg(d.path())
+        .assert()
+        .code(2);
+    assert!(String::from_utf8_lossy(&a.get_output().stderr).contains("--filter nothing.*"));
 }

@@ -15,6 +15,7 @@ use crate::checkpoint::writer::{serialize, write_file};
 use crate::checkpoint::{Checkpoint, Dtype, ScaleKind, ScaleSummary, WeightMeta};
 use crate::cli::InspectArgs;
 use crate::numerics::nvfp4::Convention;
+use crate::probe::spec::glob_match;
 use crate::{Error, Result};
 
 /// JSON schema tag of `--json`.
@@ -79,12 +80,146 @@ pub fn row(ck: &Checkpoint, m: &WeightMeta) -> Result<InspectRow> {
     })
 }
 
-/// Rows for every linear weight of the checkpoint, in natural order.
+/// Rows for every linear weight of the checkpoint, in layer order (see [`order_key`]).
 pub fn rows(ck: &Checkpoint) -> Result<Vec<InspectRow>> {
-    ck.weight_bases()
+    let mut bases = ck.weight_bases();
+    bases.sort_by_cached_key(|b| order_key(b));
+    bases
         .par_iter()
         .map(|b| ck.weight_meta(b).and_then(|m| row(ck, &m)))
         .collect()
+}
+
+/// Where a weight sorts: the embedding first, then layer by layer in numeric order (attention,
+/// then the FFN; experts by number), then the rest (head). Numbers compare as numbers, so
+/// `layers.10` follows `layers.9` and `experts.12` follows `experts.3`.
+pub fn order_key(name: &str) -> (u8, Vec<Result<u64, String>>) {
+    let rank = if name.starts_with("embed") {
+        0
+    } else if name.starts_with("layers.") || name.starts_with("mtp.") {
+        1
+    } else {
+        2
+    };
+    let parts = name
+        .split('.')
+        .map(|p| p.parse::<u64>().map_err(|_| p.to_string()))
+        .collect();
+    (rank, parts)
+}
+
+/// The layer a weight belongs to, for the summary (`L3`), or its first name component (`head`).
+fn layer_of(name: &str) -> String {
+    let mut it = name.split('.');
+    match (it.next(), it.next().and_then(|n| n.parse::<u64>().ok())) {
+        (Some("layers"), Some(n)) => format!("L{n}"),
+        (Some("mtp"), Some(n)) => format!("mtp{n}"),
+        (Some(first), _) => first.to_string(),
+        _ => name.to_string(),
+    }
+}
+
+/// `lo–hi` of finite values (or `-` when none).
+fn range_cell(v: impl Iterator<Item = f32>) -> String {
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    let mut non_finite = 0;
+    for x in v {
+        if x.is_finite() {
+            lo = lo.min(x);
+            hi = hi.max(x);
+        } else {
+            non_finite += 1;
+        }
+    }
+    let short = |x: f32| {
+        if (1e-3..1e4).contains(&x.abs()) {
+            format!("{}", (x as f64 * 1e4).round() / 1e4)
+        } else {
+            format!("{x:.3e}")
+        }
+    };
+    let mut s = if lo > hi {
+        "-".to_string()
+    } else if lo == hi {
+        short(lo)
+    } else {
+        format!("{}–{}", short(lo), short(hi))
+    };
+    if non_finite > 0 {
+        s.push_str(&format!(" ({non_finite} non-finite)"));
+    }
+    s
+}
+
+/// One line per layer: how many weights in which formats, the range of weight amaxes the
+/// tensor scales imply, input scales (and how many quantized weights lack one), and the worst
+/// block-scale health of the layer.
+pub fn render_summary(rows: &[InspectRow]) -> String {
+    let mut groups: Vec<(String, Vec<&InspectRow>)> = Vec::new();
+    for r in rows {
+        let l = layer_of(&r.canonical);
+        match groups.iter_mut().find(|(k, _)| *k == l) {
+            Some((_, v)) => v.push(r),
+            None => groups.push((l, vec![r])),
+        }
+    }
+    let mut t = Table::new();
+    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
+    t.set_content_arrangement(ContentArrangement::Disabled);
+    t.set_header([
+        "layer",
+        "weights",
+        "formats",
+        "weight amax (scales)",
+        "input amax (scales)",
+        "block scales (worst of the layer)",
+    ]);
+    for (l, rs) in &groups {
+        let mut formats: Vec<(&str, usize)> = Vec::new();
+        for r in rs {
+            match formats.iter_mut().find(|(f, _)| *f == r.scheme) {
+                Some((_, n)) => *n += 1,
+                None => formats.push((r.scheme, 1)),
+            }
+        }
+        let quantized: Vec<&&InspectRow> = rs.iter().filter(|r| r.convention.is_some()).collect();
+        let missing_input = quantized
+            .iter()
+            .filter(|r| r.input_global_scale.is_none())
+            .count();
+        let mut input = range_cell(quantized.iter().filter_map(|r| r.input_amax_implied));
+        if missing_input > 0 && missing_input < quantized.len() {
+            input.push_str(&format!(" ({missing_input} without)"));
+        }
+        let worst = |f: fn(&ScaleSummary) -> f64| {
+            rs.iter()
+                .filter_map(|r| r.block_scale.as_ref().map(f))
+                .fold(0f64, f64::max)
+        };
+        let has_scales = rs.iter().any(|r| r.block_scale.is_some());
+        t.add_row([
+            l.clone(),
+            rs.len().to_string(),
+            formats
+                .iter()
+                .map(|(f, n)| format!("{f} ×{n}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            range_cell(rs.iter().filter_map(|r| r.weight_amax_implied)),
+            input,
+            if has_scales {
+                format!(
+                    "0x00 {} · 0x7E {} · NaN {}",
+                    pct(worst(|s| s.frac_zero)),
+                    pct(worst(|s| s.frac_7e)),
+                    pct(worst(|s| s.frac_nan))
+                )
+            } else {
+                "-".into()
+            },
+        ]);
+    }
+    t.to_string()
 }
 
 fn num(x: f32) -> String {
@@ -128,12 +263,18 @@ fn global_cell(stored: Option<f32>, implied: Option<f32>) -> String {
     }
 }
 
+/// One row per weight (no separators between rows). The raw name is shown only when it is not
+/// the canonical name plus a suffix (HF naming).
 pub fn render_table(rows: &[InspectRow]) -> String {
     let mut t = Table::new();
+    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
     t.set_content_arrangement(ContentArrangement::Disabled);
-    t.set_header([
-        "weight",
-        "raw name",
+    let raw_differs = rows.iter().any(|r| !r.raw.starts_with(&r.canonical));
+    let mut header = vec!["weight"];
+    if raw_differs {
+        header.push("raw name");
+    }
+    header.extend([
         "scheme",
         "conv",
         "shape",
@@ -142,10 +283,13 @@ pub fn render_table(rows: &[InspectRow]) -> String {
         "block scales",
         "amax from scales",
     ]);
+    t.set_header(header);
     for r in rows {
-        t.add_row([
-            r.canonical.clone(),
-            r.raw.clone(),
+        let mut cells = vec![r.canonical.clone()];
+        if raw_differs {
+            cells.push(r.raw.clone());
+        }
+        cells.extend([
             r.scheme.to_string(),
             r.convention.unwrap_or("-").to_string(),
             format!("{}×{}", r.shape[0], r.shape[1]),
@@ -156,6 +300,7 @@ pub fn render_table(rows: &[InspectRow]) -> String {
                 .map(num)
                 .unwrap_or_else(|| "-".into()),
         ]);
+        t.add_row(cells);
     }
     t.to_string()
 }
@@ -239,7 +384,17 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
     if let Some(name) = &args.dequant {
         return dequant(&ck, args, name);
     }
-    let rows = rows(&ck)?;
+    let mut rows = rows(&ck)?;
+    if let Some(g) = &args.filter {
+        rows.retain(|r| glob_match(g, &r.canonical) || glob_match(g, &r.raw));
+        if rows.is_empty() {
+            return Err(Error::usage(format!(
+                "--filter {g}: no weight of {} matches (patterns use `*` and `?` over canonical names like \
+                 `layers.3.ffn.experts.*.w1` or raw tensor names)",
+                ck.location().display()
+            )));
+        }
+    }
     if let Some(j) = &args.json {
         if let Some(parent) = j.parent().filter(|p| !p.as_os_str().is_empty()) {
             let (pc, mc) = (
@@ -266,11 +421,56 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         write_file(j, text.as_bytes())?;
     }
     println!(
-        "{}: {} weights, {} naming",
+        "{}: {} weights{}, {} naming",
         ck.location().display(),
         rows.len(),
+        args.filter
+            .as_ref()
+            .map(|g| format!(" matching {g}"))
+            .unwrap_or_default(),
         ck.naming().as_str()
     );
-    println!("{}", render_table(&rows));
+    if args.all || args.filter.is_some() {
+        println!("{}", render_table(&rows));
+    } else {
+        println!("{}", render_summary(&rows));
+        println!(
+            "one line per layer; `--filter 'layers.3.*'` lists those weights, `--all` every weight, \
+             `lint` checks their scales"
+        );
+    }
     Ok(crate::error::EXIT_OK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_sort_in_layer_order_with_numbers_as_numbers() {
+        let mut v = vec![
+            "head",
+            "layers.10.attn.wq_a",
+            "layers.2.ffn.experts.12.w1",
+            "layers.2.ffn.experts.3.w1",
+            "layers.2.attn.wq_a",
+            "embed",
+            "layers.9.ffn.shared_experts.w1",
+        ];
+        v.sort_by_cached_key(|n| order_key(n));
+        assert_eq!(
+            v,
+            [
+                "embed",
+                "layers.2.attn.wq_a",
+                "layers.2.ffn.experts.3.w1",
+                "layers.2.ffn.experts.12.w1",
+                "layers.9.ffn.shared_experts.w1",
+                "layers.10.attn.wq_a",
+                "head",
+            ]
+        );
+        assert_eq!(layer_of("layers.12.attn.wkv"), "L12");
+        assert_eq!(layer_of("head"), "head");
+    }
 }
