@@ -3,7 +3,7 @@
 //! a loader fault. Wherever the served path and the oracle part ways (the run flags a divergent op),
 //! bisect must name the planted op and a parameter of the planted kind's family; faults the oracle
 //! shares must be flagged as a magnitude anomaly when they change magnitudes; clean checkpoints give
-//! no verdict and no anomaly. Prints the pass-rate table (README "bisect matrix").
+//! no verdict and no anomaly. Prints the pass-rate table (docs/internals.md "Bisect matrix").
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
