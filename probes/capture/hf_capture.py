@@ -31,6 +31,9 @@ def parse_args():
     return p.parse_args()
 
 
+BF16_AUTOCAST = False
+
+
 def capture(model, input_ids, rows=None):
     """Run one forward with hooks; return {name: tensor (float32, CPU)}."""
     out = {}
@@ -90,7 +93,12 @@ def capture(model, input_ids, rows=None):
         if cls == "DeepseekV4HyperConnection" and name.endswith("ffn_hc"):
             # the residual streams after the attention-side mHC post
             hooks.append(mod.register_forward_pre_hook(pre(name + ":input")))
-    with torch.no_grad():
+    # transformers 5.17's DeepseekV4 keeps the hyper-connection math in float32 and feeds its float32 output
+    # to BF16 linears, which plain BF16 weights refuse; a BF16 run therefore runs under autocast (the way
+    # such models are run in BF16 in practice): every linear in BF16, the model's explicit float32 parts as written.
+    amp = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if BF16_AUTOCAST else torch.autocast(
+        input_ids.device.type, enabled=False)
+    with torch.no_grad(), amp:
         logits = model(input_ids=input_ids).logits
     keep("logits", logits)
     for h in hooks:
@@ -111,12 +119,15 @@ def main():
     else:
         raise SystemExit("give --token-ids or --tokens")
     dtype = getattr(torch, a.dtype)
+    global BF16_AUTOCAST
+    BF16_AUTOCAST = a.dtype == "bfloat16"
     model = DeepseekV4ForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
     input_ids = torch.tensor([ids], dtype=torch.long, device=a.device)
     rows = [int(r) for r in a.rows.split(",")] if a.rows else None
     acts = capture(model, input_ids, rows)
     acts["input_ids"] = torch.tensor(ids, dtype=torch.int64)
-    meta = {"producer": "hf_capture.py", "transformers_dtype": a.dtype}
+    meta = {"producer": "hf_capture.py", "transformers_dtype": a.dtype,
+            "autocast": "bfloat16" if BF16_AUTOCAST else "off", "device": a.device}
     if rows is not None:
         meta["rows"] = ",".join(map(str, rows))
     save_file(acts, a.out, metadata=meta)
