@@ -144,8 +144,13 @@ pub struct SynthArgs {
     /// Number of layers (preset default when absent).
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Output directory; must not exist or be empty unless --force. The checkpoint is written
+    /// into a temporary directory beside it and renamed into place when complete.
     #[arg(long, value_name = "DIR", required_unless_present = "list_faults")]
     pub out: Option<PathBuf>,
+    /// Replace a non-empty --out directory (only once the new checkpoint is complete).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -19,7 +19,6 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::checkpoint::writer::write_file;
 use crate::checkpoint::{Checkpoint, Dtype, Naming, ShardWriter};
 use crate::cli::SynthArgs;
 use crate::model::ModelConfig;
@@ -102,21 +101,50 @@ pub fn synth_to_dir(opts: &SynthOptions, dir: &Path) -> Result<()> {
     synth_to_dir_with_stats(opts, dir).map(|_| ())
 }
 
-/// As [`synth_to_dir`], returning size and speed.
+/// As [`synth_to_dir`], returning size and speed. `dir` must not exist or be empty.
 pub fn synth_to_dir_with_stats(opts: &SynthOptions, dir: &Path) -> Result<SynthStats> {
+    synth_to_dir_with(opts, dir, false).map(|(st, _)| st)
+}
+
+/// Write the checkpoint into a temporary directory beside `dir` (`crate::output`), renamed to
+/// `dir` once complete. A non-empty `dir` is refused unless `replace` (`synth --force`), which
+/// replaces it only after the new checkpoint is complete. Returns the stats and the files
+/// written (names inside `dir`).
+pub fn synth_to_dir_with(
+    opts: &SynthOptions,
+    dir: &Path,
+    replace: bool,
+) -> Result<(SynthStats, Vec<String>)> {
     let t0 = Instant::now();
     let ctx = Ctx::new(opts)?;
-    let mut w = ShardWriter::new(dir, ctx.shard_bytes())?;
-    let (tensors, bytes) = ctx.write_all(&mut w)?;
-    w.finish(&ctx.config)?;
+    let mut outs = crate::output::Outputs::new(crate::output::Guard::new());
+    let tmp = outs.dir(dir, replace)?;
+    let mut w = ShardWriter::new(&tmp, ctx.shard_bytes())?;
+    // errors name the directory the user gave, not the temporary one
+    let in_tmp = |e: Error| match e {
+        Error::Io { path, source } if path.starts_with(&tmp) => Error::io(dir, source),
+        e => e,
+    };
+    let (tensors, bytes) = ctx.write_all(&mut w).map_err(in_tmp)?;
+    w.finish(&ctx.config).map_err(in_tmp)?;
     if let Some(hq) = &ctx.hf_quant {
-        write_file(&dir.join("hf_quant_config.json"), hq.as_bytes())?;
+        crate::output::write_new_file(&tmp.join("hf_quant_config.json"), hq.as_bytes())
+            .map_err(in_tmp)?;
     }
-    Ok(SynthStats {
-        tensors,
-        bytes,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    let mut files: Vec<String> = std::fs::read_dir(&tmp)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect();
+    files.sort();
+    outs.publish()?;
+    Ok((
+        SynthStats {
+            tensors,
+            bytes,
+            seconds: t0.elapsed().as_secs_f64(),
+        },
+        files,
+    ))
 }
 
 /// The same checkpoint built in memory (`Checkpoint::from_memory`; no hf_quant_config.json).
