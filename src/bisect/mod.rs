@@ -146,7 +146,9 @@ pub struct BisectResult {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Search {
-    /// `layers` when the run covers at least 3 layers of at least 256 MiB of weights each, else `linear`.
+    /// `layers` when the run covers at least 8 layers and its largest layer holds at least
+    /// 256 MiB of weights, else `linear` (`search::AUTO_MIN_LAYERS`, `AUTO_LAYER_BYTES`; a
+    /// test keeps this text equal to them).
     #[default]
     Auto,
     /// One full run, then hypotheses at the first divergent op.

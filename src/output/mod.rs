@@ -241,12 +241,14 @@ struct Staged {
     replace: bool,
 }
 
-/// What one publish step did, to undo it if a later step fails.
+/// What one publish step did, to undo it if it or a later step fails.
 struct Done {
     real: PathBuf,
-    dir: bool,
-    /// Where the replaced target was kept (a hard link for a file, the renamed directory).
-    backup: Option<PathBuf>,
+    /// Where the replaced target was kept, and whether it was moved there (a directory, or a
+    /// file that could not be hard-linked) or linked (the target still in place).
+    backup: Option<(PathBuf, bool)>,
+    /// Whether the new output was renamed onto the target.
+    placed: bool,
     /// Parent directories created for it, outermost first.
     created: Vec<PathBuf>,
 }
@@ -421,7 +423,10 @@ impl Outputs {
             }
             return Err(e);
         }
-        let backups: Vec<PathBuf> = done.iter().filter_map(|d| d.backup.clone()).collect();
+        let backups: Vec<PathBuf> = done
+            .iter()
+            .filter_map(|d| d.backup.as_ref().map(|b| b.0.clone()))
+            .collect();
         for b in &backups {
             held.add(b);
         }
@@ -464,14 +469,22 @@ fn remove_any(p: &Path) {
 
 /// Put back what one publish step replaced, remove what it created.
 fn undo(d: Done) {
-    match &d.backup {
-        Some(b) => {
-            if d.dir {
+    match (&d.backup, d.placed) {
+        (Some((b, true)), placed) => {
+            if placed {
                 remove_any(&d.real);
             }
             let _ = std::fs::rename(b, &d.real);
         }
-        None => remove_any(&d.real),
+        // the link replaces the new file in one rename
+        (Some((b, false)), true) => {
+            let _ = std::fs::rename(b, &d.real);
+        }
+        (Some((b, false)), false) => {
+            let _ = std::fs::remove_file(b);
+        }
+        (None, true) => remove_any(&d.real),
+        (None, false) => {}
     }
     for c in d.created.iter().rev() {
         let _ = std::fs::remove_dir(c);
@@ -482,8 +495,8 @@ fn publish_one(s: &Staged, held: &mut cleanup::Held) -> Result<Done> {
     let io = |e| Error::io(&s.user, e);
     let mut done = Done {
         real: s.real.clone(),
-        dir: s.dir,
         backup: None,
+        placed: false,
         created: Vec::new(),
     };
     let fail = |done: Done, e: Error| {
@@ -523,18 +536,20 @@ fn publish_one(s: &Staged, held: &mut cleanup::Held) -> Result<Done> {
             if let Err(e) = std::fs::rename(&s.real, &b) {
                 return fail(done, io(e));
             }
-            done.backup = Some(b);
+            done.backup = Some((b, true));
         }
         Ok(m) if !s.dir && m.is_file() => {
             let name = s.real.file_name().unwrap_or_default();
             let b = s.real.with_file_name(tmp_name(name));
             // a hard link keeps the old file without a moment where the target is missing
-            if std::fs::hard_link(&s.real, &b).is_err() {
+            if std::fs::hard_link(&s.real, &b).is_ok() {
+                done.backup = Some((b, false));
+            } else {
                 if let Err(e) = std::fs::rename(&s.real, &b) {
                     return fail(done, io(e));
                 }
+                done.backup = Some((b, true));
             }
-            done.backup = Some(b);
         }
         Ok(m) => {
             let e = Error::usage(format!(
@@ -550,6 +565,7 @@ fn publish_one(s: &Staged, held: &mut cleanup::Held) -> Result<Done> {
     if let Err(e) = std::fs::rename(&s.tmp, &s.real) {
         return fail(done, io(e));
     }
+    done.placed = true;
     held.forget(&s.tmp);
     Ok(done)
 }
@@ -607,4 +623,121 @@ pub fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
         return Err(Error::io(path, e));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listing(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn publishes_all_together_and_creates_missing_parents() {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b) = (d.path().join("a.json"), d.path().join("new/sub/b.md"));
+        std::fs::write(&a, b"old").unwrap();
+        let mut o = Outputs::new(Guard::new());
+        o.file(&a, b"A").unwrap();
+        o.file(&b, b"B").unwrap();
+        // staged: nothing published yet, the old file untouched
+        assert_eq!(std::fs::read(&a).unwrap(), b"old");
+        assert!(!d.path().join("new").exists());
+        let w = o.publish().unwrap();
+        assert_eq!(w, vec![a.clone(), b.clone()]);
+        assert_eq!(std::fs::read(&a).unwrap(), b"A");
+        assert_eq!(std::fs::read(&b).unwrap(), b"B");
+        assert_eq!(listing(d.path()), ["a.json", "new"]);
+    }
+
+    #[test]
+    fn a_failing_publish_puts_back_what_it_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b) = (d.path().join("a.json"), d.path().join("b.md"));
+        std::fs::write(&a, b"old").unwrap();
+        let mut o = Outputs::new(Guard::new());
+        o.file(&a, b"A").unwrap();
+        o.file(&b, b"B").unwrap();
+        // b becomes a directory between staging and publishing: its rename must fail
+        std::fs::create_dir(&b).unwrap();
+        let e = o.publish().unwrap_err().to_string();
+        assert!(e.contains("b.md") && e.contains("directory"), "{e}");
+        assert_eq!(std::fs::read(&a).unwrap(), b"old");
+        assert_eq!(listing(d.path()), ["a.json", "b.md"]);
+        assert!(std::fs::read_dir(&b).unwrap().next().is_none());
+    }
+
+    #[test]
+    fn dropped_unpublished_leaves_nothing_and_errors_name_the_given_path() {
+        let d = tempfile::tempdir().unwrap();
+        let a = d.path().join("a.png");
+        let mut o = Outputs::new(Guard::new());
+        let e = o
+            .file_with(&a, |tmp| {
+                let n = tmp.file_name().unwrap().to_string_lossy();
+                assert!(n.starts_with(TMP_PREFIX) && n.ends_with("-a.png"), "{n}");
+                assert!(cleanup::is_live(tmp));
+                std::fs::write(tmp, b"partial").unwrap();
+                Err(Error::io(tmp, std::io::Error::other("disk full")))
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with(&a.display().to_string()) && e.contains("disk full"), "{e}");
+        drop(o);
+        assert!(listing(d.path()).is_empty());
+    }
+
+    #[test]
+    fn guard_refuses_model_dir_shards_and_inputs_and_special_files() {
+        let d = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(d.path()).unwrap();
+        let (m, s) = (root.join("M"), root.join("S"));
+        std::fs::create_dir_all(&m).unwrap();
+        std::fs::create_dir_all(&s).unwrap();
+        std::fs::write(s.join("model.safetensors"), b"x").unwrap();
+        std::os::unix::fs::symlink(s.join("model.safetensors"), m.join("model.safetensors"))
+            .unwrap();
+        std::fs::write(root.join("in.json"), b"{}").unwrap();
+        let g = Guard::new()
+            .model_dir(&m)
+            .input(&root.join("in.json"), "the input");
+        for bad in [
+            m.join("r.json"),
+            m.join("new/r.json"),
+            s.join("r.json"),
+            root.join("in.json"),
+            root.join("S/../M/x"),
+        ] {
+            let e = check(&g, &bad).unwrap_err().to_string();
+            assert!(e.contains(&bad.display().to_string()), "{e}");
+        }
+        assert!(check(&g, &root.join("ok.json")).is_ok());
+        let e = check(&g, Path::new("/dev/null")).unwrap_err().to_string();
+        assert!(e.contains("/dev/null") && e.contains("character device"), "{e}");
+        let e = check(&g, &root).unwrap_err().to_string();
+        assert!(e.contains("a directory"), "{e}");
+    }
+
+    #[test]
+    fn a_directory_is_refused_when_not_empty_and_replaced_with_replace() {
+        let d = tempfile::tempdir().unwrap();
+        let t = d.path().join("ck");
+        std::fs::create_dir(&t).unwrap();
+        std::fs::write(t.join("old.safetensors"), b"old").unwrap();
+        let mut o = Outputs::new(Guard::new());
+        assert!(o.dir(&t, false).unwrap_err().to_string().contains("not empty"));
+        let tmp = o.dir(&t, true).unwrap();
+        std::fs::write(tmp.join("new.safetensors"), b"new").unwrap();
+        // the old checkpoint stays until the publish
+        assert_eq!(listing(&t), ["old.safetensors"]);
+        o.publish().unwrap();
+        assert_eq!(listing(&t), ["new.safetensors"]);
+        assert_eq!(listing(d.path()), ["ck"]);
+    }
 }

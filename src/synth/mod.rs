@@ -117,6 +117,9 @@ pub fn synth_to_dir_with(
 ) -> Result<(SynthStats, Vec<String>)> {
     let t0 = Instant::now();
     let ctx = Ctx::new(opts)?;
+    if replace {
+        check_replaceable(dir)?;
+    }
     let mut outs = crate::output::Outputs::new(crate::output::Guard::new());
     let tmp = outs.dir(dir, replace)?;
     let mut w = ShardWriter::new(&tmp, ctx.shard_bytes())?;
@@ -145,6 +148,35 @@ pub fn synth_to_dir_with(
         },
         files,
     ))
+}
+
+/// `--force` replaces a checkpoint, not any directory: an existing non-empty `dir` must hold a
+/// `config.json` or a `*.safetensors` file and no subdirectory (a mistyped `--out ~` is refused).
+fn check_replaceable(dir: &Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Ok(()); // absent (or not a directory: refused when staged)
+    };
+    let mut looks = false;
+    let mut n = 0;
+    for e in rd {
+        let e = e.map_err(|e| Error::io(dir, e))?;
+        n += 1;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if e.path().is_dir() {
+            return Err(Error::usage(format!(
+                "synth --force: refusing to replace {}: it holds the directory `{name}`, so it is not a checkpoint synth wrote",
+                dir.display()
+            )));
+        }
+        looks |= name == "config.json" || name.ends_with(".safetensors");
+    }
+    if n > 0 && !looks {
+        return Err(Error::usage(format!(
+            "synth --force: refusing to replace {}: it holds no config.json or *.safetensors, so it is not a checkpoint",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The same checkpoint built in memory (`Checkpoint::from_memory`; no hf_quant_config.json).
