@@ -406,7 +406,11 @@ mod tests {
             .expect("run")
             .render_long_help()
             .to_string();
-        for want in ["0..4 in the built-in spec", "64 in the built-in spec", "blackwell-w4a4 in the built-in spec"] {
+        for want in [
+            "0..4 in the built-in spec",
+            "64 in the built-in spec",
+            "blackwell-w4a4 in the built-in spec",
+        ] {
             assert!(help.contains(want), "run --help lacks `{want}`");
         }
     }

@@ -1009,15 +1009,24 @@ pub fn broken_scales(ckpt: &Checkpoint, weights: &[String]) -> Vec<(String, Stri
         let Ok(m) = ckpt.weight_meta(w) else { continue };
         if let (Some(t), Ok(Some(s))) = (&m.tensors.block_scale, ckpt.scale_summary(&m)) {
             if s.frac_nan > 0.0 {
+                let n = ((s.frac_nan * s.count as f64).round() as usize).max(1);
                 out.push((
                     t.clone(),
-                    format!("{:.2}% of its block scales are NaN", 100.0 * s.frac_nan),
+                    format!("{n} of its {} block scales are NaN", s.count),
                 ));
             }
         }
         for (t, v, what) in [
-            (&m.tensors.global_scale, m.weight_global, "weight tensor scale"),
-            (&m.tensors.input_scale, m.input_global, "activation tensor scale"),
+            (
+                &m.tensors.global_scale,
+                m.weight_global,
+                "weight tensor scale",
+            ),
+            (
+                &m.tensors.input_scale,
+                m.input_global,
+                "activation tensor scale",
+            ),
         ] {
             if let (Some(t), Some(v)) = (t, v) {
                 if !v.is_finite() || v == 0.0 {
@@ -1032,6 +1041,11 @@ pub fn broken_scales(ckpt: &Checkpoint, weights: &[String]) -> Vec<(String, Stri
 /// End each anomaly's sentence with what to check: the broken scale tensors of its weights by
 /// name when their bytes show it ([`broken_scales`]), else its weights and `lint --reference`.
 pub fn name_suspects(ckpt: &Checkpoint, anomalies: &mut [Anomaly]) {
+    let dir = if ckpt.location() == std::path::Path::new(crate::checkpoint::BUILTIN) {
+        "DIR".to_string()
+    } else {
+        ckpt.location().display().to_string()
+    };
     for a in anomalies {
         let broken = broken_scales(ckpt, &a.weights);
         let hint = match broken.as_slice() {
@@ -1042,11 +1056,11 @@ pub fn name_suspects(ckpt: &Checkpoint, anomalies: &mut [Anomaly]) {
                     n => format!(" and {} more", n - 1),
                 };
                 format!(
-                    "; check the scales of `{first}`{more} against the original with `nvfp4-probe lint --model DIR --reference ORIGINAL`"
+                    "; check the scales of `{first}`{more} against the original with `nvfp4-probe lint --model {dir} --reference ORIGINAL`"
                 )
             }
             [(t, why), rest @ ..] => format!(
-                "; `{t}`: {why}{} (`nvfp4-probe lint --model DIR` lists every broken scale)",
+                "; `{t}`: {why}{} (`nvfp4-probe lint --model {dir}` lists every broken scale)",
                 if rest.is_empty() {
                     String::new()
                 } else {

@@ -6,11 +6,11 @@ use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
+use crate::output::{Guard, Outputs};
 use crate::probe::faults::Fault;
 use crate::probe::served::Profile;
 use crate::probe::spec::{parse_layers, ProbeSpec};
 use crate::probe::{self, RunOptions, RunResult};
-use crate::output::{Guard, Outputs};
 use crate::report::{self, RunMeta};
 use crate::{Error, Result};
 
@@ -190,7 +190,11 @@ pub fn prepare(
 
 /// The outputs' guard of a command on an optional model directory: the directory, its shards'
 /// real directories (from the opened checkpoint too when given) and the command's input files.
-pub fn guard(model: Option<&Path>, ckpt: Option<&Checkpoint>, inputs: &[&Option<PathBuf>]) -> Guard {
+pub fn guard(
+    model: Option<&Path>,
+    ckpt: Option<&Checkpoint>,
+    inputs: &[&Option<PathBuf>],
+) -> Guard {
     let mut g = Guard::new();
     if let Some(m) = model {
         g = g.model_dir(m);
@@ -223,7 +227,10 @@ fn check_outputs(args: &RunArgs, outs: &Outputs) -> Result<()> {
 pub fn main(args: &RunArgs) -> Result<i32> {
     let inputs = [&args.probe, &args.tokens.tokens];
     // refused before anything is opened, and again with the checkpoint's shards known
-    check_outputs(args, &Outputs::new(guard(args.model.as_deref(), None, &inputs)))?;
+    check_outputs(
+        args,
+        &Outputs::new(guard(args.model.as_deref(), None, &inputs)),
+    )?;
     let mut p = prepare(
         args.model.as_deref(),
         args.layers.as_deref(),
@@ -256,7 +263,8 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         res.bytes_read as f64 / 1e6
     );
     // outputs are written only after the run succeeded, all or none
-    let json = (args.json.is_some() || args.plot.is_some()).then(|| report::run_json(&p.meta, &res));
+    let json =
+        (args.json.is_some() || args.plot.is_some()).then(|| report::run_json(&p.meta, &res));
     if let (Some(j), Some(text)) = (&args.json, &json) {
         outs.file(j, text.as_bytes())?;
     }

@@ -270,7 +270,9 @@ fn rename_err(e: Error, tmp: &Path, user: &Path) -> Error {
             tensor,
             msg,
         },
-        Error::Usage(m) => Error::Usage(m.replace(&tmp.display().to_string(), &user.display().to_string())),
+        Error::Usage(m) => {
+            Error::Usage(m.replace(&tmp.display().to_string(), &user.display().to_string()))
+        }
         e => e,
     }
 }
@@ -319,7 +321,11 @@ impl Outputs {
 
     /// Stage the file `write` writes at the temporary path it is given (an empty file, created;
     /// its name ends in the target's name, extension included).
-    pub fn file_with(&mut self, user: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    pub fn file_with(
+        &mut self,
+        user: &Path,
+        write: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<()> {
         let real = self.check(user)?;
         self.claim(user, &real)?;
         let name = real
@@ -688,7 +694,10 @@ mod tests {
             })
             .unwrap_err()
             .to_string();
-        assert!(e.starts_with(&a.display().to_string()) && e.contains("disk full"), "{e}");
+        assert!(
+            e.starts_with(&a.display().to_string()) && e.contains("disk full"),
+            "{e}"
+        );
         drop(o);
         assert!(listing(d.path()).is_empty());
     }
@@ -719,7 +728,10 @@ mod tests {
         }
         assert!(check(&g, &root.join("ok.json")).is_ok());
         let e = check(&g, Path::new("/dev/null")).unwrap_err().to_string();
-        assert!(e.contains("/dev/null") && e.contains("character device"), "{e}");
+        assert!(
+            e.contains("/dev/null") && e.contains("character device"),
+            "{e}"
+        );
         let e = check(&g, &root).unwrap_err().to_string();
         assert!(e.contains("a directory"), "{e}");
     }
@@ -731,7 +743,11 @@ mod tests {
         std::fs::create_dir(&t).unwrap();
         std::fs::write(t.join("old.safetensors"), b"old").unwrap();
         let mut o = Outputs::new(Guard::new());
-        assert!(o.dir(&t, false).unwrap_err().to_string().contains("not empty"));
+        assert!(o
+            .dir(&t, false)
+            .unwrap_err()
+            .to_string()
+            .contains("not empty"));
         let tmp = o.dir(&t, true).unwrap();
         std::fs::write(tmp.join("new.safetensors"), b"new").unwrap();
         // the old checkpoint stays until the publish

@@ -121,7 +121,10 @@ mod tests {
         let cases = [
             (root.join("M/sub/r.json"), m.join("sub/r.json")),
             (root.join("link/r.json"), m.join("r.json")),
-            (root.join("link/new/deeper/r.json"), m.join("new/deeper/r.json")),
+            (
+                root.join("link/new/deeper/r.json"),
+                m.join("new/deeper/r.json"),
+            ),
             (root.join("x/../M/sub"), m.join("sub")),
             (root.join("x/up/sub/f"), m.join("sub/f")),
             (root.join("x/up/../M/f"), m.join("f")),

@@ -362,3 +362,63 @@ pub fn dump(outs: &mut Outputs, dir: &Path, res: &RunResult) -> Result<Vec<PathB
     }
     Ok(written)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The status column has a header; indexer rows show agreement in its own column and no
+    /// cosine; the legend states the run's thresholds.
+    #[test]
+    fn table_has_a_status_header_and_keeps_agreement_out_of_the_cosine_columns() {
+        let ck = crate::synth::builtin(0).expect("built-in model");
+        let cfg = ck.model_config().expect("config").clone();
+        let tokens = crate::probe::synthetic_tokens(16, cfg.vocab_size, 1);
+        let res =
+            crate::probe::run(&ck, &crate::probe::RunOptions::new((0, 2), tokens)).expect("run");
+        assert!(
+            res.records.iter().any(|r| r.agreement.is_some()),
+            "no indexer op"
+        );
+        let t = terminal_table(&res);
+        let rows: Vec<Vec<String>> = t
+            .lines()
+            .filter(|l| l.starts_with('│'))
+            .map(|l| {
+                l.trim_matches('│')
+                    .split('┆')
+                    .map(|c| c.trim().to_string())
+                    .collect()
+            })
+            .collect();
+        let head = &rows[0];
+        assert_eq!(head.last().map(String::as_str), Some("status"), "{head:?}");
+        let col = |name: &str| head.iter().position(|h| h == name).expect(name);
+        let (cos_iso, cos_prop, agree) = (col("cos iso"), col("cos prop"), col("agree iso/prop"));
+        for (row, r) in rows[1..].iter().zip(&res.records) {
+            assert_eq!(row[1], r.id);
+            match &r.agreement {
+                Some(a) => {
+                    assert!(
+                        row[cos_iso].is_empty() && row[cos_prop].is_empty(),
+                        "{row:?}"
+                    );
+                    let want = format!("{:.3}/{:.3}", a.served_isolated, a.served_propagated);
+                    assert_eq!(row[agree], want);
+                }
+                None => {
+                    assert!(row[agree].is_empty(), "{row:?}");
+                    assert!(row[cos_iso].parse::<f64>().is_ok(), "{row:?}");
+                }
+            }
+        }
+        let th = Thresholds {
+            propagated_rel_l2: 0.7,
+            amax_ratio: 3.0,
+            ..Thresholds::default()
+        };
+        let l = legend(&th);
+        assert!(!l.contains('\n'));
+        assert!(l.contains("> 0.7") && l.contains("more than 3x"), "{l}");
+    }
+}
