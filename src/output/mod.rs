@@ -756,4 +756,28 @@ mod tests {
         assert_eq!(listing(&t), ["new.safetensors"]);
         assert_eq!(listing(d.path()), ["ck"]);
     }
+
+    /// What a SIGKILLed synth left (its process gone) is removed by the next synth to the same
+    /// target; a live process's temporary is not touched.
+    #[test]
+    fn stale_temporaries_of_dead_processes_are_removed() {
+        let d = tempfile::tempdir().unwrap();
+        // above any pid_max: no such process
+        let dead = d.path().join(format!("{TMP_PREFIX}999999999-0-ck"));
+        let live = d
+            .path()
+            .join(format!("{TMP_PREFIX}{}-99-ck", std::process::id()));
+        let other = d.path().join(format!("{TMP_PREFIX}999999999-0-other"));
+        for p in [&dead, &live, &other] {
+            std::fs::create_dir(p).unwrap();
+            std::fs::write(p.join(".shard-00001.safetensors.partial"), b"x").unwrap();
+        }
+        let mut o = Outputs::new(Guard::new());
+        o.dir(&d.path().join("ck"), false).unwrap();
+        assert!(!dead.exists());
+        assert!(live.exists() && other.exists());
+        drop(o);
+        let n = listing(d.path());
+        assert_eq!(n.len(), 2, "{n:?}");
+    }
 }
