@@ -46,7 +46,9 @@ pub enum BackendChoice {
     /// The GPU when a usable one exists, else the CPU (one line says why).
     #[default]
     Auto,
+    /// The CPU reference backend (multi-threaded; slow on full-size layers).
     Cpu,
+    /// The CUDA backend; an error (exit 2) when no usable GPU or driver is found.
     Cuda,
 }
 
@@ -62,7 +64,8 @@ pub struct TokenArgs {
     /// Text, tokenized with the checkpoint's tokenizer.json.
     #[arg(long, value_name = "TEXT")]
     pub prompt: Option<String>,
-    /// Number of synthetic tokens when no other source is given.
+    /// Number of synthetic tokens when no other source is given [default: the probe spec's
+    /// tokens.seq_len; 64 in the built-in spec].
     #[arg(long, value_name = "N")]
     pub seq_len: Option<usize>,
 }
@@ -72,17 +75,21 @@ pub struct RunArgs {
     /// Checkpoint directory; without it the built-in tiny synthetic model is used.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
-    /// Layers to run, inclusive: `0..4` is layers 0,1,2,3,4; `3` is layer 3 alone.
+    /// Layers to run, inclusive: `0..4` is layers 0,1,2,3,4; `3` is layer 3 alone [default:
+    /// the probe spec's; 0..4 in the built-in spec].
     #[arg(long, value_name = "A..B")]
     pub layers: Option<String>,
     #[command(flatten)]
     pub tokens: TokenArgs,
-    /// Probe spec (TOML); the default spec is built in.
+    /// Probe spec (TOML: layers, ops, tokens, served profile, thresholds); the default spec
+    /// (probes/default.toml) is built in.
     #[arg(long, value_name = "FILE")]
     pub probe: Option<PathBuf>,
-    /// Served-numerics profile: blackwell-w4a4, hopper-w4a16, emulation.
+    /// Served-numerics profile: blackwell-w4a4, hopper-w4a16, emulation [default: the probe
+    /// spec's; blackwell-w4a4 in the built-in spec].
     #[arg(long, value_name = "PROFILE")]
     pub served: Option<String>,
+    /// Where the ops run.
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
     /// Write the run JSON (schema nvfp4-probe.run/1).
@@ -91,13 +98,15 @@ pub struct RunArgs {
     /// Write the markdown report.
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
-    /// Write each path's op outputs as F32 safetensors under DIR.
+    /// Write each path's op outputs as F32 safetensors under DIR (created if absent).
     #[arg(long, value_name = "DIR")]
     pub dump: Option<PathBuf>,
-    /// Write plots (PNG or SVG by extension; FILE is a stem for the three plots).
+    /// Write the three plots STEM-amax, STEM-cos and STEM-heatmap next to FILE (STEM.png or
+    /// STEM.svg: the extension picks the format).
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
-    /// Emulate a loader bug in the served path: KIND@TARGET (repeatable).
+    /// Emulate a loader bug in the served path: KIND@TARGET, e.g.
+    /// inverted-input-scale@L1.attn.q_b (repeatable; kinds: synth --list-faults).
     #[arg(long = "loader-fault", value_name = "KIND@TARGET")]
     pub loader_faults: Vec<String>,
     /// Seed of the built-in model (when --model is absent).
@@ -110,7 +119,7 @@ pub struct RunArgs {
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct InspectArgs {
-    /// Checkpoint directory.
+    /// Checkpoint directory (config.json and safetensors shards).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// List the weights whose canonical or raw name matches GLOB (`*` any run, `?` one
@@ -120,27 +129,30 @@ pub struct InspectArgs {
     /// List every weight instead of the per-layer summary.
     #[arg(long)]
     pub all: bool,
+    /// Also write the weights as JSON (schema nvfp4-probe.inspect/1).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Dequantize this tensor (checkpoint name of the weight) to F32.
     #[arg(long, value_name = "NAME", requires = "out")]
     pub dequant: Option<String>,
-    /// Output safetensors file for --dequant.
+    /// Output safetensors file for --dequant (one F32 tensor).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SynthArgs {
-    /// tiny | flash-layer
+    /// Model size: tiny (5 small layers, tens of MB) or flash-layer (1 layer of V4-Flash
+    /// dimensions, GBs).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
-    /// bf16 | ct-nvfp4 | modelopt-nvfp4 | official-mixed | mxfp4
+    /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed or mxfp4.
     #[arg(long, default_value = "bf16")]
     pub format: String,
-    /// hf | official
+    /// Tensor naming: official (DeepSeek's release) or hf (Hugging Face transformers).
     #[arg(long, default_value = "official")]
     pub naming: String,
+    /// Seed of the generated weights (same seed, same bytes).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Plant a fault: KIND@TARGET (repeatable). See --list-faults.
@@ -149,19 +161,28 @@ pub struct SynthArgs {
     /// Print the fault catalogue and exit.
     #[arg(long)]
     pub list_faults: bool,
-    /// Number of layers (preset default when absent).
-    #[arg(long)]
+    /// Number of layers [default: the preset's].
+    #[arg(long, value_name = "N")]
     pub layers: Option<usize>,
+    /// Output directory; must not exist or be empty unless --force. The checkpoint is written
+    /// into a temporary directory beside it and renamed into place when complete.
     #[arg(long, value_name = "DIR", required_unless_present = "list_faults")]
     pub out: Option<PathBuf>,
+    /// Replace a non-empty --out checkpoint directory (holding config.json or *.safetensors and
+    /// no subdirectory), only once the new checkpoint is complete.
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct LintArgs {
+    /// Checkpoint directory to lint (config.json and safetensors shards).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
+    /// Also write the findings as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Also write the findings as a markdown report.
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
     /// TOML file adjusting rule severities / thresholds.
@@ -178,40 +199,57 @@ pub struct LintArgs {
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct BisectArgs {
+    /// Checkpoint directory; without it the built-in tiny synthetic model is used.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// Layers to search, inclusive: `0..4` is layers 0,1,2,3,4; `3` is layer 3 alone
+    /// [default: 0..4, the built-in probe spec's].
     #[arg(long, value_name = "A..B")]
     pub layers: Option<String>,
     #[command(flatten)]
     pub tokens: TokenArgs,
+    /// Served-numerics profile: blackwell-w4a4, hopper-w4a16, emulation [default:
+    /// blackwell-w4a4, the built-in probe spec's].
     #[arg(long, value_name = "PROFILE")]
     pub served: Option<String>,
+    /// Where the ops run.
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
+    /// Write the verdict, the ranked hypotheses and the search as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Write the verdict as a markdown report.
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
+    /// Emulate a loader bug in the served path: KIND@TARGET, e.g.
+    /// inverted-input-scale@L1.attn.q_b (repeatable; kinds: synth --list-faults).
     #[arg(long = "loader-fault", value_name = "KIND@TARGET")]
     pub loader_faults: Vec<String>,
+    /// Seed of the built-in model (when --model is absent).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// How to find the first divergent op: `linear` (one full run), `layers` (binary search over
-    /// layers on propagated error, then one layer in full), `auto` (`layers` for big checkpoints).
+    /// layers on propagated error, then one layer in full), `auto` (see its value below).
     #[arg(long, value_enum, default_value_t = crate::bisect::Search::Auto)]
     pub search: crate::bisect::Search,
 }
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct GateArgs {
+    /// The baseline run JSON (`run --json`), e.g. the committed reports/baseline.json.
     #[arg(long, value_name = "BASE.json")]
     pub baseline: PathBuf,
+    /// The run JSON to check against the baseline.
     #[arg(long, value_name = "CUR.json")]
     pub current: PathBuf,
+    /// Tolerance rules (TOML), checked before the built-in ones (unless the file says
+    /// `defaults = false`) [default: the built-in rules].
     #[arg(long, value_name = "FILE")]
     pub tolerances: Option<PathBuf>,
+    /// Write a markdown summary (for a PR comment or $GITHUB_STEP_SUMMARY).
     #[arg(long, value_name = "FILE.md")]
     pub summary: Option<PathBuf>,
+    /// Write a JUnit XML report (one test case per op).
     #[arg(long, value_name = "FILE.xml")]
     pub junit: Option<PathBuf>,
     /// Compare even when checkpoint or token fingerprints differ.
@@ -223,37 +261,46 @@ pub struct GateArgs {
 pub struct PlotArgs {
     /// Run JSON written by `run --json`.
     pub run_json: PathBuf,
-    /// Output stem (`.png` or `.svg` decides the format).
+    /// STEM.png or STEM.svg: writes STEM-amax, STEM-cos and STEM-heatmap beside it (the
+    /// extension picks the format).
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
 }
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct CompareArgs {
+    /// Checkpoint the engine served; without it the built-in tiny synthetic model.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// The engine's dumped activations: one safetensors file, or a directory of them (one per
+    /// rank / pass).
     #[arg(long, value_name = "FILE_OR_DIR")]
     pub trace: PathBuf,
-    /// vllm | sglang | hf | official | MAPFILE
+    /// How the trace names its tensors: vllm, sglang, hf, official, or a TOML map file.
     #[arg(long, default_value = "official")]
     pub names: String,
     #[command(flatten)]
     pub tokens: TokenArgs,
+    /// Write the comparison as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Write the comparison as a markdown report.
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
+    /// Seed of the built-in model (when --model is absent).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SelftestArgs {
+    /// Must find a GPU: `cpu` is refused (there is nothing to compare the CPU with).
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
     /// Size multiplier of the random test tensors.
     #[arg(long, default_value_t = 1)]
     pub scale: usize,
+    /// Seed of the random test tensors and of the built-in model.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Checkpoint for the whole-run comparison (CPU vs CUDA); default: the built-in tiny model.
@@ -263,7 +310,7 @@ pub struct SelftestArgs {
     #[arg(long, value_name = "A..B", default_value = "0..4")]
     pub layers: String,
     /// Tokens of the whole-run comparison.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, value_name = "N", default_value_t = 64)]
     pub seq_len: usize,
     /// Served profiles to compare whole runs under (comma-separated).
     #[arg(
@@ -285,4 +332,97 @@ pub struct SelftestArgs {
     /// mantissa of [1, 2), 2^23 bytes) to FILE.
     #[arg(long, value_name = "FILE")]
     pub rcp_table: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every argument of every subcommand says what it is for (`--help` has no blank lines).
+    #[test]
+    fn every_argument_has_help() {
+        let cmd = Cli::command();
+        let mut missing = Vec::new();
+        let mut seen = 0;
+        for sub in cmd.get_subcommands() {
+            assert!(sub.get_about().is_some(), "{} has no about", sub.get_name());
+            for a in sub.get_arguments() {
+                let id = a.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                seen += 1;
+                let help = a
+                    .get_long_help()
+                    .or(a.get_help())
+                    .map(|h| h.to_string())
+                    .unwrap_or_default();
+                if help.trim().is_empty() {
+                    missing.push(format!("{} --{id}", sub.get_name()));
+                }
+                // enum values say what each one does, too (flags' true/false are not values)
+                let values = if a.get_action().takes_values() {
+                    a.get_possible_values()
+                } else {
+                    Vec::new()
+                };
+                for v in values {
+                    if v.get_help().is_none_or(|h| h.to_string().trim().is_empty()) {
+                        missing.push(format!("{} --{id} {}", sub.get_name(), v.get_name()));
+                    }
+                }
+            }
+        }
+        assert!(seen > 60, "walked only {seen} arguments");
+        assert!(missing.is_empty(), "no help: {missing:?}");
+    }
+
+    /// `--search auto`'s help states the thresholds the program uses.
+    #[test]
+    fn search_help_matches_the_auto_thresholds() {
+        let cmd = Cli::command();
+        let bisect = cmd.find_subcommand("bisect").expect("bisect");
+        let search = bisect
+            .get_arguments()
+            .find(|a| a.get_id() == "search")
+            .expect("--search");
+        let auto = search
+            .get_possible_values()
+            .into_iter()
+            .find(|v| v.get_name() == "auto")
+            .and_then(|v| v.get_help().map(|h| h.to_string()))
+            .expect("auto help");
+        use crate::bisect::search::{AUTO_LAYER_BYTES, AUTO_MIN_LAYERS};
+        assert!(
+            auto.contains(&format!("at least {AUTO_MIN_LAYERS} layers")),
+            "{auto}"
+        );
+        assert!(
+            auto.contains(&format!("at least {} MiB", AUTO_LAYER_BYTES >> 20)),
+            "{auto}"
+        );
+    }
+
+    /// The defaults the help states are the program's: the built-in spec's layers, tokens and
+    /// served profile.
+    #[test]
+    fn stated_defaults_are_the_built_in_specs() {
+        let spec = crate::probe::spec::ProbeSpec::builtin();
+        assert_eq!(spec.layers.as_deref(), Some("0..4"));
+        assert_eq!(spec.tokens.seq_len, Some(64));
+        assert_eq!(spec.served.as_deref(), Some("blackwell-w4a4"));
+        let help = Cli::command()
+            .find_subcommand_mut("run")
+            .expect("run")
+            .render_long_help()
+            .to_string();
+        for want in [
+            "0..4 in the built-in spec",
+            "64 in the built-in spec",
+            "blackwell-w4a4 in the built-in spec",
+        ] {
+            assert!(help.contains(want), "run --help lacks `{want}`");
+        }
+    }
 }

@@ -15,6 +15,7 @@ pub mod lint;
 pub mod metrics;
 pub mod model;
 pub mod numerics;
+pub mod output;
 pub mod plot;
 pub mod probe;
 pub mod profile;

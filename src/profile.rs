@@ -133,10 +133,7 @@ pub fn write_timeline() {
         .iter()
         .map(|(w, n, a, b)| format!("{{\"what\":\"{w}\",\"n\":{n},\"t0\":{a:.6},\"t1\":{b:.6}}}\n"))
         .collect();
-    if let Err(e) = std::fs::write(&path, text) {
-        eprintln!(
-            "timeline: cannot write {}: {e}",
-            std::path::Path::new(&path).display()
-        );
+    if let Err(e) = crate::output::write_one(std::path::Path::new(&path), text.as_bytes()) {
+        eprintln!("timeline: cannot write: {e}");
     }
 }

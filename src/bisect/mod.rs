@@ -126,6 +126,8 @@ pub struct Anomaly {
     pub gain_other_layers: Option<f64>,
     pub oracle_non_finite: bool,
     pub weights: Vec<String>,
+    /// Stored scale tensors of `weights` broken on their face (see [`broken_scales`]).
+    pub suspects: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -144,7 +146,9 @@ pub struct BisectResult {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Search {
-    /// `layers` when the run covers at least 3 layers of at least 256 MiB of weights each, else `linear`.
+    /// `layers` when the run covers at least 8 layers and its largest layer holds at least
+    /// 256 MiB of weights, else `linear` (`search::AUTO_MIN_LAYERS`, `AUTO_LAYER_BYTES`; a
+    /// test keeps this text equal to them).
     #[default]
     Auto,
     /// One full run, then hypotheses at the first divergent op.
@@ -274,7 +278,8 @@ fn bisect_run_from(
             .position(|x| x.id == r.id)
             .map_or(0, |i| i + 1)
     });
-    let anomalies = find_anomalies(&res.records[..upto]);
+    let mut anomalies = find_anomalies(&res.records[..upto]);
+    name_suspects(ckpt, &mut anomalies);
     let ops_run = match &opts.stop_after {
         Some(_) => res.records.last().map_or(0, |r| r.step + 1),
         None => {
@@ -947,13 +952,14 @@ pub fn find_anomalies_in(records: &[OracleOp]) -> Vec<Anomaly> {
                 out.push(Anomaly {
                     op: r.id.clone(),
                     sentence: format!(
-                        "{}: the BF16 oracle itself is non-finite on finite input — the checkpoint's bytes are at fault (served and oracle decode the same bytes); check with `nvfp4-probe lint --reference DIR`",
+                        "{}: the BF16 oracle itself is non-finite on finite input — the checkpoint's bytes are at fault (served and oracle decode the same bytes)",
                         r.id
                     ),
                     gain: None,
                     gain_other_layers: None,
                     oracle_non_finite: true,
                     weights: wts,
+                    suspects: Vec::new(),
                 });
                 break;
             }
@@ -979,18 +985,92 @@ pub fn find_anomalies_in(records: &[OracleOp]) -> Vec<Anomaly> {
             out.push(Anomaly {
                 op: r.id.clone(),
                 sentence: format!(
-                    "{}: output amax is {:.3e}× its input's, against {:.3e}× for the same op in the other layers — a scale the oracle shares is wrong (weight global scale inverted or applied twice?); served and oracle decode the same bytes, so nothing diverges: check with `nvfp4-probe lint --reference DIR`",
+                    "{}: output amax is {:.3e}× its input's, against {:.3e}× for the same op in the other layers — a scale the oracle shares is wrong (weight global scale inverted or applied twice?); served and oracle decode the same bytes, so nothing diverges",
                     r.id, g, med
                 ),
                 gain: Some(g),
                 gain_other_layers: Some(med),
                 oracle_non_finite: false,
                 weights: wts,
+                suspects: Vec::new(),
             });
             break;
         }
     }
     out
+}
+
+/// The stored scale tensors of `weights` that are broken on their face — NaN block scales, a
+/// zero or non-finite tensor scale — each with what is wrong (as `lint` reports them; the
+/// values a scale should have need `lint --reference`).
+pub fn broken_scales(ckpt: &Checkpoint, weights: &[String]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for w in weights {
+        let Ok(m) = ckpt.weight_meta(w) else { continue };
+        if let (Some(t), Ok(Some(s))) = (&m.tensors.block_scale, ckpt.scale_summary(&m)) {
+            if s.frac_nan > 0.0 {
+                let n = ((s.frac_nan * s.count as f64).round() as usize).max(1);
+                out.push((
+                    t.clone(),
+                    format!("{n} of its {} block scales are NaN", s.count),
+                ));
+            }
+        }
+        for (t, v, what) in [
+            (
+                &m.tensors.global_scale,
+                m.weight_global,
+                "weight tensor scale",
+            ),
+            (
+                &m.tensors.input_scale,
+                m.input_global,
+                "activation tensor scale",
+            ),
+        ] {
+            if let (Some(t), Some(v)) = (t, v) {
+                if !v.is_finite() || v == 0.0 {
+                    out.push((t.clone(), format!("{what} is {v}")));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// End each anomaly's sentence with what to check: the broken scale tensors of its weights by
+/// name when their bytes show it ([`broken_scales`]), else its weights and `lint --reference`.
+pub fn name_suspects(ckpt: &Checkpoint, anomalies: &mut [Anomaly]) {
+    let dir = if ckpt.location() == std::path::Path::new(crate::checkpoint::BUILTIN) {
+        "DIR".to_string()
+    } else {
+        ckpt.location().display().to_string()
+    };
+    for a in anomalies {
+        let broken = broken_scales(ckpt, &a.weights);
+        let hint = match broken.as_slice() {
+            [] => {
+                let first = a.weights.first().map(String::as_str).unwrap_or("?");
+                let more = match a.weights.len() {
+                    0 | 1 => String::new(),
+                    n => format!(" and {} more", n - 1),
+                };
+                format!(
+                    "; check the scales of `{first}`{more} against the original with `nvfp4-probe lint --model {dir} --reference ORIGINAL`"
+                )
+            }
+            [(t, why), rest @ ..] => format!(
+                "; `{t}`: {why}{} (`nvfp4-probe lint --model {dir}` lists every broken scale)",
+                if rest.is_empty() {
+                    String::new()
+                } else {
+                    format!(", and {} more broken scale tensors", rest.len())
+                }
+            ),
+        };
+        a.sentence.push_str(&hint);
+        a.suspects = broken.into_iter().map(|(t, _)| t).collect();
+    }
 }
 
 /// The main data input of an op id, by the graph's conventions.

@@ -231,7 +231,8 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         .iter()
         .position(|o| o.id == rec.id)
         .map_or(sc.oracle_ops.len(), |i| i + 1);
-    let anomalies = find_anomalies_in(&sc.oracle_ops[..upto]);
+    let mut anomalies = find_anomalies_in(&sc.oracle_ops[..upto]);
+    super::name_suspects(ckpt, &mut anomalies);
     let seconds_bisect = t1.elapsed().as_secs_f64();
     cost.phases(seconds_bisect, &mut rep.phases);
 

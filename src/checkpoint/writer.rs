@@ -2,9 +2,12 @@
 //! the next one would overflow the shard, then the shard is written and dropped. The shard count
 //! is unknown until the end, so shards are written under temporary names and renamed at
 //! `finish` to `model-0000i-of-0000n.safetensors` (or `model.safetensors` when there is one).
+//!
+//! The writer works in the directory it is given; `synth` gives it a temporary directory staged
+//! by `crate::output` (renamed into place when complete), so a failed or killed synth leaves
+//! no shard anywhere. Files are written through `crate::output`'s primitives.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Metadata, TensorInfo};
@@ -73,22 +76,10 @@ pub fn serialize(
     Ok(out)
 }
 
-/// Write a file readable by others (safetensors' own writer leaves 0600).
+/// Replace `path` with `bytes` through a temporary renamed into place (see `crate::output`),
+/// readable by others (safetensors' own writer leaves 0600).
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
-    f.write_all(bytes).map_err(|e| Error::io(path, e))?;
-    f.flush().map_err(|e| Error::io(path, e))?;
-    set_mode(path)
-}
-
-fn set_mode(path: &Path) -> Result<()> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644))
-            .map_err(|e| Error::io(path, e))?;
-    }
-    Ok(())
+    crate::output::write_one(path, bytes)
 }
 
 /// Shard file names for `n` shards.
@@ -182,7 +173,7 @@ impl ShardWriter {
         )?;
         let tmp = format!(".shard-{:05}.safetensors.partial", self.done.len() + 1);
         match &mut self.target {
-            Target::Dir(d) => write_file(&d.join(&tmp), &buf)?,
+            Target::Dir(d) => crate::output::write_new_file(&d.join(&tmp), &buf)?,
             Target::Memory(v) => v.push((tmp.clone(), buf)),
         }
         self.done
@@ -221,7 +212,7 @@ impl ShardWriter {
             self.pending_bytes = 0;
             let buf = serialize(&[], None)?;
             let tmp = ".shard-00001.safetensors.partial".to_string();
-            write_file(&dir.join(&tmp), &buf)?;
+            crate::output::write_new_file(&dir.join(&tmp), &buf)?;
             self.done.push((tmp, Vec::new()));
         }
         let names = shard_names(self.done.len());

@@ -3,10 +3,19 @@
 use crate::bisect::{self, render};
 use crate::cli::BisectArgs;
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
-use crate::report;
+use crate::output::Outputs;
 use crate::Result;
 
+use super::run::guard;
+
 pub fn main(args: &BisectArgs) -> Result<i32> {
+    let inputs = [&args.tokens.tokens];
+    let outputs = [&args.json, &args.markdown];
+    // refused before anything is opened, and again with the checkpoint's shards known
+    let early = Outputs::new(guard(args.model.as_deref(), None, &inputs));
+    for out in outputs.into_iter().flatten() {
+        early.check(out)?;
+    }
     let mut p = super::run::prepare(
         args.model.as_deref(),
         args.layers.as_deref(),
@@ -17,19 +26,21 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
         &args.loader_faults,
         args.seed,
     )?;
-    for out in [&args.json, &args.markdown].into_iter().flatten() {
-        report::check_not_in_model_dir(out, p.model_dir.as_deref())?;
+    let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
+    for out in outputs.into_iter().flatten() {
+        outs.check(out)?;
     }
     let r = bisect::bisect_with(&p.ckpt, &p.opts, args.search)?;
     p.meta.seconds = r.seconds_run + r.seconds_bisect;
     p.meta.bytes_read = p.ckpt.bytes_read();
     print!("{}", render::terminal(&r));
     if let Some(j) = &args.json {
-        report::write_atomic(j, render::json(&p.meta, &r).as_bytes())?;
+        outs.file(j, render::json(&p.meta, &r).as_bytes())?;
     }
     if let Some(md) = &args.markdown {
-        report::write_atomic(md, render::markdown(&p.meta, &r).as_bytes())?;
+        outs.file(md, render::markdown(&p.meta, &r).as_bytes())?;
     }
+    outs.publish_and_report()?;
     Ok(if r.has_findings() {
         EXIT_FINDINGS
     } else {

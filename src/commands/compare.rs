@@ -7,6 +7,7 @@ use crate::cli::{BackendChoice, CompareArgs, TokenArgs};
 use crate::commands::run::prepare;
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
 use crate::model::graph::build_graph;
+use crate::output::Outputs;
 use crate::probe;
 use crate::report::{self, RunMeta};
 use crate::trace::assemble::{assemble, needed_layers};
@@ -323,8 +324,17 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
 }
 
 pub fn main(args: &CompareArgs) -> Result<i32> {
+    // the model directory (its shards' real directories), the trace and the input files are
+    // never written
+    let mut guard = super::run::guard(args.model.as_deref(), None, &[&args.tokens.tokens])
+        .input(&args.trace, "the trace");
+    let names = std::path::Path::new(&args.names);
+    if names.exists() {
+        guard = guard.input(names, "the name map");
+    }
+    let mut outs = Outputs::new(guard);
     for out in [&args.json, &args.markdown].into_iter().flatten() {
-        report::check_not_in_model_dir(out, args.model.as_deref())?;
+        outs.check(out)?;
     }
     let r = compare(args)?;
     println!("{}", terminal_table(&r));
@@ -334,11 +344,12 @@ pub fn main(args: &CompareArgs) -> Result<i32> {
     if let Some(j) = &args.json {
         let s = serde_json::to_string_pretty(&r)
             .map_err(|e| Error::usage(format!("compare JSON: {e}")))?;
-        report::write_atomic(j, s.as_bytes())?;
+        outs.file(j, s.as_bytes())?;
     }
     if let Some(md) = &args.markdown {
-        report::write_atomic(md, markdown(&r).as_bytes())?;
+        outs.file(md, markdown(&r).as_bytes())?;
     }
+    outs.publish_and_report()?;
     Ok(if r.summary.divergent > 0 {
         EXIT_FINDINGS
     } else {

@@ -2,10 +2,20 @@
 
 use crate::cli::GateArgs;
 use crate::gate::{self, Tolerances};
+use crate::output::{Guard, Outputs};
 use crate::{Error, Result};
-use std::path::Path;
 
 pub fn main(a: &GateArgs) -> Result<i32> {
+    let mut guard = Guard::new()
+        .input(&a.baseline, "the baseline")
+        .input(&a.current, "the current run");
+    if let Some(t) = &a.tolerances {
+        guard = guard.input(t, "the tolerances file");
+    }
+    let mut outs = Outputs::new(guard);
+    for p in [&a.summary, &a.junit].into_iter().flatten() {
+        outs.check(p)?;
+    }
     let base = gate::load_run(&a.baseline)?;
     let cur = gate::load_run(&a.current)?;
     let tol = match &a.tolerances {
@@ -18,14 +28,11 @@ pub fn main(a: &GateArgs) -> Result<i32> {
     let rep = gate::compare_named(&base, &a.baseline, &cur, &a.current, &tol, a.force)?;
     print!("{}", rep.terminal());
     if let Some(p) = &a.summary {
-        write(p, &rep.summary_markdown())?;
+        outs.file(p, rep.summary_markdown().as_bytes())?;
     }
     if let Some(p) = &a.junit {
-        write(p, &rep.junit_xml())?;
+        outs.file(p, rep.junit_xml().as_bytes())?;
     }
+    outs.publish_and_report()?;
     Ok(rep.exit_code())
-}
-
-fn write(p: &Path, text: &str) -> Result<()> {
-    std::fs::write(p, text).map_err(|e| Error::io(p, e))
 }

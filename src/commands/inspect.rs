@@ -11,10 +11,11 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::checkpoint::quant::{amax_from_scales, implied_amax};
-use crate::checkpoint::writer::{serialize, write_file};
+use crate::checkpoint::writer::serialize;
 use crate::checkpoint::{Checkpoint, Dtype, ScaleKind, ScaleSummary, WeightMeta};
 use crate::cli::InspectArgs;
 use crate::numerics::nvfp4::Convention;
+use crate::output::{Guard, Outputs};
 use crate::probe::spec::glob_match;
 use crate::{Error, Result};
 
@@ -328,36 +329,11 @@ fn find_base(ck: &Checkpoint, name: &str) -> Option<String> {
     has(&b).then_some(b)
 }
 
-/// Refuse outputs that would land inside the model directory: the tool never writes there.
-fn check_out(model: &Path, out: &Path) -> Result<()> {
-    let model_c = std::fs::canonicalize(model).map_err(|e| Error::io(model, e))?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let parent_c = std::fs::canonicalize(&parent).map_err(|e| Error::io(&parent, e))?;
-    if parent_c.starts_with(&model_c) {
-        return Err(Error::usage(format!(
-            "refusing to write {} inside the model directory {}",
-            out.display(),
-            model.display()
-        )));
-    }
-    if out.is_dir() {
-        return Err(Error::usage(format!(
-            "--out {} is a directory",
-            out.display()
-        )));
-    }
-    Ok(())
-}
-
-fn dequant(ck: &Checkpoint, args: &InspectArgs, name: &str) -> Result<i32> {
+fn dequant(ck: &Checkpoint, args: &InspectArgs, mut outs: Outputs, name: &str) -> Result<i32> {
     let out = args
         .out
         .as_ref()
         .ok_or_else(|| Error::usage("--dequant needs --out FILE.safetensors"))?;
-    check_out(&args.model, out)?;
     let base = find_base(ck, name).ok_or_else(|| Error::MissingTensor {
         dir: ck.location().to_path_buf(),
         tensor: name.to_string(),
@@ -368,7 +344,8 @@ fn dequant(ck: &Checkpoint, args: &InspectArgs, name: &str) -> Result<i32> {
     let bytes: Vec<u8> = t.data.iter().flat_map(|x| x.to_le_bytes()).collect();
     let tname = format!("{base}.weight");
     let buf = serialize(&[(tname.as_str(), Dtype::F32, &t.shape, &bytes)], None)?;
-    write_file(out, &buf)?;
+    outs.file(out, &buf)?;
+    outs.publish()?;
     println!(
         "wrote {tname} [{}, {}] ({}) as F32 to {}",
         t.shape[0],
@@ -380,9 +357,18 @@ fn dequant(ck: &Checkpoint, args: &InspectArgs, name: &str) -> Result<i32> {
 }
 
 pub fn main(args: &InspectArgs) -> Result<i32> {
+    // refused before the checkpoint is opened, and again with its shards known
+    let early = Outputs::new(Guard::new().model_dir(&args.model));
+    for out in [&args.json, &args.out].into_iter().flatten() {
+        early.check(out)?;
+    }
     let ck = Checkpoint::open(&args.model)?;
+    let mut outs = Outputs::new(Guard::new().model_dir(&args.model).checkpoint(&ck));
+    for out in [&args.json, &args.out].into_iter().flatten() {
+        outs.check(out)?;
+    }
     if let Some(name) = &args.dequant {
-        return dequant(&ck, args, name);
+        return dequant(&ck, args, outs, name);
     }
     let mut rows = rows(&ck)?;
     if let Some(g) = &args.filter {
@@ -396,20 +382,6 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         }
     }
     if let Some(j) = &args.json {
-        if let Some(parent) = j.parent().filter(|p| !p.as_os_str().is_empty()) {
-            let (pc, mc) = (
-                std::fs::canonicalize(parent),
-                std::fs::canonicalize(&args.model),
-            );
-            if let (Ok(pc), Ok(mc)) = (pc, mc) {
-                if pc.starts_with(&mc) {
-                    return Err(Error::usage(format!(
-                        "refusing to write {} inside the model directory",
-                        j.display()
-                    )));
-                }
-            }
-        }
         let doc = InspectJson {
             schema: SCHEMA,
             model: ck.location(),
@@ -418,8 +390,9 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         };
         let text =
             serde_json::to_string_pretty(&doc).map_err(|e| Error::bad(j, None, e.to_string()))?;
-        write_file(j, text.as_bytes())?;
+        outs.file(j, text.as_bytes())?;
     }
+    outs.publish_and_report()?;
     println!(
         "{}: {} weights{}, {} naming",
         ck.location().display(),

@@ -6,6 +6,7 @@ use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
+use crate::output::{Guard, Outputs};
 use crate::probe::faults::Fault;
 use crate::probe::served::Profile;
 use crate::probe::spec::{parse_layers, ProbeSpec};
@@ -187,7 +188,49 @@ pub fn prepare(
     })
 }
 
+/// The outputs' guard of a command on an optional model directory: the directory, its shards'
+/// real directories (from the opened checkpoint too when given) and the command's input files.
+pub fn guard(
+    model: Option<&Path>,
+    ckpt: Option<&Checkpoint>,
+    inputs: &[&Option<PathBuf>],
+) -> Guard {
+    let mut g = Guard::new();
+    if let Some(m) = model {
+        g = g.model_dir(m);
+        if let Some(c) = ckpt {
+            g = g.checkpoint(c);
+        }
+    }
+    for i in inputs.iter().copied().flatten() {
+        g = g.input(i, "the input");
+    }
+    g
+}
+
+/// Check `run`'s outputs against `outs`' guard.
+fn check_outputs(args: &RunArgs, outs: &Outputs) -> Result<()> {
+    for out in [&args.json, &args.markdown].into_iter().flatten() {
+        outs.check(out)?;
+    }
+    if let Some(pl) = &args.plot {
+        for f in crate::plot::plot_files(pl)? {
+            outs.check(&f)?;
+        }
+    }
+    if let Some(d) = &args.dump {
+        outs.check_dir(d)?;
+    }
+    Ok(())
+}
+
 pub fn main(args: &RunArgs) -> Result<i32> {
+    let inputs = [&args.probe, &args.tokens.tokens];
+    // refused before anything is opened, and again with the checkpoint's shards known
+    check_outputs(
+        args,
+        &Outputs::new(guard(args.model.as_deref(), None, &inputs)),
+    )?;
     let mut p = prepare(
         args.model.as_deref(),
         args.layers.as_deref(),
@@ -198,15 +241,8 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         &args.loader_faults,
         args.seed,
     )?;
-    for out in [&args.json, &args.markdown, &args.plot]
-        .into_iter()
-        .flatten()
-    {
-        report::check_not_in_model_dir(out, p.model_dir.as_deref())?;
-    }
-    if let Some(d) = &args.dump {
-        report::check_not_in_model_dir(&d.join("x"), p.model_dir.as_deref())?;
-    }
+    let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
+    check_outputs(args, &outs)?;
     p.opts.keep_outputs = args.dump.is_some();
     crate::profile::mark("prepared");
     let res: RunResult = probe::run(&p.ckpt, &p.opts)?;
@@ -215,6 +251,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     p.meta.bytes_read = res.bytes_read;
     if !args.quiet {
         println!("{}", report::terminal_table(&res));
+        println!("{}", report::legend(&p.opts.spec.thresholds));
     }
     for l in report::summary_lines(&res) {
         println!("{l}");
@@ -225,19 +262,22 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         res.seconds,
         res.bytes_read as f64 / 1e6
     );
-    // outputs are written only after the run succeeded, each atomically
-    if let Some(j) = &args.json {
-        report::write_atomic(j, report::run_json(&p.meta, &res).as_bytes())?;
+    // outputs are written only after the run succeeded, all or none
+    let json =
+        (args.json.is_some() || args.plot.is_some()).then(|| report::run_json(&p.meta, &res));
+    if let (Some(j), Some(text)) = (&args.json, &json) {
+        outs.file(j, text.as_bytes())?;
     }
     if let Some(md) = &args.markdown {
-        report::write_atomic(md, report::markdown(&p.meta, &res).as_bytes())?;
+        outs.file(md, report::markdown(&p.meta, &res).as_bytes())?;
     }
     if let Some(d) = &args.dump {
-        report::dump(d, &res)?;
+        report::dump(&mut outs, d, &res)?;
     }
-    if let Some(pl) = &args.plot {
-        crate::plot::plot_run(&report::run_json(&p.meta, &res), pl)?;
+    if let (Some(pl), Some(text)) = (&args.plot, &json) {
+        crate::plot::plot_into(text, pl, &mut outs)?;
     }
+    outs.publish_and_report()?;
     crate::profile::mark("reports written");
     let findings = res.summary.divergent_ops > 0 || res.summary.non_finite_ops > 0;
     drop(res);

@@ -8,9 +8,14 @@ use crate::backend::selftest::{compare_runs, kernels, Check};
 use crate::backend::Backend;
 use crate::cli::{BackendChoice, SelftestArgs, TokenArgs};
 use crate::commands::run::prepare;
-use crate::{probe, report, Error, Result};
+use crate::output::Outputs;
+use crate::{probe, Error, Result};
 
 pub fn main(args: &SelftestArgs) -> Result<i32> {
+    let mut outs = Outputs::new(super::run::guard(args.model.as_deref(), None, &[]));
+    for out in [&args.json, &args.rcp_table].into_iter().flatten() {
+        outs.check(out)?;
+    }
     if args.backend == BackendChoice::Cpu {
         return Err(Error::usage(
             "selftest compares the CUDA backend with the CPU reference: run it with --backend cuda (or auto) on a machine with a GPU",
@@ -75,7 +80,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
             .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
         let t = crate::backend::selftest::rcp_table(&mut g)?;
         let bytes: Vec<u8> = t.iter().map(|&v| v as u8).collect();
-        report::write_atomic(f, &bytes)?;
+        outs.file(f, &bytes)?;
         let hist = [-2i8, -1, 0, 1, 2].map(|d| t.iter().filter(|&&v| v == d).count());
         println!("rcp table: ulp deviation -2..2 counts {hist:?}");
     }
@@ -200,13 +205,14 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
             "runs": runs,
             "bench": benches,
         });
-        report::write_atomic(
+        outs.file(
             j,
             serde_json::to_string_pretty(&v)
                 .unwrap_or_default()
                 .as_bytes(),
         )?;
     }
+    outs.publish_and_report()?;
     let fails = kfail + rfail;
     println!(
         "selftest: {}",

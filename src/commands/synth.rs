@@ -14,7 +14,10 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
         .as_ref()
         .ok_or_else(|| Error::usage("synth: --out DIR is required"))?;
     let opts = SynthOptions::from_args(a)?;
-    let st = synth::synth_to_dir_with_stats(&opts, out)?;
+    let (st, files) = synth::synth_to_dir_with(&opts, out, a.force)?;
+    for f in &files {
+        println!("wrote {}", out.join(f).display());
+    }
     eprintln!(
         "synth: {} {} ({} naming, seed {}) → {}: {} tensors, {:.1} MB in {:.2} s ({:.0} MB/s){}",
         a.preset,

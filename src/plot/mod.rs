@@ -6,6 +6,7 @@
 //! system fonts. PNG or SVG follows the output extension.
 
 use crate::gate::layer_of;
+use crate::output::{Guard, Outputs};
 use crate::{Error, Result};
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
@@ -103,10 +104,12 @@ fn rows(run: &Value) -> Vec<OpRow> {
         .collect()
 }
 
-/// Writes `STEM-amax.EXT`, `STEM-cos.EXT` and `STEM-heatmap.EXT` next to `out` (`STEM.EXT`, EXT
-/// `png` or `svg`) and returns their paths.
-pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
-    let run = crate::gate::parse_run(run_json_text, "run JSON")?;
+/// The three plots' kinds, in the order they are written.
+const KINDS: [&str; 3] = ["amax", "cos", "heatmap"];
+
+/// `STEM-amax.EXT`, `STEM-cos.EXT`, `STEM-heatmap.EXT` next to `out` (`STEM.EXT`, EXT `png` or
+/// `svg`), with the format; an error for any other extension.
+fn targets(out: &Path) -> Result<(Format, Vec<PathBuf>)> {
     let ext = out
         .extension()
         .and_then(|e| e.to_str())
@@ -127,10 +130,37 @@ pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
         .and_then(|s| s.to_str())
         .ok_or_else(|| Error::usage(format!("{}: no file name", out.display())))?;
     let dir = out.parent().unwrap_or(Path::new(""));
+    let files = KINDS
+        .iter()
+        .map(|k| dir.join(format!("{stem}-{k}.{ext}")))
+        .collect();
+    Ok((format, files))
+}
+
+/// The files [`plot_run`] writes for `out` (to check them before the work starts).
+pub fn plot_files(out: &Path) -> Result<Vec<PathBuf>> {
+    targets(out).map(|(_, f)| f)
+}
+
+/// Writes `STEM-amax.EXT`, `STEM-cos.EXT` and `STEM-heatmap.EXT` next to `out` (`STEM.EXT`, EXT
+/// `png` or `svg`), all or none, and returns their paths.
+pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
+    let mut outs = Outputs::new(Guard::new());
+    plot_into(run_json_text, out, &mut outs)?;
+    outs.publish()
+}
+
+/// As [`plot_run`], staging the three files in `outs` (published with the command's other
+/// outputs); returns their paths.
+pub fn plot_into(run_json_text: &str, out: &Path, outs: &mut Outputs) -> Result<Vec<PathBuf>> {
+    let run = crate::gate::parse_run(run_json_text, "run JSON")?;
+    let (format, files) = targets(out)?;
+    for f in &files {
+        outs.check(f)?;
+    }
     ensure_font()?;
     let ops = rows(&run);
     let title_suffix = describe(&run);
-    let name = |k: &str| dir.join(format!("{stem}-{k}.{ext}"));
 
     let amax = AmaxPlot {
         ops: &ops,
@@ -141,17 +171,10 @@ pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
         suffix: &title_suffix,
     };
     let heat = Heatmap::new(&ops, &title_suffix);
-    let mut written = Vec::new();
-    for (plot, kind) in [
-        (&amax as &dyn Sized2, "amax"),
-        (&cos, "cos"),
-        (&heat, "heatmap"),
-    ] {
-        let p = name(kind);
-        plot.write(&p, format)?;
-        written.push(p);
+    for (plot, p) in [&amax as &dyn Sized2, &cos, &heat].into_iter().zip(&files) {
+        outs.file_with(p, |tmp| plot.write(tmp, format))?;
     }
-    Ok(written)
+    Ok(files)
 }
 
 /// `checkpoint · profile · layers` for titles, so a pasted plot says what it shows.

@@ -1,8 +1,7 @@
 //! Reports read run results and nothing else: the terminal table, the markdown report, the run
 //! JSON (`nvfp4-probe.run/1`, documented in docs/json-schema.md) and `--dump` safetensors.
 
-use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
 use serde::Serialize;
@@ -10,6 +9,8 @@ use sha2::{Digest, Sha256};
 
 use crate::checkpoint::Checkpoint;
 use crate::metrics::Compare;
+use crate::output::Outputs;
+use crate::probe::spec::Thresholds;
 use crate::probe::{OpRecord, RunResult, Summary};
 use crate::{Error, Result};
 
@@ -158,23 +159,31 @@ fn health_cell(r: &OpRecord) -> String {
     }
 }
 
-/// The terminal table (comfy-table; red marks NaN and divergence).
+/// The terminal table (comfy-table; red marks NaN and divergence). Cosine and rel-L2 columns
+/// are the served path against the BF16 oracle; ops that pick indices (the indexer) have no
+/// cosine: their `agree` column is the fraction of the served path's selections equal to the
+/// BF16 oracle's, isolated / propagated. [`legend`] explains the status column.
 pub fn terminal_table(res: &RunResult) -> String {
     let mut t = Table::new();
+    let agree = res.records.iter().any(|r| r.agreement.is_some());
+    let mut header = vec![
+        "step",
+        "op",
+        "amax fp32",
+        "amax served",
+        "NaN",
+        "cos iso",
+        "cos prop",
+        "rel-L2 iso",
+        "tol",
+    ];
+    if agree {
+        header.push("agree iso/prop");
+    }
+    header.push("status");
     t.load_style(presets::UTF8_FULL_CONDENSED)
         .set_content_arrangement(ContentArrangement::Disabled)
-        .set_header(vec![
-            "step",
-            "op",
-            "amax fp32",
-            "amax served",
-            "NaN",
-            "cos iso",
-            "cos prop",
-            "rel-L2 iso",
-            "tol",
-            "",
-        ]);
+        .set_header(header);
     for r in &res.records {
         let nan = nan_cell(r);
         let v = verdict(r);
@@ -189,21 +198,26 @@ pub fn terminal_table(res: &RunResult) -> String {
                 Cell::new(nan)
             },
         ];
-        if let Some(a) = &r.agreement {
-            row.push(Cell::new(format!("agree {:.3}", a.served_isolated)));
-            row.push(Cell::new(format!("agree {:.3}", a.served_propagated)));
-            row.push(Cell::new(""));
-        } else {
-            row.push(Cell::new(fmt_cos(&r.served_isolated_vs_bf16)));
-            row.push(Cell::new(fmt_cos(&r.served_propagated_vs_bf16)));
-            row.push(Cell::new(
-                r.served_isolated_vs_bf16
-                    .rel_l2
-                    .map(fmt_g)
-                    .unwrap_or("NaN".into()),
-            ));
+        match &r.agreement {
+            Some(_) => row.extend([Cell::new(""), Cell::new(""), Cell::new("")]),
+            None => row.extend([
+                Cell::new(fmt_cos(&r.served_isolated_vs_bf16)),
+                Cell::new(fmt_cos(&r.served_propagated_vs_bf16)),
+                Cell::new(
+                    r.served_isolated_vs_bf16
+                        .rel_l2
+                        .map(fmt_g)
+                        .unwrap_or("NaN".into()),
+                ),
+            ]),
         }
         row.push(Cell::new(fmt_g(r.tolerance)));
+        if agree {
+            row.push(Cell::new(match &r.agreement {
+                Some(a) => format!("{:.3}/{:.3}", a.served_isolated, a.served_propagated),
+                None => String::new(),
+            }));
+        }
         row.push(match v {
             "DIVERGES" => Cell::new(v).fg(Color::Red),
             "shows" => Cell::new(v).fg(Color::Yellow),
@@ -212,6 +226,16 @@ pub fn terminal_table(res: &RunResult) -> String {
         t.add_row(row);
     }
     t.to_string()
+}
+
+/// The line under the terminal table: what the status column says, with the run's thresholds
+/// (the decisions are made in `probe::record` from `probe::spec::Thresholds`).
+pub fn legend(th: &Thresholds) -> String {
+    format!(
+        "status: DIVERGES = this op alone is off (fed the BF16 oracle's inputs: rel-L2 vs the BF16 oracle > tol, amax off by more than {}x, or NaN/Inf the oracle has not); \
+shows = error carried in from earlier ops is visible here (propagated rel-L2 vs the BF16 oracle > {}, the probe's propagated_rel_l2)",
+        th.amax_ratio, th.propagated_rel_l2
+    )
 }
 
 /// One-paragraph summary for the terminal and the markdown report.
@@ -305,49 +329,12 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
     m
 }
 
-/// Refuse to write a report inside the model directory; errors name both paths.
-pub fn check_not_in_model_dir(out: &Path, model_dir: Option<&Path>) -> Result<()> {
-    if let Some(md) = model_dir {
-        let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-        let parent = out
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        if abs(parent).starts_with(abs(md)) {
-            return Err(Error::usage(format!(
-                "refusing to write {} inside the model directory {}",
-                out.display(),
-                md.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Write a file atomically (temp file + rename) so a failure leaves no partial report.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        path.file_name().and_then(|s| s.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
-}
-
-/// `--dump DIR`: one safetensors file per path with each reported op's output as F32 under its op id.
-pub fn dump(dir: &Path, res: &RunResult) -> Result<Vec<std::path::PathBuf>> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+/// `--dump DIR`: one safetensors file per path with each reported op's output as F32 under its
+/// op id, staged in `outs` (DIR is created when the outputs are published).
+pub fn dump(outs: &mut Outputs, dir: &Path, res: &RunResult) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
-    for (path, outs) in &res.outputs {
-        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = outs
+    for (path, ops) in &res.outputs {
+        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = ops
             .iter()
             .map(|(id, t)| {
                 (
@@ -370,8 +357,68 @@ pub fn dump(dir: &Path, res: &RunResult) -> Result<Vec<std::path::PathBuf>> {
         let bytes = safetensors::serialize(views, None)
             .map_err(|e| Error::usage(format!("dump {path}: {e}")))?;
         let p = dir.join(format!("{path}.safetensors"));
-        write_atomic(&p, &bytes)?;
+        outs.file(&p, &bytes)?;
         written.push(p);
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The status column has a header; indexer rows show agreement in its own column and no
+    /// cosine; the legend states the run's thresholds.
+    #[test]
+    fn table_has_a_status_header_and_keeps_agreement_out_of_the_cosine_columns() {
+        let ck = crate::synth::builtin(0).expect("built-in model");
+        let cfg = ck.model_config().expect("config").clone();
+        let tokens = crate::probe::synthetic_tokens(16, cfg.vocab_size, 1);
+        let res =
+            crate::probe::run(&ck, &crate::probe::RunOptions::new((0, 2), tokens)).expect("run");
+        assert!(
+            res.records.iter().any(|r| r.agreement.is_some()),
+            "no indexer op"
+        );
+        let t = terminal_table(&res);
+        let rows: Vec<Vec<String>> = t
+            .lines()
+            .filter(|l| l.starts_with('│'))
+            .map(|l| {
+                l.trim_matches('│')
+                    .split('┆')
+                    .map(|c| c.trim().to_string())
+                    .collect()
+            })
+            .collect();
+        let head = &rows[0];
+        assert_eq!(head.last().map(String::as_str), Some("status"), "{head:?}");
+        let col = |name: &str| head.iter().position(|h| h == name).expect(name);
+        let (cos_iso, cos_prop, agree) = (col("cos iso"), col("cos prop"), col("agree iso/prop"));
+        for (row, r) in rows[1..].iter().zip(&res.records) {
+            assert_eq!(row[1], r.id);
+            match &r.agreement {
+                Some(a) => {
+                    assert!(
+                        row[cos_iso].is_empty() && row[cos_prop].is_empty(),
+                        "{row:?}"
+                    );
+                    let want = format!("{:.3}/{:.3}", a.served_isolated, a.served_propagated);
+                    assert_eq!(row[agree], want);
+                }
+                None => {
+                    assert!(row[agree].is_empty(), "{row:?}");
+                    assert!(row[cos_iso].parse::<f64>().is_ok(), "{row:?}");
+                }
+            }
+        }
+        let th = Thresholds {
+            propagated_rel_l2: 0.7,
+            amax_ratio: 3.0,
+            ..Thresholds::default()
+        };
+        let l = legend(&th);
+        assert!(!l.contains('\n'));
+        assert!(l.contains("> 0.7") && l.contains("more than 3x"), "{l}");
+    }
 }

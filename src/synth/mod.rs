@@ -19,7 +19,6 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::checkpoint::writer::write_file;
 use crate::checkpoint::{Checkpoint, Dtype, Naming, ShardWriter};
 use crate::cli::SynthArgs;
 use crate::model::ModelConfig;
@@ -102,21 +101,82 @@ pub fn synth_to_dir(opts: &SynthOptions, dir: &Path) -> Result<()> {
     synth_to_dir_with_stats(opts, dir).map(|_| ())
 }
 
-/// As [`synth_to_dir`], returning size and speed.
+/// As [`synth_to_dir`], returning size and speed. `dir` must not exist or be empty.
 pub fn synth_to_dir_with_stats(opts: &SynthOptions, dir: &Path) -> Result<SynthStats> {
+    synth_to_dir_with(opts, dir, false).map(|(st, _)| st)
+}
+
+/// Write the checkpoint into a temporary directory beside `dir` (`crate::output`), renamed to
+/// `dir` once complete. A non-empty `dir` is refused unless `replace` (`synth --force`), which
+/// replaces it only after the new checkpoint is complete. Returns the stats and the files
+/// written (names inside `dir`).
+pub fn synth_to_dir_with(
+    opts: &SynthOptions,
+    dir: &Path,
+    replace: bool,
+) -> Result<(SynthStats, Vec<String>)> {
     let t0 = Instant::now();
     let ctx = Ctx::new(opts)?;
-    let mut w = ShardWriter::new(dir, ctx.shard_bytes())?;
-    let (tensors, bytes) = ctx.write_all(&mut w)?;
-    w.finish(&ctx.config)?;
-    if let Some(hq) = &ctx.hf_quant {
-        write_file(&dir.join("hf_quant_config.json"), hq.as_bytes())?;
+    if replace {
+        check_replaceable(dir)?;
     }
-    Ok(SynthStats {
-        tensors,
-        bytes,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    let mut outs = crate::output::Outputs::new(crate::output::Guard::new());
+    let tmp = outs.dir(dir, replace)?;
+    let mut w = ShardWriter::new(&tmp, ctx.shard_bytes())?;
+    // errors name the directory the user gave, not the temporary one
+    let in_tmp = |e: Error| match e {
+        Error::Io { path, source } if path.starts_with(&tmp) => Error::io(dir, source),
+        e => e,
+    };
+    let (tensors, bytes) = ctx.write_all(&mut w).map_err(in_tmp)?;
+    w.finish(&ctx.config).map_err(in_tmp)?;
+    if let Some(hq) = &ctx.hf_quant {
+        crate::output::write_new_file(&tmp.join("hf_quant_config.json"), hq.as_bytes())
+            .map_err(in_tmp)?;
+    }
+    let mut files: Vec<String> = std::fs::read_dir(&tmp)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect();
+    files.sort();
+    outs.publish()?;
+    Ok((
+        SynthStats {
+            tensors,
+            bytes,
+            seconds: t0.elapsed().as_secs_f64(),
+        },
+        files,
+    ))
+}
+
+/// `--force` replaces a checkpoint, not any directory: an existing non-empty `dir` must hold a
+/// `config.json` or a `*.safetensors` file and no subdirectory (a mistyped `--out ~` is refused).
+fn check_replaceable(dir: &Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Ok(()); // absent (or not a directory: refused when staged)
+    };
+    let mut looks = false;
+    let mut n = 0;
+    for e in rd {
+        let e = e.map_err(|e| Error::io(dir, e))?;
+        n += 1;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if e.path().is_dir() {
+            return Err(Error::usage(format!(
+                "synth --force: refusing to replace {}: it holds the directory `{name}`, so it is not a checkpoint synth wrote",
+                dir.display()
+            )));
+        }
+        looks |= name == "config.json" || name.ends_with(".safetensors");
+    }
+    if n > 0 && !looks {
+        return Err(Error::usage(format!(
+            "synth --force: refusing to replace {}: it holds no config.json or *.safetensors, so it is not a checkpoint",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The same checkpoint built in memory (`Checkpoint::from_memory`; no hf_quant_config.json).

@@ -381,7 +381,7 @@ pub fn write(
         .collect();
     let bytes = safetensors::serialize(views, Some(meta))
         .map_err(|e| Error::bad(path, None, format!("serialize: {e}")))?;
-    std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+    crate::output::write_one(path, &bytes)
 }
 
 #[cfg(test)]
