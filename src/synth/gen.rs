@@ -548,5 +548,16 @@ mod tests {
         assert!(used.iter().all(|&n| n > 0), "{used:?}");
         // a different layer routes the clusters differently
         assert_ne!(sets, cluster_experts(9, &t, "layers.3.ffn.gate"));
+        // flash-layer (256 experts, top-6): distinct experts per cluster, every expert chosen
+        let f = Dims::new(Preset::FlashLayer, Some(4)).unwrap();
+        let mut used = vec![0usize; f.experts];
+        for set in cluster_experts(9, &f, "layers.3.ffn.gate") {
+            let mut s = set.clone();
+            s.sort();
+            s.dedup();
+            assert_eq!(s.len(), f.topk, "{set:?}");
+            set.iter().for_each(|&e| used[e] += 1);
+        }
+        assert!(used.iter().all(|&n| n > 0), "{used:?}");
     }
 }
