@@ -12,6 +12,7 @@ use nvfp4_probe::checkpoint::Naming;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 
 #[test]
+#[ignore = "trace regenerated on the GPU machine"]
 fn transformers_trace_on_a_synth_checkpoint_compares_clean() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
