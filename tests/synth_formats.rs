@@ -74,7 +74,8 @@ fn check(format: Format, naming: Naming) {
     let cfg = ck.model_config().unwrap().clone();
     assert_eq!(cfg.hidden_size, 256);
     assert_eq!(cfg.num_hidden_layers, 5);
-    assert_eq!(cfg.compress_ratios, vec![0, 128, 4, 128, 4], "{tag}");
+    // HCA 16, not the readers' default 128: the HF naming must carry it in compress_rates
+    assert_eq!(cfg.compress_ratios, vec![0, 16, 4, 16, 4], "{tag}");
     assert_eq!(cfg.num_hash_layers, 1, "{tag}");
     assert_eq!(cfg.n_routed_experts, 8);
     assert_eq!(cfg.num_experts_per_tok, 2);

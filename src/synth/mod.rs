@@ -195,7 +195,7 @@ pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
         if let Some(p) = b.params.iter().find(|p| p.name == name) {
             return Ok(Tensor::new(
                 p.shape.clone(),
-                gen::param(opts.seed, p, dims.experts),
+                gen::param(opts.seed, &dims, p),
             ));
         }
         let lin = b
@@ -207,7 +207,7 @@ pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
         if let Some(l) = lin {
             return Ok(Tensor::new(
                 vec![l.out, l.inp],
-                gen::linear(opts.seed, &l.base, l.out, l.inp),
+                gen::linear(opts.seed, &dims, &l.base, l.out, l.inp),
             ));
         }
     }
@@ -324,12 +324,12 @@ impl<'a> Ctx<'a> {
         let params: Vec<&ParamSpec> = self.blocks.iter().flat_map(|b| &b.params).collect();
         let pvals: Vec<Vec<f32>> = params
             .par_iter()
-            .map(|p| gen::param(seed, p, self.dims.experts))
+            .map(|p| gen::param(seed, &self.dims, p))
             .collect();
         let lins = plan::all_linears(&self.blocks);
         let lvals: Vec<Vec<f32>> = lins
             .par_iter()
-            .map(|l| gen::linear(seed, &l.base, l.out, l.inp))
+            .map(|l| gen::linear(seed, &self.dims, &l.base, l.out, l.inp))
             .collect();
         let ptensors: Vec<RawT> = params
             .iter()
@@ -443,18 +443,18 @@ impl<'a> Ctx<'a> {
         let need_act = self.opts.format.has_act_scales();
         for b in &self.blocks {
             for p in &b.params {
-                let v = gen::param(seed, p, self.dims.experts);
+                let v = gen::param(seed, &self.dims, p);
                 self.put(w, self.param_tensor(p, &v), &mut n, &mut bytes)?;
             }
             for g in &b.groups {
                 let ws: Vec<Vec<f32>> = g
                     .members
                     .iter()
-                    .map(|l| gen::linear(seed, &l.base, l.out, l.inp))
+                    .map(|l| gen::linear(seed, &self.dims, &l.base, l.out, l.inp))
                     .collect();
                 let refs: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
                 let am = if need_act {
-                    standin_amax(seed, b, g)
+                    standin_amax(seed, &self.dims, b, g)
                 } else {
                     vec![1.0; g.members.len()]
                 };
@@ -481,14 +481,14 @@ impl<'a> Ctx<'a> {
         let gen = |g: &Group| -> Vec<Vec<f32>> {
             g.members
                 .iter()
-                .map(|l| gen::linear(seed, &l.base, l.out, l.inp))
+                .map(|l| gen::linear(seed, &self.dims, &l.base, l.out, l.inp))
                 .collect()
         };
         let (w13, w2) = (gen(&ex[0]), gen(&ex[1]));
         let r13: Vec<&[f32]> = w13.iter().map(Vec::as_slice).collect();
         let r2: Vec<&[f32]> = w2.iter().map(Vec::as_slice).collect();
         let (a13, a2) = if need_act {
-            let x = standin_input(seed, b, "ffn_norm.weight", ex[0].members[0].inp);
+            let x = standin_input(seed, &self.dims, b, "ffn_norm.weight", ex[0].members[0].inp);
             let h = swiglu_amax(&x, r13[0], r13[1], ex[0].members[0].out);
             (nvfp4_amax(&x.data), h)
         } else {
@@ -506,7 +506,7 @@ fn nvfp4_amax(x: &[f32]) -> f32 {
 
 /// Stand-in calibration input: [`STANDIN_ROWS`] unit-Gaussian rows times the RMSNorm weight
 /// that precedes the linear (RMSNorm output has unit RMS before its weight).
-fn standin_input(seed: u64, b: &Block, norm: &str, width: usize) -> Tensor {
+fn standin_input(seed: u64, d: &Dims, b: &Block, norm: &str, width: usize) -> Tensor {
     let mut x = vec![0f32; STANDIN_ROWS * width];
     let name = match b.layer {
         Some(l) => format!("layers.{l}.{norm}"),
@@ -520,7 +520,7 @@ fn standin_input(seed: u64, b: &Block, norm: &str, width: usize) -> Tensor {
         1.0,
     );
     if let Some(p) = b.params.iter().find(|p| p.name == name) {
-        let nw = gen::param(seed, p, 1);
+        let nw = gen::param(seed, d, p);
         if nw.len() == width {
             for row in x.chunks_exact_mut(width) {
                 row.iter_mut().zip(&nw).for_each(|(a, w)| *a *= w);
@@ -545,8 +545,10 @@ fn swiglu_amax(x: &Tensor, w1: &[f32], w3: &[f32], out: usize) -> f32 {
 /// memory): each linear's input is modelled as unit-Gaussian rows times the RMSNorm weight in
 /// front of it (attn_norm for q_a/kv/compressor/indexer projections, q_norm for q_b and the
 /// indexer's wq_b, ffn_norm for the router and experts; unit Gaussian for wo_a/wo_b), and the
-/// w2 input as the SwiGLU of that sample through the set's own w1/w3.
-pub fn standin_amax(seed: u64, b: &Block, g: &Group) -> Vec<f32> {
+/// w2 input as the SwiGLU of that sample through the set's own w1/w3. The trained-model
+/// structure of `gen` (clustered embedding, routers aimed at the clusters, scaled block outputs)
+/// leaves every one of these inputs unit-RMS after its norm, so the stand-in holds unchanged.
+pub fn standin_amax(seed: u64, d: &Dims, b: &Block, g: &Group) -> Vec<f32> {
     use plan::Role;
     g.members
         .iter()
@@ -565,14 +567,13 @@ pub fn standin_amax(seed: u64, b: &Block, g: &Group) -> Vec<f32> {
                 _ => ("", false),
             };
             if !w2 {
-                let x = standin_input(seed, b, norm, l.inp);
+                let x = standin_input(seed, d, b, norm, l.inp);
                 return nvfp4_amax(&x.data);
             }
             let stem = l.base.strip_suffix(".w2").unwrap_or(&l.base);
-            let d = l.out;
-            let x = standin_input(seed, b, norm, d);
-            let w1 = gen::linear(seed, &format!("{stem}.w1"), l.inp, d);
-            let w3 = gen::linear(seed, &format!("{stem}.w3"), l.inp, d);
+            let x = standin_input(seed, d, b, norm, l.out);
+            let w1 = gen::linear(seed, d, &format!("{stem}.w1"), l.inp, l.out);
+            let w3 = gen::linear(seed, d, &format!("{stem}.w3"), l.inp, l.out);
             swiglu_amax(&x, &w1, &w3, l.inp)
         })
         .collect()

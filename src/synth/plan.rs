@@ -184,6 +184,9 @@ pub fn scheme(format: Format, base: &str) -> WScheme {
     }
 }
 
+/// HCA compress ratio of the tiny preset (see [`Dims::new`]).
+pub const TINY_HCA_RATIO: usize = 16;
+
 /// Model dimensions of a preset.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dims {
@@ -197,6 +200,8 @@ pub struct Dims {
     pub o_groups: usize,
     pub o_lora: usize,
     pub window: usize,
+    /// Compress ratio of the HCA layers (CSA layers are always 4).
+    pub hca: usize,
     pub ratios: Vec<usize>,
     pub experts: usize,
     pub topk: usize,
@@ -222,7 +227,11 @@ impl Dims {
         }
         Ok(match preset {
             // Tiny keeps the real structure (DSV4-LAYER.md §6): sliding, HCA and CSA layers, a
-            // hash layer, the grouped output projection, 512-wide heads with 64 rope dims.
+            // hash layer, the grouped output projection, 512-wide heads with 64 rope dims. Its
+            // HCA layers compress 16 tokens per row, not 128: the model code takes any ratio
+            // ≥ 2 (4 alone means CSA with the overlap compressor and the indexer), and a
+            // 64-token prompt then gives 4 compressed rows per HCA layer (with 128 it gives
+            // none, and the HCA compressor would never be exercised by a default run).
             Preset::Tiny => Dims {
                 hidden: 256,
                 layers: n,
@@ -234,10 +243,11 @@ impl Dims {
                 o_groups: 2,
                 o_lora: 256,
                 window: 128,
+                hca: TINY_HCA_RATIO,
                 ratios: (0..n)
                     .map(|i| match i {
                         0 => 0,
-                        i if i % 2 == 1 => 128,
+                        i if i % 2 == 1 => TINY_HCA_RATIO,
                         _ => 4,
                     })
                     .collect(),
@@ -265,6 +275,7 @@ impl Dims {
                 o_groups: 8,
                 o_lora: 1024,
                 window: 128,
+                hca: 128,
                 ratios: (0..n)
                     .map(|i| match i {
                         0 | 1 => 0,
@@ -753,7 +764,7 @@ fn model_config(d: &Dims, naming: Naming) -> serde_json::Map<String, Value> {
             put("layer_types", json!(lt));
             put(
                 "compress_rates",
-                json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}),
+                json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": d.hca}),
             );
             let ml: Vec<&str> = (0..d.layers)
                 .map(|i| if i < d.hash_layers { "hash_moe" } else { "moe" })
