@@ -4,7 +4,7 @@
 //! Made with: `nvfp4-probe synth --preset tiny --format bf16 --naming hf --seed 11 --out M` and
 //! `python3 probes/capture/hf_capture.py --model M --tokens tests/data/synth-hf-trace-150.tokens.json
 //! --rows 0,1,2,63,127,128,129,149 --out tests/data/synth-hf-trace-150.safetensors`
-//! (transformers 5.17.0, torch 2.11.0, CPU, float32). The trace holds the weights' activations: it must be
+//! (transformers 5.17.0, torch 2.11.0, CPU, float32; recaptured on the H200 machine 2026-12-02 for the structured tiny weights). The trace holds the weights' activations: it must be
 //! captured again whenever the tiny preset's generated weights change (src/synth/gen.rs, plan.rs).
 
 use assert_cmd::Command;
@@ -12,7 +12,6 @@ use nvfp4_probe::checkpoint::Naming;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 
 #[test]
-#[ignore = "trace regenerated on the GPU machine"]
 fn transformers_trace_on_a_synth_checkpoint_compares_clean() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
