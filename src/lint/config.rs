@@ -11,134 +11,40 @@ use super::rules::Severity::{Error as E, Info as I, Warning as W};
 use super::{Cx, Finding};
 use crate::checkpoint::{Scheme, WeightMeta};
 
-/// Does an ignore/exclude entry match a module name? `re:` entries are Python `re.match`
-/// patterns (anchored at the start; a subset: `.`, `\d`, `\.`-escapes, `[…]`, `* + ?`, `^ $`,
-/// top-level `|`); other entries are fnmatch globs (`*`, `?`) or exact names.
-/// Returns None for a pattern outside that subset.
-pub fn matches(entry: &str, name: &str) -> Option<bool> {
-    if let Some(re) = entry.strip_prefix("re:") {
-        if re.contains('(') || re.contains('{') {
-            return None;
+/// One ignore/exclude entry, compiled once: `re:` entries are Python `re.match` patterns
+/// (anchored at the start; compiled by the `regex` crate, whose matching time is linear, so a
+/// hostile config cannot hang `lint`); other entries are fnmatch globs (`*`, `?`) or exact names.
+pub enum Entry {
+    Glob(String),
+    Re(regex::Regex),
+    /// A `re:` pattern the `regex` crate does not accept (look-around, back-references).
+    Unsupported,
+}
+
+impl Entry {
+    pub fn new(entry: &str) -> Entry {
+        match entry.strip_prefix("re:") {
+            Some(re) => regex::Regex::new(&format!("^(?:{re})"))
+                .map(Entry::Re)
+                .unwrap_or(Entry::Unsupported),
+            None => Entry::Glob(entry.to_string()),
         }
-        return Some(re.split('|').any(|alt| regex_match(alt, name)));
     }
-    Some(glob(entry.as_bytes(), name.as_bytes()))
-}
 
-fn glob(p: &[u8], s: &[u8]) -> bool {
-    match p.first() {
-        None => s.is_empty(),
-        Some(b'*') => (0..=s.len()).any(|i| glob(&p[1..], &s[i..])),
-        Some(b'?') => !s.is_empty() && glob(&p[1..], &s[1..]),
-        Some(&c) => s.first() == Some(&c) && glob(&p[1..], &s[1..]),
-    }
-}
-
-#[derive(Clone, Debug)]
-enum Atom {
-    Any,
-    Lit(char),
-    Digit,
-    Class(Vec<(char, char)>, bool),
-}
-
-impl Atom {
-    fn hit(&self, c: char) -> bool {
+    /// Does the entry match a module name? None for an unsupported pattern.
+    pub fn matches(&self, name: &str) -> Option<bool> {
         match self {
-            Atom::Any => true,
-            Atom::Lit(x) => *x == c,
-            Atom::Digit => c.is_ascii_digit(),
-            Atom::Class(r, neg) => r.iter().any(|&(a, b)| a <= c && c <= b) != *neg,
+            Entry::Glob(g) => Some(crate::glob::glob_match(g, name)),
+            Entry::Re(r) => Some(r.is_match(name)),
+            Entry::Unsupported => None,
         }
     }
 }
 
-/// Atoms with their quantifier ('1', '*', '+', '?'), and the `^` / `$` anchors.
-type Parsed = (Vec<(Atom, char)>, bool, bool);
-
-fn parse(re: &str) -> Option<Parsed> {
-    let mut cs: Vec<char> = re.chars().collect();
-    let start = cs.first() == Some(&'^');
-    if start {
-        cs.remove(0);
-    }
-    let end = cs.last() == Some(&'$') && (cs.len() < 2 || cs[cs.len() - 2] != '\\');
-    if end {
-        cs.pop();
-    }
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < cs.len() {
-        let atom = match cs[i] {
-            '.' => Atom::Any,
-            '\\' => {
-                i += 1;
-                match cs.get(i)? {
-                    'd' => Atom::Digit,
-                    c => Atom::Lit(*c),
-                }
-            }
-            '[' => {
-                let mut j = i + 1;
-                let neg = cs.get(j) == Some(&'^');
-                if neg {
-                    j += 1;
-                }
-                let mut ranges = Vec::new();
-                while j < cs.len() && cs[j] != ']' {
-                    if j + 2 < cs.len() && cs[j + 1] == '-' && cs[j + 2] != ']' {
-                        ranges.push((cs[j], cs[j + 2]));
-                        j += 3;
-                    } else {
-                        ranges.push((cs[j], cs[j]));
-                        j += 1;
-                    }
-                }
-                if j >= cs.len() {
-                    return None;
-                }
-                i = j;
-                Atom::Class(ranges, neg)
-            }
-            '*' | '+' | '?' => return None,
-            c => Atom::Lit(c),
-        };
-        i += 1;
-        let q = match cs.get(i) {
-            Some(&q @ ('*' | '+' | '?')) => {
-                i += 1;
-                q
-            }
-            _ => '1',
-        };
-        out.push((atom, q));
-    }
-    Some((out, start, end))
-}
-
-fn regex_match(re: &str, name: &str) -> bool {
-    let Some((atoms, _start, end)) = parse(re) else {
-        return false;
-    };
-    let s: Vec<char> = name.chars().collect();
-    fn go(a: &[(Atom, char)], s: &[char], end: bool) -> bool {
-        let Some(((atom, q), rest)) = a.split_first() else {
-            return !end || s.is_empty();
-        };
-        match q {
-            '1' => !s.is_empty() && atom.hit(s[0]) && go(rest, &s[1..], end),
-            '?' => go(rest, s, end) || (!s.is_empty() && atom.hit(s[0]) && go(rest, &s[1..], end)),
-            _ => {
-                let min = if *q == '+' { 1 } else { 0 };
-                let mut n = 0;
-                while n < s.len() && atom.hit(s[n]) {
-                    n += 1;
-                }
-                (min..=n).rev().any(|k| go(rest, &s[k..], end))
-            }
-        }
-    }
-    go(&atoms, &s, end)
+/// [`Entry::new`] then [`Entry::matches`].
+#[cfg(test)]
+fn matches(entry: &str, name: &str) -> Option<bool> {
+    Entry::new(entry).matches(name)
 }
 
 fn str_list(v: Option<&Value>) -> Vec<String> {
@@ -228,11 +134,12 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
     let names = |m: &WeightMeta| [raw_stem(m), m.canonical.clone()];
     let mut used: HashSet<usize> = HashSet::new();
     let mut unsupported: HashSet<usize> = HashSet::new();
+    let compiled: Vec<Entry> = ignore.iter().map(|e| Entry::new(e)).collect();
     let mut ignored = |m: &WeightMeta| -> bool {
         let mut hit = false;
-        for (k, e) in ignore.iter().enumerate() {
+        for (k, e) in compiled.iter().enumerate() {
             for n in names(m) {
-                match matches(e, &n) {
+                match e.matches(&n) {
                     Some(true) => {
                         used.insert(k);
                         hit = true;
@@ -358,7 +265,15 @@ mod tests {
             Some(true)
         );
         assert_eq!(matches("re:^mtp.*|.*head", "lm_head"), Some(true));
-        assert_eq!(matches("re:(a|b)", "a"), None);
+        assert_eq!(matches("re:(a|b)", "a"), Some(true));
+        assert_eq!(
+            matches("re:(?=a)a", "a"),
+            None,
+            "look-ahead is not supported"
+        );
+        // Python's re.match anchors at the start only
+        assert_eq!(matches("re:attn", "layers.1.attn.wkv"), Some(false));
+        assert_eq!(matches("re:layers", "layers.1.attn.wkv"), Some(true));
         assert_eq!(
             matches("re:layers\\.[0-2]\\.attn", "layers.1.attn.wkv"),
             Some(true)
@@ -367,5 +282,27 @@ mod tests {
             matches("re:layers\\.[0-2]\\.attn", "layers.5.attn.wkv"),
             Some(false)
         );
+    }
+}
+
+#[cfg(test)]
+mod hostile {
+    use super::matches;
+
+    /// A pattern that makes a backtracking matcher take exponential time answers at once.
+    #[test]
+    fn catastrophic_patterns_answer_at_once() {
+        let name = "a".repeat(5_000) + "!";
+        let t0 = std::time::Instant::now();
+        assert_eq!(
+            matches(&format!("re:{}b", "(a*)*".repeat(8)), &name),
+            Some(false)
+        );
+        assert_eq!(
+            matches(&format!("re:{}b", ".*".repeat(30)), &name),
+            Some(false)
+        );
+        assert_eq!(matches(&("*a".repeat(30) + "b"), &name), Some(false));
+        assert!(t0.elapsed().as_secs_f64() < 2.0, "{:?}", t0.elapsed());
     }
 }

@@ -106,32 +106,7 @@ impl ProbeSpec {
     }
 }
 
-/// `*` matches any run of characters (including dots); everything else is literal.
-pub fn glob_match(pattern: &str, s: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = s.chars().collect();
-    let (mut pi, mut ti, mut star, mut mark) = (0usize, 0usize, None::<usize>, 0usize);
-    while ti < t.len() {
-        if pi < p.len() && (p[pi] == t[ti] || p[pi] == '?') {
-            pi += 1;
-            ti += 1;
-        } else if pi < p.len() && p[pi] == '*' {
-            star = Some(pi);
-            mark = ti;
-            pi += 1;
-        } else if let Some(sp) = star {
-            pi = sp + 1;
-            mark += 1;
-            ti = mark;
-        } else {
-            return false;
-        }
-    }
-    while pi < p.len() && p[pi] == '*' {
-        pi += 1;
-    }
-    pi == p.len()
-}
+pub use crate::glob::glob_match;
 
 /// Parse `A..B` (inclusive), `A..=B` or `N`.
 pub fn parse_layers(s: &str) -> Result<(usize, usize)> {
