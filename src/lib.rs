@@ -11,6 +11,7 @@ pub mod cli;
 pub mod commands;
 pub mod error;
 pub mod gate;
+pub mod input;
 pub mod lint;
 pub mod metrics;
 pub mod model;
