@@ -53,7 +53,11 @@ pub fn regular_file(path: &Path, what: &str) -> Result<Metadata> {
             None,
             format!("{what} is {}, not a regular file", kind_of(&m)),
         )),
-        Err(e) => Err(Error::bad(path, None, format!("{what}: {}", why_missing(path, &e)))),
+        Err(e) => Err(Error::bad(
+            path,
+            None,
+            format!("{what}: {}", why_missing(path, &e)),
+        )),
     }
 }
 
@@ -121,32 +125,38 @@ pub fn parse_json(path: &Path, text: &str, what: &str) -> Result<serde_json::Val
         return Err(Error::bad(
             path,
             None,
-            format!("{what} has the key {dup} twice (JSON readers keep only one of them: which one is ambiguous)"),
+            format!(
+                "{what} has the key `{}` twice (JSON readers silently keep only one of them)",
+                dup.join(".")
+            ),
         ));
     }
     serde_json::from_str(text)
         .map_err(|e| Error::bad(path, None, format!("{what} is not valid JSON: {e}")))
 }
 
-/// The first key that appears twice in one object, as `` `outer.key` ``; None when there is
-/// none or the text is not JSON (the real parser reports that).
-pub fn duplicate_key(text: &str) -> Option<String> {
+/// The first key that appears twice in one object, as its path from the root (`["t", "dtype"]`);
+/// None when there is none or the text is not JSON (the real parser reports that).
+pub fn duplicate_key(text: &str) -> Option<Vec<String>> {
     let mut de = serde_json::Deserializer::from_str(text);
-    match (DupSeed { path: "" }).deserialize(&mut de) {
+    match (DupSeed { path: &[] }).deserialize(&mut de) {
         Ok(()) => None,
         Err(e) => {
             let m = e.to_string();
-            m.strip_prefix(DUP_MARK)
-                .map(|rest| rest.split(" at line").next().unwrap_or(rest).to_string())
+            let rest = m.strip_prefix(DUP_MARK)?;
+            let rest = rest.rsplit_once(DUP_END).map_or(rest, |(a, _)| a);
+            Some(rest.split(DUP_SEP).map(str::to_string).collect())
         }
     }
 }
 
-const DUP_MARK: &str = "duplicate key ";
+const DUP_MARK: &str = "duplicate key \u{1}";
+const DUP_END: &str = "\u{1}";
+const DUP_SEP: char = '\u{2}';
 
 /// Walks a JSON document without building it, remembering each object's keys.
 struct DupSeed<'p> {
-    path: &'p str,
+    path: &'p [String],
 }
 
 impl<'de> DeserializeSeed<'de> for DupSeed<'_> {
@@ -180,19 +190,23 @@ impl<'de> Visitor<'de> for DupSeed<'_> {
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
-        while seq.next_element_seed(DupSeed { path: self.path })?.is_some() {}
+        while seq
+            .next_element_seed(DupSeed { path: self.path })?
+            .is_some()
+        {}
         Ok(())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
         let mut seen = std::collections::HashSet::new();
         while let Some(k) = map.next_key::<String>()? {
-            let full = if self.path.is_empty() {
-                k.clone()
-            } else {
-                format!("{}.{k}", self.path)
-            };
+            let mut full = self.path.to_vec();
+            full.push(k.clone());
             if !seen.insert(k) {
-                return Err(de::Error::custom(format!("{DUP_MARK}`{full}`")));
+                let joined: Vec<&str> = full.iter().map(String::as_str).collect();
+                return Err(de::Error::custom(format!(
+                    "{DUP_MARK}{}{DUP_END}",
+                    joined.join(&DUP_SEP.to_string())
+                )));
             }
             map.next_value_seed(DupSeed { path: &full })?;
         }
@@ -206,16 +220,19 @@ mod tests {
 
     #[test]
     fn duplicate_keys_are_found_at_any_depth() {
+        let p = |v: &[&str]| Some(v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         assert_eq!(duplicate_key(r#"{"a":1,"b":2}"#), None);
-        assert_eq!(duplicate_key(r#"{"a":1,"a":2}"#).as_deref(), Some("`a`"));
+        assert_eq!(duplicate_key(r#"{"a":1,"a":2}"#), p(&["a"]));
         assert_eq!(
-            duplicate_key(r#"{"t":{"dtype":"F32","dtype":"BF16"}}"#).as_deref(),
-            Some("`t.dtype`")
+            duplicate_key(r#"{"t.x":{"dtype":"F32","dtype":"BF16"}}"#),
+            p(&["t.x", "dtype"])
         );
         assert_eq!(
-            duplicate_key(r#"[{"x":1},{"x":1,"y":[{"z":0,"z":1}]}]"#).as_deref(),
-            Some("`y.z`")
+            duplicate_key(r#"[{"x":1},{"x":1,"y":[{"z":0,"z":1}]}]"#),
+            p(&["y", "z"])
         );
+        // keys with the separators' look-alikes and escapes survive
+        assert_eq!(duplicate_key(r#"{"a b\"c":1,"a b\"c":2}"#), p(&["a b\"c"]));
         // the same key in two different objects is fine
         assert_eq!(duplicate_key(r#"{"a":{"k":1},"b":{"k":2}}"#), None);
         // not JSON: left to the real parser

@@ -141,7 +141,7 @@ pub fn prepare(
         return Err(Error::usage(format!(
             "--layers {a}..{b}: the model has {} layers (0..{})",
             cfg.num_hidden_layers,
-            cfg.num_hidden_layers - 1
+            cfg.num_hidden_layers.saturating_sub(1)
         )));
     }
     let profile = Profile::parse(
