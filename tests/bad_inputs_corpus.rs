@@ -99,7 +99,11 @@ fn config(m: &Path) -> Value {
 fn set_config(m: &Path, f: impl FnOnce(&mut Value)) {
     let mut v = config(m);
     f(&mut v);
-    std::fs::write(m.join("config.json"), serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    std::fs::write(
+        m.join("config.json"),
+        serde_json::to_vec_pretty(&v).unwrap(),
+    )
+    .unwrap();
 }
 
 fn s(p: &Path) -> &str {
@@ -109,7 +113,15 @@ fn s(p: &Path) -> &str {
 /// `run` of layers 0..2 over 16 tokens on the CPU, capped.
 fn run_small(m: &Path, extra: &[&str]) -> Out {
     let mut a = vec![
-        "run", "--model", s(m), "--backend", "cpu", "--layers", "0..2", "--seq-len", "16",
+        "run",
+        "--model",
+        s(m),
+        "--backend",
+        "cpu",
+        "--layers",
+        "0..2",
+        "--seq-len",
+        "16",
         "--quiet",
     ];
     a.extend_from_slice(extra);
@@ -183,7 +195,17 @@ fn vocab_size_zero_is_refused_by_run_and_bisect() {
     set_config(&m, |c| c["vocab_size"] = json!(0));
     assert_refused(&run_small(&m, &[]), &["vocab_size", "config.json"]);
     let o = probe(
-        &["bisect", "--model", s(&m), "--backend", "cpu", "--layers", "0..2", "--seq-len", "16"],
+        &[
+            "bisect",
+            "--model",
+            s(&m),
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..2",
+            "--seq-len",
+            "16",
+        ],
         Some(CAP),
     );
     assert_refused(&o, &["vocab_size", "config.json"]);
@@ -192,7 +214,15 @@ fn vocab_size_zero_is_refused_by_run_and_bisect() {
 #[test]
 fn seq_len_u64_max_is_refused() {
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", "18446744073709551615"],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--seq-len",
+            "18446744073709551615",
+        ],
         Some(CAP),
     );
     assert_refused(&o, &["--seq-len", "18446744073709551615"]);
@@ -214,9 +244,18 @@ fn num_hidden_layers_1e9_is_refused_by_run_and_bounded_in_inspect_and_lint() {
     let o = probe(&["inspect", "--model", s(&m)], Some(CAP));
     assert_eq!(o.code, Some(0), "{}", o.all());
     assert!(o.stdout.contains("layers.2.attn.wq_a"), "{}", o.stdout);
-    assert!(o.all().contains("num_hidden_layers"), "inspect must warn: {}", o.all());
+    assert!(
+        o.all().contains("num_hidden_layers"),
+        "inspect must warn: {}",
+        o.all()
+    );
     let o = probe(&["lint", "--model", s(&m)], Some(CAP));
-    assert_eq!(o.code, Some(1), "lint: an unusable config is an error: {}", o.all());
+    assert_eq!(
+        o.code,
+        Some(1),
+        "lint: an unusable config is an error: {}",
+        o.all()
+    );
     assert!(o.stdout.contains("num_hidden_layers"), "{}", o.all());
 }
 
@@ -240,10 +279,14 @@ fn hc_mult_1e6_is_refused() {
 fn top_k_1e15_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let m = model(d.path(), Format::Bf16);
-    set_config(&m, |c| c["num_experts_per_tok"] = json!(1_000_000_000_000_000u64));
+    set_config(&m, |c| {
+        c["num_experts_per_tok"] = json!(1_000_000_000_000_000u64)
+    });
     assert_refused(&run_small(&m, &[]), &["num_experts_per_tok", "config.json"]);
     // with as many experts, the expert count's own limit refuses it
-    set_config(&m, |c| c["n_routed_experts"] = json!(1_000_000_000_000_000u64));
+    set_config(&m, |c| {
+        c["n_routed_experts"] = json!(1_000_000_000_000_000u64)
+    });
     assert_refused(&run_small(&m, &[]), &["n_routed_experts", "config.json"]);
 }
 
@@ -251,7 +294,16 @@ fn top_k_1e15_is_refused() {
 fn seq_len_1e6_and_1e10_are_refused_with_the_estimate() {
     for n in ["1000000", "10000000000"] {
         let o = probe(
-            &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", n, "--quiet"],
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--layers",
+                "0..1",
+                "--seq-len",
+                n,
+                "--quiet",
+            ],
             Some(CAP),
         );
         assert_refused(&o, &["--seq-len", n, "GiB", "estimate", "--max-mem"]);
@@ -265,20 +317,49 @@ fn a_100k_token_file_on_the_cpu_is_refused_before_it_allocates() {
     let ids: Vec<u32> = (0..100_000u32).map(|i| i % 500).collect();
     std::fs::write(&toks, serde_json::to_vec(&ids).unwrap()).unwrap();
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..4", "--tokens", s(&toks), "--quiet"],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..4",
+            "--tokens",
+            s(&toks),
+            "--quiet",
+        ],
         Some(CAP),
     );
     assert_refused(&o, &[s(&toks), "100000 tokens", "GiB", "estimate"]);
     // --max-mem sets the budget the estimate is held to: a small one refuses a small run
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", "64", "--max-mem", "0.001",
-          "--quiet"],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--seq-len",
+            "64",
+            "--max-mem",
+            "0.001",
+            "--quiet",
+        ],
         Some(CAP),
     );
     assert_refused(&o, &["--max-mem", "GiB"]);
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", "64", "--max-mem", "4",
-          "--quiet"],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--seq-len",
+            "64",
+            "--max-mem",
+            "4",
+            "--quiet",
+        ],
         Some(CAP),
     );
     assert_eq!(o.code, Some(0), "{}", o.all());
@@ -290,8 +371,18 @@ fn huge_amax_run(dir: &Path) -> PathBuf {
     let st = tempfile::tempdir().unwrap();
     let j = st.path().join("r.json");
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", "16", "--quiet", "--json",
-          s(&j)],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--seq-len",
+            "16",
+            "--quiet",
+            "--json",
+            s(&j),
+        ],
         Some(CAP),
     );
     assert_eq!(o.code, Some(0), "{}", o.all());
@@ -333,8 +424,18 @@ fn plot_with_one_amax_of_1e308_does_not_hang() {
     let st = tempfile::tempdir().unwrap();
     let j = st.path().join("r.json");
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", "16", "--quiet", "--json",
-          s(&j)],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--seq-len",
+            "16",
+            "--quiet",
+            "--json",
+            s(&j),
+        ],
         Some(CAP),
     );
     assert_eq!(o.code, Some(0), "{}", o.all());
@@ -471,8 +572,18 @@ fn plot_refuses_numbers_that_are_strings_as_gate_does() {
     let d = tempfile::tempdir().unwrap();
     let j = d.path().join("r.json");
     let o = probe(
-        &["run", "--backend", "cpu", "--layers", "0..1", "--seq-len", "16", "--quiet", "--json",
-          s(&j)],
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--seq-len",
+            "16",
+            "--quiet",
+            "--json",
+            s(&j),
+        ],
         Some(CAP),
     );
     assert_eq!(o.code, Some(0), "{}", o.all());
@@ -488,7 +599,10 @@ fn plot_refuses_numbers_that_are_strings_as_gate_does() {
     );
     assert_refused(&o, &["strings.json", &id, "number"]);
     assert!(!d.path().join("p-amax.png").exists());
-    let o = probe(&["gate", "--baseline", s(&j), "--current", s(&bad)], Some(CAP));
+    let o = probe(
+        &["gate", "--baseline", s(&j), "--current", s(&bad)],
+        Some(CAP),
+    );
     assert_refused(&o, &["strings.json", &id, "number"]);
 }
 

@@ -16,6 +16,7 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
         args.backend,
         &args.loader_faults,
         args.seed,
+        args.mem.max_mem,
     )?;
     for out in [&args.json, &args.markdown].into_iter().flatten() {
         report::check_not_in_model_dir(out, p.model_dir.as_deref())?;
