@@ -655,3 +655,29 @@ fn shards_that_are_not_regular_files_say_what_they_are() {
         }
     }
 }
+
+/// The completeness check reports nothing on complete checkpoints: every synthetic format in both
+/// namings, and the transformers-made checkpoint.
+#[test]
+fn complete_checkpoints_miss_nothing() {
+    use nvfp4_probe::checkpoint::Checkpoint;
+    for format in [
+        Format::Bf16,
+        Format::CtNvfp4,
+        Format::ModelOptNvfp4,
+        Format::OfficialMixed,
+        Format::Mxfp4,
+    ] {
+        for naming in [Naming::Official, Naming::Hf] {
+            let d = tempfile::tempdir().unwrap();
+            let mut so = SynthOptions::new(Preset::Tiny, format, naming, 0);
+            so.layers = Some(3);
+            synth_to_dir(&so, d.path()).unwrap();
+            let ck = Checkpoint::open(d.path()).unwrap();
+            assert_eq!(ck.missing_tensors(), vec![], "{format:?} {naming:?}");
+        }
+    }
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf-tiny");
+    let ck = Checkpoint::open(&hf).unwrap();
+    assert_eq!(ck.missing_tensors(), vec![]);
+}

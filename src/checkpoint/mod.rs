@@ -6,6 +6,7 @@
 //! only those that were routed to.
 
 mod access;
+mod complete;
 pub mod convert;
 pub mod naming;
 pub mod quant;
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+pub use complete::MissingTensor;
 pub use naming::{FusedPart, Naming};
 pub use quant::{
     Fp8ScaleKind, QuantWeight, RawFormat, RawWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat,

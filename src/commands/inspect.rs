@@ -240,6 +240,7 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         return dequant(&ck, args, name);
     }
     let rows = rows(&ck)?;
+    crate::lint::warn_incomplete(&ck);
     if let Some(j) = &args.json {
         if let Some(parent) = j.parent().filter(|p| !p.as_os_str().is_empty()) {
             let (pc, mc) = (
