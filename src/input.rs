@@ -214,6 +214,41 @@ impl<'de> Visitor<'de> for DupSeed<'_> {
     }
 }
 
+/// The safetensors reader parses the header into a map, keeping the last of two equal keys: a
+/// header naming a tensor twice would be read as only one of them, and later errors would name
+/// the wrong tensor. Refuse it, naming the tensor (a cheap scan; the header is small).
+pub fn check_safetensors_keys(path: &Path, buf: &[u8]) -> Result<()> {
+    let Some(n) = buf
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    else {
+        return Ok(());
+    };
+    let Some(text) = usize::try_from(n)
+        .ok()
+        .and_then(|n| buf.get(8..8usize.checked_add(n)?))
+        .and_then(|h| std::str::from_utf8(h).ok())
+    else {
+        return Ok(()); // the full validation below says what is wrong
+    };
+    match crate::input::duplicate_key(text) {
+        None => Ok(()),
+        Some(p) if p.len() == 1 => Err(Error::bad(
+            path,
+            Some(&p[0]),
+            "appears twice in the safetensors header (readers keep only the last entry)",
+        )),
+        Some(p) => Err(Error::bad(
+            path,
+            Some(&p[0]),
+            format!(
+                "header entry has the key `{}` twice (readers keep only the last)",
+                p[1..].join(".")
+            ),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -149,7 +149,7 @@ impl Rules {
     }
 
     pub fn from_file(path: &Path) -> Result<Rules> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::input::read_text(path, "rules file", crate::input::SMALL_FILE_MAX)?;
         Rules::from_toml(&text).map_err(|m| Error::bad(path, None, m))
     }
 
