@@ -515,9 +515,9 @@ fn exercise_config(cfg: &ModelConfig, tokens: u64) {
             &Plan {
                 layers: (0, last),
                 tokens,
-                keep_outputs: tokens % 2 == 0,
+                keep_outputs: tokens.is_multiple_of(2),
                 with_head: true,
-                layer_states: tokens % 3 == 0,
+                layer_states: tokens.is_multiple_of(3),
                 device,
             },
         );

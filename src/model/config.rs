@@ -421,7 +421,7 @@ impl ModelConfig {
         for (i, r) in self.compress_ratios.iter().enumerate() {
             limits::check_compress_ratio(i, *r as u64)?;
         }
-        let csa = self.compress_ratios.iter().any(|&r| r == 4);
+        let csa = self.compress_ratios.contains(&4);
         if csa
             && (!self.index_head_dim.is_multiple_of(2)
                 || self.index_head_dim < self.qk_rope_head_dim)
