@@ -157,12 +157,20 @@ pub fn warn_incomplete(ck: &Checkpoint) {
     if let Err(e) = ck.model_config() {
         eprintln!("warning: {e} (weights are listed without checking their shapes against it)");
     }
-    for m in ck.missing_tensors() {
+    let missing = ck.missing_tensors();
+    const SHOWN: usize = 20;
+    for m in missing.iter().take(SHOWN) {
         eprintln!(
             "warning: missing tensor `{}` ({}) in {}",
             m.tensor,
             m.what,
             m.file.display()
+        );
+    }
+    if missing.len() > SHOWN {
+        eprintln!(
+            "warning: … and {} more missing tensors (`nvfp4-probe lint` lists them all)",
+            missing.len() - SHOWN
         );
     }
 }

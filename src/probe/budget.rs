@@ -11,7 +11,8 @@
 //!
 //! Available host memory is the least of /proc/meminfo's MemAvailable, the cgroup's limit minus
 //! its usage (v2 and v1; reclaimable page cache counted as free) and RLIMIT_AS minus the address
-//! space already mapped; on CUDA the device's free memory is checked as well.
+//! space already mapped; on CUDA the token-dependent part (activations, attention, the loader's
+//! staging cap) is checked against the device's memory as well.
 
 use crate::model::ModelConfig;
 use crate::{Error, Result};
@@ -425,15 +426,17 @@ pub fn host_limit() -> Limit {
     best
 }
 
-/// Free device memory of the backend's GPU.
+/// The backend GPU's total memory. Not its free memory: the device state keeps pools of
+/// buffers from earlier runs in the same process (bisect's re-runs, selftest), which it reuses
+/// but the driver counts as used, so "free" would refuse runs that fit.
 pub fn device_limit(
     gpu: &std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>,
 ) -> Option<Limit> {
     let g = gpu.lock().ok()?;
     let (free, total) = g.ctx.mem_get_info().ok()?;
     Some(Limit {
-        bytes: free as f64,
-        source: format!("device free memory (of {})", gib(total as f64)),
+        bytes: total as f64,
+        source: format!("device memory ({} free now)", gib(free as f64)),
     })
 }
 
