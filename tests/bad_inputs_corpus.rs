@@ -471,6 +471,16 @@ fn config_json_that_is_a_fifo_is_refused_without_blocking() {
         let o = probe(&a, Some(CAP));
         assert_refused(&o, &["config.json", "FIFO", "not a regular file"]);
     }
+    // the other inputs a user names: a token list, a probe spec
+    let fifo = d.path().join("ids.json");
+    mkfifo(&fifo);
+    for flag in ["--tokens", "--probe"] {
+        let o = probe(
+            &["run", "--backend", "cpu", "--layers", "0..1", flag, s(&fifo)],
+            Some(CAP),
+        );
+        assert_refused(&o, &["ids.json", "FIFO"]);
+    }
 }
 
 // ---------------------------------------------------------------- class 8: bad input accepted

@@ -524,6 +524,18 @@ mod tests {
     }
 
     #[test]
+    fn long_cpu_runs_are_estimated_long() {
+        // measured: the tiny model's 5 layers over 1000 tokens take ~25 CPU-seconds
+        let cfg = tiny();
+        let threads = rayon::current_num_threads() as f64;
+        let s = estimate(&cfg, &plan(1000)).cpu_seconds * threads;
+        assert!((10.0..100.0).contains(&s), "{s} CPU-seconds for 1000 tokens");
+        // a 100k-token file is announced (the runner warns past 60 s), 64 tokens are not
+        assert!(estimate(&cfg, &plan(100_000)).cpu_seconds > 60.0);
+        assert!(estimate(&cfg, &plan(64)).cpu_seconds < 60.0);
+    }
+
+    #[test]
     fn keeping_outputs_costs_memory() {
         let cfg = tiny();
         let a = estimate(&cfg, &plan(512));
