@@ -476,7 +476,15 @@ fn config_json_that_is_a_fifo_is_refused_without_blocking() {
     mkfifo(&fifo);
     for flag in ["--tokens", "--probe"] {
         let o = probe(
-            &["run", "--backend", "cpu", "--layers", "0..1", flag, s(&fifo)],
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--layers",
+                "0..1",
+                flag,
+                s(&fifo),
+            ],
             Some(CAP),
         );
         assert_refused(&o, &["ids.json", "FIFO"]);

@@ -131,8 +131,17 @@ fn present(path: &Path) -> bool {
 impl Checkpoint {
     /// Open a checkpoint directory (see the module doc for what is read up front).
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        if !dir.is_dir() {
-            return Err(Error::bad(dir, None, "checkpoint path is not a directory"));
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(Error::bad(dir, None, "checkpoint path is not a directory")),
+            Err(e) => {
+                let why = crate::input::why_missing(dir, &e);
+                return Err(Error::bad(
+                    dir,
+                    None,
+                    format!("checkpoint directory: {why}"),
+                ));
+            }
         }
         let config_path = dir.join("config.json");
         let text = read_json_file(&config_path, "config")?;

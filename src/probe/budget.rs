@@ -529,7 +529,10 @@ mod tests {
         let cfg = tiny();
         let threads = rayon::current_num_threads() as f64;
         let s = estimate(&cfg, &plan(1000)).cpu_seconds * threads;
-        assert!((10.0..100.0).contains(&s), "{s} CPU-seconds for 1000 tokens");
+        assert!(
+            (10.0..100.0).contains(&s),
+            "{s} CPU-seconds for 1000 tokens"
+        );
         // a 100k-token file is announced (the runner warns past 60 s), 64 tokens are not
         assert!(estimate(&cfg, &plan(100_000)).cpu_seconds > 60.0);
         assert!(estimate(&cfg, &plan(64)).cpu_seconds < 60.0);
