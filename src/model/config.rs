@@ -468,3 +468,96 @@ impl ModelConfig {
         self.head_dim - self.qk_rope_head_dim
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({
+            "hidden_size": 256, "num_hidden_layers": 3, "vocab_size": 512,
+            "num_attention_heads": 4, "head_dim": 512, "qk_rope_head_dim": 64,
+            "q_lora_rank": 256, "o_groups": 2, "o_lora_rank": 256,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+            "num_hash_layers": 1, "compress_ratios": [0, 128, 4], "index_topk": 8
+        })
+    }
+
+    fn err(f: impl FnOnce(&mut Value)) -> String {
+        let mut v = base();
+        f(&mut v);
+        ModelConfig::from_json(&v).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_base_config_is_valid() {
+        let c = ModelConfig::from_json(&base()).unwrap();
+        assert_eq!(c.compress_ratios, vec![0, 128, 4]);
+    }
+
+    #[test]
+    fn refusals_name_the_field_as_the_file_spells_it() {
+        let e = err(|v| {
+            v.as_object_mut().unwrap().remove("num_hidden_layers");
+            v["n_layers"] = json!(0);
+        });
+        assert!(e.contains("`n_layers`"), "{e}");
+        let e = err(|v| v["num_experts_per_tok"] = json!(9));
+        assert!(
+            e.contains("`num_experts_per_tok`") && e.contains("n_routed_experts"),
+            "{e}"
+        );
+        let e = err(|v| v["compress_ratios"] = json!([0, 128]));
+        assert!(
+            e.contains("`compress_ratios` has 2 entries for 3 layers"),
+            "{e}"
+        );
+        let e = err(|v| v["rope_theta"] = json!(-1.0));
+        assert!(e.contains("`rope_theta`"), "{e}");
+        let e = err(|v| v["rope_scaling"] = json!({"type": "yarn", "factor": 0}));
+        assert!(e.contains("`rope_scaling.factor`"), "{e}");
+        let e = err(|v| {
+            v.as_object_mut().unwrap().remove("qk_rope_head_dim");
+            v["partial_rotary_factor"] = json!(-0.5);
+        });
+        assert!(e.contains("`partial_rotary_factor`"), "{e}");
+        // the indexer ropes its last qk_rope_head_dim dims: it must have that many
+        let e = err(|v| v["index_head_dim"] = json!(32));
+        assert!(e.contains("`index_head_dim`"), "{e}");
+    }
+
+    #[test]
+    fn transformers_schedules_keep_csa_at_ratio_4() {
+        let hf = |rates: Value| {
+            let mut v = base();
+            v.as_object_mut().unwrap().remove("compress_ratios");
+            v["layer_types"] = json!([
+                "sliding_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention"
+            ]);
+            v["compress_rates"] = rates;
+            ModelConfig::from_json(&v)
+        };
+        let c = hf(json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": 64}))
+            .unwrap();
+        assert_eq!(c.compress_ratios, vec![0, 64, 4]);
+        for bad in [
+            json!({"compressed_sparse_attention": 8}),
+            json!({"heavily_compressed_attention": 4}),
+            json!({"heavily_compressed_attention": 100}),
+            json!({"heavily_compressed_attention": "128"}),
+        ] {
+            let e = hf(bad.clone()).unwrap_err().to_string();
+            assert!(e.contains("compress_rates."), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn hash_layers_beyond_the_model_mean_all_of_them() {
+        let mut v = base();
+        v["num_hash_layers"] = json!(u64::MAX);
+        assert_eq!(ModelConfig::from_json(&v).unwrap().num_hash_layers, 3);
+    }
+}
