@@ -70,6 +70,15 @@ pub struct TokenArgs {
     pub seq_len: Option<usize>,
 }
 
+/// The memory budget a run's up-front estimate is held to (run, bisect, compare).
+#[derive(Args, Debug, Clone, Default)]
+pub struct MemArgs {
+    /// Memory budget in GiB (host, and device on CUDA) instead of what the machine reports
+    /// available; a run whose estimate exceeds it is refused before it allocates.
+    #[arg(long, value_name = "GIB")]
+    pub max_mem: Option<f64>,
+}
+
 #[derive(Args, Debug, Clone, Default)]
 pub struct RunArgs {
     /// Checkpoint directory; without it the built-in tiny synthetic model is used.
@@ -115,6 +124,8 @@ pub struct RunArgs {
     /// Print only the summary, not the full op table.
     #[arg(long)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub mem: MemArgs,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -232,6 +243,8 @@ pub struct BisectArgs {
     /// layers on propagated error, then one layer in full), `auto` (see its value below).
     #[arg(long, value_enum, default_value_t = crate::bisect::Search::Auto)]
     pub search: crate::bisect::Search,
+    #[command(flatten)]
+    pub mem: MemArgs,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -290,6 +303,8 @@ pub struct CompareArgs {
     /// Seed of the built-in model (when --model is absent).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    #[command(flatten)]
+    pub mem: MemArgs,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -12,6 +12,7 @@ pub mod commands;
 pub mod error;
 pub mod gate;
 pub mod glob;
+pub mod input;
 pub mod lint;
 pub mod metrics;
 pub mod model;

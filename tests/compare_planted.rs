@@ -96,6 +96,7 @@ fn args(trace: &Path, names: &str) -> CompareArgs {
         json: None,
         markdown: None,
         seed: 0,
+        mem: Default::default(),
     }
 }
 

@@ -6,6 +6,7 @@
 //! only those that were routed to.
 
 mod access;
+mod complete;
 pub mod convert;
 pub mod naming;
 pub mod quant;
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+pub use complete::MissingTensor;
 pub use naming::{FusedPart, Naming};
 pub use quant::{
     Fp8ScaleKind, QuantWeight, RawFormat, RawWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat,
@@ -107,28 +109,46 @@ impl std::fmt::Debug for Checkpoint {
 }
 
 fn parse_config(path: &Path, text: &str) -> Result<serde_json::Value> {
-    let v: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| Error::bad(path, None, format!("config is not valid JSON: {e}")))?;
+    let v = crate::input::parse_json(path, text, "config")?;
     if !v.is_object() {
         return Err(Error::bad(path, None, "config is not a JSON object"));
     }
     Ok(v)
 }
 
+/// Read a small JSON file of the checkpoint (config, quant config, index): a regular file only,
+/// size-capped, parsed without duplicate keys.
+fn read_json_file(path: &Path, what: &str) -> Result<String> {
+    crate::input::read_text(path, what, crate::input::SMALL_FILE_MAX)
+}
+
+/// Does a path exist at all (a dangling symlink, a FIFO or a loop counts: the readers then say
+/// what it is instead)?
+fn present(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
 impl Checkpoint {
     /// Open a checkpoint directory (see the module doc for what is read up front).
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        if !dir.is_dir() {
-            return Err(Error::bad(dir, None, "checkpoint path is not a directory"));
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(Error::bad(dir, None, "checkpoint path is not a directory")),
+            Err(e) => {
+                let why = crate::input::why_missing(dir, &e);
+                return Err(Error::bad(
+                    dir,
+                    None,
+                    format!("checkpoint directory: {why}"),
+                ));
+            }
         }
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|e| Error::bad(&config_path, None, format!("cannot read config: {e}")))?;
+        let text = read_json_file(&config_path, "config")?;
         let config = parse_config(&config_path, &text)?;
         let hq_path = dir.join("hf_quant_config.json");
-        let hf_quant = if hq_path.exists() {
-            let t = std::fs::read_to_string(&hq_path)
-                .map_err(|e| Error::bad(&hq_path, None, format!("cannot read: {e}")))?;
+        let hf_quant = if present(&hq_path) {
+            let t = read_json_file(&hq_path, "quantization config")?;
             Some(parse_config(&hq_path, &t)?)
         } else {
             None
@@ -137,19 +157,16 @@ impl Checkpoint {
         let index_path = dir.join(INDEX_FILE);
         let mut index = None;
         let mut shards = Vec::new();
-        if index_path.exists() {
-            let t = std::fs::read_to_string(&index_path)
-                .map_err(|e| Error::bad(&index_path, None, format!("cannot read index: {e}")))?;
-            let v: serde_json::Value = serde_json::from_str(&t).map_err(|e| {
-                Error::bad(&index_path, None, format!("index is not valid JSON: {e}"))
-            })?;
+        if present(&index_path) {
+            let t = read_json_file(&index_path, "index")?;
+            let v = crate::input::parse_json(&index_path, &t, "index")?;
             let map = shard::index_map(&index_path, &v)?;
             let mut files: Vec<(&String, &String)> = map.iter().map(|(t, f)| (f, t)).collect();
             files.sort();
             files.dedup_by(|a, b| a.0 == b.0);
             for (f, t) in files {
                 let p = dir.join(f);
-                if !p.is_file() {
+                if !present(&p) {
                     return Err(Error::bad(
                         &index_path,
                         Some(t),
@@ -162,13 +179,13 @@ impl Checkpoint {
                 shards.push(shard::map_file(&p)?);
             }
             index = Some((index_path, map));
-        } else if dir.join("model.safetensors").is_file() {
+        } else if present(&dir.join("model.safetensors")) {
             shards.push(shard::map_file(&dir.join("model.safetensors"))?);
         } else {
             let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
                 .map_err(|e| Error::io(dir, e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .collect();
             files.sort();
             for p in files {
@@ -203,8 +220,9 @@ impl Checkpoint {
         for (name, bytes) in files {
             let p = loc.join(&name);
             if name == INDEX_FILE {
-                let v: serde_json::Value = serde_json::from_slice(&bytes)
-                    .map_err(|e| Error::bad(&p, None, format!("index is not valid JSON: {e}")))?;
+                let text = std::str::from_utf8(&bytes)
+                    .map_err(|e| Error::bad(&p, None, format!("index is not UTF-8: {e}")))?;
+                let v = crate::input::parse_json(&p, text, "index")?;
                 index = Some((p.clone(), shard::index_map(&p, &v)?));
             } else {
                 if bytes.len() < 8 {
@@ -278,6 +296,25 @@ impl Checkpoint {
                         format!("index places this tensor in shard `{f}`, whose header does not contain it"),
                     ));
                 }
+            }
+            // the other way round: engines load by the index, so a tensor it omits is not loaded
+            let mut unlisted: Vec<(&String, &RawEntry)> =
+                raw.iter().filter(|(t, _)| !map.contains_key(*t)).collect();
+            unlisted.sort_by(|a, b| a.0.cmp(b.0));
+            if let Some((t, e)) = unlisted.first() {
+                return Err(Error::bad(
+                    ip,
+                    Some(t),
+                    format!(
+                        "shard {} holds this tensor but the index does not list it{} (engines load by the index and would not see it)",
+                        shards[e.shard].path.display(),
+                        if unlisted.len() > 1 {
+                            format!(", nor {} other tensor(s)", unlisted.len() - 1)
+                        } else {
+                            String::new()
+                        }
+                    ),
+                ));
             }
         }
         let naming = naming::detect(raw.keys().map(String::as_str));
@@ -433,6 +470,21 @@ impl Checkpoint {
                 Some(i)
             }
         }
+    }
+
+    /// The file holding a canonical tensor or weight (`base`, `base.weight`, `base.weight_packed`),
+    /// for errors found after loading (a parameter of the wrong size): the checkpoint's location
+    /// when no tensor of that name is stored.
+    pub fn file_of(&self, name: &str) -> PathBuf {
+        [
+            name.to_string(),
+            format!("{name}.weight"),
+            format!("{name}.weight_packed"),
+        ]
+        .iter()
+        .find_map(|n| self.canonical_info(n).or_else(|| self.info(n)))
+        .map(|i| i.file)
+        .unwrap_or_else(|| self.location.clone())
     }
 
     /// Raw name of a canonical tensor. For an HF fused-expert slice this is the fused tensor.

@@ -55,6 +55,8 @@ pub(crate) struct RawEntry {
 
 /// Map a file read-only. An empty file cannot be mapped on every platform, and is invalid anyway.
 pub(crate) fn map_file(path: &Path) -> Result<Shard> {
+    // before `open`: a FIFO would block it, a device or a link to /dev/zero is no shard
+    crate::input::regular_file(path, "shard")?;
     let file = std::fs::File::open(path)
         .map_err(|e| Error::bad(path, None, format!("cannot open shard: {e}")))?;
     let len = file
@@ -117,6 +119,7 @@ pub(crate) fn mem_shard(path: PathBuf, bytes: Vec<u8>) -> Shard {
 pub(crate) fn parse(shard_idx: usize, shard: &Shard) -> Result<Vec<(String, RawEntry)>> {
     let buf = shard.buf();
     let path = &shard.path;
+    crate::input::check_safetensors_keys(path, buf)?;
     match SafeTensors::read_metadata(buf) {
         Ok((n, meta)) => {
             let base = 8 + n;

@@ -25,6 +25,7 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
         args.backend,
         &args.loader_faults,
         args.seed,
+        args.mem.max_mem,
     )?;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     for out in outputs.into_iter().flatten() {

@@ -212,6 +212,7 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
         BackendChoice::Auto,
         &[],
         args.seed,
+        args.mem.max_mem,
     )?;
     let token_source = match &trace_tokens {
         Some(tt) => {

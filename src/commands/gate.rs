@@ -3,7 +3,7 @@
 use crate::cli::GateArgs;
 use crate::gate::{self, Tolerances};
 use crate::output::{Guard, Outputs};
-use crate::{Error, Result};
+use crate::Result;
 
 pub fn main(a: &GateArgs) -> Result<i32> {
     let mut guard = Guard::new()
@@ -20,7 +20,7 @@ pub fn main(a: &GateArgs) -> Result<i32> {
     let cur = gate::load_run(&a.current)?;
     let tol = match &a.tolerances {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+            let text = crate::input::read_text(p, "tolerances", crate::input::SMALL_FILE_MAX)?;
             Tolerances::from_toml(&text, p)?
         }
         None => Tolerances::default(),

@@ -363,6 +363,7 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         early.check(out)?;
     }
     let ck = Checkpoint::open(&args.model)?;
+    crate::lint::warn_incomplete(&ck);
     let mut outs = Outputs::new(Guard::new().model_dir(&args.model).checkpoint(&ck));
     for out in [&args.json, &args.out].into_iter().flatten() {
         outs.check(out)?;

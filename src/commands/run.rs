@@ -22,31 +22,41 @@ pub fn open_model(model: Option<&Path>, seed: u64) -> Result<Checkpoint> {
     }
 }
 
-/// Tokens from the token options, else the probe spec, else a synthetic sequence.
+/// Tokens from the token options, else the probe spec, else a synthetic sequence. `fits` is
+/// asked with the token count and what asked for it before a synthetic sequence is made (so a
+/// `--seq-len` beyond the memory budget allocates nothing) and after any other source is read.
 pub fn resolve_tokens(
     t: &TokenArgs,
     spec: &ProbeSpec,
     ckpt: &Checkpoint,
     vocab: usize,
     seed: u64,
+    fits: &dyn Fn(u64, &str) -> Result<()>,
 ) -> Result<(Vec<u32>, String)> {
+    let counted = |ids: Vec<u32>, what: String, source: String| -> Result<(Vec<u32>, String)> {
+        fits(ids.len() as u64, &format!("{what} ({} tokens)", ids.len()))?;
+        Ok((ids, source))
+    };
     if let Some(ids) = &t.token_ids {
-        return Ok((ids.clone(), "--token-ids".into()));
+        return counted(ids.clone(), "--token-ids".into(), "--token-ids".into());
     }
     if let Some(f) = &t.tokens {
-        let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
+        let text = crate::input::read_text(f, "token file", crate::input::SMALL_FILE_MAX)?;
         let ids: Vec<u32> = serde_json::from_str(&text)
             .map_err(|e| Error::bad(f, None, format!("expected a JSON array of token ids: {e}")))?;
-        return Ok((ids, format!("file {}", f.display())));
+        let name = format!("--tokens {}", f.display());
+        return counted(ids, name, format!("file {}", f.display()));
     }
     if let Some(p) = t.prompt.as_ref().or(spec.tokens.prompt.as_ref()) {
         let ids = crate::tokenize::encode(ckpt, p)?;
-        return Ok((ids, "prompt".into()));
+        return counted(ids, "--prompt".into(), "prompt".into());
     }
     if let Some(ids) = &spec.tokens.ids {
-        return Ok((ids.clone(), format!("probe {}", spec.name)));
+        let name = "the probe spec's token ids".to_string();
+        return counted(ids.clone(), name, format!("probe {}", spec.name));
     }
     let n = t.seq_len.or(spec.tokens.seq_len).unwrap_or(64);
+    fits(n as u64, &format!("--seq-len {n}"))?;
     Ok((
         probe::synthetic_tokens(n, vocab, seed),
         format!("synthetic (seed {seed})"),
@@ -106,6 +116,7 @@ pub fn prepare(
     backend: BackendChoice,
     loader_faults: &[String],
     seed: u64,
+    max_mem: Option<f64>,
 ) -> Result<Prepared> {
     let spec = match probe_file {
         Some(p) => ProbeSpec::from_file(p)?,
@@ -142,7 +153,7 @@ pub fn prepare(
         return Err(Error::usage(format!(
             "--layers {a}..{b}: the model has {} layers (0..{})",
             cfg.num_hidden_layers,
-            cfg.num_hidden_layers - 1
+            cfg.num_hidden_layers.saturating_sub(1)
         )));
     }
     let profile = Profile::parse(
@@ -156,7 +167,37 @@ pub fn prepare(
         .collect::<Result<Vec<_>>>()?;
     crate::probe::faults::check_loader_faults(&ckpt, &faults)?;
     crate::profile::mark("options checked");
-    let (toks, source) = resolve_tokens(tokens, &spec, &ckpt, cfg.vocab_size, seed)?;
+    // the run's memory estimate is checked as soon as the token count is known, before the
+    // tokens (or anything else of the run's size) are made; a long CPU run is announced
+    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+    let on_device = backend_sel.gpu().is_some();
+    let fits = |n: u64, what: &str| -> Result<()> {
+        let plan = crate::probe::budget::Plan {
+            layers: (a, b),
+            tokens: n,
+            keep_outputs: false,
+            with_head,
+            layer_states: false,
+            device: on_device,
+        };
+        let est = crate::probe::budget::check(&cfg, &plan, max_mem, backend_sel.gpu(), what)?;
+        if crate::profile::enabled() {
+            eprintln!(
+                "profile: {what}: estimated host {} ({:?}), CPU {:.1} s",
+                crate::probe::budget::gib(est.host()),
+                est,
+                est.cpu_seconds
+            );
+        }
+        if !on_device && est.cpu_seconds > 60.0 {
+            eprintln!(
+                "warning: {what} on the CPU backend is estimated at {:.0} s ({} tokens, layers {a}..{b}); --backend cuda, fewer tokens or fewer layers are faster",
+                est.cpu_seconds, n
+            );
+        }
+        Ok(())
+    };
+    let (toks, source) = resolve_tokens(tokens, &spec, &ckpt, cfg.vocab_size, seed, &fits)?;
     crate::profile::mark("tokens resolved");
     let meta = RunMeta {
         tool: "nvfp4-probe".into(),
@@ -178,6 +219,7 @@ pub fn prepare(
         spec,
         progress: true,
         backend: backend_sel,
+        max_mem,
         ..RunOptions::new((a, b), toks)
     };
     Ok(Prepared {
@@ -240,6 +282,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         args.backend,
         &args.loader_faults,
         args.seed,
+        args.mem.max_mem,
     )?;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     check_outputs(args, &outs)?;
@@ -275,7 +318,8 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         report::dump(&mut outs, d, &res)?;
     }
     if let (Some(pl), Some(text)) = (&args.plot, &json) {
-        crate::plot::plot_into(text, pl, &mut outs)?;
+        let run = crate::gate::parse_run(text, "run JSON")?;
+        crate::plot::plot_into(&run, pl, &mut outs)?;
     }
     outs.publish_and_report()?;
     crate::profile::mark("reports written");

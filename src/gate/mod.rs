@@ -127,17 +127,17 @@ impl GateReport {
     }
 }
 
-/// Reads a run JSON and checks that it is one; any failure names the file (exit 2).
+/// Reads a run JSON and checks that it is one; any failure names the file (exit 2). The one
+/// reader of run JSON files: `gate` and `plot` both go through it.
 pub fn load_run(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::input::read_text(path, "run JSON", crate::input::REPORT_FILE_MAX)?;
     parse_run(&text, path)
 }
 
 /// Parses run JSON text; `name` is the file named in errors.
 pub fn parse_run(text: &str, name: impl AsRef<Path>) -> Result<Value> {
     let name = name.as_ref();
-    let v: Value = serde_json::from_str(text)
-        .map_err(|e| Error::bad(name, None, format!("not a {RUN_SCHEMA} JSON: {e}")))?;
+    let v: Value = crate::input::parse_json(name, text, "run JSON")?;
     check_run(&v, name)?;
     Ok(v)
 }
@@ -173,6 +173,58 @@ pub fn check_run(v: &Value, name: &Path) -> Result<()> {
             .ok_or_else(|| Error::bad(name, None, format!("ops[{i}] has no string `id`")))?;
         if !seen.insert(id) {
             return Err(Error::bad(name, Some(id), "op id appears twice"));
+        }
+        check_op_numbers(op, name, id)?;
+    }
+    Ok(())
+}
+
+/// Every number an op record carries must be a JSON number (or null where the runner writes an
+/// undefined value): the gate's checks and the plots read the same fields, so a file with
+/// `"amax": "12.5"` is refused by both alike, naming the op and the field.
+fn check_op_numbers(op: &Value, name: &Path, id: &str) -> Result<()> {
+    let bad = |field: String, v: &Value| {
+        Err(Error::bad(
+            name,
+            Some(id),
+            format!("`{field}` should be a number, found {v}"),
+        ))
+    };
+    let numeric = |v: &Value| v.is_number() || v.is_null();
+    for key in ["step", "layer", "tolerance", "act_amax_over_calib"] {
+        if let Some(v) = op.get(key).filter(|v| !numeric(v)) {
+            return bad(key.to_string(), v);
+        }
+    }
+    for key in ["divergent", "shows"] {
+        if let Some(v) = op.get(key).filter(|v| !numeric(v) && !v.is_boolean()) {
+            return bad(key.to_string(), v);
+        }
+    }
+    let Some(obj) = op.as_object() else {
+        return Err(Error::bad(name, Some(id), "op record is not an object"));
+    };
+    // the comparison objects (`served_isolated_vs_bf16`, …) and each path's stats
+    let mut groups: Vec<(String, &Value)> = obj
+        .iter()
+        .filter(|(k, _)| k.contains("_vs_"))
+        .map(|(k, v)| (k.clone(), v))
+        .collect();
+    if let Some(stats) = op.get("stats") {
+        let Some(paths) = stats.as_object() else {
+            return bad("stats".into(), stats);
+        };
+        groups.extend(paths.iter().map(|(p, v)| (format!("stats.{p}"), v)));
+    }
+    for (g, v) in groups {
+        match v {
+            Value::Null => {}
+            Value::Object(fields) => {
+                if let Some((f, x)) = fields.iter().find(|(_, x)| !numeric(x)) {
+                    return bad(format!("{g}.{f}"), x);
+                }
+            }
+            other => return bad(g, other),
         }
     }
     Ok(())

@@ -740,6 +740,45 @@ fn layer_prefix(base: &str) -> String {
     }
 }
 
+/// Rules `config.model` and `weight.missing`: a config the model cannot be built from, and
+/// tensors the config requires of the layers present that no stored tensor provides (a whole
+/// expert left out of an export has no weight to describe, so the per-weight checks never see
+/// it). Both read headers only.
+pub(crate) fn completeness(cx: &Cx) -> Vec<Finding> {
+    let mut out = Vec::new();
+    if let Err(e) = cx.ck.model_config() {
+        let msg = e.to_string();
+        let field = msg
+            .split_once("config field `")
+            .and_then(|(_, r)| r.split_once('`'))
+            .map_or("config.json", |(f, _)| f);
+        out.extend(cx.finding(
+            "config.model",
+            E,
+            field,
+            cx.ck.config_path(),
+            "",
+            msg.clone(),
+            "Fix config.json: engines build the model's modules from it, and `run` refuses it.",
+        ));
+    }
+    for m in cx.ck.missing_tensors() {
+        out.extend(cx.finding(
+            "weight.missing",
+            E,
+            &m.tensor,
+            &m.file,
+            &m.base,
+            format!(
+                "`{}` ({}) is absent: no tensor of the checkpoint maps to it, while its layer is there",
+                m.tensor, m.what
+            ),
+            "Re-export the layer with all its weights; an engine fails to load it or leaves the module uninitialised.",
+        ));
+    }
+    out
+}
+
 pub(crate) fn cross_checks(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
     let mut out = Vec::new();
     let nv: Vec<&WeightMeta> = metas.iter().filter(|m| m.convention.is_some()).collect();

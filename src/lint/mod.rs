@@ -138,6 +138,7 @@ pub fn lint(ck: &Checkpoint, rules: &Rules) -> Result<Report> {
         metas.extend(m);
     }
     findings.extend(checks::cross_checks(&cx, &metas));
+    findings.extend(checks::completeness(&cx));
     findings.extend(config::check_config(&cx, &metas));
     sort(&mut findings);
     Ok(Report {
@@ -148,6 +149,31 @@ pub fn lint(ck: &Checkpoint, rules: &Rules) -> Result<Report> {
         seconds: t0.elapsed().as_secs_f64(),
         findings,
     })
+}
+
+/// What `inspect` says on stderr about a checkpoint it can list but not fully use: an unusable
+/// config (shapes are then not checked against it) and tensors its layers lack (the same
+/// detection as lint's `config.model` and `weight.missing`).
+pub fn warn_incomplete(ck: &Checkpoint) {
+    if let Err(e) = ck.model_config() {
+        eprintln!("warning: {e} (weights are listed without checking their shapes against it)");
+    }
+    let missing = ck.missing_tensors();
+    const SHOWN: usize = 20;
+    for m in missing.iter().take(SHOWN) {
+        eprintln!(
+            "warning: missing tensor `{}` ({}) in {}",
+            m.tensor,
+            m.what,
+            m.file.display()
+        );
+    }
+    if missing.len() > SHOWN {
+        eprintln!(
+            "warning: … and {} more missing tensors (`nvfp4-probe lint` lists them all)",
+            missing.len() - SHOWN
+        );
+    }
 }
 
 /// Lint `model`, and with a reference also compare tensor by tensor.

@@ -69,6 +69,8 @@ pub const RULES: &[RuleInfo] = &[
     r("config.scheme", E, "quantization_config claims a scheme the tensors do not have"),
     r("config.ignore", E, "ignore/exclude list disagrees with which weights are quantized"),
     r("tensor.invalid", E, "a weight whose headers cannot be read as any supported scheme"),
+    r("weight.missing", E, "a layer the checkpoint holds lacks a weight or parameter its config requires (a whole expert, a projection, a norm)"),
+    r("config.model", E, "config.json's model fields are outside the DeepSeek-V4 family's limits or contradict each other"),
     r("reference.global-scale", E, "--reference: the tensor differs from the reference by a constant factor (a tensor scale)"),
     r("reference.block-scales", E, "--reference: per-row/per-block ratio pattern (scale rows shifted, swizzled, transposed)"),
     r("reference.packing", E, "--reference: right norm, cosine near 0 (nibble order, K order)"),
@@ -147,7 +149,7 @@ impl Rules {
     }
 
     pub fn from_file(path: &Path) -> Result<Rules> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::input::read_text(path, "rules file", crate::input::SMALL_FILE_MAX)?;
         Rules::from_toml(&text).map_err(|m| Error::bad(path, None, m))
     }
 

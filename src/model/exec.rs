@@ -72,6 +72,11 @@ pub trait OpEnv {
     ) -> Option<Result<Tensor>> {
         None
     }
+    /// The file a weight or parameter is stored in, so that errors found in the op math (a
+    /// parameter of the wrong size) name it; None when the env does not know (built-in models).
+    fn weight_file(&self, _name: &str) -> Option<std::path::PathBuf> {
+        None
+    }
     /// The device the non-linear ops run on (`backend::layer`), with this path's storage rounding;
     /// `None` = the host (`model::kern`).
     fn device(&self) -> Option<Dev> {
@@ -105,9 +110,27 @@ pub(crate) fn internal(op: &Op, msg: impl std::fmt::Display) -> Error {
     Error::usage(format!("op {}: {msg}", op.id))
 }
 
-/// A weight or parameter with the wrong shape: the checkpoint is at fault.
+/// Placeholder file of [`bad_weight`] errors until [`exec`] names the real one.
+const UNKNOWN_FILE: &str = "(checkpoint)";
+
+/// A weight or parameter with the wrong shape: the checkpoint is at fault. [`exec`] replaces the
+/// placeholder file with the one the env says holds the tensor.
 pub(crate) fn bad_weight(name: &str, msg: impl Into<String>) -> Error {
-    Error::bad("(checkpoint)", Some(name), msg)
+    Error::bad(UNKNOWN_FILE, Some(name), msg)
+}
+
+/// Name the file of a [`bad_weight`] error.
+fn locate(err: Error, env: &dyn OpEnv) -> Error {
+    match err {
+        Error::BadInput { file, tensor, msg } if file.as_os_str() == UNKNOWN_FILE => {
+            let file = tensor
+                .as_deref()
+                .and_then(|t| env.weight_file(t))
+                .unwrap_or(file);
+            Error::BadInput { file, tensor, msg }
+        }
+        other => other,
+    }
 }
 
 pub(crate) fn check_shape(op: &Op, what: &str, t: &Tensor, want: &[usize]) -> Result<()> {
@@ -191,8 +214,13 @@ pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
     }
 }
 
-/// Execute one op; returns one tensor per `op.outputs`.
+/// Execute one op; returns one tensor per `op.outputs`. An error about a weight names the file
+/// that holds it.
 pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tensor>> {
+    exec_op(op, inputs, env).map_err(|e| locate(e, env))
+}
+
+fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tensor>> {
     if inputs.len() != op.inputs.len() {
         return Err(internal(
             op,

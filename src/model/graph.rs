@@ -163,6 +163,16 @@ pub fn build_graph(cfg: &ModelConfig, last_layer: usize, with_head: bool) -> Vec
     ops
 }
 
+/// The ops of layer `n` alone (its input named `x`): what the layer reads, for checks of a
+/// checkpoint's completeness that must not build every layer of a config.
+pub fn layer_graph(cfg: &ModelConfig, n: usize) -> Vec<Op> {
+    let mut ops = Vec::new();
+    if n < cfg.compress_ratios.len().min(cfg.num_hidden_layers) {
+        layer_ops(cfg, n, "x", &mut ops);
+    }
+    ops
+}
+
 fn layer_ops(cfg: &ModelConfig, n: usize, x_prev: &str, ops: &mut Vec<Op>) {
     let l = Some(n);
     let id = |s: &str| format!("L{n}.{s}");

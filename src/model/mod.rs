@@ -5,6 +5,7 @@ pub mod config;
 pub mod exec;
 pub mod graph;
 pub mod kern;
+pub mod limits;
 pub mod mem_env;
 pub mod ops;
 

@@ -145,22 +145,27 @@ pub fn plot_files(out: &Path) -> Result<Vec<PathBuf>> {
 /// Writes `STEM-amax.EXT`, `STEM-cos.EXT` and `STEM-heatmap.EXT` next to `out` (`STEM.EXT`, EXT
 /// `png` or `svg`), all or none, and returns their paths.
 pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
+    let run = crate::gate::parse_run(run_json_text, "run JSON")?;
+    plot_value(&run, out)
+}
+
+/// [`plot_run`] of a run JSON already read and checked by [`crate::gate::load_run`].
+pub fn plot_value(run: &Value, out: &Path) -> Result<Vec<PathBuf>> {
     let mut outs = Outputs::new(Guard::new());
-    plot_into(run_json_text, out, &mut outs)?;
+    plot_into(run, out, &mut outs)?;
     outs.publish()
 }
 
 /// As [`plot_run`], staging the three files in `outs` (published with the command's other
 /// outputs); returns their paths.
-pub fn plot_into(run_json_text: &str, out: &Path, outs: &mut Outputs) -> Result<Vec<PathBuf>> {
-    let run = crate::gate::parse_run(run_json_text, "run JSON")?;
+pub fn plot_into(run: &Value, out: &Path, outs: &mut Outputs) -> Result<Vec<PathBuf>> {
     let (format, files) = targets(out)?;
     for f in &files {
         outs.check(f)?;
     }
     ensure_font()?;
-    let ops = rows(&run);
-    let title_suffix = describe(&run);
+    let ops = rows(run);
+    let title_suffix = describe(run);
 
     let amax = AmaxPlot {
         ops: &ops,
@@ -336,20 +341,42 @@ fn segments(vals: impl Iterator<Item = Option<f64>>) -> Vec<Vec<(i32, f64)>> {
 
 /// Log-axis range over the positive values, padded; a fixed decade when there are none.
 fn log_range(vals: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (mut lo, mut hi) = (f64::INFINITY, 0f64);
+    // narrow data: ×/÷4 around its middle; wide data: ×/÷2 beyond its ends
+    log_bounds(vals, 4f64.log10(), 2f64.log10(), 1.0)
+}
+
+/// The smallest and largest value a log axis is given. plotters' log coordinates need finite
+/// positive ends: padding a value near f64's limits (an amax of 1e308) overflowed to infinity,
+/// and an infinite range made plotters loop forever allocating tick marks. So values are clamped
+/// to [1e-300, 1e300] and padded in log10 space.
+const LOG_MIN: f64 = 1e-300;
+const LOG_MAX: f64 = 1e300;
+
+/// Range of the positive finite `vals` in log10 space: data spanning less than `narrow` decades
+/// is centred in ±`pad_narrow` decades, wider data padded by `pad_wide` decades at each end.
+fn log_bounds(
+    vals: impl Iterator<Item = f64>,
+    pad_narrow: f64,
+    pad_wide: f64,
+    narrow: f64,
+) -> (f64, f64) {
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for v in vals.filter(|v| *v > 0.0 && v.is_finite()) {
-        lo = lo.min(v);
-        hi = hi.max(v);
+        let l = v.clamp(LOG_MIN, LOG_MAX).log10();
+        lo = lo.min(l);
+        hi = hi.max(l);
     }
     if !lo.is_finite() {
         return (1e-3, 1.0);
     }
-    if hi / lo < 10.0 {
-        let mid = (hi * lo).sqrt();
-        (mid / 4.0, mid * 4.0)
+    let (a, b) = if hi - lo < narrow {
+        let mid = (hi + lo) / 2.0;
+        (mid - pad_narrow, mid + pad_narrow)
     } else {
-        (lo / 2.0, hi * 2.0)
-    }
+        (lo - pad_wide, hi + pad_wide)
+    };
+    let (min, max) = (LOG_MIN.log10(), LOG_MAX.log10());
+    (10f64.powf(a.clamp(min, max)), 10f64.powf(b.clamp(min, max)))
 }
 
 /// Tick labels of a log axis: plain decimals between 0.001 and 10⁴, `2e-5` style outside.
@@ -671,10 +698,23 @@ impl<'a> Heatmap<'a> {
         }
     }
 
+    /// Cell size in pixels: readable cells for real runs, shrinking (down to one pixel) when a
+    /// run JSON holds thousands of layers or op kinds, so the image stays within
+    /// [`MAX_HEATMAP_PX`] (a hostile JSON once asked for a bitmap of several GB).
     fn cell_px(&self) -> (u32, u32) {
-        let w = (1500 / self.kinds.len().max(1) as u32).clamp(26, 90);
-        let h = (1100 / self.layers.len().max(1) as u32).clamp(14, 44);
-        (w, h)
+        let fit = |n: usize, want: u32, lo: u32, hi: u32| -> u32 {
+            let n = n.max(1).min(u32::MAX as usize) as u32;
+            let w = (want / n).clamp(lo, hi);
+            if w.saturating_mul(n) > MAX_HEATMAP_PX - 1000 {
+                ((MAX_HEATMAP_PX - 1000) / n).max(1)
+            } else {
+                w
+            }
+        };
+        (
+            fit(self.kinds.len(), 1500, 26, 90),
+            fit(self.layers.len(), 1100, 14, 44),
+        )
     }
 }
 
@@ -699,6 +739,9 @@ fn viridis(t: f64) -> RGBColor {
     RGBColor(mix(a.0, b.0), mix(a.1, b.1), mix(a.2, b.2))
 }
 
+/// Largest heatmap side in pixels.
+const MAX_HEATMAP_PX: u32 = 8192;
+
 const NON_FINITE: RGBColor = RGBColor(255, 0, 200);
 const EMPTY: RGBColor = RGBColor(225, 225, 225);
 
@@ -711,9 +754,10 @@ impl Plot for Heatmap<'_> {
             .map(|k| k.chars().count())
             .max()
             .unwrap_or(4) as u32;
-        let w = 120 + cw * self.kinds.len() as u32 + 260;
-        let h = 110 + ch * self.layers.len() as u32 + (16 + 7 * longest).min(220);
-        (w.max(900), h.max(480))
+        let px = |c: u32, n: usize| c.saturating_mul(n.min(u32::MAX as usize) as u32);
+        let w = (120 + 260u32).saturating_add(px(cw, self.kinds.len()));
+        let h = (110 + (16 + 7 * longest).min(220)).saturating_add(px(ch, self.layers.len()));
+        (w.clamp(900, MAX_HEATMAP_PX), h.clamp(480, MAX_HEATMAP_PX))
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult {
@@ -730,19 +774,8 @@ impl Plot for Heatmap<'_> {
                 _ => None,
             })
             .collect();
-        let (lo, hi) = {
-            let (a, b) = vals
-                .iter()
-                .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(*v), b.max(*v)));
-            if !a.is_finite() {
-                (1e-3, 1.0)
-            } else if b / a < 10.0 {
-                let m = (a * b).sqrt();
-                (m / 3.2, m * 3.2)
-            } else {
-                (a, b)
-            }
-        };
+        // narrow data: ×/÷3.2 around its middle; wide data: exactly its ends
+        let (lo, hi) = log_bounds(vals.iter().copied(), 3.2f64.log10(), 0.0, 1.0);
         let t_of = |v: f64| ((v.max(lo)).ln() - lo.ln()) / (hi.ln() - lo.ln());
         let kinds = &self.kinds;
         let layers = &self.layers;
@@ -889,5 +922,50 @@ impl Plot for Heatmap<'_> {
         key(20, NON_FINITE, "NaN/Inf in served")?;
         key(46, EMPTY, "no such op")?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod range_tests {
+    use super::*;
+
+    #[test]
+    fn log_ranges_stay_finite_at_the_limits_of_f64() {
+        for vals in [
+            vec![1e308],
+            vec![f64::MAX, 1.0],
+            vec![1e308, 1e308, 1e308],
+            vec![f64::MIN_POSITIVE, 1e-320, 1.0],
+            vec![],
+            vec![f64::NAN, f64::INFINITY, -1.0, 0.0],
+        ] {
+            let (lo, hi) = log_range(vals.iter().copied());
+            assert!(
+                lo.is_finite() && hi.is_finite() && lo > 0.0 && hi > lo,
+                "{vals:?}: {lo} {hi}"
+            );
+            assert!((hi / lo).log10() < 700.0);
+        }
+        // ordinary data keeps the old padding: ×/÷4 around a narrow range, ×/÷2 beyond a wide one
+        let (lo, hi) = log_range([2.0, 4.0].into_iter());
+        let mid = 8f64.sqrt();
+        assert!((lo - mid / 4.0).abs() < 1e-12 && (hi - mid * 4.0).abs() < 1e-12);
+        let (lo, hi) = log_range([0.01, 100.0].into_iter());
+        assert!((lo - 0.005).abs() < 1e-15 && (hi - 200.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn heatmaps_of_many_layers_stay_bounded() {
+        let ops: Vec<OpRow> = (0..20_000)
+            .map(|l| OpRow {
+                id: format!("L{l}.attn.q_a"),
+                layer: Some(l),
+                iso_rel_l2: Some(1e308),
+                ..Default::default()
+            })
+            .collect();
+        let h = Heatmap::new(&ops, "");
+        let (w, hh) = h.size();
+        assert!(w <= MAX_HEATMAP_PX && hh <= MAX_HEATMAP_PX, "{w}×{hh}");
     }
 }

@@ -280,6 +280,9 @@ impl OpEnv for PathEnv<'_, '_> {
     fn cfg(&self) -> &ModelConfig {
         &self.shared.cfg
     }
+    fn weight_file(&self, name: &str) -> Option<std::path::PathBuf> {
+        Some(self.shared.ckpt.file_of(name))
+    }
     fn token_ids(&self) -> &[u32] {
         &self.shared.tokens
     }

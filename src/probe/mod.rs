@@ -2,6 +2,7 @@
 //! measures each op's output — propagated (each path fed its own inputs) and isolated (the served
 //! numerics fed the BF16 oracle's inputs) — against the oracles.
 
+pub mod budget;
 pub mod env;
 pub mod faults;
 pub mod replay;
@@ -45,6 +46,9 @@ pub struct RunOptions {
     pub stop_after: Option<String>,
     /// Where the numerics run (CPU reference or the CUDA device).
     pub backend: crate::backend::Backend,
+    /// `--max-mem` (GiB): the memory budget the run's estimate is held to instead of what the
+    /// machine reports (`budget`).
+    pub max_mem: Option<f64>,
 }
 
 impl RunOptions {
@@ -63,6 +67,7 @@ impl RunOptions {
             overrides: Vec::new(),
             stop_after: None,
             backend: crate::backend::Backend::Cpu,
+            max_mem: None,
         }
     }
 
@@ -237,6 +242,21 @@ pub fn run_capturing(
         )));
     }
     let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+    // nothing of the run's size is allocated before its estimate fits (`budget`)
+    budget::check(
+        &cfg,
+        &budget::Plan {
+            layers: (a, b),
+            tokens: opts.tokens.len() as u64,
+            keep_outputs: opts.keep_outputs,
+            with_head,
+            layer_states: false,
+            device: opts.backend.gpu().is_some(),
+        },
+        opts.max_mem,
+        opts.backend.gpu(),
+        "this run",
+    )?;
     let ops = build_graph(&cfg, b, with_head);
     crate::profile::mark("runner: graph built");
 
@@ -1223,7 +1243,9 @@ fn measure_finish(backend: &crate::backend::Backend, m: PendingMeasure) -> Resul
 }
 
 /// Deterministic synthetic token ids (splitmix64 over the vocabulary), the default token source.
+/// A vocabulary of 0 (refused by the config's limits) yields id 0 rather than dividing by zero.
 pub fn synthetic_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let vocab = vocab.max(1);
     let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
     (0..n)
         .map(|_| {

@@ -476,6 +476,9 @@ impl OpEnv for ReplayEnv<'_, '_, '_> {
     fn cfg(&self) -> &ModelConfig {
         &self.r.cfg
     }
+    fn weight_file(&self, name: &str) -> Option<std::path::PathBuf> {
+        Some(self.r.ckpt.file_of(name))
+    }
     fn token_ids(&self) -> &[u32] {
         &self.r.tokens
     }
@@ -812,6 +815,9 @@ impl DevEnv<'_, '_> {
 impl OpEnv for DevEnv<'_, '_> {
     fn cfg(&self) -> &ModelConfig {
         &self.r.cfg
+    }
+    fn weight_file(&self, name: &str) -> Option<std::path::PathBuf> {
+        Some(self.r.ckpt.file_of(name))
     }
     fn token_ids(&self) -> &[u32] {
         &self.r.tokens

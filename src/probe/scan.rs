@@ -192,6 +192,21 @@ impl LayerGraph {
                 cfg.num_hidden_layers.saturating_sub(1)
             )));
         }
+        // the search keeps both paths' state at every layer input: checked before any is made
+        super::budget::check(
+            cfg,
+            &super::budget::Plan {
+                layers: (a, b),
+                tokens: opts.tokens.len() as u64,
+                keep_outputs: false,
+                with_head: false,
+                layer_states: true,
+                device: opts.backend.gpu().is_some(),
+            },
+            opts.max_mem,
+            opts.backend.gpu(),
+            "this layer search",
+        )?;
         let ops = build_graph(cfg, b, false);
         let mut span: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
         let mut last_use = HashMap::new();

@@ -97,7 +97,7 @@ impl ProbeSpec {
         toml::from_str(text).map_err(|e| Error::bad(origin, None, format!("probe spec: {e}")))
     }
     pub fn from_file(path: &Path) -> Result<ProbeSpec> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::input::read_text(path, "probe spec", crate::input::SMALL_FILE_MAX)?;
         Self::parse(&text, path)
     }
     /// Does `op` match one of the spec's op globs?

@@ -320,7 +320,7 @@ impl NameMap {
                         "--names {path}: not one of vllm, sglang, hf, official, and no such map file"
                     )));
                 }
-                let text = std::fs::read_to_string(p).map_err(|e| crate::Error::io(p, e))?;
+                let text = crate::input::read_text(p, "name map", crate::input::SMALL_FILE_MAX)?;
                 NameMap::File(UserMap::parse(&text, p)?)
             }
         })

@@ -118,7 +118,9 @@ fn to_f32(path: &Path, name: &str, v: &safetensors::tensor::TensorView) -> Resul
 }
 
 fn read_file(path: &Path, rank: usize, pass: usize) -> Result<TraceFile> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    // a regular file only (a FIFO would block, /dev/zero never ends); the size is the file's own
+    let bytes = crate::input::read_bytes(path, "trace file", u64::MAX - 1)?;
+    crate::input::check_safetensors_keys(path, &bytes)?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| Error::bad(path, None, format!("not a safetensors file: {e}")))?;
     let metadata: BTreeMap<String, String> = meta

@@ -1,0 +1,588 @@
+//! What a run will need, estimated from the config, the layers and the token count alone, and
+//! checked against what the machine offers — before anything is allocated.
+//!
+//! Why: a run's memory grows with tokens × activation width × numerics paths, and the attention
+//! of compressed layers with tokens² (the indexer's scores and the allowed-row mask). A request the
+//! machine cannot hold used to end in an allocator abort or the OOM killer minutes in; now it is
+//! refused up front (exit 2) with the estimate and the limit in the message, and `--max-mem GIB`
+//! replaces the detected limit for users who know better. The estimate is deliberately an upper
+//! bound of the peak (every path's live tensors at once, the largest op's weights in all their
+//! copies); it is checked against the tiny model's measured peaks in the tests.
+//!
+//! Available host memory is the least of /proc/meminfo's MemAvailable, the cgroup's limit minus
+//! its usage (v2 and v1; reclaimable page cache counted as free) and RLIMIT_AS minus the address
+//! space already mapped; on CUDA the token-dependent part (activations, attention, the loader's
+//! staging cap) is checked against the device's memory as well.
+
+use crate::model::ModelConfig;
+use crate::{Error, Result};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// What is about to run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Plan {
+    /// Inclusive reported layers; layers before them run too.
+    pub layers: (usize, usize),
+    /// Number of tokens (u64: `--seq-len` is checked before any token is made).
+    pub tokens: u64,
+    /// Every reported op's outputs kept on every path (`--dump`, `compare`).
+    pub keep_outputs: bool,
+    /// The runner includes the LM head (last layer requested and the checkpoint has one).
+    pub with_head: bool,
+    /// The state at every layer input kept for two paths (bisect's layer search).
+    pub layer_states: bool,
+    /// The numerics run on a CUDA device.
+    pub device: bool,
+}
+
+/// The estimate, in bytes, by part.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Estimate {
+    pub activations: f64,
+    pub attention: f64,
+    pub weights: f64,
+    pub kept: f64,
+    pub graph: f64,
+    /// Device bytes when `device` (activations, attention and the loader's staging cap).
+    pub device: Option<f64>,
+    /// Rough seconds on the CPU backend (f64 GEMMs and f64 attention on every path).
+    pub cpu_seconds: f64,
+}
+
+impl Estimate {
+    pub fn host(&self) -> f64 {
+        self.activations + self.attention + self.weights + self.kept + self.graph
+    }
+    fn parts(&self) -> String {
+        let mut v = vec![
+            format!("activations {}", gib(self.activations)),
+            format!("attention {}", gib(self.attention)),
+            format!("weights {}", gib(self.weights)),
+        ];
+        if self.kept > 0.0 {
+            v.push(format!("kept outputs {}", gib(self.kept)));
+        }
+        v.push(format!("op graph {}", gib(self.graph)));
+        v.join(", ")
+    }
+}
+
+/// Bytes as GiB for messages: three significant digits, and never "0 GiB" for a small need.
+pub fn gib(b: f64) -> String {
+    let g = b / GIB;
+    if !g.is_finite() || g >= 1e6 {
+        format!("{g:.3e} GiB")
+    } else if g >= 100.0 {
+        format!("{g:.0} GiB")
+    } else if g >= 0.01 {
+        format!("{g:.2} GiB")
+    } else {
+        format!("{g:.4} GiB")
+    }
+}
+
+/// Per-op weight element counts of one layer (and the head), the largest first.
+fn op_weights(cfg: &ModelConfig, layer: usize, tokens: f64, with_head: bool) -> Vec<f64> {
+    let f = |x: usize| x as f64;
+    let (d, h, dh) = (
+        f(cfg.hidden_size),
+        f(cfg.num_attention_heads),
+        f(cfg.head_dim),
+    );
+    let (ql, ol, g) = (f(cfg.q_lora_rank), f(cfg.o_lora_rank), f(cfg.o_groups));
+    let (e, k, i) = (
+        f(cfg.n_routed_experts),
+        f(cfg.num_experts_per_tok),
+        f(cfg.moe_intermediate_size),
+    );
+    let ratio = cfg.compress_ratios.get(layer).copied().unwrap_or(0);
+    let c = if ratio == 4 { 2.0 } else { 1.0 };
+    let (hi, di) = (f(cfg.index_n_heads), f(cfg.index_head_dim));
+    let mut v = vec![
+        d * ql,
+        d * dh,
+        ql * h * dh,
+        ol * h * dh,
+        d * g * ol,
+        e * d,
+        e.min(tokens * k) * 3.0 * i * d,
+        3.0 * i * d * f(cfg.n_shared_experts.max(1)),
+    ];
+    if ratio > 0 {
+        v.push(2.0 * d * c * dh);
+    }
+    if ratio == 4 {
+        v.push(ql * hi * di + d * hi + 2.0 * d * 2.0 * di);
+    }
+    if with_head {
+        v.push(f(cfg.vocab_size) * d);
+    }
+    v.sort_by(|a, b| b.total_cmp(a));
+    v
+}
+
+/// The estimate for `plan` (see the module doc for what it counts).
+pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
+    let f = |x: usize| x as f64;
+    let t = plan.tokens as f64;
+    let (a, b) = plan.layers;
+    let run_layers = (b + 1).min(cfg.num_hidden_layers);
+    let reported = (b + 1).saturating_sub(a).min(run_layers).max(1);
+    let (d, hc, h, dh) = (
+        f(cfg.hidden_size),
+        f(cfg.hc_mult),
+        f(cfg.num_attention_heads),
+        f(cfg.head_dim),
+    );
+    let (ql, ol, g) = (f(cfg.q_lora_rank), f(cfg.o_lora_rank), f(cfg.o_groups));
+    let (e, k, i) = (
+        f(cfg.n_routed_experts),
+        f(cfg.num_experts_per_tok),
+        f(cfg.moe_intermediate_size),
+    );
+    let (hi, di, topk) = (
+        f(cfg.index_n_heads),
+        f(cfg.index_head_dim),
+        f(cfg.index_topk),
+    );
+    let resid = hc * d;
+    let q = h * dh;
+    let ratios = &cfg.compress_ratios[..run_layers.min(cfg.compress_ratios.len())];
+    let csa = ratios.contains(&4);
+    // the widest tensor an op makes or reads, per token
+    let mut wide = [resid, q, ql, g * ol, e, 2.0 * 2.0 * dh, k * i * 3.0]
+        .into_iter()
+        .fold(0.0, f64::max);
+    if csa {
+        wide = wide.max(hi * di).max(topk).max(2.0 * 2.0 * di);
+    }
+    if plan.with_head {
+        wide = wide.max(f(cfg.vocab_size));
+    }
+    // live tensors per token on each of the three propagated paths (the layer input and what the
+    // attention keeps alive until its last use), plus the op being run on five executions
+    let live = 3.0 * resid + 3.0 * q + ql + 3.0 * d + 4.0 * dh + if csa { topk } else { 0.0 };
+    let per_token = 3.0 * live + 5.0 * 3.0 * wide + 3.0 * hc * hc;
+    let activations = t * per_token * 4.0;
+
+    // the compressed layers' allowed-row mask (1 byte) and, on CSA layers, the indexer's scores
+    // (4 bytes) and its per-thread ordering, one execution at a time
+    let attention = ratios
+        .iter()
+        .filter(|&&r| r > 0)
+        .map(|&r| {
+            let n_c = (t / r as f64).floor();
+            t * n_c * if r == 4 { 1.0 + 4.0 + 2.0 } else { 1.0 }
+        })
+        .fold(0.0, f64::max);
+
+    // weights: the CPU runner's cache holds an op's weights in three f32 copies (oracle, BF16,
+    // served) up to its 4 GiB budget, plus the largest weight and its dequantization
+    let largest_op: Vec<f64> = (0..run_layers.min(cfg.compress_ratios.len()))
+        .map(|l| {
+            let v = op_weights(cfg, l, t, plan.with_head && l + 1 == run_layers);
+            v.first().copied().unwrap_or(0.0)
+        })
+        .collect();
+    let largest = largest_op.iter().copied().fold(0.0, f64::max);
+    let weights = if plan.device {
+        // staged in the device state's pinned buffers, made when the backend opened
+        largest * 1.0
+    } else {
+        (largest * 12.0).min(4.0 * GIB) + largest * 16.0
+    };
+
+    let kept = if plan.keep_outputs {
+        // every op's outputs of a layer (hc streams, q, LoRA, KV, norms, experts), with room
+        // for the vectors' spare capacity
+        let per_layer =
+            1.5 * (2.0 * resid + 3.0 * q + 2.0 * ql + 3.0 * dh + 8.0 * d + g * ol + topk + 2.0 * k);
+        let head = if plan.with_head {
+            f(cfg.vocab_size) + d + resid
+        } else {
+            0.0
+        };
+        4.0 * 4.0 * t * (per_layer * reported as f64 + head)
+    } else {
+        0.0
+    } + if plan.layer_states {
+        2.0 * 4.0 * t * resid * run_layers as f64
+    } else {
+        0.0
+    };
+
+    // op ids, input ids and weight names: ~30 ops and 3 names per routed expert per layer
+    let graph = run_layers as f64 * (3.0 * e * 96.0 + 64.0 * 1024.0);
+
+    // CPU time: f64 GEMM flops on five executions per reported op (three per earlier op), plus
+    // the f64 attention, at 4 GFLOP/s per thread (the tiny model runs at ~6 on one x86 core:
+    // 5 layers × 1000 tokens took 25 CPU-seconds)
+    let threads = rayon::current_num_threads().max(1) as f64;
+    let gemm_per_token: f64 = (0..run_layers.min(cfg.compress_ratios.len()))
+        .map(|l| {
+            let r = cfg.compress_ratios[l];
+            let c = if r == 4 { 2.0 } else { 1.0 };
+            let mut w =
+                d * ql + d * dh + ql * q + ol * q + d * g * ol + e * d + (k + 1.0) * 3.0 * i * d;
+            if r > 0 {
+                w += 2.0 * d * c * dh;
+            }
+            if r == 4 {
+                w += ql * hi * di + d * hi;
+            }
+            let keys = f(cfg.sliding_window).min(t)
+                + if r == 4 {
+                    topk.min(t / 4.0)
+                } else if r > 0 {
+                    t / r as f64
+                } else {
+                    0.0
+                };
+            let attn = 4.0 * h * dh * keys;
+            let execs = if l >= a { 5.0 } else { 3.0 };
+            execs * (2.0 * w + attn)
+        })
+        .sum();
+    let cpu_seconds = t * gemm_per_token / (4.0e9 * threads);
+
+    let device = plan.device.then(|| {
+        let stage = std::env::var("NVFP4_PROBE_STAGE_GIB")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .filter(|g| g.is_finite() && *g >= 0.0)
+            .unwrap_or(8.0);
+        activations + attention + stage * GIB
+    });
+
+    Estimate {
+        activations,
+        attention,
+        weights,
+        kept,
+        graph,
+        device,
+        cpu_seconds,
+    }
+}
+
+/// A memory limit and where it comes from, for messages.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limit {
+    pub bytes: f64,
+    pub source: String,
+}
+
+/// `--max-mem GIB` as a limit; refuses a non-positive or non-finite value.
+pub fn max_mem_limit(gib_arg: f64) -> Result<Limit> {
+    if !gib_arg.is_finite() || gib_arg <= 0.0 {
+        return Err(Error::usage(format!(
+            "--max-mem {gib_arg}: expected a positive number of GiB"
+        )));
+    }
+    Ok(Limit {
+        bytes: gib_arg * GIB,
+        source: format!("--max-mem {gib_arg}"),
+    })
+}
+
+fn read(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok()
+}
+
+/// `Key:   123 kB` of /proc/meminfo or /proc/self/status, in bytes.
+fn kb_field(text: &str, key: &str) -> Option<f64> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    let n: f64 = line[key.len()..]
+        .trim_start_matches(':')
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(n * 1024.0)
+}
+
+fn num_file(path: &str) -> Option<f64> {
+    read(path)?.trim().parse().ok()
+}
+
+/// `stat` file's `key value` line, in bytes.
+fn stat_field(path: &str, key: &str) -> Option<f64> {
+    read(path)?
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The cgroup's limit minus its non-reclaimable usage, v2 then v1; None without a limit.
+fn cgroup_free() -> Option<(f64, String)> {
+    let cg = read("/proc/self/cgroup")?;
+    // v2: "0::/path"; the limit is the smallest along the path to the root
+    let mut best: Option<(f64, String)> = None;
+    let mut consider = |free: f64, what: String| {
+        if best.as_ref().is_none_or(|b| free < b.0) {
+            best = Some((free.max(0.0), what));
+        }
+    };
+    if let Some(p) = cg.lines().find_map(|l| l.strip_prefix("0::")) {
+        let mut dir = std::path::PathBuf::from(format!("/sys/fs/cgroup{}", p.trim_end()));
+        loop {
+            let d = dir.display().to_string();
+            if let (Some(max), Some(cur)) = (
+                num_file(&format!("{d}/memory.max")),
+                num_file(&format!("{d}/memory.current")),
+            ) {
+                let inactive =
+                    stat_field(&format!("{d}/memory.stat"), "inactive_file").unwrap_or(0.0);
+                consider(
+                    max - cur + inactive,
+                    format!(
+                        "cgroup memory.max {} − usage {}",
+                        gib(max),
+                        gib(cur - inactive)
+                    ),
+                );
+            }
+            if !dir.pop()
+                || !dir.starts_with("/sys/fs/cgroup")
+                || dir.as_os_str() == "/sys/fs/cgroup"
+            {
+                break;
+            }
+        }
+    }
+    // v1: "N:memory:/path"; inside a container the path is often not mounted, the root is
+    if let Some(p) = cg.lines().find_map(|l| {
+        l.split_once(":memory:")
+            .map(|(_, p)| p.trim_end().to_string())
+    }) {
+        for d in [
+            format!("/sys/fs/cgroup/memory{p}"),
+            "/sys/fs/cgroup/memory".to_string(),
+        ] {
+            if let (Some(lim), Some(used)) = (
+                num_file(&format!("{d}/memory.limit_in_bytes")),
+                num_file(&format!("{d}/memory.usage_in_bytes")),
+            ) {
+                // "no limit" is a page-aligned i64::MAX
+                if lim < 1e18 {
+                    let inactive = stat_field(&format!("{d}/memory.stat"), "total_inactive_file")
+                        .unwrap_or(0.0);
+                    consider(
+                        lim - used + inactive,
+                        format!("cgroup limit {} − usage {}", gib(lim), gib(used - inactive)),
+                    );
+                }
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// RLIMIT_AS minus the address space already mapped (shards included), less room for thread
+/// stacks and allocator arenas; None when unlimited.
+fn address_space_free() -> Option<(f64, String)> {
+    let limits = read("/proc/self/limits")?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?;
+    let soft = line["Max address space".len()..]
+        .split_whitespace()
+        .next()?;
+    let cap: f64 = soft.parse().ok()?; // "unlimited" does not parse
+    let mapped = kb_field(&read("/proc/self/status")?, "VmSize").unwrap_or(0.0);
+    let threads = rayon::current_num_threads() as f64;
+    let reserve = (256.0 + 64.0 * (threads + 4.0)) * (1u64 << 20) as f64;
+    Some((
+        cap - mapped - reserve,
+        format!("RLIMIT_AS {} − mapped {}", gib(cap), gib(mapped)),
+    ))
+}
+
+/// Host memory this process may still use: the least of MemAvailable, the cgroup's room and the
+/// address-space limit's room.
+pub fn host_limit() -> Limit {
+    let mut best = Limit {
+        bytes: f64::INFINITY,
+        source: "no limit found".into(),
+    };
+    let mut take = |b: f64, s: String| {
+        if b < best.bytes {
+            best = Limit {
+                bytes: b.max(0.0),
+                source: s,
+            };
+        }
+    };
+    if let Some(avail) = read("/proc/meminfo").and_then(|m| kb_field(&m, "MemAvailable")) {
+        take(avail, "MemAvailable".into());
+    }
+    if let Some((b, s)) = cgroup_free() {
+        take(b, s);
+    }
+    if let Some((b, s)) = address_space_free() {
+        take(b, s);
+    }
+    best
+}
+
+/// The backend GPU's total memory. Not its free memory: the device state keeps pools of
+/// buffers from earlier runs in the same process (bisect's re-runs, selftest), which it reuses
+/// but the driver counts as used, so "free" would refuse runs that fit.
+pub fn device_limit(
+    gpu: &std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>,
+) -> Option<Limit> {
+    let g = gpu.lock().ok()?;
+    let (free, total) = g.ctx.mem_get_info().ok()?;
+    Some(Limit {
+        bytes: total as f64,
+        source: format!("device memory ({} free now)", gib(free as f64)),
+    })
+}
+
+/// Refuse `plan` when its estimate exceeds the limit (`max_mem` GiB when given, else what is
+/// detected). `what` says what asked for it ("--seq-len 1000000", "--tokens ids.json (100000
+/// tokens)", "this run"), the subject of the message. Returns the estimate.
+pub fn check(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    max_mem: Option<f64>,
+    gpu: Option<&std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>>,
+    what: &str,
+) -> Result<Estimate> {
+    let est = estimate(cfg, plan);
+    let host = match max_mem {
+        Some(g) => max_mem_limit(g)?,
+        None => host_limit(),
+    };
+    let layers = format!("layers {}..{}", plan.layers.0, plan.layers.1);
+    if est.host() > host.bytes {
+        return Err(Error::usage(format!(
+            "{what} needs an estimated {} of host memory ({layers}, {} tokens: {}) but the limit is {} ({}); run fewer tokens or layers, or set the budget with --max-mem GIB",
+            gib(est.host()),
+            plan.tokens,
+            est.parts(),
+            gib(host.bytes),
+            host.source
+        )));
+    }
+    if let (Some(need), Some(gpu)) = (est.device, gpu) {
+        let dev = match max_mem {
+            Some(g) => Some(max_mem_limit(g)?),
+            None => device_limit(gpu),
+        };
+        if let Some(dev) = dev.filter(|d| need > d.bytes) {
+            return Err(Error::usage(format!(
+                "{what} needs an estimated {} of device memory ({layers}, {} tokens: activations {}, attention {}, loader staging) but the limit is {} ({}); run fewer tokens or layers, or set the budget with --max-mem GIB",
+                gib(need),
+                plan.tokens,
+                gib(est.activations),
+                gib(est.attention),
+                gib(dev.bytes),
+                dev.source
+            )));
+        }
+    }
+    Ok(est)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ModelConfig {
+        crate::synth::builtin(0)
+            .unwrap()
+            .model_config()
+            .unwrap()
+            .clone()
+    }
+
+    fn plan(tokens: u64) -> Plan {
+        Plan {
+            layers: (0, 4),
+            tokens,
+            keep_outputs: false,
+            with_head: true,
+            layer_states: false,
+            device: false,
+        }
+    }
+
+    #[test]
+    fn grows_with_tokens_and_quadratically_in_attention() {
+        let cfg = tiny();
+        let a = estimate(&cfg, &plan(1000));
+        let b = estimate(&cfg, &plan(2000));
+        assert!((b.activations / a.activations - 2.0).abs() < 1e-9);
+        let r = b.attention / a.attention;
+        assert!((3.9..4.1).contains(&r), "attention ratio {r}");
+        assert!(b.cpu_seconds > 1.9 * a.cpu_seconds);
+        // u64::MAX tokens neither overflows nor panics: it is just enormous
+        let z = estimate(&cfg, &plan(u64::MAX));
+        assert!(z.host() > 1e30, "{}", z.host());
+    }
+
+    #[test]
+    fn long_cpu_runs_are_estimated_long() {
+        // measured: the tiny model's 5 layers over 1000 tokens take ~25 CPU-seconds
+        let cfg = tiny();
+        let threads = rayon::current_num_threads() as f64;
+        let s = estimate(&cfg, &plan(1000)).cpu_seconds * threads;
+        assert!(
+            (10.0..100.0).contains(&s),
+            "{s} CPU-seconds for 1000 tokens"
+        );
+        // a 100k-token file is announced (the runner warns past 60 s), 64 tokens are not
+        assert!(estimate(&cfg, &plan(100_000)).cpu_seconds > 60.0);
+        assert!(estimate(&cfg, &plan(64)).cpu_seconds < 60.0);
+    }
+
+    #[test]
+    fn keeping_outputs_costs_memory() {
+        let cfg = tiny();
+        let a = estimate(&cfg, &plan(512));
+        let b = estimate(
+            &cfg,
+            &Plan {
+                keep_outputs: true,
+                ..plan(512)
+            },
+        );
+        assert!(b.kept > 0.0 && b.host() > a.host());
+    }
+
+    #[test]
+    fn refusal_names_what_asked_the_estimate_and_the_limit() {
+        let cfg = tiny();
+        let e = check(&cfg, &plan(64), Some(1e-6), None, "--seq-len 64")
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "--seq-len 64",
+            "estimated",
+            "GiB",
+            "--max-mem 0.000001",
+            "layers 0..4",
+        ] {
+            assert!(e.contains(want), "`{want}` missing: {e}");
+        }
+        assert!(check(&cfg, &plan(64), Some(8.0), None, "x").is_ok());
+        assert!(check(&cfg, &plan(64), Some(0.0), None, "x").is_err());
+        assert!(check(&cfg, &plan(64), Some(f64::NAN), None, "x").is_err());
+    }
+
+    #[test]
+    fn host_limit_is_positive_and_finite_here() {
+        let l = host_limit();
+        assert!(l.bytes > 0.0 && l.bytes.is_finite(), "{l:?}");
+    }
+
+    #[test]
+    fn gib_formatting() {
+        assert_eq!(gib(GIB), "1.00 GiB");
+        assert_eq!(gib(GIB * 250.0), "250 GiB");
+        assert!(gib(1e40).contains('e'));
+        assert_eq!(gib(GIB / 1000.0), "0.0010 GiB");
+    }
+}
