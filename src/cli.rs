@@ -106,6 +106,10 @@ pub struct RunArgs {
     /// Print only the summary, not the full op table.
     #[arg(long)]
     pub quiet: bool,
+    /// Absorbed findings (a divergence no later op sees, a lint finding whose effect a norm
+    /// removes) are errors too: exit 1 instead of 0.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -174,6 +178,9 @@ pub struct LintArgs {
     /// root cause — same rule, op and fix — are shown as one).
     #[arg(long)]
     pub verbose: bool,
+    /// Findings whose effect is provably absorbed downstream are errors too.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -200,6 +207,9 @@ pub struct BisectArgs {
     /// layers on propagated error, then one layer in full), `auto` (`layers` for big checkpoints).
     #[arg(long, value_enum, default_value_t = crate::bisect::Search::Auto)]
     pub search: crate::bisect::Search,
+    /// Absorbed findings are errors too: exit 1 instead of 0.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -20,7 +20,8 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
     for out in [&args.json, &args.markdown].into_iter().flatten() {
         report::check_not_in_model_dir(out, p.model_dir.as_deref())?;
     }
-    let r = bisect::bisect_with(&p.ckpt, &p.opts, args.search)?;
+    let mut r = bisect::bisect_with(&p.ckpt, &p.opts, args.search)?;
+    r.set_strict(args.strict);
     p.meta.seconds = r.seconds_run + r.seconds_bisect;
     p.meta.bytes_read = p.ckpt.bytes_read();
     print!("{}", render::terminal(&r));

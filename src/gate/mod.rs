@@ -352,6 +352,21 @@ fn has_wildcard(s: &str) -> bool {
     s.contains('*') || s.contains('?')
 }
 
+/// `divergent` counts an op whose error is absorbed downstream (the run's
+/// `consequence.severity = "absorbed"`) only when the tolerances are strict.
+fn harmful_only(v: Val, op: &Value, metric: Metric, tol: &Tolerances) -> Val {
+    let absorbed = op
+        .get("consequence")
+        .and_then(|c| c.get("severity"))
+        .and_then(Value::as_str)
+        == Some("absorbed");
+    if metric == Metric::Divergent && absorbed && !tol.strict && v == Val::Num(1.0) {
+        Val::Num(0.0)
+    } else {
+        v
+    }
+}
+
 fn read_val(op: &Value, metric: Metric, source: &str, file: &Path, id: &str) -> Result<Val> {
     let v = match metric.source_kind() {
         SourceKind::Comparison => op.get(source).and_then(|c| c.get(metric.name())),
@@ -434,9 +449,14 @@ fn check_op(
         }
     }
     for (metric, source) in slots {
-        let c = read_val(cur, metric, &source, cur_name, id)?;
+        let c = harmful_only(
+            read_val(cur, metric, &source, cur_name, id)?,
+            cur,
+            metric,
+            tol,
+        );
         let b = match base {
-            Some(b) => read_val(b, metric, &source, base_name, id)?,
+            Some(b) => harmful_only(read_val(b, metric, &source, base_name, id)?, b, metric, tol),
             None => Val::Absent,
         };
         if b == Val::Absent && c == Val::Absent {
