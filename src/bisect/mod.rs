@@ -714,12 +714,33 @@ fn explain(
             .total_cmp(&key(b))
             .then(a.hypothesis.prior.cmp(&b.hypothesis.prior))
     });
-    let best = ranked.iter().find(|r| r.restores).map(key);
+    // an activation scale whose corrected value implies an activation amax far (beyond ×8) from
+    // the one the oracle feeds the weight may still restore the op (a coarse quantization can pass
+    // the tolerance) but does not explain it: such candidates are passed over when another does
+    let plausible = |r: &Ranked| -> bool {
+        let p = &r.hypothesis.param;
+        match (p.family, p.corrected, p.bases.first().and_then(|b| clean_amax.get(b))) {
+            (Family::InputScale, Some(g), Some(&a)) if g > 0.0 && a > 0.0 => {
+                let q = (2688.0 / g as f64) / a as f64;
+                (0.125..=8.0).contains(&q)
+            }
+            _ => true,
+        }
+    };
+    let restoring = |r: &&Ranked| r.restores;
+    let any_plausible = ranked.iter().filter(restoring).any(plausible);
+    let best = ranked
+        .iter()
+        .filter(restoring)
+        .filter(|r| !any_plausible || plausible(r))
+        .map(key)
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.min(v))));
     let verdict = best.and_then(|b| {
         // among those that restore about as well as the best, the most specific explanation
         let pick = ranked
             .iter()
             .filter(|r| r.restores && key(r) <= b * 1.25 + 1e-3)
+            .filter(|r| !any_plausible || plausible(r))
             .min_by_key(|r| (r.hypothesis.prior, r.hypothesis.param.bases.len()))?;
         Some(Verdict {
             op: rec.id.clone(),
