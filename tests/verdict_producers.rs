@@ -347,3 +347,83 @@ fn the_same_fault_in_several_layers_is_one_finding() {
     assert!(second.note.is_some(), "{:?}", second.note);
     assert!(second.evals < first.evals, "{} vs {}", second.evals, first.evals);
 }
+
+/// The gate follows the run: a divergence absorbed downstream passes against a clean baseline
+/// (its own comparisons are a warning of the run), `strict = true` in the tolerances file fails
+/// it naming the op; a harmful one fails either way.
+#[test]
+fn gate_passes_an_absorbed_divergence_unless_strict() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = synth(Format::ModelOptNvfp4, 0, &[]);
+    let clean = with_producer_wo_b(base.path(), Format::ModelOptNvfp4);
+    let absorbed = rewrite(clean.path(), |n, s, b| {
+        if n == "layers.1.attn.wq_a.weight_scale_2" {
+            let v = f32_of(b) / 1.28;
+            set_f32(b, v);
+        }
+        Some(s.to_vec())
+    });
+    let harmful = rewrite(clean.path(), |n, s, b| {
+        if n == "layers.1.attn.wo_b.input_scale" {
+            let v = 1.0 / f32_of(b);
+            set_f32(b, v);
+        }
+        Some(s.to_vec())
+    });
+    let json = |d: &Path, name: &str| {
+        let p = dir.path().join(name);
+        let (code, out) = cli(
+            &[
+                "run",
+                "--quiet",
+                "--seq-len",
+                "32",
+                "--backend",
+                "cpu",
+                "--json",
+                p.to_str().unwrap(),
+            ],
+            d,
+        );
+        assert!(code == 0 || code == 1, "{out}");
+        p
+    };
+    let (b, a, h) = (
+        json(clean.path(), "base.json"),
+        json(absorbed.path(), "absorbed.json"),
+        json(harmful.path(), "harmful.json"),
+    );
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&a).unwrap()).unwrap();
+    let qa = v["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["id"] == "L1.attn.q_a")
+        .unwrap();
+    assert_eq!(qa["divergent"], true);
+    assert_eq!(qa["consequence"]["severity"], "absorbed");
+    assert_eq!(qa["consequence"]["absorbed_by"][0], "L1.attn.q_norm");
+    assert_eq!(v["summary"]["absorbed_ops"], 1);
+    let strict = dir.path().join("strict.toml");
+    std::fs::write(&strict, "strict = true\n").unwrap();
+    let gate = |cur: &Path, tol: Option<&Path>| -> (i32, String) {
+        let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("nvfp4-probe"));
+        c.args(["gate", "--baseline"]).arg(&b).arg("--current").arg(cur);
+        if let Some(t) = tol {
+            c.arg("--tolerances").arg(t);
+        }
+        let o = c.output().unwrap();
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+        )
+    };
+    let (code, out) = gate(&a, None);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = gate(&a, Some(&strict));
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("L1.attn.q_a"), "{out}");
+    let (code, out) = gate(&h, None);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("L1.attn.wo_b"), "{out}");
+}
