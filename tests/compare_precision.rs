@@ -83,10 +83,18 @@ fn bf16_and_f32_traces_compare_clean_at_their_precision() {
             .collect();
         assert!(bad.is_empty(), "{file}: {bad:?}");
         assert!(r.ops.len() > 100, "{file}: {} ops", r.ops.len());
-        assert!(r.summary.skipped.is_empty(), "{file}: {:?}", r.summary.skipped);
+        assert!(
+            r.summary.skipped.is_empty(),
+            "{file}: {:?}",
+            r.summary.skipped
+        );
         assert_eq!(r.summary.run_precision, run.name(), "{file}");
         // every non-index op is held to the run's precision at least, and says so
-        for o in r.ops.iter().filter(|o| o.agreement.is_none() && o.op != "embed") {
+        for o in r
+            .ops
+            .iter()
+            .filter(|o| o.agreement.is_none() && o.op != "embed")
+        {
             assert!(o.held_at.is_some_and(|h| h >= run), "{file} {}", o.op);
         }
         if run == Precision::Bf16 {
@@ -114,11 +122,10 @@ fn a_scaled_op_in_the_bf16_trace_is_caught_there_first() {
     let name = "model.layers.2.self_attn.q_b_proj";
     let t = raw.0.iter_mut().find(|t| t.0 == name).unwrap();
     assert_eq!(t.1, safetensors::Dtype::F32);
-    t.3 = t
-        .3
-        .chunks_exact(4)
-        .flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) * 1.25).to_le_bytes())
-        .collect();
+    t.3 =
+        t.3.chunks_exact(4)
+            .flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) * 1.25).to_le_bytes())
+            .collect();
     let p = dir.path().join("scaled.safetensors");
     write_raw(&p, &raw);
     let r = compare(&args(&p)).unwrap();

@@ -42,7 +42,10 @@ const SYNTH_CASES: &[(Format, &str)] = &[
     (Format::CtNvfp4, "nan-block-scale@L1.attn.q_b"),
     (Format::OfficialMixed, "nan-block-scale@L2.attn.q_b"),
     (Format::Mxfp4, "nan-block-scale@L3.ffn.expert.1.w2"),
-    (Format::ModelOptNvfp4, "missing-input-scale@L3.ffn.expert.1.w2"),
+    (
+        Format::ModelOptNvfp4,
+        "missing-input-scale@L3.ffn.expert.1.w2",
+    ),
     (Format::ModelOptNvfp4, "double-scale@L2.attn.q_a"),
     (Format::CtNvfp4, "swizzled-scales@L1.ffn.expert.2.w1"),
 ];
@@ -115,15 +118,36 @@ fn a_lint_error_beyond_the_layers_run_is_not_the_runs() {
         Some(s.to_vec())
     });
     let (code, out) = cli(
-        &["run", "--quiet", "--seq-len", "16", "--backend", "cpu", "--layers", "0..2"],
+        &[
+            "run",
+            "--quiet",
+            "--seq-len",
+            "16",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..2",
+        ],
         d.path(),
     );
     assert_eq!(code, 0, "{out}");
     assert!(!out.contains("layers.4.attn.wq_b"), "{out}");
     let (code, out) = cli(
-        &["run", "--quiet", "--seq-len", "16", "--backend", "cpu", "--layers", "0..4"],
+        &[
+            "run",
+            "--quiet",
+            "--seq-len",
+            "16",
+            "--backend",
+            "cpu",
+            "--layers",
+            "0..4",
+        ],
         d.path(),
     );
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("layers.4.attn.wq_b.weight_global_scale"), "{out}");
+    assert!(
+        out.contains("layers.4.attn.wq_b.weight_global_scale"),
+        "{out}"
+    );
 }

@@ -67,7 +67,11 @@ fn producer_wo_b_checkpoints_decode_the_producers_bytes_and_run_clean() {
                 assert!(same, "{format:?} L{l}: wo_b is not the producer's bytes");
             }
             let r = bisect::bisect(&ck, &opts(&ck, seed)).unwrap();
-            assert!(r.findings.is_empty(), "{format:?} seed {seed}:\n{}", show(&r));
+            assert!(
+                r.findings.is_empty(),
+                "{format:?} seed {seed}:\n{}",
+                show(&r)
+            );
         }
     }
 }
@@ -145,7 +149,10 @@ fn fused_pair_scale_mismatch_absorbed_by_the_norm_is_a_warning() {
                 && f.absorbed_by == vec![norm.to_string()]),
             "{text}"
         );
-        assert!(r.findings.iter().all(|f| f.level == Level::Warning), "{text}");
+        assert!(
+            r.findings.iter().all(|f| f.level == Level::Warning),
+            "{text}"
+        );
 
         // the commands: exit 0 with the warning; --strict exit 1
         for cmd in [["run", "--quiet"], ["bisect", "--search"]] {
@@ -204,14 +211,22 @@ fn two_planted_faults_beside_an_absorbed_one_each_get_a_finding() {
     assert_eq!(shared.impact, Impact::Harmful, "{text}");
     assert_eq!(shared.level, Level::Error);
     assert!(
-        shared.tensors.iter().any(|t| t.starts_with("layers.1.ffn.shared_experts.")
-            && t.ends_with(".input_scale")),
+        shared
+            .tensors
+            .iter()
+            .any(|t| t.starts_with("layers.1.ffn.shared_experts.") && t.ends_with(".input_scale")),
         "{text}"
     );
-    assert!(shared.parameter.as_deref().unwrap_or("").contains("input"), "{text}");
+    assert!(
+        shared.parameter.as_deref().unwrap_or("").contains("input"),
+        "{text}"
+    );
     let v = &shared.values[0];
     assert_eq!(v.current, Some(f32::INFINITY), "{text}");
-    assert!(v.corrected.is_some_and(|c| c.is_finite() && c > 0.0), "{text}");
+    assert!(
+        v.corrected.is_some_and(|c| c.is_finite() && c > 0.0),
+        "{text}"
+    );
     let after = v.after.as_ref().unwrap();
     assert!(after.rel_l2.is_some_and(|e| e < 0.5), "{text}");
     // layer 4's q_a: the lint error names the denormal scale
@@ -277,7 +292,10 @@ fn three_faults_in_three_layers_are_each_attributed() {
                 .kind
                 .as_deref()
                 .unwrap_or_else(|| panic!("{format:?} {op} unexplained:\n{text}"));
-            assert!(kind.starts_with("input-"), "{format:?} {op}: {kind}\n{text}");
+            assert!(
+                kind.starts_with("input-"),
+                "{format:?} {op}: {kind}\n{text}"
+            );
             assert!(
                 f.tensors.iter().all(|t| t.contains("input")),
                 "{op}: {:?}",
@@ -345,7 +363,12 @@ fn the_same_fault_in_several_layers_is_one_finding() {
     assert!(f[0].summary.starts_with("2 ops, one root cause"), "{text}");
     let (first, second) = (&r.divergences[0], &r.divergences[1]);
     assert!(second.note.is_some(), "{:?}", second.note);
-    assert!(second.evals < first.evals, "{} vs {}", second.evals, first.evals);
+    assert!(
+        second.evals < first.evals,
+        "{} vs {}",
+        second.evals,
+        first.evals
+    );
 }
 
 /// The gate follows the run: a divergence absorbed downstream passes against a clean baseline
@@ -408,7 +431,10 @@ fn gate_passes_an_absorbed_divergence_unless_strict() {
     std::fs::write(&strict, "strict = true\n").unwrap();
     let gate = |cur: &Path, tol: Option<&Path>| -> (i32, String) {
         let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("nvfp4-probe"));
-        c.args(["gate", "--baseline"]).arg(&b).arg("--current").arg(cur);
+        c.args(["gate", "--baseline"])
+            .arg(&b)
+            .arg("--current")
+            .arg(cur);
         if let Some(t) = tol {
             c.arg("--tolerances").arg(t);
         }

@@ -719,7 +719,11 @@ fn explain(
     // the tolerance) but does not explain it: such candidates are passed over when another does
     let plausible = |r: &Ranked| -> bool {
         let p = &r.hypothesis.param;
-        match (p.family, p.corrected, p.bases.first().and_then(|b| clean_amax.get(b))) {
+        match (
+            p.family,
+            p.corrected,
+            p.bases.first().and_then(|b| clean_amax.get(b)),
+        ) {
             (Family::InputScale, Some(g), Some(&a)) if g > 0.0 && a > 0.0 => {
                 let q = (2688.0 / g as f64) / a as f64;
                 (0.125..=8.0).contains(&q)

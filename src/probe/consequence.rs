@@ -65,6 +65,8 @@ pub struct Downstream {
     pub noise: Option<f64>,
     /// Fraction of C's index outputs (router experts, indexer picks) unchanged; None if it has none.
     pub index_agreement: Option<f64>,
+    /// Executions of C this took (2: faulty and factor-free input; 1 without a factor).
+    pub execs: usize,
 }
 
 /// The consequence of one divergent op.
@@ -157,14 +159,16 @@ impl Tracker {
     }
 
     /// Run consumer `op` on each followed divergent op's faulty output it reads (inputs from the
-    /// BF16 oracle's `vals`, outputs compared with the oracle's `oracle_out`).
+    /// BF16 oracle's `vals`, outputs compared with the oracle's `oracle_out`); returns the
+    /// executions it took.
     pub fn consumer(
         &mut self,
         op: &Op,
         vals: &HashMap<String, Tensor>,
         oracle_out: &[Tensor],
         shared: &mut Shared,
-    ) -> Result<()> {
+    ) -> Result<usize> {
+        let mut execs = 0;
         let idx: Vec<usize> = (0..self.faulty.len())
             .filter(|&i| {
                 self.faulty[i]
@@ -243,10 +247,12 @@ impl Tracker {
                 magnitude_effect: Compare::of(&a.data, &s.data),
                 noise: None,
                 index_agreement,
+                execs: if f.scale.is_some() { 2 } else { 1 },
             };
+            execs += d.execs;
             self.found.entry(f.op.id.clone()).or_default().push(d);
         }
-        Ok(())
+        Ok(execs)
     }
 
     /// Drop the faulty outputs no later op consumes (after step `step`).

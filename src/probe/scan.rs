@@ -539,8 +539,7 @@ pub fn measure_layer(
             records.push(rec);
         }
         if tracker.consumes_faulty(op) {
-            tracker.consumer(op, &maps[1], &outs[1], &mut sh)?;
-            execs += 2;
+            execs += tracker.consumer(op, &maps[1], &outs[1], &mut sh)?;
         }
         sh.clear();
         for (pi, out) in outs.into_iter().enumerate() {
@@ -562,7 +561,8 @@ pub fn measure_layer(
 
 /// Op executions of one `probe::run` that produced `records` over `ops_run` ops: three paths per
 /// op, plus for each reported op the FP32 oracle on the oracle's inputs and, when it reads a
-/// quantized weight, the served op on them.
+/// quantized weight, the served op on them, plus each divergent op's consumers (one or two
+/// executions each, `consequence`).
 pub fn run_execs(ckpt: &Checkpoint, ops_run: usize, records: &[OpRecord]) -> usize {
     let extra: usize = records
         .iter()
@@ -571,7 +571,14 @@ pub fn run_execs(ckpt: &Checkpoint, ops_run: usize, records: &[OpRecord]) -> usi
                 ckpt.weight_scheme(b)
                     .is_some_and(|s| s != "bf16" && s != "f16" && s != "f32")
             });
-            1 + usize::from(q)
+            // a divergent op's consumers, fed its faulty output (severity by consequence)
+            let consequence: usize = r
+                .consequence
+                .iter()
+                .flat_map(|c| c.downstream.iter())
+                .map(|d| d.execs)
+                .sum();
+            1 + usize::from(q) + consequence
         })
         .sum();
     3 * ops_run + extra

@@ -180,4 +180,22 @@ mod tests {
         assert!(!chain.selects("L0.attn.wo_b"));
         assert!(ProbeSpec::parse("bogus = 1", Path::new("x.toml")).is_err());
     }
+
+    #[test]
+    fn isolated_rows_parse_and_the_old_format_fields_are_refused_by_name() {
+        let s = ProbeSpec::parse(
+            "[[thresholds.isolated]]\nclass = \"Linear\"\nformat = \"nvfp4\"\nprofile = \"*\"\nrel_l2 = 0.1\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(s.thresholds.isolated.len(), 1);
+        assert_eq!(
+            s.thresholds.noise_multiplier,
+            Thresholds::default().noise_multiplier
+        );
+        let e = ProbeSpec::parse("[thresholds]\nchain_factor = 1.6\n", Path::new("old.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("chain_factor") && e.contains("old.toml"), "{e}");
+    }
 }

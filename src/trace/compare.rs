@@ -491,7 +491,11 @@ mod tests {
             F32
         );
         assert_eq!(
-            run_precision([("embed", Bf16), ("L0.attn.q_a", Bf16), ("L0.attn.hc_pre", F32)]),
+            run_precision([
+                ("embed", Bf16),
+                ("L0.attn.q_a", Bf16),
+                ("L0.attn.hc_pre", F32)
+            ]),
             Bf16
         );
         assert_eq!(
