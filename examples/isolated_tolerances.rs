@@ -87,7 +87,7 @@ fn main() -> nvfp4_probe::Result<()> {
             .isolated_expected(&class, &fmt, profile)
             .unwrap_or(f64::NAN);
         println!(
-            "| {class} | {fmt} | {prof} | {} | {med:.3} | {max:.3} | {tol:.3} | ×{:.2} |",
+            "| {class} | {fmt} | {prof} | {} | {med:.3e} | {max:.3e} | {tol} | ×{:.2} |",
             v.len(),
             tol / max
         );
