@@ -86,6 +86,9 @@ pub struct Consequence {
     pub downstream: Vec<Downstream>,
 }
 
+/// Per followed op: its least-squares factor and its error with the factor removed.
+pub type Scales = HashMap<String, (Option<f64>, Option<f64>)>;
+
 /// A divergent op whose consumers are still to run.
 struct Faulty {
     op: Op,
@@ -99,7 +102,7 @@ pub(crate) struct Tracker {
     faulty: Vec<Faulty>,
     found: HashMap<String, Vec<Downstream>>,
     /// Per followed op: its least-squares factor and its error without it.
-    scales: HashMap<String, (Option<f64>, Option<f64>)>,
+    scales: Scales,
     /// Divergent ops kept (bounded: each holds its outputs until its last consumer ran).
     kept: usize,
 }
@@ -265,12 +268,7 @@ impl Tracker {
     }
 
     /// What was measured: per followed op its consumers, and its factor and factor-free error.
-    pub fn into_parts(
-        self,
-    ) -> (
-        HashMap<String, Vec<Downstream>>,
-        HashMap<String, (Option<f64>, Option<f64>)>,
-    ) {
+    pub fn into_parts(self) -> (HashMap<String, Vec<Downstream>>, Scales) {
         (self.found, self.scales)
     }
 }
@@ -298,7 +296,7 @@ fn why_absorber(kind: &str) -> &'static str {
 pub fn classify(
     records: &mut [OpRecord],
     mut found: HashMap<String, Vec<Downstream>>,
-    scales: &HashMap<String, (Option<f64>, Option<f64>)>,
+    scales: &Scales,
     th: &Thresholds,
 ) {
     let by_id: HashMap<String, usize> = records
@@ -398,7 +396,7 @@ pub fn classify(
                 absorbed_by: Vec::new(),
                 shows_at: None,
                 why: if scales.contains_key(&records[i].id) {
-                    "no later op in the run consumes its output: it is what the run ends with"
+                    "no later op the run measured consumes its output (it is the last one measured): counted as harmful"
                         .into()
                 } else {
                     format!(

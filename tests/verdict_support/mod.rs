@@ -128,5 +128,5 @@ pub fn cli(args: &[&str], model: &Path) -> (i32, String) {
 /// A stored scalar of a checkpoint.
 pub fn scalar(dir: &Path, name: &str) -> f32 {
     let ck = Checkpoint::open(dir).unwrap();
-    f32_of(&ck.bytes(name).unwrap())
+    f32_of(ck.bytes(name).unwrap())
 }
