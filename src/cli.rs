@@ -126,6 +126,10 @@ pub struct RunArgs {
     pub quiet: bool,
     #[command(flatten)]
     pub mem: MemArgs,
+    /// Absorbed findings (a divergence no later op sees, a lint finding whose effect a norm
+    /// removes) are errors too: exit 1 instead of 0.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -206,6 +210,9 @@ pub struct LintArgs {
     /// root cause — same rule, op and fix — are shown as one).
     #[arg(long)]
     pub verbose: bool,
+    /// Findings whose effect is provably absorbed downstream are errors too.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -245,6 +252,9 @@ pub struct BisectArgs {
     pub search: crate::bisect::Search,
     #[command(flatten)]
     pub mem: MemArgs,
+    /// Absorbed findings are errors too: exit 1 instead of 0.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -216,8 +216,8 @@ fn bisect_measured_layer_equals_the_run() {
         assert_eq!(lo.vs_bf16, r.served_propagated_vs_bf16, "{}", lo.id);
         assert_eq!(lo.shows, r.shows, "{}", lo.id);
     }
-    // the capture handed to the replay is the divergent op's oracle view
-    let cap = m.capture.unwrap();
+    // the captures handed to the replay are the divergent ops' oracle views, first one first
+    let cap = m.captures.into_iter().next().unwrap();
     let first = want_first(&full.records);
     assert_eq!(cap.op.id, first);
     // 5 layers of execs: one measured layer costs ≤ 5 per op
@@ -324,9 +324,18 @@ fn bisect_run_capture_equals_the_capture_pass() {
     ] {
         let c = ckpt(format, 4);
         let o = opts(3, vec![f.clone()], 7);
-        let (res, cap) = run_capturing(&c, &o, true).unwrap();
+        let (res, caps) = run_capturing(&c, &o, true).unwrap();
         let first = want_first(&res.records);
-        let cap = cap.expect("a divergent op is captured");
+        // one capture per divergent op, in run order
+        let divergent: Vec<&str> = res
+            .records
+            .iter()
+            .filter(|r| r.divergent)
+            .map(|r| r.id.as_str())
+            .collect();
+        let ids: Vec<&str> = caps.iter().map(|c| c.op.id.as_str()).collect();
+        assert_eq!(ids, divergent, "{f:?}");
+        let cap = caps.into_iter().next().expect("a divergent op is captured");
         assert_eq!(cap.op.id, first, "{f:?}");
         let again = replay::capture(&c, &o, &first).unwrap();
         assert_eq!(cap.inputs.len(), again.inputs.len());
@@ -351,7 +360,7 @@ fn bisect_run_capture_equals_the_capture_pass() {
     // a clean run captures nothing
     let c = ckpt(Format::CtNvfp4, 4);
     let (res, cap) = run_capturing(&c, &opts(3, vec![], 7), true).unwrap();
-    assert!(res.summary.first_divergent.is_none() && cap.is_none());
+    assert!(res.summary.first_divergent.is_none() && cap.is_empty());
 }
 
 /// The early reader queues every weight of the run's layers in op order except the routed experts

@@ -1,11 +1,15 @@
-//! Bisect: the first op whose own numerics diverge, and the scale parameter that explains it.
+//! Bisect: every op whose own numerics diverge, and the scale parameter that explains each.
 //!
-//! One `probe::run` gives the isolated and propagated picture. At the first divergent op the
-//! BF16-oracle inputs are captured once (`probe::replay`) and every hypothesis about a scale the op
-//! consumes costs one re-evaluation of that op. A hypothesis becomes the verdict only when it brings
-//! the op back within the tolerance the runner held it to; otherwise the op's health counters are
-//! shown instead of a guess. Faults the oracle shares (it decodes the same bytes) cannot diverge, so
-//! bisect also looks for magnitude anomalies across layers.
+//! One `probe::run` gives the isolated and propagated picture, and keeps the BF16-oracle view of
+//! every divergent op. The isolated error of each op is measured on the oracle's inputs, so each
+//! divergent op is explained on its own: every hypothesis about a scale the op consumes costs one
+//! re-evaluation of that op. A hypothesis becomes an op's verdict only when it brings the op back
+//! within the tolerance the runner held it to; otherwise the op's health counters are shown
+//! instead of a guess. Ops of one root cause (the same verdict at the same op of several layers)
+//! form one finding; once a verdict is known, the same op elsewhere tries it first (three
+//! evaluations instead of the whole set). Faults the oracle shares (it decodes the same bytes)
+//! cannot diverge, so bisect also reports the static lint of the layers it read and oracle
+//! anomalies (zero or non-finite outputs, magnitude jumps across layers).
 
 pub mod render;
 pub mod search;
@@ -18,11 +22,18 @@ use serde::Serialize;
 use crate::checkpoint::{Checkpoint, WeightMeta, WeightTensors};
 use crate::metrics::Compare;
 use crate::numerics::nvfp4::{Convention, QuantHealth};
+use crate::probe::consequence::{Consequence, Severity};
+use crate::probe::findings::{self, Finding, Impact, Level, OpValue, Source};
 use crate::probe::replay::{self, Capture, Patch, Replayer};
 use crate::probe::scan::{self as pscan, OracleOp};
 use crate::probe::served::{Nvfp4Params, Override};
 use crate::probe::{self, OpRecord, RunOptions, RunResult, Summary};
 use crate::Result;
+
+/// Divergent ops that get the whole hypothesis set; beyond it only ops of a root cause already
+/// found (same op in another layer: its verdict is tried first) are explained, the rest are listed
+/// unexplained. Bounds the cost at MAX_SEARCHED × (2 + hypotheses) op evaluations.
+pub const MAX_SEARCHED: usize = 16;
 
 /// The parameter family a hypothesis changes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -96,6 +107,8 @@ pub struct Verdict {
 #[derive(Clone, Debug, Serialize)]
 pub struct Divergence {
     pub op: String,
+    /// The op's step in the run.
+    pub step: Option<usize>,
     pub reason: Option<String>,
     pub tolerance: f64,
     pub weights: Vec<(String, String)>,
@@ -113,6 +126,12 @@ pub struct Divergence {
     pub health: Option<QuantHealth>,
     pub health_per_linear: Vec<(String, QuantHealth)>,
     pub act_amax_over_calib: Option<f64>,
+    /// Harmful or absorbed, with where it shows or which op absorbs it (from the run).
+    pub consequence: Option<Consequence>,
+    /// Op evaluations this op's attribution cost (capture pass not included).
+    pub evals: usize,
+    /// Set when the op was not searched (budget) or was explained by a known root cause's verdict.
+    pub note: Option<String>,
 }
 
 /// A magnitude anomaly that no divergence can show (the oracle decodes the same bytes).
@@ -133,7 +152,13 @@ pub struct Anomaly {
 #[derive(Clone, Debug, Serialize)]
 pub struct BisectResult {
     pub summary: Summary,
+    /// The first divergent op (as in `nvfp4-probe.bisect/1`).
     pub divergence: Option<Divergence>,
+    /// Every divergent op, in run order, each explained on its own.
+    pub divergences: Vec<Divergence>,
+    /// Every finding (divergences grouped by root cause, lint of the layers read, anomalies),
+    /// ordered by consequence; levels as without `--strict` ([`BisectResult::set_strict`]).
+    pub findings: Vec<Finding>,
     pub anomalies: Vec<Anomaly>,
     pub ops: usize,
     pub seconds_run: f64,
@@ -217,17 +242,33 @@ impl SearchReport {
 }
 
 impl BisectResult {
-    /// A verdict or an unexplained divergence or an anomaly.
+    /// A finding that fails the bisect: a harmful divergence, a lint error, an anomaly (absorbed
+    /// divergences count only under `--strict`).
     pub fn has_findings(&self) -> bool {
-        self.divergence.is_some() || !self.anomalies.is_empty()
+        self.findings.iter().any(|f| f.level == Level::Error)
+    }
+
+    /// `--strict`: absorbed findings are errors.
+    pub fn set_strict(&mut self, strict: bool) {
+        for f in &mut self.findings {
+            f.set_strict(strict);
+        }
+        let steps: HashMap<String, usize> = self
+            .divergences
+            .iter()
+            .filter_map(|d| Some((d.op.clone(), d.step?)))
+            .collect();
+        findings::sort(&mut self.findings, |op| {
+            steps.get(op).copied().unwrap_or(usize::MAX)
+        });
     }
 }
 
 /// Bisect over `opts.layers`: one run, then hypotheses at the first divergent op.
 pub fn bisect(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult> {
-    // the run keeps the first divergent op's oracle inputs, so the replay needs no capture pass
-    let (res, cap) = probe::run_capturing(ckpt, opts, true)?;
-    bisect_run_from(ckpt, opts, &res, cap)
+    // the run keeps the divergent ops' oracle inputs, so the replay needs no capture pass
+    let (res, caps) = probe::run_capturing(ckpt, opts, true)?;
+    bisect_run_from(ckpt, opts, &res, caps)
 }
 
 /// Bisect with a chosen search (`Auto` decides by [`search::auto_choice`]).
@@ -251,25 +292,22 @@ pub fn bisect_with(ckpt: &Checkpoint, opts: &RunOptions, how: Search) -> Result<
 
 /// Bisect given a finished run over `opts` (the run's options must be these).
 pub fn bisect_run(ckpt: &Checkpoint, opts: &RunOptions, res: &RunResult) -> Result<BisectResult> {
-    bisect_run_from(ckpt, opts, res, None)
+    bisect_run_from(ckpt, opts, res, Vec::new())
 }
 
-/// [`bisect_run`] with the first divergent op's oracle view when the run kept it
-/// ([`probe::run_capturing`]); without it the replay captures it by running the oracle up to the op.
-fn bisect_run_from(
+/// [`bisect_run`] with the oracle views the run kept ([`probe::run_capturing`]); an op without one
+/// is captured by running the oracle up to it.
+pub fn bisect_run_from(
     ckpt: &Checkpoint,
     opts: &RunOptions,
     res: &RunResult,
-    cap: Option<Capture>,
+    caps: Vec<Capture>,
 ) -> Result<BisectResult> {
     let t0 = Instant::now();
     let mut cost = Cost::default();
     let first = res.records.iter().find(|r| r.divergent);
-    let cap = cap.filter(|c| first.is_some_and(|r| r.id == c.op.id));
-    let divergence = match first {
-        Some(r) => Some(explain(ckpt, opts, &res.records, r, cap, &mut cost)?),
-        None => None,
-    };
+    let divergences = explain_all(ckpt, opts, &res.records, caps, &mut cost)?;
+    let divergence = divergences.first().cloned();
     // an anomaly at or before the divergent op means the oracle itself is off there: the divergence
     // may be a consequence (activation calibration no longer fits the magnitudes)
     let upto = first.map_or(res.records.len(), |r| {
@@ -280,6 +318,8 @@ fn bisect_run_from(
     });
     let mut anomalies = find_anomalies(&res.records[..upto]);
     name_suspects(ckpt, &mut anomalies);
+    let lint = lint_of(ckpt, opts)?;
+    let findings = all_findings(&res.records, &divergences, &anomalies, &lint);
     let ops_run = match &opts.stop_after {
         Some(_) => res.records.last().map_or(0, |r| r.step + 1),
         None => {
@@ -300,6 +340,8 @@ fn bisect_run_from(
     Ok(BisectResult {
         summary: res.summary.clone(),
         divergence,
+        divergences,
+        findings,
         anomalies,
         ops: res.records.len(),
         seconds_run: res.seconds,
@@ -333,6 +375,252 @@ impl Cost {
     }
 }
 
+/// The op without its layer: `L3.ffn.experts` → `ffn.experts` (the key of "the same op elsewhere").
+fn op_suffix(op: &str) -> &str {
+    op.split_once('.')
+        .filter(|(l, _)| l.starts_with('L'))
+        .map_or(op, |(_, s)| s)
+}
+
+/// Explain every divergent op of `records` on its own (the first [`MAX_SEARCHED`] with every
+/// hypothesis; an op whose suffix already has a verdict tries that verdict first; beyond the
+/// budget, ops without a known root cause are listed unexplained).
+fn explain_all(
+    ckpt: &Checkpoint,
+    opts: &RunOptions,
+    records: &[OpRecord],
+    mut caps: Vec<Capture>,
+    cost: &mut Cost,
+) -> Result<Vec<Divergence>> {
+    let mut out: Vec<Divergence> = Vec::new();
+    let mut known: HashMap<String, String> = HashMap::new();
+    let mut searched = 0usize;
+    for rec in records.iter().filter(|r| r.divergent) {
+        let suffix = op_suffix(&rec.id).to_string();
+        let hint = known.get(&suffix).cloned();
+        if hint.is_none() && searched >= MAX_SEARCHED {
+            out.push(unexplained(
+                rec,
+                format!("not searched: {MAX_SEARCHED} divergent ops were searched already (bisect's budget); bisect a narrower --layers range"),
+            ));
+            continue;
+        }
+        let cap = caps
+            .iter()
+            .position(|c| c.op.id == rec.id)
+            .map(|i| caps.swap_remove(i));
+        let d = explain(ckpt, opts, records, rec, cap, cost, hint.as_deref())?;
+        if hint.is_none() || d.note.is_none() {
+            searched += 1;
+        }
+        if let Some(v) = &d.verdict {
+            known.entry(suffix).or_insert_with(|| v.kind.clone());
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
+/// A divergent op listed without hypotheses.
+fn unexplained(rec: &OpRecord, why: String) -> Divergence {
+    Divergence {
+        op: rec.id.clone(),
+        step: Some(rec.step),
+        reason: rec.reason.clone(),
+        tolerance: rec.tolerance,
+        weights: rec.weights.clone(),
+        shows_at: None,
+        shows_at_layer_out: None,
+        before: rec.served_isolated_vs_bf16.clone(),
+        verdict: None,
+        ranked: Vec::new(),
+        hypotheses_tried: 0,
+        health: rec.health,
+        health_per_linear: Vec::new(),
+        act_amax_over_calib: rec.act_amax_over_calib,
+        consequence: rec.consequence.clone(),
+        evals: 0,
+        note: Some(why),
+    }
+}
+
+/// The static lint of the weights a run over `opts.layers` reads (default rules).
+fn lint_of(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Vec<crate::lint::Finding>> {
+    Ok(crate::lint::lint_layers(ckpt, &crate::lint::Rules::default(), opts.layers.1)?.findings)
+}
+
+/// What to do about a verdict, by kind.
+fn fix_text(kind: &str, p: &ParamRef) -> String {
+    let t = p
+        .tensors
+        .first()
+        .map_or("the parameter".to_string(), |t| format!("`{t}`"));
+    let to = fmt_v(p.corrected);
+    match kind {
+        "input-reciprocal" | "weight-reciprocal" => format!(
+            "read {t} in the checkpoint's convention (compressed-tensors stores the encode scale 2688/amax, ModelOpt the decode scale amax/2688): the engine's `{}` must be {to} (NVFP4.md §3.4)",
+            p.engine
+        ),
+        "alpha-recomputed" => format!(
+            "compute alpha at load as d_x·d_w of the scales in use: {to} (NVFP4.md §3.5)"
+        ),
+        "input-x2688" | "input-div2688" | "weight-x2688" | "weight-div2688" => format!(
+            "{t} is off by 2688 = 448·6 (an amax stored where the scale belongs, or the reverse): the engine's `{}` must be {to}",
+            p.engine
+        ),
+        "weight-own-shard" | "input-own-shard" | "weight-sibling-shard" | "input-sibling-shard" => format!(
+            "re-export the fused pair with one shared tensor scale (linked observers: the max amax of the pair), or requantize the shard at load: {t} needs {to}, the merged value is {} (NVFP4.md §3.4; vLLM #54974)",
+            fmt_v(p.current)
+        ),
+        "nibble-swap" => "read the packed e2m1 bytes with the even element in the low nibble (NVFP4.md §1.2)".into(),
+        "unshift-rows" => format!("{t}: the block-scale rows are shifted by one; fix the row offset where they are written or read"),
+        "unswizzle" => format!("{t} is stored in the 128×4 swizzled layout: unswizzle it at load or re-export it linear (NVFP4.md §5.1)"),
+        "stored-block-scales" => format!("re-read {t} from the checkpoint (non-finite bytes: re-export the weight; ModelOpt #1633)"),
+        "input-calibrated" => format!(
+            "recalibrate the activation scale: {t}{} gives {}, the activations the oracle feeds this op need {to} (2688/amax)",
+            p.stored.map(|v| format!(" = {}", fmt_v(Some(v)))).unwrap_or_default(),
+            fmt_v(p.current)
+        ),
+        _ => format!("set `{}` to {to}", p.engine),
+    }
+}
+
+/// Divergences grouped by root cause (same verdict kind at the same op, and the same impact), lint
+/// findings and anomalies, ordered by consequence (levels without `--strict`).
+fn all_findings(
+    records: &[OpRecord],
+    divs: &[Divergence],
+    anomalies: &[Anomaly],
+    lint: &[crate::lint::Finding],
+) -> Vec<Finding> {
+    let impact_of = |d: &Divergence| match d.consequence.as_ref().map(|c| c.severity) {
+        Some(Severity::Absorbed) => Impact::Absorbed,
+        _ => Impact::Harmful,
+    };
+    let mut out: Vec<Finding> = Vec::new();
+    let mut key_of: Vec<(String, usize)> = Vec::new();
+    for d in divs {
+        let impact = impact_of(d);
+        let key = match &d.verdict {
+            Some(v) => format!("{}|{}|{}", v.kind, op_suffix(&d.op), impact.as_str()),
+            None => format!("unexplained|{}", d.op),
+        };
+        let value = OpValue {
+            op: d.op.clone(),
+            tensor: d
+                .verdict
+                .as_ref()
+                .and_then(|v| v.param.tensors.first().cloned()),
+            current: d.verdict.as_ref().and_then(|v| v.param.current),
+            corrected: d.verdict.as_ref().and_then(|v| v.param.corrected),
+            before: d.before.clone(),
+            after: d.verdict.as_ref().map(|v| v.after.clone()),
+        };
+        if let Some(&(_, i)) = key_of.iter().find(|(k, _)| *k == key) {
+            let f = &mut out[i];
+            f.ops.push(d.op.clone());
+            for t in d.verdict.iter().flat_map(|v| v.param.tensors.iter()) {
+                if !f.tensors.contains(t) {
+                    f.tensors.push(t.clone());
+                }
+            }
+            for a in d.consequence.iter().flat_map(|c| c.absorbed_by.iter()) {
+                if !f.absorbed_by.contains(a) {
+                    f.absorbed_by.push(a.clone());
+                }
+            }
+            f.values.push(value);
+            continue;
+        }
+        let why = match &d.consequence {
+            Some(c) => c.why.clone(),
+            None => "not analysed downstream (counted as harmful)".into(),
+        };
+        let f = match &d.verdict {
+            Some(v) => Finding {
+                source: Source::Divergence,
+                impact,
+                level: if impact == Impact::Absorbed { Level::Warning } else { Level::Error },
+                ops: vec![d.op.clone()],
+                tensors: v.param.tensors.clone(),
+                parameter: Some(v.param.engine.clone()),
+                kind: Some(v.kind.clone()),
+                summary: v.sentence.clone(),
+                values: vec![value],
+                absorbed_by: d.consequence.iter().flat_map(|c| c.absorbed_by.clone()).collect(),
+                why,
+                fix: Some(fix_text(&v.kind, &v.param)),
+            },
+            None => Finding {
+                source: Source::Divergence,
+                impact,
+                level: if impact == Impact::Absorbed { Level::Warning } else { Level::Error },
+                ops: vec![d.op.clone()],
+                tensors: d.weights.iter().map(|(b, _)| b.clone()).collect(),
+                parameter: None,
+                kind: None,
+                summary: format!(
+                    "{}: {} — {}",
+                    d.op,
+                    d.reason.as_deref().unwrap_or("diverges"),
+                    d.note.clone().unwrap_or_else(|| format!(
+                        "no hypothesis explains it ({} tried)",
+                        d.hypotheses_tried
+                    ))
+                ),
+                values: vec![value],
+                absorbed_by: d.consequence.iter().flat_map(|c| c.absorbed_by.clone()).collect(),
+                why,
+                fix: Some("check the op's activation-quantization health counters (bisect's JSON) and the checkpoint against a reference (`nvfp4-probe lint --reference DIR`)".into()),
+            },
+        };
+        key_of.push((key, out.len()));
+        out.push(f);
+    }
+    for f in &mut out {
+        if f.ops.len() > 1 {
+            f.summary = format!("{} ops, one root cause — {}", f.ops.len(), f.summary);
+        }
+    }
+    // oracle anomalies: zero/non-finite outputs over the whole run, magnitude jumps as found
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    for a in findings::oracle_anomalies(records, false) {
+        seen.extend(a.ops.iter().cloned());
+        out.push(a);
+    }
+    for a in anomalies {
+        if !seen.insert(a.op.clone()) {
+            continue;
+        }
+        out.push(Finding {
+            source: Source::Anomaly,
+            impact: Impact::Harmful,
+            level: Level::Error,
+            ops: vec![a.op.clone()],
+            tensors: a.weights.clone(),
+            parameter: None,
+            kind: Some(
+                if a.oracle_non_finite {
+                    "oracle-non-finite"
+                } else {
+                    "magnitude"
+                }
+                .into(),
+            ),
+            summary: a.sentence.clone(),
+            values: Vec::new(),
+            absorbed_by: Vec::new(),
+            why: "served and oracle decode the same bytes, so nothing diverges".into(),
+            fix: Some("`nvfp4-probe lint --reference DIR` names the cause".into()),
+        });
+    }
+    let divergent: std::collections::HashSet<&str> = divs.iter().map(|d| d.op.as_str()).collect();
+    out.extend(findings::lint_findings(lint, &divergent, false));
+    let steps: HashMap<&str, usize> = records.iter().map(|r| (r.id.as_str(), r.step)).collect();
+    findings::sort(&mut out, |op| steps.get(op).copied().unwrap_or(usize::MAX));
+    out
+}
+
 fn restores(c: &Compare, tol: f64, amax_ratio: f64) -> bool {
     c.new_non_finite == 0
         && c.rel_l2.is_some_and(|r| r.is_finite() && r <= tol)
@@ -343,6 +631,9 @@ fn restores(c: &Compare, tol: f64, amax_ratio: f64) -> bool {
 /// Hypotheses at `rec`. `cap` is the oracle's view of the op when the caller has it already (the
 /// layer search does); otherwise it is captured by running the oracle up to the op. `records` are
 /// the measured ops the propagated picture is read from.
+///
+/// `hint`: the verdict kind of a root cause already found at the same op of another layer; its
+/// hypotheses are evaluated first, and when one restores the op the rest are not evaluated.
 fn explain(
     ckpt: &Checkpoint,
     opts: &RunOptions,
@@ -350,16 +641,18 @@ fn explain(
     rec: &OpRecord,
     cap: Option<Capture>,
     cost: &mut Cost,
+    hint: Option<&str>,
 ) -> Result<Divergence> {
     let th = &opts.spec.thresholds;
+    let evals0 = cost.evals;
     let cap = match cap {
         Some(c) => c,
         None => {
             let t = Instant::now();
             let c = replay::capture(ckpt, opts, &rec.id)?;
-            cost.capture_seconds = t.elapsed().as_secs_f64();
+            cost.capture_seconds += t.elapsed().as_secs_f64();
             // the oracle over every op before it, then the op
-            cost.capture_execs = rec.step + 1;
+            cost.capture_execs += rec.step + 1;
             c
         }
     };
@@ -384,10 +677,23 @@ fn explain(
     for (unit, bases) in units(&rec.id, &nvfp4) {
         hyps.extend(hypotheses(&mut rp, &unit, &bases, &clean_amax)?);
     }
+    // the known root cause's kind first; stop there when it restores the op
+    if let Some(k) = hint {
+        hyps.sort_by_key(|h| h.kind != k);
+    }
+    let mut note = None;
     // one evaluation per distinct patch set
     let mut seen: BTreeSet<String> = BTreeSet::new();
     let mut ranked: Vec<Ranked> = Vec::new();
     for h in hyps {
+        if let Some(k) = hint {
+            if h.kind != k && ranked.iter().any(|r| r.restores) {
+                note = Some(format!(
+                    "explained by the verdict `{k}` found at the same op of another layer (tried first; the other hypotheses were not evaluated)"
+                ));
+                break;
+            }
+        }
         let key = format!("{:?}", h.patches);
         if h.patches.is_empty() || !seen.insert(key) {
             continue;
@@ -413,12 +719,37 @@ fn explain(
             .total_cmp(&key(b))
             .then(a.hypothesis.prior.cmp(&b.hypothesis.prior))
     });
-    let best = ranked.iter().find(|r| r.restores).map(key);
+    // an activation scale whose corrected value implies an activation amax far (beyond ×8) from
+    // the one the oracle feeds the weight may still restore the op (a coarse quantization can pass
+    // the tolerance) but does not explain it: such candidates are passed over when another does
+    let plausible = |r: &Ranked| -> bool {
+        let p = &r.hypothesis.param;
+        match (
+            p.family,
+            p.corrected,
+            p.bases.first().and_then(|b| clean_amax.get(b)),
+        ) {
+            (Family::InputScale, Some(g), Some(&a)) if g > 0.0 && a > 0.0 => {
+                let q = (2688.0 / g as f64) / a as f64;
+                (0.125..=8.0).contains(&q)
+            }
+            _ => true,
+        }
+    };
+    let restoring = |r: &&Ranked| r.restores;
+    let any_plausible = ranked.iter().filter(restoring).any(plausible);
+    let best = ranked
+        .iter()
+        .filter(restoring)
+        .filter(|r| !any_plausible || plausible(r))
+        .map(key)
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.min(v))));
     let verdict = best.and_then(|b| {
         // among those that restore about as well as the best, the most specific explanation
         let pick = ranked
             .iter()
             .filter(|r| r.restores && key(r) <= b * 1.25 + 1e-3)
+            .filter(|r| !any_plausible || plausible(r))
             .min_by_key(|r| (r.hypothesis.prior, r.hypothesis.param.bases.len()))?;
         Some(Verdict {
             op: rec.id.clone(),
@@ -455,6 +786,10 @@ fn explain(
         .next();
     Ok(Divergence {
         op: rec.id.clone(),
+        step: Some(rec.step),
+        consequence: rec.consequence.clone(),
+        evals: cost.evals - evals0,
+        note,
         reason: rec.reason.clone(),
         tolerance: rec.tolerance,
         weights: rec.weights.clone(),
@@ -503,6 +838,25 @@ fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
     for b in nvfp4 {
         if experts.len() <= 1 || !b.contains(".ffn.experts.") {
             out.push((b.clone(), vec![b.clone()]));
+        }
+    }
+    // an op of several weights (the shared expert's w1, w3, w2): all of them at once, then the
+    // fused pair, so a scale broken in every member (or in both members of the pair, which the
+    // engine merges) is one hypothesis
+    let plain: Vec<String> = nvfp4
+        .iter()
+        .filter(|b| !b.contains(".ffn.experts."))
+        .cloned()
+        .collect();
+    if plain.len() > 1 {
+        out.push((format!("all weights of {op}"), plain.clone()));
+        let pair: Vec<String> = plain
+            .iter()
+            .filter(|b| b.ends_with(".w1") || b.ends_with(".w3"))
+            .cloned()
+            .collect();
+        if pair.len() == 2 && plain.len() > 2 {
+            out.push((format!("{op} (w1, w3)"), pair));
         }
     }
     out

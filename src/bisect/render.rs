@@ -1,9 +1,13 @@
-//! Bisect's outputs: terminal lines, JSON (`nvfp4-probe.bisect/1`) and markdown.
+//! Bisect's outputs: terminal lines, JSON (`nvfp4-probe.bisect/2`) and markdown.
 
 use serde_json::json;
 
 use super::{BisectResult, Ranked, Search, SearchReport, Step};
+use crate::probe::findings;
 use crate::report::RunMeta;
+
+/// The JSON schema tag.
+pub const SCHEMA: &str = "nvfp4-probe.bisect/2";
 
 fn cos(c: &crate::metrics::Compare) -> String {
     c.cos.map_or("—".into(), |v| format!("{v:.4}"))
@@ -46,9 +50,10 @@ const HEAD: [&str; 7] = [
     "restores",
 ];
 
-/// Human-readable lines for the terminal.
+/// Human-readable lines for the terminal: the findings ordered by consequence, then the first
+/// divergent op's detail (its hypotheses), the search and the cost.
 pub fn terminal(r: &BisectResult) -> String {
-    let mut out = String::new();
+    let mut out = findings::terminal(&r.findings);
     match &r.divergence {
         Some(d) => {
             out.push_str(&format!(
@@ -171,12 +176,15 @@ fn search_lines(s: &SearchReport) -> String {
     out
 }
 
-/// `{"schema": "nvfp4-probe.bisect/1", ...}`.
+/// `{"schema": "nvfp4-probe.bisect/2", ...}`.
 pub fn json(meta: &RunMeta, r: &BisectResult) -> String {
     let v = json!({
-        "schema": "nvfp4-probe.bisect/1",
+        "schema": SCHEMA,
         "meta": meta,
         "summary": r.summary,
+        "findings": r.findings,
+        "exit": findings::exit_code(&r.findings),
+        "divergences": r.divergences,
         "divergence": r.divergence,
         "verdict": r.divergence.as_ref().and_then(|d| d.verdict.as_ref()),
         "anomalies": r.anomalies,
@@ -195,6 +203,8 @@ pub fn markdown(meta: &RunMeta, r: &BisectResult) -> String {
         "# nvfp4-probe bisect\n\nLayers {}..{}, served profile `{}`, {} ops.\n\n",
         meta.layers[0], meta.layers[1], meta.served_profile, r.ops
     );
+    s.push_str(&findings::markdown(&r.findings));
+    s.push_str("\n## First divergent op\n\n");
     match &r.divergence {
         Some(d) => {
             s.push_str(&format!(

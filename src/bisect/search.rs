@@ -22,7 +22,8 @@
 use std::time::Instant;
 
 use super::{
-    bisect, explain, find_anomalies_in, BisectResult, Cost, Phase, Search, SearchReport, Step,
+    all_findings, bisect, explain_all, find_anomalies_in, lint_of, BisectResult, Cost, Phase,
+    Search, SearchReport, Step,
 };
 use crate::checkpoint::Checkpoint;
 use crate::probe::scan::{self, LayerOut, ShowRule};
@@ -207,24 +208,19 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
 
     let t1 = Instant::now();
     let mut cost = Cost::default();
-    let mut div = explain(
-        ckpt,
-        opts,
-        &meas.records,
-        rec,
-        meas.capture.clone(),
-        &mut cost,
-    )?;
+    let mut divs = explain_all(ckpt, opts, &meas.records, meas.captures.clone(), &mut cost)?;
     // past the measured layer the propagated picture is known at layer outputs (the scan's)
-    if div.shows_at_layer_out.is_none() {
-        div.shows_at_layer_out = sc
-            .outs
-            .iter()
-            .find(|o| o.layer > layer && o.shows)
-            .map(|o| o.id.clone());
-    }
-    if div.shows_at.is_none() {
-        div.shows_at = div.shows_at_layer_out.clone();
+    for div in &mut divs {
+        if div.shows_at_layer_out.is_none() {
+            div.shows_at_layer_out = sc
+                .outs
+                .iter()
+                .find(|o| o.layer > layer && o.shows)
+                .map(|o| o.id.clone());
+        }
+        if div.shows_at.is_none() {
+            div.shows_at = div.shows_at_layer_out.clone();
+        }
     }
     let upto = sc
         .oracle_ops
@@ -233,6 +229,8 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         .map_or(sc.oracle_ops.len(), |i| i + 1);
     let mut anomalies = find_anomalies_in(&sc.oracle_ops[..upto]);
     super::name_suspects(ckpt, &mut anomalies);
+    let lint = lint_of(ckpt, opts)?;
+    let findings = all_findings(&meas.records, &divs, &anomalies, &lint);
     let seconds_bisect = t1.elapsed().as_secs_f64();
     cost.phases(seconds_bisect, &mut rep.phases);
 
@@ -249,7 +247,9 @@ pub fn layer_search(ckpt: &Checkpoint, opts: &RunOptions) -> Result<BisectResult
         .or(summary.first_shows);
     Ok(BisectResult {
         summary,
-        divergence: Some(div),
+        divergence: divs.first().cloned(),
+        divergences: divs,
+        findings,
         anomalies,
         ops: meas.records.len(),
         seconds_run,

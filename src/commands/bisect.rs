@@ -31,7 +31,8 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
     for out in outputs.into_iter().flatten() {
         outs.check(out)?;
     }
-    let r = bisect::bisect_with(&p.ckpt, &p.opts, args.search)?;
+    let mut r = bisect::bisect_with(&p.ckpt, &p.opts, args.search)?;
+    r.set_strict(args.strict);
     p.meta.seconds = r.seconds_run + r.seconds_bisect;
     p.meta.bytes_read = p.ckpt.bytes_read();
     print!("{}", render::terminal(&r));

@@ -11,7 +11,7 @@ use crate::output::Outputs;
 use crate::probe;
 use crate::report::{self, RunMeta};
 use crate::trace::assemble::{assemble, needed_layers};
-use crate::trace::compare::{attribution_hook, evaluate, Inputs, OpCompare};
+use crate::trace::compare::{attributions, evaluate, Inputs, OpCompare, Skipped};
 use crate::trace::names::NameMap;
 use crate::trace::read::Trace;
 use crate::{Error, Result};
@@ -38,7 +38,16 @@ pub struct CompareSummary {
     pub first_divergent_hint: Option<String>,
     /// Which checkpoint scale explains the first divergence (None: not attributed).
     pub attribution: Option<String>,
+    /// Every divergent op the checkpoint explains (the served emulation diverges there too and a
+    /// scale hypothesis restores it): (op, bisect's verdict).
+    pub attributions: Vec<(String, String)>,
     pub unmapped: Vec<String>,
+    /// Trace tensors that could not be compared (shape not reconcilable with the op), with why.
+    pub skipped: Vec<Skipped>,
+    /// The precision the run computed at (the coarsest its computed outputs carry).
+    pub run_precision: String,
+    /// Compared ops per precision they were held to.
+    pub held_at: std::collections::BTreeMap<String, usize>,
     pub notes: Vec<String>,
 }
 
@@ -60,6 +69,15 @@ fn cos(x: Option<f64>) -> String {
     x.map(|v| format!("{v:.6}")).unwrap_or_else(|| "—".into())
 }
 
+/// `bf16` or `bf16 (values f32)` when the values carry a finer precision than the op is held to.
+fn held(o: &OpCompare) -> String {
+    match (o.held_at, o.carried) {
+        (Some(h), Some(c)) if h != c => format!("{} (values {})", h.name(), c.name()),
+        (Some(h), _) => h.name().into(),
+        _ => "—".into(),
+    }
+}
+
 pub fn terminal_table(r: &CompareReport) -> String {
     let mut t = Table::new();
     t.load_style(presets::UTF8_FULL_CONDENSED)
@@ -74,6 +92,7 @@ pub fn terminal_table(r: &CompareReport) -> String {
             "relL2 fp32",
             "cos bf16",
             "relL2 bf16",
+            "held at",
             "tol",
             "verdict",
         ]);
@@ -107,6 +126,7 @@ pub fn terminal_table(r: &CompareReport) -> String {
             Cell::new(r1),
             Cell::new(c2),
             Cell::new(r2),
+            Cell::new(held(o)),
             Cell::new(format!("{:.1e}", o.tolerance)),
             v,
         ]);
@@ -132,11 +152,31 @@ pub fn summary_lines(r: &CompareReport) -> Vec<String> {
                 Some(a) => format!("scale attribution: {a}"),
                 None => "scale attribution: the checkpoint does not explain it (the served emulation agrees with the oracle there, or no scale hypothesis restores the op)".into(),
             });
+            for (op, a) in &s.attributions {
+                if Some(op) != s.first_divergent.as_ref() {
+                    v.push(format!("scale attribution at {op}: {a}"));
+                }
+            }
         }
         None => v.push(format!(
-            "clean: all {} compared ops within the oracle's BF16 noise",
+            "clean: all {} compared ops within the noise of the precision each is held to",
             s.compared
         )),
+    }
+    v.push(format!(
+        "precision: the run computed at {} (the coarsest its computed outputs carry); ops held to {}",
+        s.run_precision,
+        s.held_at
+            .iter()
+            .map(|(p, n)| format!("{p} noise: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    for k in &s.skipped {
+        v.push(format!(
+            "skipped: {} (op {}): {}",
+            k.trace_name, k.op, k.reason
+        ));
     }
     if !s.unmapped.is_empty() {
         let shown: Vec<&str> = s.unmapped.iter().take(12).map(String::as_str).collect();
@@ -170,14 +210,15 @@ pub fn markdown(r: &CompareReport) -> String {
     for l in summary_lines(r) {
         m.push_str(&format!("**{l}**\n\n"));
     }
-    m.push_str("| op | trace tensor | dtype | amax | NaN | cos vs fp32 | rel-L2 vs fp32 | cos vs bf16 | rel-L2 vs bf16 | tolerance | verdict |\n");
-    m.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    m.push_str("| op | trace tensor | dtype | held at | amax | NaN | cos vs fp32 | rel-L2 vs fp32 | cos vs bf16 | rel-L2 vs bf16 | tolerance | verdict |\n");
+    m.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for o in &r.ops {
         m.push_str(&format!(
-            "| `{}` | `{}` | {} | {:.3e} | {} | {} | {} | {} | {} | {:.1e} | {}{} |\n",
+            "| `{}` | `{}` | {} | {} | {:.3e} | {} | {} | {} | {} | {} | {:.1e} | {}{} |\n",
             o.op,
             o.trace_name,
             o.dtype,
+            held(o),
             o.stats.amax,
             o.stats.nan + o.stats.inf,
             cos(o.vs_fp32.cos),
@@ -271,7 +312,7 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
     p.opts.layers = (0, last);
     p.meta.layers = [0, last];
     p.opts.keep_outputs = true;
-    let res = probe::run(&p.ckpt, &p.opts)?;
+    let (res, caps) = probe::run_capturing(&p.ckpt, &p.opts, true)?;
     p.meta.seconds = res.seconds;
     p.meta.bytes_read = res.bytes_read;
     let with_head = last + 1 == nl && p.ckpt.resolve("head.weight").is_some();
@@ -279,7 +320,7 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
         .iter()
         .flat_map(|o| o.outputs.clone())
         .collect();
-    let ops = evaluate(&Inputs {
+    let ev = evaluate(&Inputs {
         res: &res,
         mapping: &mapping,
         tokens: trace_tokens.as_ref(),
@@ -288,19 +329,45 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
         trace_path: &args.trace,
         order: &order,
     })?;
+    let ops = ev.ops;
     let first = ops.iter().find(|o| o.diverges());
     let mut notes = mapping.notes.clone();
     if trace.ranks > 1 {
         notes.push(format!("{} tensor-parallel ranks joined", trace.ranks));
     }
+    let divergent_ops: Vec<&str> = ops
+        .iter()
+        .filter(|o| o.diverges())
+        .map(|o| o.op.as_str())
+        .collect();
+    let attrs = if divergent_ops.is_empty() {
+        Vec::new()
+    } else {
+        attributions(&p.ckpt, &p.opts, &res, caps, &divergent_ops)
+    };
+    let mut held_at = std::collections::BTreeMap::new();
+    for o in &ops {
+        if let Some(h) = o.held_at {
+            *held_at.entry(h.name().to_string()).or_insert(0) += 1;
+        }
+    }
     let summary = CompareSummary {
         compared: ops.len(),
-        divergent: ops.iter().filter(|o| o.diverges()).count(),
+        divergent: divergent_ops.len(),
         first_divergent: first.map(|o| o.op.clone()),
         first_divergent_reason: first.and_then(|o| o.reason.clone()),
         first_divergent_hint: first.and_then(|o| o.hint.clone()),
-        attribution: first.and_then(|o| attribution_hook(&p.ckpt, &p.opts, &res, &o.op)),
+        attribution: first.and_then(|o| {
+            attrs
+                .iter()
+                .find(|(op, _)| *op == o.op)
+                .map(|(_, v)| v.clone())
+        }),
+        attributions: attrs,
         unmapped: mapping.unmapped.clone(),
+        skipped: ev.skipped,
+        run_precision: ev.run_precision.name().into(),
+        held_at,
         notes,
     };
     Ok(CompareReport {

@@ -23,7 +23,10 @@ pub fn main(a: &LintArgs) -> Result<i32> {
         Some(p) => Rules::from_file(p)?,
         None => Rules::default(),
     };
-    let rep = lint_dir(&a.model, a.reference.as_deref(), &rules)?;
+    let mut rep = lint_dir(&a.model, a.reference.as_deref(), &rules)?;
+    if a.strict {
+        rep.strict();
+    }
     if let Some(p) = &a.json {
         outs.file(p, to_json(&rep).as_bytes())?;
     }

@@ -288,8 +288,13 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     check_outputs(args, &outs)?;
     p.opts.keep_outputs = args.dump.is_some();
     crate::profile::mark("prepared");
-    let res: RunResult = probe::run(&p.ckpt, &p.opts)?;
+    let mut res: RunResult = probe::run(&p.ckpt, &p.opts)?;
     crate::profile::mark("runner done");
+    // the static lint of what the run read: a broken scale the oracle shares never diverges
+    let lint = crate::lint::lint_layers(&p.ckpt, &crate::lint::Rules::default(), p.opts.layers.1)?;
+    let found = probe::findings::run_findings(&res, &lint.findings, args.strict);
+    let exit = probe::findings::exit_code(&found);
+    res.summary.findings = Some(found);
     p.meta.seconds = res.seconds;
     p.meta.bytes_read = res.bytes_read;
     if !args.quiet {
@@ -299,6 +304,10 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     for l in report::summary_lines(&res) {
         println!("{l}");
     }
+    print!(
+        "{}",
+        probe::findings::terminal(res.summary.findings.as_deref().unwrap_or(&[]))
+    );
     println!(
         "{} ops, {:.2} s, {:.1} MB read from the checkpoint",
         res.records.len(),
@@ -312,7 +321,12 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         outs.file(j, text.as_bytes())?;
     }
     if let Some(md) = &args.markdown {
-        outs.file(md, report::markdown(&p.meta, &res).as_bytes())?;
+        let mut m = report::markdown(&p.meta, &res);
+        m.push('\n');
+        m.push_str(&probe::findings::markdown(
+            res.summary.findings.as_deref().unwrap_or(&[]),
+        ));
+        outs.file(md, m.as_bytes())?;
     }
     if let Some(d) = &args.dump {
         report::dump(&mut outs, d, &res)?;
@@ -323,7 +337,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     }
     outs.publish_and_report()?;
     crate::profile::mark("reports written");
-    let findings = res.summary.divergent_ops > 0 || res.summary.non_finite_ops > 0;
+    let findings = exit != EXIT_OK || res.summary.non_finite_ops > 0;
     drop(res);
     drop(p);
     crate::profile::mark("released");

@@ -138,6 +138,10 @@ impl Rule {
 pub struct Tolerances {
     /// In priority order: earlier rules win.
     pub rules: Vec<Rule>,
+    /// `strict = true` at the top of the file: a divergent op whose error is absorbed downstream
+    /// (`consequence.severity = "absorbed"` in the run JSON) counts as divergent for the
+    /// `divergent` metric. By default only harmful divergences count, as `run` exits 0 on them.
+    pub strict: bool,
 }
 
 impl Default for Tolerances {
@@ -147,6 +151,7 @@ impl Default for Tolerances {
     fn default() -> Self {
         Tolerances {
             rules: builtin_rules(),
+            strict: false,
         }
     }
 }
@@ -218,6 +223,9 @@ struct RawFile {
     /// `false` drops the built-in rules: only the file's rules are checked.
     #[serde(default = "yes")]
     defaults: bool,
+    /// Absorbed divergences count as divergent.
+    #[serde(default)]
+    strict: bool,
     #[serde(default)]
     rule: Vec<RawRule>,
 }
@@ -310,7 +318,10 @@ impl Tolerances {
         if raw.defaults {
             rules.extend(builtin_rules());
         }
-        Ok(Tolerances { rules })
+        Ok(Tolerances {
+            rules,
+            strict: raw.strict,
+        })
     }
 }
 
@@ -505,6 +516,15 @@ mod tests {
         assert_eq!(t.rules[1].source, "served_isolated");
         assert_eq!(t.rules[0].origin, "t.toml rule #1");
         assert_eq!(t.rules[2].origin, "built-in");
+    }
+
+    #[test]
+    fn strict_is_read_from_the_top_of_the_file() {
+        assert!(!Tolerances::default().strict);
+        assert!(!Tolerances::from_toml("", "t.toml").unwrap().strict);
+        let t = Tolerances::from_toml("strict = true\n", "t.toml").unwrap();
+        assert!(t.strict);
+        assert_eq!(t.rules, Tolerances::default().rules);
     }
 
     #[test]

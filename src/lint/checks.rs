@@ -971,6 +971,29 @@ fn activations(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
     }
 }
 
+/// Weight-scale factors an RMSNorm behind the shard provably absorbs: any magnification (the
+/// norm's eps then matters even less), and shrinking down to ×1/4, where the norm's output moves by
+/// eps·15/(2·ms) relative — below 1e-3 while the shard's output RMS stays above 0.09 at eps = 1e-6
+/// (the run measures the real activations; `run`/`bisect` classify by what they see).
+const ABSORBED_MIN_FACTOR: f64 = 0.25;
+
+/// The RMSNorm that follows a q_a/kv shard (DSV4-LAYER.md §2.3: `q_norm` after `wq_a`, `kv_norm`
+/// after `wkv`), when a constant factor on the shard's output is absorbed by it.
+fn absorbing_norm(base: &str, factor: f64) -> Option<String> {
+    if !(factor.is_finite() && factor >= ABSORBED_MIN_FACTOR) {
+        return None;
+    }
+    let (stem, norm) = if let Some(s) = base.strip_suffix(".attn.wq_a") {
+        (s, "attn.q_norm")
+    } else if let Some(s) = base.strip_suffix(".attn.wkv") {
+        (s, "attn.kv_norm")
+    } else {
+        return None;
+    };
+    let n = stem.strip_prefix("layers.")?;
+    Some(format!("L{n}.{norm}"))
+}
+
 fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
     let th = cx.th();
     let by: HashMap<&str, &WeightMeta> = nv.iter().map(|m| (m.canonical.as_str(), *m)).collect();
@@ -1018,24 +1041,48 @@ fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
             if ratio <= th.fused_warning {
                 continue;
             }
-            let sev: Severity = if ratio >= th.fused_error { E } else { W };
             let kept = a.max(bv);
+            // the shard whose own value lost the merge
+            let mis_base = if a < bv {
+                m.canonical.as_str()
+            } else {
+                p.canonical.as_str()
+            };
             let (mis, factor) = match conv {
                 // vLLM keeps max(g): the shard with the smaller g decodes ×g_i/g_max.
                 Convention::CompressedTensors => (if a < bv { ta } else { tb }, 1.0 / ratio),
                 // vLLM keeps max(d): the shard with the smaller d decodes ×d_max/d_i.
                 Convention::ModelOpt => (if a < bv { ta } else { tb }, ratio),
             };
+            let absorbed = if which == "weight" {
+                absorbing_norm(mis_base, factor)
+            } else {
+                None
+            };
+            let sev: Severity = if absorbed.is_some() {
+                W
+            } else if ratio >= th.fused_error {
+                E
+            } else {
+                W
+            };
             let file = file_of(cx, tb, &p.file);
-            push(out, cx.finding(
+            let mut evidence = format!("{which} tensor scales of a fused pair differ: `{ta}` = {}, `{tb}` = {} (ratio {}); an engine that fuses them keeps one (vLLM: the max, {}) and `{mis}` then {} ×{}", g(a as f64), g(bv as f64), g(ratio), g(kept as f64), if which == "weight" { "decodes" } else { "has its activations scaled" }, g(factor));
+            if let Some(norm) = &absorbed {
+                evidence.push_str(&format!("; absorbed by {norm}: an RMSNorm divides by its input's RMS, and a wrong weight tensor scale multiplies the shard's output by one constant, so the norm's output does not change (a warning; `--strict` makes it an error)"));
+            }
+            if let Some(mut f) = cx.finding(
                 "fused.mismatch",
                 sev,
                 tb,
                 &file,
                 &p.canonical,
-                format!("{which} tensor scales of a fused pair differ: `{ta}` = {}, `{tb}` = {} (ratio {}); an engine that fuses them keeps one (vLLM: the max, {}) and `{mis}` then {} ×{}", g(a as f64), g(bv as f64), g(ratio), g(kept as f64), if which == "weight" { "decodes" } else { "has its activations scaled" }, g(factor)),
+                evidence,
                 "Re-export with linked observers so both members share one tensor scale (max amax of the pair, NVFP4.md §3.4); vLLM #54974.",
-            ));
+            ) {
+                f.absorbed_by = absorbed;
+                out.push(f);
+            }
         }
     }
 }

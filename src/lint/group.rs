@@ -131,6 +131,7 @@ mod tests {
             op: Some("L3.ffn.experts".into()),
             evidence: format!("evidence of {tensor}"),
             fix: fix.into(),
+            absorbed_by: None,
         }
     }
 

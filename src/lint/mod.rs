@@ -42,6 +42,10 @@ pub struct Finding {
     pub op: Option<String>,
     pub evidence: String,
     pub fix: String,
+    /// Set when the finding's effect is provably absorbed downstream: the op that removes it (a
+    /// warning, an error under `--strict`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub absorbed_by: Option<String>,
 }
 
 /// Everything one lint run found.
@@ -68,6 +72,16 @@ impl Report {
         } else {
             EXIT_OK
         }
+    }
+
+    /// `--strict`: findings whose effect is absorbed downstream count as errors.
+    pub fn strict(&mut self) {
+        for f in &mut self.findings {
+            if f.absorbed_by.is_some() && f.severity < Severity::Error {
+                f.severity = Severity::Error;
+            }
+        }
+        sort(&mut self.findings);
     }
 
     /// Findings of one rule.
@@ -118,15 +132,43 @@ impl<'a> Cx<'a> {
             op: op_of_base(base),
             evidence,
             fix: fix.to_string(),
+            absorbed_by: None,
         })
     }
 }
 
 /// Lint an open checkpoint (no reference).
 pub fn lint(ck: &Checkpoint, rules: &Rules) -> Result<Report> {
+    lint_bases(ck, rules, ck.weight_bases())
+}
+
+/// The layer a (canonical or raw) tensor or base name belongs to: `layers.N.` or `model.layers.N.`.
+pub fn layer_of(name: &str) -> Option<usize> {
+    let i = name.find("layers.")?;
+    if i > 0 && !name[..i].ends_with('.') {
+        return None;
+    }
+    name[i + 7..].split('.').next()?.parse().ok()
+}
+
+/// Lint only what a run of layers 0..=`last` reads: the weights of those layers and those outside
+/// any layer (embedding, head); findings about later layers are dropped. What `run` and `bisect`
+/// check before they report (scales only: headers, scalars, block-scale bytes of those layers).
+pub fn lint_layers(ck: &Checkpoint, rules: &Rules, last: usize) -> Result<Report> {
+    let bases: Vec<String> = ck
+        .weight_bases()
+        .into_iter()
+        .filter(|b| layer_of(b).is_none_or(|l| l <= last))
+        .collect();
+    let mut r = lint_bases(ck, rules, bases)?;
+    r.findings
+        .retain(|f| layer_of(&f.tensor).is_none_or(|l| l <= last));
+    Ok(r)
+}
+
+fn lint_bases(ck: &Checkpoint, rules: &Rules, bases: Vec<String>) -> Result<Report> {
     let t0 = Instant::now();
     let cx = Cx::new(ck, rules);
-    let bases = ck.weight_bases();
     let per: Vec<(Vec<Finding>, Option<WeightMeta>)> = bases
         .par_iter()
         .map(|b| checks::check_weight(&cx, b))

@@ -3,12 +3,15 @@
 //! numerics fed the BF16 oracle's inputs) — against the oracles.
 
 pub mod budget;
+pub mod consequence;
 pub mod env;
 pub mod faults;
+pub mod findings;
 pub mod replay;
 pub mod scan;
 pub mod served;
 pub mod spec;
+pub mod tolerance;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -25,7 +28,7 @@ use crate::{Error, Result, Tensor};
 use env::{PathEnv, PathKind, Shared};
 use faults::Fault;
 use served::{Override, Profile};
-use spec::{ProbeSpec, Thresholds};
+use spec::ProbeSpec;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -115,11 +118,16 @@ pub struct OpRecord {
     pub act_amax_over_calib: Option<f64>,
     /// rel-L2 the isolated error is held to.
     pub tolerance: f64,
+    /// Which term set the tolerance: the table row (`Linear × nvfp4 × blackwell-w4a4`), the op's
+    /// BF16 noise, or the floor.
+    pub tolerance_basis: String,
     /// The op's own numerics diverge (isolated).
     pub divergent: bool,
     pub reason: Option<String>,
     /// The accumulated error is visible here (propagated).
     pub shows: bool,
+    /// For a divergent op: whether its error reaches a later op (harmful) or is absorbed.
+    pub consequence: Option<consequence::Consequence>,
 }
 
 #[derive(Clone, Debug, Serialize, Default)]
@@ -131,6 +139,16 @@ pub struct Summary {
     pub first_non_finite: Option<(String, String)>,
     pub divergent_ops: usize,
     pub non_finite_ops: usize,
+    /// Divergent ops whose error reaches a later op (or the output), and ops whose error no later
+    /// op sees (`consequence` of each op).
+    pub harmful_ops: usize,
+    pub absorbed_ops: usize,
+    /// First divergent op whose error is harmful.
+    pub first_harmful: Option<String>,
+    /// `run`: every finding (divergences, lint errors of the layers read, oracle anomalies),
+    /// ordered by consequence, with the level that decides the exit code.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub findings: Option<Vec<findings::Finding>>,
 }
 
 impl Summary {
@@ -142,6 +160,15 @@ impl Summary {
         };
         for r in records {
             if r.divergent {
+                match r.consequence.as_ref().map(|c| c.severity) {
+                    Some(consequence::Severity::Absorbed) => summary.absorbed_ops += 1,
+                    _ => {
+                        summary.harmful_ops += 1;
+                        if summary.first_harmful.is_none() {
+                            summary.first_harmful = Some(r.id.clone());
+                        }
+                    }
+                }
                 summary.divergent_ops += 1;
                 if summary.first_divergent.is_none() {
                     summary.first_divergent = Some(r.id.clone());
@@ -187,40 +214,24 @@ fn agreement(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64
 }
 
-/// Expected rel-L2 of the served op in isolation, from the formats it uses.
-fn format_tolerance(th: &Thresholds, profile: Profile, formats: &[String], class: &str) -> f64 {
-    let mut t: f64 = 0.0;
-    for f in formats {
-        let x = match f.as_str() {
-            "nvfp4" => match profile {
-                Profile::BlackwellW4a4 | Profile::Emulation => th.nvfp4_w4a4_rel_l2,
-                Profile::HopperW4a16 => th.nvfp4_w4a16_rel_l2,
-            },
-            "fp8-block" => th.fp8_rel_l2,
-            "mxfp4" => th.mxfp4_rel_l2,
-            _ => 0.0,
-        };
-        t = t.max(x);
-    }
-    if class == "Moe" || class == "Attention" {
-        t *= th.chain_factor;
-    }
-    t
-}
-
 /// Run the probe.
 pub fn run(ckpt: &Checkpoint, opts: &RunOptions) -> Result<RunResult> {
     run_capturing(ckpt, opts, false).map(|(r, _)| r)
 }
 
-/// Run the probe; with `capture`, also keep the BF16 oracle's view (inputs and outputs) of the
-/// first divergent op, which is what `bisect`'s hypothesis replay starts from (the same tensors
-/// [`replay::capture`] would compute by running the oracle up to the op again).
+/// Divergent ops whose oracle view [`run_capturing`] keeps for bisect (in run order); the
+/// hypotheses of later ones start from a capture pass of their own.
+pub const MAX_CAPTURES: usize = 64;
+
+/// Run the probe; with `capture`, also keep the BF16 oracle's view (inputs and outputs) of every
+/// divergent op (the first [`MAX_CAPTURES`]), which is what `bisect`'s hypothesis replay starts
+/// from (the same tensors [`replay::capture`] would compute by running the oracle up to the op
+/// again).
 pub fn run_capturing(
     ckpt: &Checkpoint,
     opts: &RunOptions,
     capture: bool,
-) -> Result<(RunResult, Option<replay::Capture>)> {
+) -> Result<(RunResult, Vec<replay::Capture>)> {
     let t0 = Instant::now();
     let bytes0 = ckpt.bytes_read();
     let cfg = ckpt.model_config()?.clone();
@@ -271,7 +282,9 @@ pub fn run_capturing(
     let mut shared = opts.shared(ckpt, cfg.clone());
     let mut maps: [HashMap<String, Tensor>; 3] = Default::default();
     let mut records: Vec<OpRecord> = Vec::new();
-    let mut captured: Option<replay::Capture> = None;
+    let mut captured: Vec<replay::Capture> = Vec::new();
+    // divergent ops' faulty outputs, fed to their consumers (severity by consequence)
+    let mut tracker = consequence::Tracker::default();
     let mut outputs: BTreeMap<String, Vec<(String, Tensor)>> = BTreeMap::new();
     let pb = if opts.progress {
         let pb = indicatif::ProgressBar::new(ops.len() as u64);
@@ -326,15 +339,22 @@ pub fn run_capturing(
     };
     crate::profile::mark("runner: loader set up");
     // the last op's record, its metrics still queued on the device
-    let mut queued: Option<(PendingRecord, Option<replay::Capture>)> = None;
-    let finish = |p: PendingRecord,
-                  cand: Option<replay::Capture>,
+    let mut queued: Option<Queued> = None;
+    let finish = |q: Queued,
                   records: &mut Vec<OpRecord>,
-                  captured: &mut Option<replay::Capture>|
+                  captured: &mut Vec<replay::Capture>,
+                  tracker: &mut consequence::Tracker,
+                  oracle: &HashMap<String, Tensor>|
      -> Result<()> {
-        let r = op_record_finish(ckpt, opts, p)?;
-        if r.divergent && captured.is_none() {
-            *captured = cand;
+        let op = q.record.op.clone();
+        let r = op_record_finish(ckpt, opts, q.record)?;
+        if r.divergent {
+            if let Some(c) = q.capture {
+                if captured.len() < MAX_CAPTURES {
+                    captured.push(c);
+                }
+            }
+            tracker.finished(&r, &op, q.iso, oracle.get(&op.id));
         }
         records.push(r);
         Ok(())
@@ -466,16 +486,22 @@ pub fn run_capturing(
                     let p = op_record_begin(
                         opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
                     )?;
-                    // what bisect would start from, should this op be the first divergent one
-                    let cand = (capture && captured.is_none()).then(|| replay::Capture {
-                        op: op.clone(),
-                        inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
-                        oracle_bf16: outs[1].clone(),
-                    });
+                    // what bisect would start from, should this op diverge
+                    let cand =
+                        (capture && captured.len() < MAX_CAPTURES).then(|| replay::Capture {
+                            op: op.clone(),
+                            inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
+                            oracle_bf16: outs[1].clone(),
+                        });
                     // the previous op's record: its metrics were queued before this op's work,
                     // so waiting for them leaves the device busy
-                    if let Some((q, c)) = queued.replace((p, cand)) {
-                        finish(q, c, &mut records, &mut captured)?;
+                    let q = Queued {
+                        record: p,
+                        capture: cand,
+                        iso: iso.clone(),
+                    };
+                    if let Some(q) = queued.replace(q) {
+                        finish(q, &mut records, &mut captured, &mut tracker, &maps[1])?;
                     }
                     *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
                     if opts.keep_outputs {
@@ -494,6 +520,17 @@ pub fn run_capturing(
                 }
                 if deferred && !report {
                     shared.flush_experts()?;
+                }
+                if !report {
+                    // the last record is needed now: this op may consume its output
+                    if let Some(q) = queued.take() {
+                        finish(q, &mut records, &mut captured, &mut tracker, &maps[1])?;
+                    }
+                }
+                // an op that reads a divergent op's output: what does it make of the error?
+                if tracker.consumes_faulty(op) {
+                    let _s = crate::profile::span("exec: consequence");
+                    tracker.consumer(op, &maps[1], &outs[1], &mut shared)?;
                 }
                 let _s = crate::profile::span("runner: clear + bookkeeping");
                 shared.clear();
@@ -514,6 +551,7 @@ pub fn run_capturing(
                 for m in maps.iter_mut() {
                     m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
                 }
+                tracker.retire(&last_use, step);
                 // a device → host read that failed inside `Data` (values read as NaN) ends the run
                 if let Some(e) = crate::tensor::take_device_error() {
                     return Err(Error::Backend(format!("op {}: {e}", op.id)));
@@ -526,8 +564,8 @@ pub fn run_capturing(
                 }
             }
             crate::profile::mark("runner: last op done");
-            if let Some((q, c)) = queued.take() {
-                finish(q, c, &mut records, &mut captured)?;
+            if let Some(q) = queued.take() {
+                finish(q, &mut records, &mut captured, &mut tracker, &maps[1])?;
             }
             Ok(())
         })();
@@ -629,6 +667,8 @@ pub fn run_capturing(
     }
 
     crate::profile::write_timeline();
+    let (found, scales) = tracker.into_parts();
+    consequence::classify(&mut records, found, &scales, &opts.spec.thresholds);
     let summary = Summary::of(&records);
     Ok((
         RunResult {
@@ -660,6 +700,14 @@ pub(crate) fn op_record(
 ) -> Result<OpRecord> {
     let p = op_record_begin(opts, step, op, outs, iso, fp_on_bf, touched, observed)?;
     op_record_finish(ckpt, opts, p)
+}
+
+/// The last reported op while its metrics compute: its record, its oracle view (for bisect) and
+/// its isolated (faulty, should it diverge) outputs.
+struct Queued {
+    record: PendingRecord,
+    capture: Option<replay::Capture>,
+    iso: Vec<Tensor>,
 }
 
 /// An op's record whose metrics may still be computing on the device.
@@ -742,22 +790,16 @@ pub(crate) fn op_record_finish(
         .iter()
         .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))
         .collect();
-    let formats: Vec<String> = weights
-        .iter()
-        .map(|(_, s)| {
-            if s.starts_with("nvfp4") {
-                "nvfp4".to_string()
-            } else {
-                s.clone()
-            }
-        })
-        .collect();
     let class = format!("{:?}", op.class);
     let (noise, noise_iso, iso_bf, prop_bf) = (ms.noise, ms.noise_iso, ms.iso_bf, ms.prop_bf);
     let (health, act_ratio) = env::aggregate_health(observed);
-    let tol = (th.noise_multiplier * noise_iso.rel_l2.unwrap_or(0.0))
-        .max(format_tolerance(th, opts.profile, &formats, &class))
-        .max(th.min_rel_l2);
+    let (tol, tolerance_basis) = tolerance::op_tolerance(
+        th,
+        opts.profile,
+        &class,
+        &weights,
+        noise_iso.rel_l2.unwrap_or(0.0),
+    );
     let bf_nf = stats["oracle_bf16"].non_finite();
     let (divergent, reason) = if stats["served_isolated"].non_finite() && !bf_nf {
         (
@@ -808,6 +850,8 @@ pub(crate) fn op_record_finish(
         health,
         act_amax_over_calib: act_ratio,
         tolerance: tol,
+        tolerance_basis,
+        consequence: None,
         divergent,
         reason,
         shows,

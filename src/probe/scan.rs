@@ -166,8 +166,8 @@ pub struct Probe {
 /// The runner's records of one layer, measured from saved states.
 pub struct Measured {
     pub records: Vec<OpRecord>,
-    /// The BF16-oracle view of the layer's first divergent op (what `replay::capture` returns).
-    pub capture: Option<Capture>,
+    /// The BF16-oracle view of the layer's divergent ops, in order (what `replay::capture` returns).
+    pub captures: Vec<Capture>,
     pub execs: usize,
     pub seconds: f64,
 }
@@ -513,7 +513,8 @@ pub fn measure_layer(
         start.served.clone(),
     ];
     let mut records = Vec::new();
-    let mut capture: Option<Capture> = None;
+    let mut captures: Vec<Capture> = Vec::new();
+    let mut tracker = super::consequence::Tracker::default();
     let mut execs = 0;
     for step in s0..=s1 {
         let op = &g.ops[step];
@@ -540,14 +541,20 @@ pub fn measure_layer(
             let rec = super::op_record(
                 ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
             )?;
-            if rec.divergent && capture.is_none() {
-                capture = Some(Capture {
-                    op: op.clone(),
-                    inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
-                    oracle_bf16: outs[1].clone(),
-                });
+            if rec.divergent {
+                if captures.len() < super::MAX_CAPTURES {
+                    captures.push(Capture {
+                        op: op.clone(),
+                        inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
+                        oracle_bf16: outs[1].clone(),
+                    });
+                }
+                tracker.finished(&rec, op, iso, outs[1].first());
             }
             records.push(rec);
+        }
+        if tracker.consumes_faulty(op) {
+            execs += tracker.consumer(op, &maps[1], &outs[1], &mut sh)?;
         }
         sh.clear();
         for (pi, out) in outs.into_iter().enumerate() {
@@ -557,9 +564,11 @@ pub fn measure_layer(
             g.drop_dead(step, m);
         }
     }
+    let (found, scales) = tracker.into_parts();
+    super::consequence::classify(&mut records, found, &scales, &opts.spec.thresholds);
     Ok(Measured {
         records,
-        capture,
+        captures,
         execs,
         seconds: t0.elapsed().as_secs_f64(),
     })
@@ -567,7 +576,8 @@ pub fn measure_layer(
 
 /// Op executions of one `probe::run` that produced `records` over `ops_run` ops: three paths per
 /// op, plus for each reported op the FP32 oracle on the oracle's inputs and, when it reads a
-/// quantized weight, the served op on them.
+/// quantized weight, the served op on them, plus each divergent op's consumers (one or two
+/// executions each, `consequence`).
 pub fn run_execs(ckpt: &Checkpoint, ops_run: usize, records: &[OpRecord]) -> usize {
     let extra: usize = records
         .iter()
@@ -576,7 +586,14 @@ pub fn run_execs(ckpt: &Checkpoint, ops_run: usize, records: &[OpRecord]) -> usi
                 ckpt.weight_scheme(b)
                     .is_some_and(|s| s != "bf16" && s != "f16" && s != "f32")
             });
-            1 + usize::from(q)
+            // a divergent op's consumers, fed its faulty output (severity by consequence)
+            let consequence: usize = r
+                .consequence
+                .iter()
+                .flat_map(|c| c.downstream.iter())
+                .map(|d| d.execs)
+                .sum();
+            1 + usize::from(q) + consequence
         })
         .sum();
     3 * ops_run + extra

@@ -45,20 +45,18 @@ pub struct TokenSpec {
 
 /// Divergence thresholds. An op diverges (isolated) when its served output, fed the BF16 oracle's
 /// inputs, is further from the BF16 oracle than both `noise_multiplier ×` the op's own
-/// BF16-vs-FP32 spread and the expected quantization error of the formats it uses.
+/// BF16-vs-FP32 spread and the expected error of a healthy served op of its class, weight format
+/// and profile (the isolated tolerance table, `probe::tolerance`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Thresholds {
     pub noise_multiplier: f64,
     /// Absolute floor for ops whose numerics are identical to the oracle's.
     pub min_rel_l2: f64,
-    /// Expected rel-L2 of one linear per weight format, in the served profile's numerics.
-    pub nvfp4_w4a4_rel_l2: f64,
-    pub nvfp4_w4a16_rel_l2: f64,
-    pub fp8_rel_l2: f64,
-    pub mxfp4_rel_l2: f64,
-    /// Extra factor for ops that chain several quantized GEMMs (experts: w1/w3 then w2).
-    pub chain_factor: f64,
+    /// Rows of the isolated tolerance table that come before the built-in ones
+    /// (`probes/isolated-tolerances.toml`): `[[thresholds.isolated]] class, format, profile, rel_l2`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub isolated: Vec<super::tolerance::IsolatedRow>,
     /// amax ratio outside [1/x, x] diverges.
     pub amax_ratio: f64,
     /// Propagated: the error "shows" once rel-L2 vs the BF16 oracle exceeds this.
@@ -70,11 +68,7 @@ impl Default for Thresholds {
         Thresholds {
             noise_multiplier: 8.0,
             min_rel_l2: 1e-3,
-            nvfp4_w4a4_rel_l2: 0.25,
-            nvfp4_w4a16_rel_l2: 0.15,
-            fp8_rel_l2: 0.08,
-            mxfp4_rel_l2: 0.15,
-            chain_factor: 1.6,
+            isolated: Vec::new(),
             amax_ratio: 4.0,
             propagated_rel_l2: 0.5,
         }
@@ -160,5 +154,23 @@ mod tests {
         assert!(chain.selects("L0.attn.q_b"));
         assert!(!chain.selects("L0.attn.wo_b"));
         assert!(ProbeSpec::parse("bogus = 1", Path::new("x.toml")).is_err());
+    }
+
+    #[test]
+    fn isolated_rows_parse_and_the_old_format_fields_are_refused_by_name() {
+        let s = ProbeSpec::parse(
+            "[[thresholds.isolated]]\nclass = \"Linear\"\nformat = \"nvfp4\"\nprofile = \"*\"\nrel_l2 = 0.1\n",
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(s.thresholds.isolated.len(), 1);
+        assert_eq!(
+            s.thresholds.noise_multiplier,
+            Thresholds::default().noise_multiplier
+        );
+        let e = ProbeSpec::parse("[thresholds]\nchain_factor = 1.6\n", Path::new("old.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("chain_factor") && e.contains("old.toml"), "{e}");
     }
 }

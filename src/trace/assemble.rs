@@ -22,12 +22,23 @@ pub struct Assembled {
     pub notes: Vec<String>,
 }
 
+/// A trace tensor that could not be compared, and why.
+#[derive(Clone, Debug, serde::Serialize, PartialEq)]
+pub struct Skipped {
+    pub trace_name: String,
+    pub op: String,
+    pub reason: String,
+}
+
 /// The result of mapping a whole trace.
 #[derive(Clone, Debug, Default)]
 pub struct Mapping {
     pub ops: Vec<Assembled>,
     /// Trace tensor names no map entry knows.
     pub unmapped: Vec<String>,
+    /// Tensors a map entry knows whose shape cannot be reconciled with the op (split out of
+    /// range, ranks that do not join), with the reason.
+    pub skipped: Vec<Skipped>,
     pub notes: Vec<String>,
 }
 
@@ -285,9 +296,15 @@ pub fn assemble(trace: &Trace, map: &NameMap, cfg: &ModelConfig) -> Result<Mappi
             let mut data = Vec::new();
             let mut dtype = String::new();
             let mut last: Option<RawTensor> = None;
+            let mut failed = None;
             for p in 0..trace.passes {
-                let Some(t) = one_pass(trace, p, &name, rule, cfg, &mut notes)? else {
-                    continue;
+                let t = match one_pass(trace, p, &name, rule, cfg, &mut notes) {
+                    Ok(Some(t)) => t,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        failed = Some(e.to_string());
+                        break;
+                    }
                 };
                 if dtype.is_empty() {
                     dtype = t.dtype.clone();
@@ -296,6 +313,14 @@ pub fn assemble(trace: &Trace, map: &NameMap, cfg: &ModelConfig) -> Result<Mappi
                     data.extend_from_slice(&t.data);
                 }
                 last = Some(t);
+            }
+            if let Some(reason) = failed {
+                out.skipped.push(Skipped {
+                    trace_name: name.clone(),
+                    op: rule.op.clone(),
+                    reason,
+                });
+                continue;
             }
             let Some(last) = last else { continue };
             if !rule.token_rows {

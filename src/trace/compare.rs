@@ -1,10 +1,19 @@
-//! Holding an engine's op outputs against the oracle run on the same tokens.
+//! Holding an engine's op outputs against the oracle run on the same tokens, at the precision the
+//! trace carries.
 //!
-//! A trace is "clean" at an op when it is as close to one of the oracles as the BF16 oracle is to the
-//! FP32 one (that spread × the spec's noise multiplier), never tighter than the rounding of the dump's
-//! own dtype. A quantized checkpoint cannot match the oracles that closely: the gap our served
-//! emulation shows at the op (×2) widens the tolerance there, so only errors beyond the quantization's
-//! own count.
+//! Each op is held to the noise of the precision it was computed at ([`super::precision`]: the
+//! coarser of the precision its values carry and the run's, read from the values whatever the
+//! container): its tolerance is
+//!   max(noise_multiplier × the BF16 oracle's spread vs FP32 at the op, scaled to that precision
+//!       (× u_p / u_bf16), noise_multiplier × the rel-L2 one rounding to that precision puts on
+//!       the op's own values, 2 × the gap our served emulation shows there, min_rel_l2).
+//! The first term is the accumulated noise of a run at that precision (our BF16 oracle is one
+//! such run; another implementation rounds at other points, hence the multiplier); the second is
+//! the floor a run at that precision cannot go below even where our oracle computes exactly (an
+//! autocast run feeds BF16 matmul outputs into its float32 mixing; our BF16 oracle keeps that part
+//! exact); the third admits a quantized checkpoint's own error. An F32 trace is held to the
+//! floor and the served gap. A tensor whose shape cannot be reconciled with its op is skipped
+//! with the reason; the rest is compared.
 
 use std::collections::HashMap;
 
@@ -14,8 +23,20 @@ use crate::metrics::{Compare, Stats};
 use crate::probe::spec::Thresholds;
 use crate::probe::RunResult;
 use crate::trace::assemble::{Assembled, Mapping};
+use crate::trace::precision::{self, Precision};
 use crate::trace::read::TraceTokens;
 use crate::{Error, Result, Tensor};
+
+pub use crate::trace::assemble::Skipped;
+
+/// What [`evaluate`] compared and skipped.
+#[derive(Clone, Debug)]
+pub struct Evaluated {
+    pub ops: Vec<OpCompare>,
+    pub skipped: Vec<Skipped>,
+    /// The coarsest precision the run's computed outputs carry.
+    pub run_precision: Precision,
+}
 
 /// Index outputs (router experts, indexer picks): fraction of per-row choices shared, order ignored.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -43,6 +64,12 @@ pub struct OpCompare {
     /// BF16 oracle vs FP32 oracle on the same rows.
     pub noise: Compare,
     pub agreement: Option<IndexAgreement>,
+    /// The precision the values carry (None for index outputs).
+    pub carried: Option<Precision>,
+    /// The precision the op is held to: the coarser of `carried` and the run's.
+    pub held_at: Option<Precision>,
+    /// rel-L2 one rounding to `held_at` puts on the op's own (oracle) values.
+    pub precision_floor: f64,
     pub tolerance: f64,
     /// `clean`, `divergent` or `non-finite`.
     pub verdict: String,
@@ -61,13 +88,20 @@ fn is_index_op(op: &str) -> bool {
     op.ends_with(".ffn.router.idx") || op.ends_with(".attn.indexer")
 }
 
-/// Bound on the rel-L2 a dump's own rounding adds (half an ulp relative, as an upper bound on RMS).
-fn dtype_floor(dtype: &str) -> f64 {
-    match dtype {
-        "BF16" => 2f64.powi(-8),
-        "F16" => 2f64.powi(-10),
-        _ => 0.0,
-    }
+/// Ops whose outputs only copy weights (the embedding rows): they carry the weights' precision,
+/// not the run's.
+fn copies_weights(op: &str) -> bool {
+    matches!(op, "embed" | "hc_expand")
+}
+
+/// The precision of a run from the precisions its computed outputs carry: the coarsest, FP8
+/// excepted (an FP8 tensor is a quantized activation dump, not the run's arithmetic).
+pub fn run_precision<'a>(carried: impl IntoIterator<Item = (&'a str, Precision)>) -> Precision {
+    carried
+        .into_iter()
+        .filter(|(op, p)| !copies_weights(op) && !is_index_op(op) && *p != Precision::Fp8E4m3)
+        .map(|(_, p)| p)
+        .fold(Precision::F32, Precision::coarser)
 }
 
 fn rows_of(t: &Tensor, map: &[usize]) -> Vec<f32> {
@@ -132,10 +166,10 @@ fn row_map(
     a: &Assembled,
     oracle: &Tensor,
     len: usize,
-) -> Result<(Vec<usize>, usize)> {
+) -> std::result::Result<(Vec<usize>, usize), String> {
     let t = oracle.shape.first().copied().unwrap_or(1).max(1);
     let w = oracle.numel() / t;
-    let bad = |msg: String| Error::bad(inp.trace_path, Some(&a.source), msg);
+    let bad = |msg: String| msg;
     if w == 0 || !len.is_multiple_of(w) {
         return Err(bad(format!(
             "{len} values do not make rows of op {} (row width {w}, oracle shape {:?})",
@@ -168,9 +202,10 @@ fn row_map(
     )))
 }
 
-/// Compare every assembled op. Errors only for unusable input (shapes that cannot be reconciled, ops the
-/// oracle does not produce).
-pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
+/// Compare every assembled op; a tensor whose shape cannot be reconciled with its op, or that maps
+/// to an op the graph does not produce, is skipped with the reason. An error only when nothing can
+/// be compared.
+pub fn evaluate(inp: &Inputs) -> Result<Evaluated> {
     let get = |path: &str| -> HashMap<&str, &Tensor> {
         inp.res
             .outputs
@@ -194,38 +229,57 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
         .map(|a| (a.op.as_str(), a))
         .collect();
     let mut out = Vec::new();
-    for a in &inp.mapping.ops {
+    let mut skipped = inp.mapping.skipped.clone();
+    let carried: Vec<Option<Precision>> = inp
+        .mapping
+        .ops
+        .iter()
+        .map(|a| (!is_index_op(&a.op)).then(|| precision::carried(&a.data, &a.dtype)))
+        .collect();
+    let run_p = run_precision(
+        inp.mapping
+            .ops
+            .iter()
+            .zip(&carried)
+            .filter_map(|(a, p)| Some((a.op.as_str(), (*p)?))),
+    );
+    for (a, own_p) in inp.mapping.ops.iter().zip(carried) {
+        let skip = |reason: String| Skipped {
+            trace_name: a.source.clone(),
+            op: a.op.clone(),
+            reason,
+        };
         let (Some(f), Some(b), Some(s)) = (
             fp.get(a.op.as_str()),
             bf.get(a.op.as_str()),
             sv.get(a.op.as_str()),
         ) else {
-            return Err(Error::bad(
-                inp.trace_path,
-                Some(&a.source),
-                format!(
-                    "maps to op `{}`, which this model's graph does not produce (check --names or the map file)",
-                    a.op
-                ),
-            ));
+            skipped.push(skip(format!(
+                "maps to op `{}`, which this model's graph does not produce (check --names or the map file)",
+                a.op
+            )));
+            continue;
         };
         let (mut t, mut fr, mut br, mut sr, rows) = if a.token_rows {
-            let (map, w) = row_map(inp, a, f, a.data.len())?;
+            let (map, w) = match row_map(inp, a, f, a.data.len()) {
+                Ok(x) => x,
+                Err(reason) => {
+                    skipped.push(skip(reason));
+                    continue;
+                }
+            };
             let t = a.data[..map.len() * w].to_vec();
             (t, rows_of(f, &map), rows_of(b, &map), rows_of(s, &map), map)
         } else {
             if a.data.len() != f.numel() {
-                return Err(Error::bad(
-                    inp.trace_path,
-                    Some(&a.source),
-                    format!(
-                        "{} values where op {} has shape {:?} ({} values)",
-                        a.data.len(),
-                        a.op,
-                        f.shape,
-                        f.numel()
-                    ),
-                ));
+                skipped.push(skip(format!(
+                    "{} values where op {} has shape {:?} ({} values)",
+                    a.data.len(),
+                    a.op,
+                    f.shape,
+                    f.numel()
+                )));
+                continue;
             }
             let r = f.shape.first().copied().unwrap_or(1);
             (
@@ -260,9 +314,19 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
         let vs_served = Compare::of(&t, &sr);
         let noise = Compare::of(&br, &fr);
         let served_gap = Compare::of(&sr, &br).rel_l2.unwrap_or(0.0);
-        let tol = (th.noise_multiplier * noise.rel_l2.unwrap_or(0.0))
+        let held = own_p.map(|p| {
+            if p == Precision::Fp8E4m3 || copies_weights(&a.op) {
+                p
+            } else {
+                p.coarser(run_p)
+            }
+        });
+        let hp = held.unwrap_or(Precision::F32);
+        let scale = hp.unit_roundoff() / Precision::Bf16.unit_roundoff();
+        let floor = precision::rounding_rel_l2(hp, &fr);
+        let tol = (th.noise_multiplier * noise.rel_l2.unwrap_or(0.0) * scale)
+            .max(th.noise_multiplier * floor)
             .max(2.0 * served_gap)
-            .max(dtype_floor(&a.dtype))
             .max(th.min_rel_l2);
         let oracle_finite = !oracle_stats.non_finite() && !Stats::of(&br).non_finite();
         let mut agreement = None;
@@ -345,6 +409,9 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
             vs_served,
             noise,
             agreement,
+            carried: own_p,
+            held_at: held,
+            precision_floor: floor,
             tolerance: tol,
             verdict: verdict.into(),
             reason,
@@ -353,25 +420,47 @@ pub fn evaluate(inp: &Inputs) -> Result<Vec<OpCompare>> {
         });
     }
     out.sort_by(|x, y| x.step.cmp(&y.step).then(x.trace_name.cmp(&y.trace_name)));
-    Ok(out)
+    if out.is_empty() {
+        return Err(Error::bad(
+            inp.trace_path,
+            None,
+            format!(
+                "no tensor could be compared: {}",
+                skipped
+                    .iter()
+                    .take(4)
+                    .map(|k| format!("{} ({})", k.trace_name, k.reason))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        ));
+    }
+    Ok(Evaluated {
+        ops: out,
+        skipped,
+        run_precision: run_p,
+    })
 }
 
-/// Scale attribution at the trace's first divergent op: which checkpoint scale explains it. The bisect
-/// module (branch `bisect`: `bisect::bisect_run(ckpt, opts, res)`) owns that search; it explains the
-/// served emulation's first divergence, which attributes the trace's only when both are the same op.
-/// Returns bisect's verdict sentence when the served emulation diverges at the trace's first divergent op.
-pub fn attribution_hook(
+/// Scale attribution of a trace's divergent ops: bisect explains every op where the served
+/// emulation diverges too ([`crate::bisect::bisect_run_from`], with the oracle views the run kept);
+/// the trace's divergent ops among those get bisect's verdict. An op where the emulation agrees
+/// with the oracle is the engine's own doing, not the checkpoint's: not attributed.
+pub fn attributions(
     ckpt: &crate::checkpoint::Checkpoint,
     opts: &crate::probe::RunOptions,
     res: &RunResult,
-    first_divergent: &str,
-) -> Option<String> {
-    let b = crate::bisect::bisect_run(ckpt, opts, res).ok()?;
-    let d = b.divergence?;
-    if d.op != first_divergent {
-        return None;
-    }
-    d.verdict.map(|v| v.sentence)
+    caps: Vec<crate::probe::replay::Capture>,
+    divergent: &[&str],
+) -> Vec<(String, String)> {
+    let Ok(b) = crate::bisect::bisect_run_from(ckpt, opts, res, caps) else {
+        return Vec::new();
+    };
+    b.divergences
+        .into_iter()
+        .filter(|d| divergent.contains(&d.op.as_str()))
+        .filter_map(|d| Some((d.op, d.verdict?.sentence)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -395,13 +484,23 @@ mod tests {
     }
 
     #[test]
-    fn bf16_floor_bounds_bf16_rounding() {
-        // rel-L2 of BF16 rounding on varied data stays under the floor
-        let x: Vec<f32> = (1..2000)
-            .map(|i| (i as f32 * 0.7311).sin() * 3.0 + 0.01)
-            .collect();
-        let r: Vec<f32> = x.iter().map(|&v| crate::numerics::bf16::round(v)).collect();
-        let e = Compare::of(&r, &x).rel_l2.unwrap();
-        assert!(e > 0.0 && e < dtype_floor("BF16"), "{e}");
+    fn run_precision_ignores_copies_indices_and_fp8() {
+        use Precision::*;
+        assert_eq!(
+            run_precision([("embed", Bf16), ("L0.attn.hc_pre", F32)]),
+            F32
+        );
+        assert_eq!(
+            run_precision([
+                ("embed", Bf16),
+                ("L0.attn.q_a", Bf16),
+                ("L0.attn.hc_pre", F32)
+            ]),
+            Bf16
+        );
+        assert_eq!(
+            run_precision([("L0.ffn.router.idx", Bf16), ("L0.attn.kv", Fp8E4m3)]),
+            F32
+        );
     }
 }

@@ -4,4 +4,5 @@
 pub mod assemble;
 pub mod compare;
 pub mod names;
+pub mod precision;
 pub mod read;
