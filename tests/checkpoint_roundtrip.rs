@@ -22,7 +22,7 @@ const SCHEMES: [(&str, &str); 10] = [
     ("head", "bf16"),
 ];
 
-/// HF module names, transcribed from DSV4-LAYER.md §2.2.
+/// HF module names, transcribed from docs/DSV4-LAYER.md §2.2.
 fn hf_base(base: &str) -> String {
     let map = [
         ("layers.0.attn.wq_a", "model.layers.0.self_attn.q_a_proj"),

@@ -1,4 +1,4 @@
-//! An independent float64 re-implementation of the DeepSeek-V4 forward (DSV4-LAYER.md §3),
+//! An independent float64 re-implementation of the DeepSeek-V4 forward (docs/DSV4-LAYER.md §3),
 //! written plainly from the spec text with straightforward loops and no code shared with
 //! `src/model` (only the config and the random weights of `MemEnv` are reused as data). The FP32
 //! path must agree on every op output to ≤ 1e-5 relative L2, and exactly on discrete choices.

@@ -1,4 +1,4 @@
-//! NVFP4.md §9 test vectors TV1–TV13, plus the exhaustive E4M3 checks of §2.1. Expected bytes
+//! docs/NVFP4.md §9 test vectors TV1–TV13, plus the exhaustive E4M3 checks of §2.1. Expected bytes
 //! and values are the spec's (measured on CUDA / the producer libraries), not this crate's.
 
 use nvfp4_probe::numerics::nvfp4::Convention;

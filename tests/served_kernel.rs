@@ -1,11 +1,11 @@
-//! The served path's W4A4 linear reproduces the serving kernel's numerics: NVFP4.md §4.3 reference GEMM
+//! The served path's W4A4 linear reproduces the serving kernel's numerics: docs/NVFP4.md §4.3 reference GEMM
 //! (exact per-block partials, f64 across blocks, bf16(alpha·acc)) on the §9 vectors and on random data.
 
 use nvfp4_probe::numerics::{bf16, e2m1, e4m3, nvfp4};
 use nvfp4_probe::probe::served::{apply, Nvfp4Params, Profile, ServedWeight};
 
 fn wq_of(packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec<f32> {
-    // e2m1 · s_w, straight from the format definition (NVFP4.md §1, §3.1)
+    // e2m1 · s_w, straight from the format definition (docs/NVFP4.md §1, §3.1)
     let nb = cols / 16;
     (0..rows * cols)
         .map(|i| {

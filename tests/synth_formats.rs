@@ -1,5 +1,5 @@
 //! Every synthetic format × naming written to disk and read back through `Checkpoint::open`:
-//! the config parses, every weight has the scheme the format table (DSV4-LAYER.md §2) says and
+//! the config parses, every weight has the scheme the format table (docs/DSV4-LAYER.md §2) says and
 //! dequantises to the generated f32 weight within that scheme's quantisation error, every
 //! non-linear tensor round-trips with its official dtype.
 
@@ -228,7 +228,7 @@ fn mxfp4_hf() {
     check(Format::Mxfp4, Naming::Hf);
 }
 
-/// CT and ModelOpt store reciprocal conventions of the same calibrated amax (NVFP4.md §3.4):
+/// CT and ModelOpt store reciprocal conventions of the same calibrated amax (docs/NVFP4.md §3.4):
 /// g_ct · d_mo ≈ 1 for every quantised weight; fused partners (w1/w3, q_a/kv) share their tensor
 /// scales; w1 and w3 see the same input, w2 another one.
 #[test]

@@ -239,7 +239,7 @@ impl Gpu {
         Ok((xb, mb))
     }
 
-    /// mHC pre (DSV4-LAYER.md §3.1): the mixing GEMM, coefficients with Sinkhorn, the weighted
+    /// mHC pre (docs/DSV4-LAYER.md §3.1): the mixing GEMM, coefficients with Sinkhorn, the weighted
     /// sum of the streams (rounded by the path). x [t, hc, d], f [mix, hc·d]. Returns
     /// (y [t, d], post [t, hc], comb [t, hc, hc]).
     #[allow(clippy::too_many_arguments)]
@@ -498,7 +498,7 @@ impl Gpu {
         )
     }
 
-    /// The compressor after its two projections (DSV4-LAYER.md §3.5.1): pooling, rounding,
+    /// The compressor after its two projections (docs/DSV4-LAYER.md §3.5.1): pooling, rounding,
     /// RMSNorm with `norm`, rounding, RoPE on the last `tab.half·2` dims at the table's rows,
     /// rounding. Returns [n_c, dc].
     #[allow(clippy::too_many_arguments)]

@@ -458,23 +458,23 @@ fn fix_text(kind: &str, p: &ParamRef) -> String {
     let to = fmt_v(p.corrected);
     match kind {
         "input-reciprocal" | "weight-reciprocal" => format!(
-            "read {t} in the checkpoint's convention (compressed-tensors stores the encode scale 2688/amax, ModelOpt the decode scale amax/2688): the engine's `{}` must be {to} (NVFP4.md §3.4)",
+            "read {t} in the checkpoint's convention (compressed-tensors stores the encode scale 2688/amax, ModelOpt the decode scale amax/2688): the engine's `{}` must be {to} (docs/NVFP4.md §3.4)",
             p.engine
         ),
         "alpha-recomputed" => format!(
-            "compute alpha at load as d_x·d_w of the scales in use: {to} (NVFP4.md §3.5)"
+            "compute alpha at load as d_x·d_w of the scales in use: {to} (docs/NVFP4.md §3.5)"
         ),
         "input-x2688" | "input-div2688" | "weight-x2688" | "weight-div2688" => format!(
             "{t} is off by 2688 = 448·6 (an amax stored where the scale belongs, or the reverse): the engine's `{}` must be {to}",
             p.engine
         ),
         "weight-own-shard" | "input-own-shard" | "weight-sibling-shard" | "input-sibling-shard" => format!(
-            "re-export the fused pair with one shared tensor scale (linked observers: the max amax of the pair), or requantize the shard at load: {t} needs {to}, the merged value is {} (NVFP4.md §3.4; vLLM #54974)",
+            "re-export the fused pair with one shared tensor scale (linked observers: the max amax of the pair), or requantize the shard at load: {t} needs {to}, the merged value is {} (docs/NVFP4.md §3.4; vLLM #54974)",
             fmt_v(p.current)
         ),
-        "nibble-swap" => "read the packed e2m1 bytes with the even element in the low nibble (NVFP4.md §1.2)".into(),
+        "nibble-swap" => "read the packed e2m1 bytes with the even element in the low nibble (docs/NVFP4.md §1.2)".into(),
         "unshift-rows" => format!("{t}: the block-scale rows are shifted by one; fix the row offset where they are written or read"),
-        "unswizzle" => format!("{t} is stored in the 128×4 swizzled layout: unswizzle it at load or re-export it linear (NVFP4.md §5.1)"),
+        "unswizzle" => format!("{t} is stored in the 128×4 swizzled layout: unswizzle it at load or re-export it linear (docs/NVFP4.md §5.1)"),
         "stored-block-scales" => format!("re-read {t} from the checkpoint (non-finite bytes: re-export the weight; ModelOpt #1633)"),
         "input-calibrated" => format!(
             "recalibrate the activation scale: {t}{} gives {}, the activations the oracle feeds this op need {to} (2688/amax)",

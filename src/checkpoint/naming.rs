@@ -1,4 +1,4 @@
-//! The three tensor namings of DSV4-LAYER.md §2 and their mapping onto one canonical spelling:
+//! The three tensor namings of docs/DSV4-LAYER.md §2 and their mapping onto one canonical spelling:
 //! the official DeepSeek names without prefix. Every consumer (model, lint, compare) speaks
 //! canonical names only, so a checkpoint's naming is decided once, here.
 
@@ -283,7 +283,7 @@ mod tests {
         }
     }
 
-    // Expected values transcribed from DSV4-LAYER.md §2.2 (HF conversion_mapping rules).
+    // Expected values transcribed from docs/DSV4-LAYER.md §2.2 (HF conversion_mapping rules).
     #[test]
     fn hf_names_map_to_official() {
         let h = Naming::Hf;

@@ -151,7 +151,7 @@ fn meta_error(cx: &Cx, base: &str, e: Error, out: &mut Vec<Finding>) {
                     &file,
                     base,
                     other.to_string(),
-                    "Fix the tensor's dtype/shape so it matches one scheme (NVFP4.md §3.4, §6); no engine can load it as is.",
+                    "Fix the tensor's dtype/shape so it matches one scheme (docs/NVFP4.md §3.4, §6); no engine can load it as is.",
                 ),
             )
         }
@@ -192,7 +192,7 @@ fn swizzled_shape(cx: &Cx, base: &str) -> Option<Finding> {
             "block scale shape {:?} is the 128×4-swizzled padding of the linear [{}, {}] a [{rows}, {inf}] weight needs",
             s.shape, lin.0, lin.1
         ),
-        "Store block scales linear [out, in/block] (unswizzle with NVFP4.md §5.1 and drop the padding); only the serving engine swizzles.",
+        "Store block scales linear [out, in/block] (unswizzle with docs/NVFP4.md §5.1 and drop the padding); only the serving engine swizzles.",
     )
 }
 
@@ -443,7 +443,7 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
                 &sfile,
                 base,
                 format!("{nonpow2} of {n} FP8 block scales are not powers of two, but quantization_config.scale_fmt is \"ue8m0\""),
-                "Round scales up to 2^ceil(log2(amax/448)) and store them as F8_E8M0 (NVFP4.md §6.1); kernels on the UE8M0 path keep only the exponent (sglang #25704).",
+                "Round scales up to 2^ceil(log2(amax/448)) and store them as F8_E8M0 (docs/NVFP4.md §6.1); kernels on the UE8M0 path keep only the exponent (sglang #25704).",
             ));
         }
     }
@@ -458,7 +458,7 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
                     &sfile,
                     base,
                     format!("two-way (row + column) fit of the block scales: R² {} read linear, {} after unswizzling 128×4 — the bytes are in the swizzled layout", g(lin), g(un)),
-                    "Write block scales linear [out, in/block] (unswizzle with NVFP4.md §5.1); checkpoints are linear and only the serving engine swizzles (modular #6600).",
+                    "Write block scales linear [out, in/block] (unswizzle with docs/NVFP4.md §5.1); checkpoints are linear and only the serving engine swizzles (modular #6600).",
                 ));
             }
         }
@@ -576,7 +576,7 @@ fn convention(
                             "tensor scale {} read as the {} implies weight amax {} (plausible {range}); read as the reciprocal, the {}, it implies {}: the value is in the other producer's convention",
                             g(gs as f64), conv_name(conv), g(stored), other_conv_name(conv), g(other)
                         ),
-                        "Store the reciprocal (CT keeps g = 2688/amax as a divisor, ModelOpt d = amax/2688 as a multiplier, NVFP4.md §3.4); an engine reading it as stored is off by the scale squared (modular #6600).",
+                        "Store the reciprocal (CT keeps g = 2688/amax as a divisor, ModelOpt d = amax/2688 as a multiplier, docs/NVFP4.md §3.4); an engine reading it as stored is off by the scale squared (modular #6600).",
                     )
                 } else if ok(stored * FP4_FP8_MAX) || ok(stored / FP4_FP8_MAX) {
                     let fixed = if ok(stored * FP4_FP8_MAX) {
@@ -589,7 +589,7 @@ fn convention(
                             "tensor scale {} read as the {} implies weight amax {}; off by 2688 (= 6·448) it would be {}, and as the reciprocal {}",
                             g(gs as f64), conv_name(conv), g(stored), g(fixed), g(other)
                         ),
-                        "Compute the tensor scale with the 6·448 factor (g = 2688/amax, d = amax/2688, NVFP4.md §3.1).",
+                        "Compute the tensor scale with the 6·448 factor (g = 2688/amax, d = amax/2688, docs/NVFP4.md §3.1).",
                     )
                 } else {
                     (
@@ -597,7 +597,7 @@ fn convention(
                             "tensor scale {} implies weight amax {} read as the {}, {} as the reciprocal; neither is plausible {range}",
                             g(gs as f64), g(stored), conv_name(conv), g(other)
                         ),
-                        "Recompute the tensor scale from the weight's amax (NVFP4.md §3.3).",
+                        "Recompute the tensor scale from the weight's amax (docs/NVFP4.md §3.3).",
                     )
                 };
                 push(
@@ -648,7 +648,7 @@ fn convention(
                     sfile,
                     base,
                     ev,
-                    "FP8 block scales are dequant multipliers s = amax_block/448 (`weight_scale_inv` despite its name, NVFP4.md §6.1); store them that way.",
+                    "FP8 block scales are dequant multipliers s = amax_block/448 (`weight_scale_inv` despite its name, docs/NVFP4.md §6.1); store them that way.",
                 ));
             }
         }
@@ -668,7 +668,7 @@ fn convention(
                             g(max_s as f64),
                             g(stored)
                         ),
-                        "Check the exponent bias (127) of the MXFP4 scales (NVFP4.md §6.2).",
+                        "Check the exponent bias (127) of the MXFP4 scales (docs/NVFP4.md §6.2).",
                     ),
                 );
             }
@@ -923,7 +923,7 @@ fn activations(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
                     &file,
                     &m.canonical,
                     format!("activation scale {} implies activation amax {} ({rel}); {why}", g(v as f64), g(a)),
-                    "Recalibrate the activation scale on representative data; a too-small amax saturates activation blocks at 448, a too-large one underflows them to zero (NVFP4.md §7.2).",
+                    "Recalibrate the activation scale on representative data; a too-small amax saturates activation blocks at 448, a too-large one underflows them to zero (docs/NVFP4.md §7.2).",
                 ));
             }
             continue;
@@ -977,7 +977,7 @@ fn activations(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
 /// (the run measures the real activations; `run`/`bisect` classify by what they see).
 const ABSORBED_MIN_FACTOR: f64 = 0.25;
 
-/// The RMSNorm that follows a q_a/kv shard (DSV4-LAYER.md §2.3: `q_norm` after `wq_a`, `kv_norm`
+/// The RMSNorm that follows a q_a/kv shard (docs/DSV4-LAYER.md §2.3: `q_norm` after `wq_a`, `kv_norm`
 /// after `wkv`), when a constant factor on the shard's output is absorbed by it.
 fn absorbing_norm(base: &str, factor: f64) -> Option<String> {
     if !(factor.is_finite() && factor >= ABSORBED_MIN_FACTOR) {
@@ -1078,7 +1078,7 @@ fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
                 &file,
                 &p.canonical,
                 evidence,
-                "Re-export with linked observers so both members share one tensor scale (max amax of the pair, NVFP4.md §3.4); vLLM #54974.",
+                "Re-export with linked observers so both members share one tensor scale (max amax of the pair, docs/NVFP4.md §3.4); vLLM #54974.",
             ) {
                 f.absorbed_by = absorbed;
                 out.push(f);

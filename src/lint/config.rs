@@ -181,7 +181,7 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
                 } else if !ign && m.scheme == Scheme::Dense {
                     emit("config.ignore", format!("`{stem}` is stored {label_s} but not in quantization_config.{label}: an engine expects {exp_l} tensors for it"), "Add the module to the ignore list (in the checkpoint's own naming), or quantize it.");
                 } else if !ign && m.scheme != exp {
-                    emit("config.scheme", format!("quantization_config ({method}) implies {exp_l}, the tensors of `{stem}` are {label_s}"), "Write the config of the producer that made the tensors (or convert the tensors, NVFP4.md §3.4).");
+                    emit("config.scheme", format!("quantization_config ({method}) implies {exp_l}, the tensors of `{stem}` are {label_s}"), "Write the config of the producer that made the tensors (or convert the tensors, docs/NVFP4.md §3.4).");
                 }
             }
             _ => {

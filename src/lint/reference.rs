@@ -128,11 +128,11 @@ fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
                 f
             };
             let swapped: Vec<u8> = packed.iter().map(|b| b.rotate_left(4)).collect();
-            v.push(("reference.packing", "the e2m1 nibbles of each byte are swapped (high nibble holds the even element; NVFP4.md §1.2)", with(set(Some(swapped), None))));
+            v.push(("reference.packing", "the e2m1 nibbles of each byte are swapped (high nibble holds the even element; docs/NVFP4.md §1.2)", with(set(Some(swapped), None))));
             let cols = scales.len().checked_div(o).unwrap_or(0);
             if o >= 128 && cols.is_multiple_of(4) && cols > 0 && o.is_multiple_of(128) {
                 let un = swizzle::unswizzle_128x4(scales, o, cols);
-                v.push(("reference.block-scales", "the block scales are stored in the 128×4 swizzled layout (NVFP4.md §5.1), not linear", with(set(None, Some(un)))));
+                v.push(("reference.block-scales", "the block scales are stored in the 128×4 swizzled layout (docs/NVFP4.md §5.1), not linear", with(set(None, Some(un)))));
             }
             v.push(("reference.block-scales", "the block-scale rows are shifted down by one (row r holds row r−1's scales: a wrong offset or TP slice)", with(set(None, Some(rot(scales, o, true))))));
             v.push((
@@ -240,7 +240,7 @@ pub fn diagnose(
         return Ok(Some((
             "reference.global-scale",
             format!("{head}: the whole tensor is off by {reading}"),
-            "Fix the tensor scale (NVFP4.md §3.4): the direction of every weight is right, only the magnitude is not.".into(),
+            "Fix the tensor scale (docs/NVFP4.md §3.4): the direction of every weight is right, only the magnitude is not.".into(),
         )));
     }
     for (rule, cause, fixed) in repairs(w) {
@@ -251,8 +251,8 @@ pub fn diagnose(
                 rule,
                 format!("{head}; {cause} — undoing that gives cosine {} and norm ratio {}", g(p.cos), g(p.norm_ratio)),
                 match rule {
-                    "reference.packing" => "Re-pack with the low nibble holding the even element (DSV4-LAYER.md §2.3).".into(),
-                    _ => "Re-export the block scales linear, row-aligned with the weight rows (NVFP4.md §3.4, §5).".into(),
+                    "reference.packing" => "Re-pack with the low nibble holding the even element (docs/DSV4-LAYER.md §2.3).".into(),
+                    _ => "Re-export the block scales linear, row-aligned with the weight rows (docs/NVFP4.md §3.4, §5).".into(),
                 },
             )));
         }

@@ -1,4 +1,4 @@
-//! Attention core and the CSA indexer (DSV4-LAYER.md §3.4 steps 7–9, §3.5.3).
+//! Attention core and the CSA indexer (docs/DSV4-LAYER.md §3.4 steps 7–9, §3.5.3).
 //!
 //! The numerics live in `model::kern` (host) and `backend::layer` (device), which agree bit for
 //! bit: scores and weighted sums accumulate in f64, softmax exponentials are evaluated in f64.

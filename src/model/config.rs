@@ -9,7 +9,7 @@ use std::path::Path;
 use super::limits::{self, Sign};
 use crate::{Error, Result};
 
-/// YaRN parameters of the compressed layers' RoPE (DSV4-LAYER.md §3.4).
+/// YaRN parameters of the compressed layers' RoPE (docs/DSV4-LAYER.md §3.4).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Yarn {
     pub factor: f64,

@@ -1,4 +1,4 @@
-//! The math of every op (DSV4-LAYER.md §3), written against an [`OpEnv`] that supplies weights and
+//! The math of every op (docs/DSV4-LAYER.md §3), written against an [`OpEnv`] that supplies weights and
 //! decides numerics. `exec` holds no weights between ops: every linear goes through the env, which
 //! loads (and may quantise) per call, so memory stays bounded by one op and only routed experts are
 //! ever read.
@@ -53,7 +53,7 @@ pub trait OpEnv {
     /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
     /// identity for the FP32 oracle.
     fn store(&self, t: &mut Tensor);
-    /// Hook for KV-cache fidelity simulation (DSV4-LAYER.md §3.4 step 5, §3.5): called on what a
+    /// Hook for KV-cache fidelity simulation (docs/DSV4-LAYER.md §3.4 step 5, §3.5): called on what a
     /// serving stack writes to its caches, after rope and `store`. Sites: "Ln.attn.kv_rope"
     /// [T, Dh], "Ln.attn.compressor" [n_c, Dh], "Ln.attn.indexer.kv" [n_c, Di],
     /// "Ln.attn.indexer.q" [T, Hi·Di]. The L0 math leaves them alone (the default).
@@ -201,7 +201,7 @@ pub(crate) fn layer_of(op: &Op) -> Result<usize> {
 }
 
 /// RoPE frequencies of a layer: `compress_rope_theta` with YaRN on compressed layers, `rope_theta`
-/// without YaRN on window-only layers (DSV4-LAYER.md §3.4).
+/// without YaRN on window-only layers (docs/DSV4-LAYER.md §3.4).
 pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
     if cfg.ratio(layer) > 0 {
         ops::rope_freqs(
@@ -555,7 +555,7 @@ fn q_rope(op: &Op, q: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     Ok(y)
 }
 
-/// Compressed KV rows of a compressor (DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
+/// Compressed KV rows of a compressor (docs/DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
 /// slots per channel (ratio 4: 8 overlapping slots, c = 2), then bf, RMSNorm with weight, RoPE at
 /// position b·ratio, bf. `names` = [wkv base, wgate base, ape, norm weight]. Returns [n_c, dc].
 pub(crate) fn compress(

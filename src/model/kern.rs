@@ -71,7 +71,7 @@ pub fn sum_f32(v: impl Iterator<Item = f32>) -> f32 {
 }
 
 /// mHC Sinkhorn normalisation of an `n`×`n` matrix of logits `c` (row j = source stream), in place
-/// (DSV4-LAYER.md §3.1 step 5): row softmax + eps, column normalisation, then `iters − 1` rounds
+/// (docs/DSV4-LAYER.md §3.1 step 5): row softmax + eps, column normalisation, then `iters − 1` rounds
 /// of row then column normalisation, each dividing by (sum + eps).
 pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
     for row in c.chunks_mut(n) {
@@ -285,7 +285,7 @@ pub fn allowed_rows(t: usize, n_c: usize, ratio: usize, sel: Option<(&[f32], usi
     a
 }
 
-/// The compressor's gated softmax pooling (DSV4-LAYER.md §3.5.1), before any rounding: for block
+/// The compressor's gated softmax pooling (docs/DSV4-LAYER.md §3.5.1), before any rounding: for block
 /// b and channel ch the slots are the previous block's tokens through channels [0, dc) (ratio 4:
 /// two overlapping windows, c = 2; empty for b = 0) then this block's tokens through channels
 /// [c·dc − dc, c·dc); gate = g + ape, softmax over the slots, value = Σ p·a in f64.

@@ -1,7 +1,7 @@
 //! Small shared numeric primitives of the layer math: GEMMs on `matrixmultiply`, RMSNorm, softmax,
 //! the DeepSeek-V4 RoPE tables, SiLU.
 //!
-//! Everything is f32 with the op order the spec (DSV4-LAYER.md §3) prescribes; rounding to BF16 is
+//! Everything is f32 with the op order the spec (docs/DSV4-LAYER.md §3) prescribes; rounding to BF16 is
 //! the caller's business (`OpEnv::store`), so the same code serves the FP32 oracle and BF16 paths.
 
 use crate::model::config::Yarn;
@@ -104,7 +104,7 @@ pub fn silu(x: f32) -> f32 {
     (d * (1.0 / (1.0 + (-d).exp()))) as f32
 }
 
-/// YaRN correction range (lo, hi) for a rope of `dim` dims (DSV4-LAYER.md §3.4):
+/// YaRN correction range (lo, hi) for a rope of `dim` dims (docs/DSV4-LAYER.md §3.4):
 /// lo = floor(dim·ln(L/(β_fast·2π)) / (2 ln base)), hi = ceil(dim·ln(L/(β_slow·2π)) / (2 ln base)),
 /// clamped to [0, dim−1].
 pub fn yarn_range(dim: usize, base: f64, y: &Yarn) -> (usize, usize) {

@@ -2,7 +2,7 @@
 //! Two codes per byte: the element with the even index is the LOW nibble.
 //!
 //! Two encoders exist because producers disagree only on the sign bit of zero results
-//! (NVFP4.md §1.3): the serving kernels copy the f32 sign bit, the checkpoint producers test
+//! (docs/NVFP4.md §1.3): the serving kernels copy the f32 sign bit, the checkpoint producers test
 //! `x < 0`. The magnitude rule (round to nearest, ties to the even code, saturate at 6) is the
 //! same everywhere.
 
@@ -107,7 +107,7 @@ pub fn unpack_row(bytes: &[u8], n: usize) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    /// NVFP4.md §1.3 table: every tie and its neighbours.
+    /// docs/NVFP4.md §1.3 table: every tie and its neighbours.
     #[test]
     fn rounding_table_ties_to_even() {
         let cases: [(f32, u8); 16] = [

@@ -1,6 +1,6 @@
 //! FP8 E4M3FN (`float8_e4m3fn`): bias 7, subnormals, 0x7F/0xFF = NaN, no infinities, max 448.
 //!
-//! Two encoders because the stack disagrees only out of range (NVFP4.md §2.1): the CUDA
+//! Two encoders because the stack disagrees only out of range (docs/NVFP4.md §2.1): the CUDA
 //! kernels saturate (`__nv_fp8_e4m3(float)`, SATFINITE), torch's `.to(float8_e4m3fn)` turns
 //! anything that rounds past 448 into NaN. A Python reference that forgets to clamp before the
 //! torch cast produces NaN block scales; `encode_torch` reproduces that failure.

@@ -26,7 +26,7 @@ pub fn dequantize(packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec
     out
 }
 
-/// Which producer's scale-exponent choice to reproduce (NVFP4.md §6.2). Decoders don't care;
+/// Which producer's scale-exponent choice to reproduce (docs/NVFP4.md §6.2). Decoders don't care;
 /// re-quantizers do, because the rules differ on where a block starts clipping.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Mxfp4Rule {
@@ -119,7 +119,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, rule: Mxfp4Rule) -> (Vec<u8
 mod tests {
     use super::*;
 
-    /// NVFP4.md §6.2: measured compressed-tensors (Even) vs ModelOpt (Ceil) scale bytes.
+    /// docs/NVFP4.md §6.2: measured compressed-tensors (Even) vs ModelOpt (Ceil) scale bytes.
     #[test]
     fn ct_vs_modelopt_examples() {
         let cases: [(f32, u8, u8); 9] = [

@@ -1,5 +1,5 @@
 //! NVFP4: E2M1 elements in 16-element blocks along K, one E4M3 scale per block, one FP32
-//! tensor scale. Two conventions for the tensor scale (NVFP4.md §3):
+//! tensor scale. Two conventions for the tensor scale (docs/NVFP4.md §3):
 //! compressed-tensors stores the ENCODE scale g = 2688/amax (a divisor),
 //! ModelOpt stores the DECODE scale d = amax/2688 (a multiplier).
 
@@ -73,7 +73,7 @@ pub fn global_scale_modelopt(amax: f32) -> f32 {
 }
 
 /// vLLM's GEMM epilogue factor for a compressed-tensors layer: `fl(1/g_x) · fl(1/g_w)`, the
-/// product of the two f32 reciprocals it computes at load time (NVFP4.md §3.5).
+/// product of the two f32 reciprocals it computes at load time (docs/NVFP4.md §3.5).
 #[inline]
 pub fn alpha_ct(g_x: f32, g_w: f32) -> f32 {
     (1.0f32 / g_x) * (1.0f32 / g_w)
@@ -214,7 +214,7 @@ pub fn quantize_modelopt_with_global(w: &[f32], rows: usize, cols: usize, d: f32
 }
 
 // ---------------------------------------------------------------------------------------------
-// Serving kernel (vLLM `scaled_fp4_quant` / FlashInfer `fp4_quantize`), NVFP4.md §3.2.
+// Serving kernel (vLLM `scaled_fp4_quant` / FlashInfer `fp4_quantize`), docs/NVFP4.md §3.2.
 
 /// `rcp.approx.ftz.f32(6.0)` as measured on the GPU; equal to the correctly rounded fl(1/6).
 pub const RCP6: f32 = f32::from_bits(0x3E2A_AAAB);
@@ -297,7 +297,7 @@ pub struct NvFp4Act {
     pub scales: Vec<u8>,
 }
 
-/// Health counters of a runtime quantisation: the observables of NVFP4.md §7.2.
+/// Health counters of a runtime quantisation: the observables of docs/NVFP4.md §7.2.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QuantHealth {
     /// Blocks quantised.
@@ -452,7 +452,7 @@ pub fn fake_quant_activation_into(
 }
 
 // ---------------------------------------------------------------------------------------------
-// W4A4 GEMM reference, NVFP4.md §4.3.
+// W4A4 GEMM reference, docs/NVFP4.md §4.3.
 
 /// Codes of a packed `[rows, k/2]` tensor as signed 2·e2m1 integers (row-major `[rows, k]`).
 fn codes_x2(packed: &[u8]) -> Vec<i8> {
@@ -531,7 +531,7 @@ pub fn gemm_w4a4_reference(
     out
 }
 
-/// W4A16 (Hopper/Marlin) reference per NVFP4.md §4.3: bf16 activations `[m, k]` against a
+/// W4A16 (Hopper/Marlin) reference per docs/NVFP4.md §4.3: bf16 activations `[m, k]` against a
 /// dequantised NVFP4 weight, `bf16_rne(f32(Σ_k x·e2m1·s_w) · d_w)` with f64 accumulation.
 ///
 /// # Panics

@@ -1,4 +1,4 @@
-//! Swizzled scale-factor layouts of the serving kernels (NVFP4.md §5). Checkpoints store scales
+//! Swizzled scale-factor layouts of the serving kernels (docs/NVFP4.md §5). Checkpoints store scales
 //! linear; only engines swizzle. `rows` is M (activations) or N (weights); `cols` is the number
 //! of scale columns (K/16 for NVFP4, K/32 for MX). Padding bytes are zero because the kernels
 //! read them (uninitialised padding once caused NaN contamination, vLLM PR #37564).

@@ -1,6 +1,6 @@
 //! UE8M0 (MX scale, `float8_e8m0fnu`): unsigned biased exponent, value 2^(b-127); 0xFF = NaN.
 //!
-//! Encoders differ by tool (NVFP4.md §2.2), and re-quantizers must pick the one of the
+//! Encoders differ by tool (docs/NVFP4.md §2.2), and re-quantizers must pick the one of the
 //! producer they emulate: torch rounds half-up on the significand, the CUDA intrinsics floor or
 //! ceil the exponent. All encoders ignore the sign (the format has none; the tools read only the
 //! exponent and mantissa bits).
@@ -117,7 +117,7 @@ mod tests {
     use super::*;
     use Ue8m0Rounding::*;
 
-    /// NVFP4.md §2.2 table, column by column.
+    /// docs/NVFP4.md §2.2 table, column by column.
     #[test]
     fn spec_table() {
         let rows: [(Ue8m0Rounding, [u8; 6]); 3] = [

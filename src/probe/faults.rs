@@ -1,6 +1,6 @@
 //! The fault catalogue shared by `synth --fault` (planted in the checkpoint) and
 //! `run/bisect --loader-fault` (a correct checkpoint read the wrong way by the served path).
-//! Kinds are modelled on the field bugs of PRIOR-ART.md §2 and NVFP4.md §7.
+//! Kinds are modelled on the field bugs of docs/PRIOR-ART.md §2 and docs/NVFP4.md §7.
 
 use crate::{Error, Result};
 

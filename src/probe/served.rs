@@ -1,5 +1,5 @@
 //! The served path: what a serving engine computes for one linear, given the checkpoint's bytes and
-//! the way its loader reads them. Profiles (NVFP4.md §4):
+//! the way its loader reads them. Profiles (docs/NVFP4.md §4):
 //! - `blackwell-w4a4`: NVFP4 activations quantized at run time with the static encode scale g_x
 //!   (§3.2 op order), exact block partials, `bf16(alpha · acc)` epilogue (§4.2–4.3);
 //! - `hopper-w4a16`: Marlin, activations stay BF16, `bf16(f32(x · e2m1·s_w) · d_w)`;
@@ -7,7 +7,7 @@
 //!   BF16 matmul with f32 accumulation.
 //!
 //! FP8 block and MXFP4 weights use DeepSeek's FP8 1×128 activation quantization (power-of-two
-//! scales, DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
+//! scales, docs/DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
 
 use std::sync::Arc;
 
@@ -153,7 +153,7 @@ fn sibling(base: &str) -> Option<String> {
     None
 }
 
-/// The loader's reading of the stored NVFP4 scalars (vLLM `process_weights_after_loading`, NVFP4.md §3.5),
+/// The loader's reading of the stored NVFP4 scalars (vLLM `process_weights_after_loading`, docs/NVFP4.md §3.5),
 /// including the max() that fused engines take over a merged pair (§3.4), then loader faults.
 pub fn resolve_nvfp4(
     ckpt: &Checkpoint,

@@ -149,7 +149,7 @@ pub fn role(base: &str) -> Role {
     }
 }
 
-/// The scheme of a linear in a format (DSV4-LAYER.md §2.1 for the official/NVIDIA releases;
+/// The scheme of a linear in a format (docs/DSV4-LAYER.md §2.1 for the official/NVIDIA releases;
 /// the NVFP4 exports quantise attention q_a/kv/q_b/wo_b and all experts, leaving wo_a, router,
 /// compressor and indexer BF16 like FORK's README describes).
 pub fn scheme(format: Format, base: &str) -> WScheme {
@@ -226,7 +226,7 @@ impl Dims {
             return Err(Error::usage(format!("--layers {n}: must be in 1..=64")));
         }
         Ok(match preset {
-            // Tiny keeps the real structure (DSV4-LAYER.md §6): sliding, HCA and CSA layers, a
+            // Tiny keeps the real structure (docs/DSV4-LAYER.md §6): sliding, HCA and CSA layers, a
             // hash layer, the grouped output projection, 512-wide heads with 64 rope dims. Its
             // HCA layers compress 16 tokens per row, not 128: the model code takes any ratio
             // ≥ 2 (4 alone means CSA with the overlap compressor and the indexer), and a
@@ -263,7 +263,7 @@ impl Dims {
                 hc: 4,
                 sinkhorn: 20,
             },
-            // V4-Flash (DSV4-LAYER.md §1): layers 0, 1 window-only, then CSA/HCA alternating.
+            // V4-Flash (docs/DSV4-LAYER.md §1): layers 0, 1 window-only, then CSA/HCA alternating.
             Preset::FlashLayer => Dims {
                 hidden: 4096,
                 layers: n,
@@ -595,7 +595,7 @@ const COMP: &[(&str, &str)] = &[
 const MLP: &[(&str, &str)] = &[("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")];
 
 /// Raw checkpoint name of a canonical (official) tensor name in a naming. The HF spelling is
-/// transformers' module naming (DSV4-LAYER.md §2.2) with un-fused experts, as a ModelOpt export
+/// transformers' module naming (docs/DSV4-LAYER.md §2.2) with un-fused experts, as a ModelOpt export
 /// from transformers writes them.
 pub fn raw_name(canonical: &str, naming: Naming) -> String {
     if naming == Naming::Official {

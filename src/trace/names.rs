@@ -405,7 +405,7 @@ fn fused_qa_kv(l: &str, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
     ]
 }
 
-/// vLLM's DeepSeek-V4 module paths (DSV4-LAYER.md §2.4). The decoder layer returns (y₂, X₁, post_f, C_f):
+/// vLLM's DeepSeek-V4 module paths (docs/DSV4-LAYER.md §2.4). The decoder layer returns (y₂, X₁, post_f, C_f):
 /// `model.layers.N` is y₂ (the MoE output) and `:residual`, `:post`, `:comb` (or `:1`, `:2`, `:3`) the
 /// rest; compare recombines them into the layer output (§3.2).
 pub fn map_vllm(name: &str, cfg: &crate::model::ModelConfig) -> Option<Vec<Rule>> {

@@ -1,6 +1,6 @@
 //! Shared builders for the checkpoint tests: a tiny DeepSeek-V4 config and weights in every
 //! scheme, each with its expected f32 values computed here from the spec formulas
-//! (DSV4-LAYER.md §2.3, NVFP4.md §3–§6) over hand-picked bytes, not by the crate's decoders.
+//! (docs/DSV4-LAYER.md §2.3, docs/NVFP4.md §3–§6) over hand-picked bytes, not by the crate's decoders.
 #![allow(dead_code)]
 
 use nvfp4_probe::checkpoint::{Dtype, ShardWriter};
@@ -206,7 +206,7 @@ pub fn nvfp4(out: usize, inp: usize, ct: bool, with_input: bool, seed: u64) -> B
     let sc: Vec<(u8, f32)> = (0..out * inp / 16)
         .map(|_| E4M3[r.below(E4M3.len())])
         .collect();
-    // Values of the kind the producers write (NVFP4.md fixture table): not powers of two, so
+    // Values of the kind the producers write (docs/NVFP4.md fixture table): not powers of two, so
     // the op order matters.
     let (g, d) = (30_927.102_f32, 3.233_41e-5_f32);
     let expected = vals
