@@ -62,7 +62,8 @@ pub fn terminal(r: &BisectResult) -> String {
                 d.reason.as_deref().unwrap_or("")
             ));
             match &d.verdict {
-                Some(v) => out.push_str(&format!("verdict: {}\n", v.sentence)),
+                // its sentence leads the op's finding above
+                Some(_) => {}
                 None => {
                     out.push_str(&format!(
                         "no hypothesis explains it ({} tried; best rel-L2 {}, tolerance {:.3e})\n",
@@ -106,7 +107,7 @@ pub fn terminal(r: &BisectResult) -> String {
                 for row in ranked_rows(&d.ranked) {
                     t.add_row(row.to_vec());
                 }
-                out.push_str(&format!("hypotheses (best first):\n{t}\n"));
+                out.push_str(&format!("hypotheses at {} (best first):\n{t}\n", d.op));
             }
         }
         None => {
