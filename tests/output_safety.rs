@@ -539,6 +539,112 @@ fn a_full_disk_leaves_nothing_behind() {
     }
 }
 
+/// (d) A real full file system: each case runs in a private mount namespace with its output
+/// directory a tmpfs of `size` bytes (writes fail with ENOSPC, as on a full disk). Needs the
+/// right to mount (root, or a user namespace); elsewhere it says so and checks nothing more than
+/// [`a_full_disk_leaves_nothing_behind`] does.
+#[test]
+fn a_full_tmpfs_leaves_nothing_behind() {
+    let probe = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg("d=$(mktemp -d) && mount -t tmpfs -o size=4k tmpfs \"$d\" && umount \"$d\"; rc=$?; rmdir \"$d\"; exit $rc")
+        .output();
+    if !matches!(&probe, Ok(o) if o.status.success()) {
+        eprintln!("skipped: cannot mount a tmpfs in a private namespace here (not root)");
+        return;
+    }
+    let ws = Ws::new();
+    let d = ws.p("tiny-fs");
+    std::fs::create_dir(&d).unwrap();
+    let m = ws.p("M");
+    let ds = d.display().to_string();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            [
+                "run",
+                "--layers",
+                "0..1",
+                "--seq-len",
+                "8",
+                "--backend",
+                "cpu",
+                "--quiet",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                "--json".into(),
+                format!("{ds}/r.json"),
+                "--markdown".into(),
+                format!("{ds}/r.md"),
+                "--plot".into(),
+                format!("{ds}/p.png"),
+            ])
+            .collect(),
+            "16k",
+        ),
+        (
+            vec![
+                "synth".into(),
+                "--preset".into(),
+                "tiny".into(),
+                "--out".into(),
+                format!("{ds}/ck"),
+            ],
+            "1m",
+        ),
+        (
+            // inspect's JSON of 182 weights is ~80 KB: it cannot fit
+            vec![
+                "inspect".into(),
+                "--model".into(),
+                m.display().to_string(),
+                "--json".into(),
+                format!("{ds}/i.json"),
+            ],
+            "8k",
+        ),
+    ];
+    let exe = env!("CARGO_BIN_EXE_nvfp4-probe");
+    for (args, size) in cases {
+        // mount, run, list what is left in the directory, all inside the namespace
+        let script = format!(
+            "mount -t tmpfs -o size={size} tmpfs \"$1\" || exit 99; shift; \"$@\"; rc=$?; \
+             echo LEFT:; ls -A \"$D\"; exit $rc"
+        );
+        let o = Command::new("unshare")
+            .args([
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                &script,
+                "sh",
+                &ds,
+                exe,
+            ])
+            .args(&args)
+            .env("D", &ds)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {out}{err}");
+        assert!(err.contains(&ds), "{args:?}: {err}");
+        assert!(
+            err.contains("No space left on device"),
+            "{args:?}: not ENOSPC: {err}"
+        );
+        assert!(!err.contains(TMP_PREFIX), "names a temporary: {err}");
+        let left = out.rsplit("LEFT:").next().unwrap().trim();
+        assert!(
+            left.is_empty(),
+            "{args:?} left {left:?} on the full file system"
+        );
+    }
+}
+
 /// Waits up to `limit` for `f`, polling.
 fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let t0 = Instant::now();
