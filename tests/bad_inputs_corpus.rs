@@ -365,9 +365,8 @@ fn a_100k_token_file_on_the_cpu_is_refused_before_it_allocates() {
     assert_eq!(o.code, Some(0), "{}", o.all());
 }
 
-/// A run JSON with every amax at 1e308 (and one path at the f64 maximum).
-fn huge_amax_run(dir: &Path) -> PathBuf {
-    let out = dir.join("run.json");
+/// The run JSON of a short clean CPU run of the built-in model, to be edited.
+fn small_run_json() -> Value {
     let st = tempfile::tempdir().unwrap();
     let j = st.path().join("r.json");
     let o = probe(
@@ -386,7 +385,13 @@ fn huge_amax_run(dir: &Path) -> PathBuf {
         Some(CAP),
     );
     assert_eq!(o.code, Some(0), "{}", o.all());
-    let mut v: Value = serde_json::from_slice(&std::fs::read(&j).unwrap()).unwrap();
+    serde_json::from_slice(&std::fs::read(&j).unwrap()).unwrap()
+}
+
+/// A run JSON with every amax at 1e308 (and one path at the f64 maximum).
+fn huge_amax_run(dir: &Path) -> PathBuf {
+    let out = dir.join("run.json");
+    let mut v = small_run_json();
     for (i, op) in v["ops"].as_array_mut().unwrap().iter_mut().enumerate() {
         for p in ["oracle_fp32", "oracle_bf16", "served"] {
             if op["stats"][p].is_object() {
@@ -421,25 +426,7 @@ fn hc_sinkhorn_iters_1e12_is_refused() {
 #[test]
 fn plot_with_one_amax_of_1e308_does_not_hang() {
     let d = tempfile::tempdir().unwrap();
-    let st = tempfile::tempdir().unwrap();
-    let j = st.path().join("r.json");
-    let o = probe(
-        &[
-            "run",
-            "--backend",
-            "cpu",
-            "--layers",
-            "0..1",
-            "--seq-len",
-            "16",
-            "--quiet",
-            "--json",
-            s(&j),
-        ],
-        Some(CAP),
-    );
-    assert_eq!(o.code, Some(0), "{}", o.all());
-    let mut v: Value = serde_json::from_slice(&std::fs::read(&j).unwrap()).unwrap();
+    let mut v = small_run_json();
     v["ops"][5]["stats"]["served"]["amax"] = json!(1e308);
     let run = d.path().join("one.json");
     std::fs::write(&run, serde_json::to_vec(&v).unwrap()).unwrap();
