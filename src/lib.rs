@@ -22,6 +22,7 @@ pub mod plot;
 pub mod probe;
 pub mod profile;
 pub mod report;
+pub mod served;
 pub mod synth;
 pub mod tensor;
 pub mod tokenize;

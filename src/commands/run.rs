@@ -7,11 +7,11 @@ use crate::checkpoint::Checkpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
 use crate::output::{Guard, Outputs};
-use crate::probe::faults::Fault;
-use crate::probe::served::Profile;
 use crate::probe::spec::{parse_layers, ProbeSpec};
 use crate::probe::{self, RunOptions, RunResult};
 use crate::report::{self, RunMeta};
+use crate::served::faults::Fault;
+use crate::served::Profile;
 use crate::{Error, Result};
 
 /// The checkpoint a command works on: `--model DIR` or the built-in tiny synthetic model.
@@ -165,7 +165,7 @@ pub fn prepare(
         .iter()
         .map(|s| Fault::parse(s))
         .collect::<Result<Vec<_>>>()?;
-    crate::probe::faults::check_loader_faults(&ckpt, &faults)?;
+    crate::served::faults::check_loader_faults(&ckpt, &faults)?;
     crate::profile::mark("options checked");
     // the run's memory estimate is checked as soon as the token count is known, before the
     // tokens (or anything else of the run's size) are made; a long CPU run is announced

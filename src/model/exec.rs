@@ -437,7 +437,7 @@ pub fn run_graph(ops: &[Op], env: &mut dyn OpEnv) -> Result<HashMap<String, Tens
 fn hc_mix(x: &Tensor, f: &Tensor, rows_out: usize, eps: f32) -> Vec<f32> {
     let t = x.shape[0];
     let w = x.numel() / t.max(1);
-    let mut m = crate::probe::served::matmul_nt(&x.data, &f.data, t, w, rows_out);
+    let mut m = crate::served::matmul_nt(&x.data, &f.data, t, w, rows_out);
     kern::hc_scale_rows(&mut m, &x.data, t, rows_out, eps);
     m
 }

@@ -11,30 +11,11 @@ use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
 use crate::model::exec::OpEnv;
 use crate::model::ModelConfig;
 use crate::numerics::nvfp4::QuantHealth;
-use crate::probe::faults::Fault;
-use crate::probe::served::{self, LinearObs, Override, Profile, ServedWeight};
+use crate::served::faults::Fault;
+use crate::served::PathKind;
+use crate::served::{self, LinearObs, Override, Profile, ServedWeight};
 use crate::tensor::Data;
 use crate::{Result, Tensor};
-
-/// Which forward a path computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PathKind {
-    OracleFp32,
-    OracleBf16,
-    Served,
-}
-
-impl PathKind {
-    pub const ALL: [PathKind; 3] = [PathKind::OracleFp32, PathKind::OracleBf16, PathKind::Served];
-    pub fn name(self) -> &'static str {
-        match self {
-            PathKind::OracleFp32 => "oracle_fp32",
-            PathKind::OracleBf16 => "oracle_bf16",
-            PathKind::Served => "served",
-        }
-    }
-}
 
 struct Cached {
     qw: QuantWeight,
@@ -187,7 +168,7 @@ impl<'a> Shared<'a> {
     ) -> Result<(Arc<WeightView>, usize, usize)> {
         let profile = self.profile;
         let fuse = self.fuse_pairs;
-        let faults: Vec<Fault> = crate::probe::faults::hitting(&self.faults, base)
+        let faults: Vec<Fault> = crate::served::faults::hitting(&self.faults, base)
             .into_iter()
             .cloned()
             .collect();

@@ -8,7 +8,7 @@ use crate::numerics::nvfp4::{self, NvFp4Quant};
 use rayon::prelude::*;
 
 use crate::numerics::{swizzle, ue8m0};
-use crate::probe::faults::{Fault, FaultKind};
+use crate::served::faults::{Fault, FaultKind};
 use crate::{Error, Result};
 
 use super::plan::{role, Role, WScheme};

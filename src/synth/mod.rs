@@ -22,7 +22,7 @@ use rayon::prelude::*;
 use crate::checkpoint::{Checkpoint, Dtype, Naming, ShardWriter};
 use crate::cli::SynthArgs;
 use crate::model::ModelConfig;
-use crate::probe::faults::{Fault, FaultKind};
+use crate::served::faults::{Fault, FaultKind};
 use crate::{Error, Result, Tensor};
 
 use encode::{bf16_bytes, encode_group, f32_bytes, i64_bytes, LinIn, RawT};

@@ -99,7 +99,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             iters: 20,
             eps,
         };
-        let mut m = crate::probe::served::matmul_nt(&x, &f, t, hc * d, mix);
+        let mut m = crate::served::matmul_nt(&x, &f, t, hc * d, mix);
         kern::hc_scale_rows(&mut m, &x, t, mix, eps);
         let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
         let want_y = rounded(kern::hc_weighted_sum(&x, &pre, t, hc, d), round);
@@ -115,7 +115,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 .map(|(i, &v)| kern::sigmoid(v * scale[0] + base[i % hc]) + eps)
                 .collect()
         };
-        let mut mh = crate::probe::served::matmul_nt(&x, &fh, t, hc * d, hc);
+        let mut mh = crate::served::matmul_nt(&x, &fh, t, hc * d, hc);
         kern::hc_scale_rows(&mut mh, &x, t, hc, eps);
         let want = rounded(kern::hc_weighted_sum(&x, &coef(&mh), t, hc, d), round);
         let got = g.hc_head(&dv(&x), t, d, hc, &dv(&fh), eps, coef, round)?;

@@ -14,7 +14,7 @@ use crate::backend::cuda::{
 use crate::model::mem_env::Rng;
 use crate::numerics::nvfp4::{self, Convention};
 use crate::numerics::{bf16, mxfp4};
-use crate::probe::served::matmul_nt;
+use crate::served::matmul_nt;
 use crate::Result;
 
 /// One expert's stored weight: packed E2M1 codes, E4M3 block scales (16) and UE8M0 ones (32).

@@ -1,10 +1,10 @@
 //! The served path: what a serving engine computes for one linear, given the checkpoint's bytes and
-//! the way its loader reads them. Profiles (docs/NVFP4.md §4):
-//! - `blackwell-w4a4`: NVFP4 activations quantized at run time with the static encode scale g_x
-//!   (§3.2 op order), exact block partials, `bf16(alpha · acc)` epilogue (§4.2–4.3);
-//! - `hopper-w4a16`: Marlin, activations stay BF16, `bf16(f32(x · e2m1·s_w) · d_w)`;
-//! - `emulation`: vLLM's emulation backend, quantize-dequantize activation to BF16, weight to BF16,
-//!   BF16 matmul with f32 accumulation.
+//! the way its loader reads them. Low in the crate (it reads `checkpoint` and `numerics`, and
+//! nothing above): the backends and the model import their served types from here.
+//! - [`profile`]: the served profiles as data (a [`Recipe`] per profile) and the numerics paths;
+//! - [`faults`]: the loader-fault catalogue (`--loader-fault`, `synth --fault`);
+//! - this module: the loader's reading of a weight ([`prepare`], [`resolve_nvfp4`], bisect's
+//!   [`Override`]s) and the CPU reference of the served linear ([`apply`]).
 //!
 //! FP8 block and MXFP4 weights use DeepSeek's FP8 1×128 activation quantization (power-of-two
 //! scales, docs/DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
@@ -14,36 +14,13 @@ use std::sync::Arc;
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
 use crate::numerics::nvfp4::{self, Convention, QuantHealth};
 use crate::numerics::{e2m1, e4m3, fp8_block, swizzle};
-use crate::probe::faults::{Fault, FaultKind};
-use crate::{Error, Result};
+use crate::Result;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Profile {
-    BlackwellW4a4,
-    HopperW4a16,
-    Emulation,
-}
+pub mod faults;
+pub mod profile;
 
-impl Profile {
-    pub fn parse(s: &str) -> Result<Profile> {
-        match s {
-            "blackwell-w4a4" | "w4a4" => Ok(Profile::BlackwellW4a4),
-            "hopper-w4a16" | "w4a16" | "marlin" => Ok(Profile::HopperW4a16),
-            "emulation" => Ok(Profile::Emulation),
-            _ => Err(Error::usage(format!(
-                "unknown served profile `{s}` (blackwell-w4a4, hopper-w4a16, emulation)"
-            ))),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Profile::BlackwellW4a4 => "blackwell-w4a4",
-            Profile::HopperW4a16 => "hopper-w4a16",
-            Profile::Emulation => "emulation",
-        }
-    }
-}
+use faults::{Fault, FaultKind};
+pub use profile::{ActQuant, Epilogue, PathKind, Profile, Recipe, WeightOperand};
 
 /// The overrides among (weight base, override) pairs that apply to weight `base`, in order.
 pub fn overrides_of(overrides: &[(String, Override)], base: &str) -> Vec<Override> {
@@ -597,22 +574,15 @@ pub fn apply(
                 params: Some(*p),
                 ..Default::default()
             };
-            let y = match profile {
-                Profile::HopperW4a16 => {
-                    let mut y = matmul_nt(x, wq, m, k, n);
-                    y.iter_mut().for_each(|v| *v = bf(*v * p.d_w));
-                    y
-                }
-                Profile::Emulation => {
+            let r = profile.recipe();
+            let xa: std::borrow::Cow<[f32]> = match r.act {
+                ActQuant::Bf16 => x.into(),
+                ActQuant::Nvfp4Bf16 => {
                     let (xh, h) = nvfp4::fake_quant_activation(x, m, k, p.g_x);
                     obs.health = Some(h);
-                    let xh: Vec<f32> = xh.into_iter().map(bf).collect();
-                    let wh: Vec<f32> = wq.iter().map(|&v| bf(v * p.d_w)).collect();
-                    let mut y = matmul_nt(&xh, &wh, m, k, n);
-                    y.iter_mut().for_each(|v| *v = bf(*v));
-                    y
+                    xh.into_iter().map(bf).collect::<Vec<f32>>().into()
                 }
-                Profile::BlackwellW4a4 => {
+                ActQuant::Nvfp4Codes => {
                     let (_, h) = nvfp4::fake_quant_activation(x, m, k, p.g_x);
                     obs.health = Some(h);
                     let act = nvfp4::quantize_activation(x, m, k, p.g_x);
@@ -629,11 +599,25 @@ pub fn apply(
                             }
                         }
                     }
-                    let mut y = matmul_nt(&xq, wq, m, k, n);
-                    y.iter_mut().for_each(|v| *v = bf(*v * p.alpha));
-                    y
+                    xq.into()
                 }
             };
+            let wa: std::borrow::Cow<[f32]> = match r.weight {
+                WeightOperand::E2m1Scaled => wq[..].into(),
+                WeightOperand::Bf16Dequantized => wq
+                    .iter()
+                    .map(|&v| bf(v * p.d_w))
+                    .collect::<Vec<f32>>()
+                    .into(),
+            };
+            let mut y = matmul_nt(&xa, &wa, m, k, n);
+            match r.epilogue {
+                Epilogue::Round => y.iter_mut().for_each(|v| *v = bf(*v)),
+                e => {
+                    let mul = e.multiplier(p);
+                    y.iter_mut().for_each(|v| *v = bf(*v * mul));
+                }
+            }
             (y, obs)
         }
     }
