@@ -122,7 +122,7 @@ fn matmul_is_the_f64_sum_rounded_once() {
     let mut rng = Lcg(99);
     let x: Vec<f32> = (0..m * k).map(|_| rng.next() * 4.0).collect();
     let w: Vec<f32> = (0..n * k).map(|_| rng.next() * 0.3).collect();
-    let y = nvfp4_probe::served::matmul_nt(&x, &w, m, k, n);
+    let y = nvfp4_probe::device::gemm::matmul_nt(&x, &w, m, k, n);
     let mut same = 0;
     for r in 0..m {
         for c in 0..n {

@@ -6,7 +6,6 @@
 
 pub mod cuda;
 pub mod layer;
-pub mod selftest;
 pub mod stage;
 
 use std::sync::{Arc, Mutex};

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::GuardCheckpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
 use crate::output::{Guard, Outputs};
@@ -332,7 +333,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         report::dump(&mut outs, d, &res)?;
     }
     if let (Some(pl), Some(text)) = (&args.plot, &json) {
-        let run = crate::gate::parse_run(text, "run JSON")?;
+        let run = crate::run_json::parse_run(text, "run JSON")?;
         crate::plot::plot_into(&run, pl, &mut outs)?;
     }
     outs.publish_and_report()?;

@@ -6,8 +6,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::backend::cuda::LinearCtx;
+use crate::backend::layer::{CudaDevice, Dev};
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::device::{CpuDevice, Device};
 use crate::model::exec::OpEnv;
 use crate::model::ModelConfig;
 use crate::numerics::nvfp4::QuantHealth;
@@ -244,7 +246,7 @@ impl PathEnv<'_, '_> {
             ));
         }
         let y = match &*view {
-            WeightView::F32(w) => served::matmul_nt(x, w, m, k, n),
+            WeightView::F32(w) => crate::device::gemm::matmul_nt(x, w, m, k, n),
             WeightView::Served(sw, profile) => {
                 let (y, obs) = served::apply(sw, *profile, x, m, k, n);
                 if self.shared.record_observations {
@@ -347,7 +349,7 @@ impl OpEnv for PathEnv<'_, '_> {
         let out = served::grouped(&x.data, rows, groups, k, r, |g, xg| {
             Ok(match &*view {
                 WeightView::F32(w) => {
-                    served::matmul_nt(xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
+                    crate::device::gemm::matmul_nt(xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
                 }
                 WeightView::Served(sw, profile) => {
                     let sub = sw.rows(g * r, r, k);
@@ -417,12 +419,18 @@ impl OpEnv for PathEnv<'_, '_> {
         })();
         Some(r)
     }
-    fn device(&self) -> Option<crate::backend::layer::Dev> {
-        let gpu = self.shared.backend.gpu()?.clone();
-        Some(crate::backend::layer::Dev {
-            gpu,
-            round: self.kind != PathKind::OracleFp32,
-        })
+    fn device(&self) -> Box<dyn Device + '_> {
+        let store = move |t: &mut Tensor| self.store(t);
+        match self.shared.backend.gpu() {
+            Some(gpu) => Box::new(CudaDevice::new(
+                Dev {
+                    gpu: gpu.clone(),
+                    round: self.kind != PathKind::OracleFp32,
+                },
+                store,
+            )),
+            None => Box::new(CpuDevice::new(store)),
+        }
     }
 }
 

@@ -455,7 +455,9 @@ impl ReplayEnv<'_, '_, '_> {
         self.note_amax(base, x);
         let profile = self.r.profile;
         let y = match &self.prepared[base] {
-            Prepared::Oracle(w) => served::matmul_nt(x, &w[row0 * k..(row0 + n) * k], m, k, n),
+            Prepared::Oracle(w) => {
+                crate::device::gemm::matmul_nt(x, &w[row0 * k..(row0 + n) * k], m, k, n)
+            }
             Prepared::Served(sw) => {
                 let sub;
                 let sw = if n_rows.is_some() {
@@ -904,11 +906,14 @@ impl OpEnv for DevEnv<'_, '_> {
     fn store(&self, t: &mut Tensor) {
         t.round_bf16();
     }
-    fn device(&self) -> Option<crate::backend::layer::Dev> {
-        Some(crate::backend::layer::Dev {
-            gpu: self.gpu.clone(),
-            round: true,
-        })
+    fn device(&self) -> Box<dyn crate::device::Device + '_> {
+        Box::new(crate::backend::layer::CudaDevice::new(
+            crate::backend::layer::Dev {
+                gpu: self.gpu.clone(),
+                round: true,
+            },
+            move |t: &mut Tensor| self.store(t),
+        ))
     }
     fn experts_fused(
         &mut self,

@@ -721,7 +721,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     let w: Vec<f32> = (0..nn * k)
         .map(|_| bf16::round(rng.normal() as f32))
         .collect();
-    let want = crate::served::matmul_nt(&x, &w, m, k, nn);
+    let want = crate::device::gemm::matmul_nt(&x, &w, m, k, nn);
     let (xb, wb) = (t.up(&x)?, t.up(&w)?);
     use crate::backend::cuda::Ty;
     // the default GEMM: f64 accumulation, bit-equal to the CPU reference

@@ -11,10 +11,10 @@ use super::{exact, exact_u, nvfp4_scale_bytes, Check};
 use crate::backend::cuda::{
     ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
+use crate::device::gemm::matmul_nt;
 use crate::model::mem_env::Rng;
 use crate::numerics::nvfp4::{self, Convention};
 use crate::numerics::{bf16, mxfp4};
-use crate::served::matmul_nt;
 use crate::Result;
 
 /// One expert's stored weight: packed E2M1 codes, E4M3 block scales (16) and UE8M0 ones (32).
