@@ -1449,7 +1449,7 @@ impl Gpu {
     /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major, operands of type
     /// `ty`. With `exact64` (the default) the operands are widened to f64 and multiplied by cuBLAS
     /// DGEMM, then rounded once to f32 — the CPU reference's accumulation
-    /// (`probe::served::matmul_nt`), so both backends give the same bits; otherwise
+    /// (`device::gemm::matmul_nt`), so both backends give the same bits; otherwise
     /// [`Gpu::gemm_native`].
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(

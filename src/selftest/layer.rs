@@ -1,5 +1,5 @@
 //! Self-test of the layer ops on the device (`backend::layer`, `kernels/layer.cu`) against the
-//! host's `model::kern` on fresh random data: every output bit for bit, with and without the
+//! host's `device::kern` on fresh random data: every output bit for bit, with and without the
 //! path's BF16 storage rounding.
 
 use super::{exact, Check};

@@ -2,7 +2,7 @@
 //! `act_quant_nvfp4_seg` in kernels/quant.cu) on fresh random data.
 //!
 //! `moe_gemm_f64` against the CPU reference built from independent pieces: the NVFP4 / MXFP4
-//! dequantization of `numerics`, the host GEMM `probe::served::matmul_nt` per expert, and the
+//! dequantization of `numerics`, the host GEMM `device::gemm::matmul_nt` per expert, and the
 //! epilogue bf16(y · mul), in every decode mode the runner uses. `act_quant_nvfp4_seg` against
 //! `act_quant_nvfp4_v3` run segment by segment (v3 is itself checked against the CPU reference in
 //! the kernel table): every output bit and every health counter.

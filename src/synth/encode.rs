@@ -1,5 +1,5 @@
 //! Linear weights into checkpoint tensors, per scheme, with the producer-exact encoders of
-//! `numerics`, and the planted faults of `probe::faults` applied to the bytes and scales.
+//! `numerics`, and the planted faults of `served::faults` applied to the bytes and scales.
 
 use crate::checkpoint::{Dtype, Naming};
 use crate::numerics::fp8_block::{self, Fp8ScaleFmt};

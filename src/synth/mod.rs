@@ -1,5 +1,5 @@
 //! Synthetic DeepSeek-V4 checkpoints in the real on-disk formats (docs/DSV4-LAYER.md §2, docs/NVFP4.md
-//! §3.3–3.4, §6), with faults of `probe::faults` planted into the written bytes.
+//! §3.3–3.4, §6), with faults of `served::faults` planted into the written bytes.
 //!
 //! Two writers share one plan (`plan`), one generator (`gen`) and one encoder (`encode`):
 //! - `tiny` is generated whole in memory, calibrated by a real FP32 forward (`calib`) and
