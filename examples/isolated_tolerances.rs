@@ -15,8 +15,8 @@
 use std::collections::BTreeMap;
 
 use nvfp4_probe::checkpoint::Naming;
-use nvfp4_probe::probe::served::Profile;
 use nvfp4_probe::probe::{self, RunOptions};
+use nvfp4_probe::served::Profile;
 use nvfp4_probe::synth::{synth_to_memory, Format, Preset, SynthOptions};
 
 fn main() -> nvfp4_probe::Result<()> {

@@ -4,7 +4,7 @@
 use std::process::Command;
 
 use nvfp4_probe::checkpoint::Naming;
-use nvfp4_probe::probe::faults::Fault;
+use nvfp4_probe::served::faults::Fault;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 
 fn bin() -> Command {

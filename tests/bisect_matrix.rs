@@ -10,8 +10,8 @@ use std::sync::Mutex;
 
 use nvfp4_probe::bisect::{self, BisectResult, Family};
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
-use nvfp4_probe::probe::faults::{Fault, FaultKind};
 use nvfp4_probe::probe::{synthetic_tokens, RunOptions};
+use nvfp4_probe::served::faults::{Fault, FaultKind};
 use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
 use rayon::prelude::*;
 

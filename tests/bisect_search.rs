@@ -4,9 +4,9 @@
 
 use nvfp4_probe::bisect::{self, BisectResult, Search};
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
-use nvfp4_probe::probe::faults::{Fault, FaultKind};
 use nvfp4_probe::probe::scan::{self, ShowRule};
 use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions};
+use nvfp4_probe::served::faults::{Fault, FaultKind};
 use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
 use rayon::prelude::*;
 

@@ -9,8 +9,8 @@
 use assert_cmd::Command;
 use nvfp4_probe::checkpoint::Naming;
 use nvfp4_probe::model::ModelConfig;
-use nvfp4_probe::probe::served::Profile;
 use nvfp4_probe::probe::{self, synthetic_tokens, RunOptions};
+use nvfp4_probe::served::Profile;
 use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
 use nvfp4_probe::Tensor;
 use rayon::prelude::*;

@@ -3,8 +3,8 @@
 
 use assert_cmd::Command;
 use nvfp4_probe::checkpoint::{Checkpoint, Naming};
-use nvfp4_probe::probe::faults::Fault;
 use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions};
+use nvfp4_probe::served::faults::Fault;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 use nvfp4_probe::trace::read::{write, WriteDtype};
 

@@ -665,7 +665,7 @@ fn fuzz_run_json_for_gate_and_plot() {
                     v.to_string()
                 };
                 let t0 = Instant::now();
-                let parsed = gate::parse_run(&cur, "cur.json");
+                let parsed = nvfp4_probe::run_json::parse_run(&cur, "cur.json");
                 if let Ok(v) = &parsed {
                     let _ = gate::compare(base, v, &Tolerances::default(), true);
                     let _ = gate::compare(v, base, &Tolerances::default(), true);

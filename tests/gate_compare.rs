@@ -11,7 +11,7 @@ fn base() -> Value {
         "/tests/data/gate/base.json"
     ))
     .unwrap();
-    gate::parse_run(&text, "base.json").unwrap()
+    nvfp4_probe::run_json::parse_run(&text, "base.json").unwrap()
 }
 
 fn op_mut<'a>(run: &'a mut Value, id: &str) -> &'a mut Value {
@@ -344,7 +344,7 @@ fn not_a_run_json_is_unusable_naming_the_file() {
         "not json",
         "{\"schema\": \"nvfp4-probe.run/1\"}",
     ] {
-        let e = gate::parse_run(text, "weird.json").unwrap_err();
+        let e = nvfp4_probe::run_json::parse_run(text, "weird.json").unwrap_err();
         assert_eq!(e.exit_code(), 2);
         assert!(e.to_string().contains("weird.json"), "{e}");
     }

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use nvfp4_probe::checkpoint::{Checkpoint, Naming, ShardWriter};
 use nvfp4_probe::lint::{lint, lint_dir, Report, Rules, Severity};
-use nvfp4_probe::probe::faults::Fault;
+use nvfp4_probe::served::faults::Fault;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 use tempfile::TempDir;
 

@@ -3,7 +3,7 @@
 
 use nvfp4_probe::checkpoint::Naming;
 use nvfp4_probe::lint::{lint_dir, Report, Rules, Severity};
-use nvfp4_probe::probe::faults::Fault;
+use nvfp4_probe::served::faults::Fault;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 use tempfile::TempDir;
 

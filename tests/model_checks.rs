@@ -6,8 +6,9 @@ mod model_support;
 use std::collections::BTreeSet;
 
 use model_support::{rel_l2, rel_l2_f32, tiny_cfg, tokens};
+use nvfp4_probe::device::ops::RopeTable;
 use nvfp4_probe::model::exec::layer_rope_freqs;
-use nvfp4_probe::model::ops::{rope_freqs, yarn_range, RopeTable};
+use nvfp4_probe::model::rope::{rope_freqs, yarn_range};
 use nvfp4_probe::model::{build_graph, run_graph, MemEnv};
 use nvfp4_probe::Error;
 

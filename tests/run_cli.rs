@@ -28,8 +28,8 @@ fn builtin_model_is_clean_and_reports_every_op() {
         .code(0)
         .stdout(predicates::str::contains("no op diverges"));
     let text = std::fs::read_to_string(&json).unwrap();
-    let v = nvfp4_probe::gate::parse_run(&text, &json).unwrap();
-    nvfp4_probe::gate::check_run(&v, &json).unwrap();
+    let v = nvfp4_probe::run_json::parse_run(&text, &json).unwrap();
+    nvfp4_probe::run_json::check_run(&v, &json).unwrap();
     assert_eq!(v["schema"], "nvfp4-probe.run/1");
     let ops = v["ops"].as_array().unwrap();
     let ids: Vec<&str> = ops.iter().map(|o| o["id"].as_str().unwrap()).collect();

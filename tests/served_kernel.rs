@@ -2,7 +2,7 @@
 //! (exact per-block partials, f64 across blocks, bf16(alpha·acc)) on the §9 vectors and on random data.
 
 use nvfp4_probe::numerics::{bf16, e2m1, e4m3, nvfp4};
-use nvfp4_probe::probe::served::{apply, Nvfp4Params, Profile, ServedWeight};
+use nvfp4_probe::served::{apply, Nvfp4Params, Profile, ServedWeight};
 
 fn wq_of(packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec<f32> {
     // e2m1 · s_w, straight from the format definition (docs/NVFP4.md §1, §3.1)
@@ -122,7 +122,7 @@ fn matmul_is_the_f64_sum_rounded_once() {
     let mut rng = Lcg(99);
     let x: Vec<f32> = (0..m * k).map(|_| rng.next() * 4.0).collect();
     let w: Vec<f32> = (0..n * k).map(|_| rng.next() * 0.3).collect();
-    let y = nvfp4_probe::probe::served::matmul_nt(&x, &w, m, k, n);
+    let y = nvfp4_probe::device::gemm::matmul_nt(&x, &w, m, k, n);
     let mut same = 0;
     for r in 0..m {
         for c in 0..n {

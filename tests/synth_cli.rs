@@ -1,7 +1,7 @@
 //! The `synth` command line: the fault catalogue, a written checkpoint, refusals with exit 2.
 
 use assert_cmd::Command;
-use nvfp4_probe::probe::faults::FaultKind;
+use nvfp4_probe::served::faults::FaultKind;
 
 fn bin() -> Command {
     Command::cargo_bin("nvfp4-probe").unwrap()

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use nvfp4_probe::checkpoint::{Checkpoint, Dtype, Naming};
 use nvfp4_probe::numerics::{e4m3, swizzle, ue8m0};
-use nvfp4_probe::probe::faults::{Fault, FaultKind};
+use nvfp4_probe::served::faults::{Fault, FaultKind};
 use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
 
 const SEED: u64 = 5;

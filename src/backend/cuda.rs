@@ -25,9 +25,11 @@ use cudarc::nvrtc::Ptx;
 use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, PairSums, Stats};
 use crate::numerics::nvfp4::{Convention, QuantHealth};
-use crate::probe::env::PathKind;
-use crate::probe::faults::Fault;
-use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, ServedWeight};
+use crate::served::faults::Fault;
+use crate::served::PathKind;
+use crate::served::{
+    self, ActQuant, LinearObs, Nvfp4Params, Override, Profile, ServedWeight, WeightOperand,
+};
 use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
@@ -435,7 +437,7 @@ struct DevWeight {
 
 /// What an NVFP4 weight's rearranged block scales depend on: its layout faults and repairs.
 fn layout_key(faults: &[&Fault], overrides: &[Override]) -> String {
-    use crate::probe::faults::FaultKind as K;
+    use crate::served::faults::FaultKind as K;
     let f: Vec<&K> = faults
         .iter()
         .map(|f| &f.kind)
@@ -455,7 +457,7 @@ fn layout_key(faults: &[&Fault], overrides: &[Override]) -> String {
 
 /// The loader faults, hypotheses and pair fusion that decide a base's served reading.
 fn served_key(lc: &LinearCtx, base: &str) -> String {
-    let faults = crate::probe::faults::hitting(lc.faults, base);
+    let faults = crate::served::faults::hitting(lc.faults, base);
     let ovs = served::overrides_of(lc.overrides, base);
     if faults.is_empty() && ovs.is_empty() {
         return if lc.fuse_pairs { "f" } else { "-" }.to_string();
@@ -1447,7 +1449,7 @@ impl Gpu {
     /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major, operands of type
     /// `ty`. With `exact64` (the default) the operands are widened to f64 and multiplied by cuBLAS
     /// DGEMM, then rounded once to f32 — the CPU reference's accumulation
-    /// (`probe::served::matmul_nt`), so both backends give the same bits; otherwise
+    /// (`device::gemm::matmul_nt`), so both backends give the same bits; otherwise
     /// [`Gpu::gemm_native`].
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
@@ -1675,7 +1677,7 @@ impl Gpu {
                 "internal: {base} is not an NVFP4 weight (block scales pinned)"
             )));
         };
-        let faults = crate::probe::faults::hitting(lc.faults, base);
+        let faults = crate::served::faults::hitting(lc.faults, base);
         let overrides = served::overrides_of(lc.overrides, base);
         let p = served::nvfp4_params_of(lc.ckpt, &m, conv, lc.fuse_pairs, &faults, &overrides);
         let scales = match scales {
@@ -1883,10 +1885,10 @@ impl Gpu {
         let (n, k) = (m.out_features, m.in_features);
         use crate::checkpoint::Scheme;
         let sp = crate::profile::span("host: served_reading filter");
-        let faults = crate::probe::faults::hitting(lc.faults, base);
+        let faults = crate::served::faults::hitting(lc.faults, base);
         let overrides = served::overrides_of(lc.overrides, base);
         drop(sp);
-        use crate::probe::faults::FaultKind as K;
+        use crate::served::faults::FaultKind as K;
         let has = |k: K| faults.iter().any(|f| f.kind == k);
         let nvfp4 = matches!(
             m.scheme,
@@ -2506,9 +2508,11 @@ impl Gpu {
             return Ok(None);
         }
         let p = nv.ok_or_else(|| Error::Backend("cuda: NVFP4 weight without parameters".into()))?;
-        // e2m1·s_w (exact in BF16) as BF16 bits, or bf(e2m1·s_w·d_w) for the emulation profile
+        // e2m1·s_w (exact in BF16) as BF16 bits, or bf(e2m1·s_w·d_w) where the recipe's weight
+        // operand is the BF16-dequantized weight
+        let recipe = _lc.profile.recipe();
         let wq16 = self.scratch("wq16", nk * 2)?;
-        let post = (_lc.profile == Profile::Emulation).then_some(p.d_w);
+        let post = (recipe.weight == WeightOperand::Bf16Dequantized).then_some(p.d_w);
         match host_w {
             Some(hp) => {
                 if let Some(d) = post {
@@ -2537,8 +2541,9 @@ impl Gpu {
             None => self.dequant(w, wq16, Ty::Bf16, true, false, post)?,
         }
         let h = health.unwrap_or(0);
-        match _lc.profile {
-            Profile::BlackwellW4a4 => {
+        let mul = recipe.epilogue.multiplier(&p);
+        match recipe.act {
+            ActQuant::Nvfp4Codes => {
                 let xq = self.scratch("xq16", m * groups * k * 2)?;
                 let o = ActQuantOut {
                     xq16: xq,
@@ -2547,9 +2552,9 @@ impl Gpu {
                 };
                 self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
                 self.gemm_g(Ty::Bf16, xq, k, off(wq16, 2), y, ldy, m, nr, k, groups)?;
-                self.epilogue(y, m, nr * groups, ldy, p.alpha)?;
+                self.epilogue(y, m, nr * groups, ldy, mul)?;
             }
-            Profile::Emulation => {
+            ActQuant::Nvfp4Bf16 => {
                 let xh = self.scratch("xq32", m * groups * k * 4)?;
                 let o = ActQuantOut {
                     xhat: xh,
@@ -2560,9 +2565,9 @@ impl Gpu {
                 self.act_quant_nvfp4(x, mk / 16, p.g_x, o)?;
                 let xp = self.bf16_copy("x16", xh, m * groups * k)?;
                 self.gemm_g(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k, groups)?;
-                self.epilogue(y, m, nr * groups, ldy, 1.0)?;
+                self.epilogue(y, m, nr * groups, ldy, mul)?;
             }
-            Profile::HopperW4a16 => {
+            ActQuant::Bf16 => {
                 // activations stay BF16; the amax is still observed
                 let o = ActQuantOut {
                     health: h,
@@ -2577,7 +2582,7 @@ impl Gpu {
                     self.dequant(w, wp, Ty::F32, true, false, None)?;
                     self.gemm_g(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
                 }
-                self.epilogue(y, m, nr * groups, ldy, p.d_w)?;
+                self.epilogue(y, m, nr * groups, ldy, mul)?;
             }
         }
         Ok(Some(p))
@@ -2590,7 +2595,7 @@ impl Gpu {
         };
         let amax = f32::from_bits(h[7] as u32) as f64;
         let calib = 2688.0 / p.g_x as f64;
-        let health = (profile != Profile::HopperW4a16).then_some(QuantHealth {
+        let health = profile.recipe().observes_health().then_some(QuantHealth {
             blocks: h[0],
             scale_zero: h[1],
             scale_max: h[2],
@@ -2854,24 +2859,28 @@ impl Gpu {
                     flags: 2 | MT_WBF16 | MT_EPI | if *swap { MT_SWAP } else { 0 },
                     ..t
                 };
-                Some(match profile {
-                    Profile::BlackwellW4a4 => {
-                        (MoeAct::Nvfp4W4a4, MoeTile { mul: p.alpha, ..t }, Some(p))
-                    }
-                    Profile::Emulation => (
-                        MoeAct::Nvfp4Emul,
-                        MoeTile {
-                            post: p.d_w,
-                            flags: t.flags | MT_POST,
-                            mul: 1.0,
-                            ..t
-                        },
-                        Some(p),
-                    ),
-                    Profile::HopperW4a16 => {
-                        (MoeAct::Nvfp4W4a16, MoeTile { mul: p.d_w, ..t }, Some(p))
-                    }
-                })
+                let r = profile.recipe();
+                let act = match r.act {
+                    ActQuant::Nvfp4Codes => MoeAct::Nvfp4W4a4,
+                    ActQuant::Nvfp4Bf16 => MoeAct::Nvfp4Emul,
+                    ActQuant::Bf16 => MoeAct::Nvfp4W4a16,
+                };
+                let t = match r.weight {
+                    WeightOperand::Bf16Dequantized => MoeTile {
+                        post: p.d_w,
+                        flags: t.flags | MT_POST,
+                        ..t
+                    },
+                    WeightOperand::E2m1Scaled => t,
+                };
+                Some((
+                    act,
+                    MoeTile {
+                        mul: r.epilogue.multiplier(&p),
+                        ..t
+                    },
+                    Some(p),
+                ))
             }
         }
     }
@@ -2997,7 +3006,7 @@ impl Gpu {
             if w.is_some_and(|w| w.served_key.as_ref().is_none_or(|k| *k == key)) {
                 continue; // ensure_weight keeps what it has
             }
-            let faults = crate::probe::faults::hitting(lc.faults, b);
+            let faults = crate::served::faults::hitting(lc.faults, b);
             let ovs = served::overrides_of(lc.overrides, b);
             if !served::nvfp4_layout_changed(&faults, &ovs) {
                 continue;

@@ -1,18 +1,20 @@
 //! The layer's non-linear ops on the device (`kernels/layer.cu`): RMSNorm, RoPE, mHC pre/post/head
 //! with Sinkhorn, the attention core, the compressor's pooling tail, the indexer's scores and the
-//! router's top-k. Each takes and returns host tensors and computes what `model::kern` computes,
+//! router's top-k. Each takes and returns host tensors and computes what `device::kern` computes,
 //! bit for bit, including the path's storage rounding (`round`) at the points where the host op
-//! calls `OpEnv::store`. `model::exec` calls these when the path's `OpEnv::device` is a GPU.
+//! calls its store. [`CudaDevice`] puts them behind the `device::Device` interface that
+//! `model::exec` calls.
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::LaunchConfig;
 
 use super::cuda::{Gpu, A};
-use crate::model::kern::{AttnDims, HcParams, Scoring};
-use crate::model::ops::RopeTable;
+use crate::device::kern::{AttnDims, HcParams, Scoring};
+use crate::device::ops::RopeTable;
+use crate::device::{CpuDevice, Device};
 use crate::tensor::Data;
-use crate::{Error, Result};
+use crate::{Error, Result, Tensor};
 
 /// The device a path's host ops run on, and whether its `store` rounds to BF16.
 #[derive(Clone)]
@@ -28,6 +30,198 @@ impl Dev {
             Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
         })?;
         f(&mut g)
+    }
+}
+
+/// The [`Device`] of a path on the GPU: every op on the device with the path's rounding; the host
+/// device (with the path's store) computes what the device kernels decline (an attention whose
+/// scores do not fit the kernel's shared memory).
+pub struct CudaDevice<S: Fn(&mut Tensor)> {
+    dev: Dev,
+    host: CpuDevice<S>,
+}
+
+impl<S: Fn(&mut Tensor)> CudaDevice<S> {
+    pub fn new(dev: Dev, store: S) -> Self {
+        CudaDevice {
+            dev,
+            host: CpuDevice::new(store),
+        }
+    }
+}
+
+impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
+    fn repeat_rows(&self, x: &Tensor, d: usize, hc: usize) -> Result<Tensor> {
+        let t = x.numel() / d.max(1);
+        let y = self.dev.with(|g| g.repeat_rows(&x.data, d, hc))?;
+        Ok(Tensor::new(vec![t, hc, d], y))
+    }
+
+    fn rmsnorm(&self, x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|g| g.rmsnorm(&x.data, x.cols(), Some(w), eps, dev.round))?;
+        Ok(Tensor::new(x.shape.clone(), y))
+    }
+
+    fn rope(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|g| g.rope(&x.data, 1, dh, nope, tab, false, dev.round))?;
+        Ok(Tensor::new(x.shape.clone(), y))
+    }
+
+    fn q_rope(
+        &self,
+        q: &Tensor,
+        h: usize,
+        dh: usize,
+        nope: usize,
+        tab: &RopeTable,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|g| g.q_rope(&q.data, h, dh, nope, tab, eps, dev.round))?;
+        Ok(Tensor::new(q.shape.clone(), y))
+    }
+
+    fn hc_pre(
+        &self,
+        x: &Tensor,
+        t: usize,
+        d: usize,
+        f: &Tensor,
+        p: &HcParams,
+        rms_eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dev = &self.dev;
+        let hc = p.hc;
+        let (y, post, comb) =
+            dev.with(|g| g.hc_pre(&x.data, t, d, &f.data, p, rms_eps, dev.round))?;
+        Ok((
+            Tensor::new(vec![t, d], y),
+            Tensor::new(vec![t, hc], post),
+            Tensor::new(vec![t, hc, hc], comb),
+        ))
+    }
+
+    fn hc_post(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        post: &Tensor,
+        comb: &Tensor,
+        t: usize,
+        hc: usize,
+        d: usize,
+    ) -> Result<Tensor> {
+        let dev = &self.dev;
+        let out = dev.with(|g| {
+            g.hc_post(
+                &y.data, &x.data, &post.data, &comb.data, t, hc, d, dev.round,
+            )
+        })?;
+        Ok(Tensor::new(vec![t, hc, d], out))
+    }
+
+    fn hc_head(
+        &self,
+        x: &Tensor,
+        t: usize,
+        d: usize,
+        hc: usize,
+        f: &Tensor,
+        rms_eps: f32,
+        coef: &dyn Fn(&[f32]) -> Vec<f32>,
+    ) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|g| g.hc_head(&x.data, t, d, hc, &f.data, rms_eps, coef, dev.round))?;
+        Ok(Tensor::new(vec![t, d], y))
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        cmp: &Tensor,
+        allowed: &[u8],
+        sink: &[f32],
+        dims: AttnDims,
+        nope: usize,
+        tab: &RopeTable,
+    ) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|g| {
+            g.attention(
+                &q.data, &kv.data, &cmp.data, allowed, sink, dims, nope, tab, dev.round,
+            )
+        })?;
+        match y {
+            Some(y) => Ok(Tensor::new(vec![dims.t, dims.h * dims.dh], y)),
+            None => self
+                .host
+                .attention(q, kv, cmp, allowed, sink, dims, nope, tab),
+        }
+    }
+
+    fn compress_tail(
+        &self,
+        a: &Tensor,
+        g: &Tensor,
+        ape: &[f32],
+        norm: &[f32],
+        n_c: usize,
+        dc: usize,
+        ratio: usize,
+        eps: f32,
+        tab: &RopeTable,
+    ) -> Result<Tensor> {
+        let dev = &self.dev;
+        let ck = dev.with(|gp| {
+            gp.compress_tail(
+                &a.data, &g.data, ape, norm, n_c, dc, ratio, eps, tab, dev.round,
+            )
+        })?;
+        Ok(Tensor::new(vec![n_c, dc], ck))
+    }
+
+    fn indexer_scores(
+        &self,
+        q: &[f32],
+        ki: &[f32],
+        w: &[f32],
+        t: usize,
+        hi: usize,
+        di: usize,
+        n_c: usize,
+    ) -> Result<Vec<f32>> {
+        self.dev
+            .with(|g| g.indexer_scores(q, ki, w, t, hi, di, n_c))
+    }
+
+    fn route(
+        &self,
+        logits: &Tensor,
+        bias: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<(Vec<f32>, Vec<usize>)> {
+        self.dev
+            .with(|g| g.route(&logits.data, bias, t, e, k, f, norm, rs))
+    }
+
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|g| g.add(&a.data, &b.data, dev.round))?;
+        Ok(Tensor::new(a.shape.clone(), y))
+    }
+
+    fn swiglu(&self, g: &Tensor, u: &Tensor, limit: f32) -> Result<Tensor> {
+        let dev = &self.dev;
+        let y = dev.with(|gp| gp.swiglu(&g.data, &u.data, limit, dev.round))?;
+        Ok(Tensor::new(g.shape.clone(), y))
     }
 }
 

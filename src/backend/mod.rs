@@ -1,12 +1,12 @@
-//! Where the numerics run. The CPU reference is the op math in `model::exec` with the linears,
-//! activation quantizers and statistics in `probe` and `metrics`; the CUDA backend
+//! Where the numerics run. The CPU reference is the op math of `model::exec` on `device::CpuDevice`
+//! with the served linears of `served` and the statistics of `metrics`; the CUDA backend
 //! ([`cuda::Gpu`]) runs the weight dequantization, activation quantization, GEMMs, the routed
-//! experts and the per-op statistics on the device, under the same `OpEnv` interface, so both
-//! backends share one definition of every op and one runner.
+//! experts and the per-op statistics on the device, and the layer's other ops through
+//! [`layer::CudaDevice`], under the same `OpEnv` and `Device` interfaces, so both backends share
+//! one definition of every op and one runner.
 
 pub mod cuda;
 pub mod layer;
-pub mod selftest;
 pub mod stage;
 
 use std::sync::{Arc, Mutex};

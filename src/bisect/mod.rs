@@ -26,8 +26,8 @@ use crate::probe::consequence::{Consequence, Severity};
 use crate::probe::findings::{self, Finding, Impact, Level, OpValue, Source};
 use crate::probe::replay::{self, Capture, Patch, Replayer};
 use crate::probe::scan::{self as pscan, OracleOp};
-use crate::probe::served::{Nvfp4Params, Override};
 use crate::probe::{self, OpRecord, RunOptions, RunResult, Summary};
+use crate::served::{Nvfp4Params, Override};
 use crate::Result;
 
 /// Divergent ops that get the whole hypothesis set; beyond it only ops of a root cause already
@@ -951,7 +951,7 @@ fn winfo(rp: &mut Replayer, base: &str) -> Result<Option<WInfo>> {
         return Ok(None);
     };
     let resolve = |fuse: bool| {
-        crate::probe::served::resolve_nvfp4_named(rp.ckpt, &meta.canonical, conv, sw, si, fuse, &[])
+        crate::served::resolve_nvfp4_named(rp.ckpt, &meta.canonical, conv, sw, si, fuse, &[])
     };
     let (fused, own) = (resolve(true), resolve(false));
     let ne = |a: f32, b: f32| a.to_bits() != b.to_bits();

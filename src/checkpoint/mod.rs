@@ -8,6 +8,7 @@
 mod access;
 mod complete;
 pub mod convert;
+pub mod guard;
 pub mod naming;
 pub mod quant;
 mod shard;
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub use complete::MissingTensor;
+pub use guard::GuardCheckpoint;
 pub use naming::{FusedPart, Naming};
 pub use quant::{
     Fp8ScaleKind, QuantWeight, RawFormat, RawWeight, ScaleKind, ScaleSummary, Scheme, WeightFormat,

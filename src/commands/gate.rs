@@ -16,8 +16,8 @@ pub fn main(a: &GateArgs) -> Result<i32> {
     for p in [&a.summary, &a.junit].into_iter().flatten() {
         outs.check(p)?;
     }
-    let base = gate::load_run(&a.baseline)?;
-    let cur = gate::load_run(&a.current)?;
+    let base = crate::run_json::load_run(&a.baseline)?;
+    let cur = crate::run_json::load_run(&a.current)?;
     let tol = match &a.tolerances {
         Some(p) => {
             let text = crate::input::read_text(p, "tolerances", crate::input::SMALL_FILE_MAX)?;

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::checkpoint::quant::{amax_from_scales, implied_amax};
 use crate::checkpoint::writer::serialize;
+use crate::checkpoint::GuardCheckpoint;
 use crate::checkpoint::{Checkpoint, Dtype, ScaleKind, ScaleSummary, WeightMeta};
 use crate::cli::InspectArgs;
 use crate::numerics::nvfp4::Convention;

@@ -1,5 +1,6 @@
 //! `lint`: find broken scales before anything runs (see `crate::lint`).
 
+use crate::checkpoint::GuardCheckpoint;
 use crate::cli::LintArgs;
 use crate::lint::{lint_dir, to_json, to_markdown, to_text, Rules};
 use crate::output::{Guard, Outputs};

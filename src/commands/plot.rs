@@ -10,7 +10,7 @@ pub fn main(a: &PlotArgs) -> Result<i32> {
         outs.check(&f)?;
     }
     // the gate's reader: the same checks, errors naming the input file
-    let run = crate::gate::load_run(&a.run_json)?;
+    let run = crate::run_json::load_run(&a.run_json)?;
     crate::plot::plot_into(&run, &a.out, &mut outs)?;
     outs.publish_and_report()?;
     Ok(crate::error::EXIT_OK)

@@ -4,14 +4,15 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::GuardCheckpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
 use crate::output::{Guard, Outputs};
-use crate::probe::faults::Fault;
-use crate::probe::served::Profile;
 use crate::probe::spec::{parse_layers, ProbeSpec};
 use crate::probe::{self, RunOptions, RunResult};
 use crate::report::{self, RunMeta};
+use crate::served::faults::Fault;
+use crate::served::Profile;
 use crate::{Error, Result};
 
 /// The checkpoint a command works on: `--model DIR` or the built-in tiny synthetic model.
@@ -165,7 +166,7 @@ pub fn prepare(
         .iter()
         .map(|s| Fault::parse(s))
         .collect::<Result<Vec<_>>>()?;
-    crate::probe::faults::check_loader_faults(&ckpt, &faults)?;
+    crate::served::faults::check_loader_faults(&ckpt, &faults)?;
     crate::profile::mark("options checked");
     // the run's memory estimate is checked as soon as the token count is known, before the
     // tokens (or anything else of the run's size) are made; a long CPU run is announced
@@ -332,7 +333,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         report::dump(&mut outs, d, &res)?;
     }
     if let (Some(pl), Some(text)) = (&args.plot, &json) {
-        let run = crate::gate::parse_run(text, "run JSON")?;
+        let run = crate::run_json::parse_run(text, "run JSON")?;
         crate::plot::plot_into(&run, pl, &mut outs)?;
     }
     outs.publish_and_report()?;

@@ -4,11 +4,11 @@ use std::time::Instant;
 
 use comfy_table::Table;
 
-use crate::backend::selftest::{compare_runs, kernels, Check};
 use crate::backend::Backend;
 use crate::cli::{BackendChoice, SelftestArgs, TokenArgs};
 use crate::commands::run::prepare;
 use crate::output::Outputs;
+use crate::selftest::{compare_runs, kernels, Check};
 use crate::{probe, Error, Result};
 
 pub fn main(args: &SelftestArgs) -> Result<i32> {
@@ -78,7 +78,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         let mut g = gpu
             .lock()
             .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-        let t = crate::backend::selftest::rcp_table(&mut g)?;
+        let t = crate::selftest::rcp_table(&mut g)?;
         let bytes: Vec<u8> = t.iter().map(|&v| v as u8).collect();
         outs.file(f, &bytes)?;
         let hist = [-2i8, -1, 0, 1, 2].map(|d| t.iter().filter(|&&v| v == d).count());
@@ -89,7 +89,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         let mut g = gpu
             .lock()
             .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-        benches = crate::backend::selftest::bench(&mut g, gib)?;
+        benches = crate::selftest::bench(&mut g, gib)?;
         let mut t = Table::new();
         t.load_style(comfy_table::presets::ASCII_MARKDOWN);
         t.set_header(vec![

@@ -1,7 +1,8 @@
 //! `synth`: write a synthetic DeepSeek-V4 checkpoint (see `crate::synth`).
 
 use crate::cli::SynthArgs;
-use crate::synth::{self, SynthOptions};
+use crate::served::faults::Fault;
+use crate::synth::{self, plan, Format, Preset, SynthOptions};
 use crate::{Error, Result};
 
 pub fn main(a: &SynthArgs) -> Result<i32> {
@@ -13,7 +14,7 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
         .out
         .as_ref()
         .ok_or_else(|| Error::usage("synth: --out DIR is required"))?;
-    let opts = SynthOptions::from_args(a)?;
+    let opts = options(a)?;
     let (st, files) = synth::synth_to_dir_with(&opts, out, a.force)?;
     for f in &files {
         println!("wrote {}", out.join(f).display());
@@ -43,4 +44,20 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
         }
     );
     Ok(0)
+}
+
+/// The synth options the command line asks for.
+fn options(a: &SynthArgs) -> Result<SynthOptions> {
+    Ok(SynthOptions {
+        preset: Preset::parse(&a.preset)?,
+        format: Format::parse(&a.format)?,
+        naming: plan::parse_naming(&a.naming)?,
+        seed: a.seed,
+        layers: a.layers,
+        faults: a
+            .faults
+            .iter()
+            .map(|f| Fault::parse(f))
+            .collect::<Result<_>>()?,
+    })
 }

@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::checkpoint::{Checkpoint, WeightMeta};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
-use crate::probe::faults::op_of_base;
+use crate::served::faults::op_of_base;
 use crate::Result;
 
 pub use rules::{RuleInfo, Rules, Severity, Thresholds, RULES};

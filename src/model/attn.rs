@@ -1,7 +1,8 @@
 //! Attention core and the CSA indexer (docs/DSV4-LAYER.md §3.4 steps 7–9, §3.5.3).
 //!
-//! The numerics live in `model::kern` (host) and `backend::layer` (device), which agree bit for
-//! bit: scores and weighted sums accumulate in f64, softmax exponentials are evaluated in f64.
+//! The numerics live behind the path's `device::Device` (`device::kern` on the host,
+//! `backend::layer` on the GPU), which agree bit for bit: scores and weighted sums accumulate in
+//! f64, softmax exponentials are evaluated in f64.
 
 use rayon::prelude::*;
 
@@ -9,9 +10,9 @@ use super::exec::{
     check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
 };
 use super::graph::Op;
-use super::kern::{self, AttnDims};
-use super::ops::{topk_order, RopeTable};
 use super::ModelConfig;
+use crate::device::kern::{self, AttnDims};
+use crate::device::ops::{topk_order, RopeTable};
 use crate::{Result, Tensor};
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
@@ -92,10 +93,9 @@ pub(crate) fn indexer(
     let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
     w.data.iter_mut().for_each(|v| *v *= sc);
 
-    let scores = match env.device() {
-        Some(dev) => dev.with(|g| g.indexer_scores(&q.data, &ki.data, &w.data, t, hi, di, n_c))?,
-        None => kern::indexer_scores(&q.data, &ki.data, &w.data, t, hi, di, n_c),
-    };
+    let scores = env
+        .device()
+        .indexer_scores(&q.data, &ki.data, &w.data, t, hi, di, n_c)?;
     out.par_chunks_mut(kk).enumerate().for_each(|(ti, o)| {
         let m = causal(ti);
         if m <= kk {
@@ -172,24 +172,6 @@ pub(crate) fn attention(
     let allowed = kern::allowed_rows(t, n_c, ratio, sel.map(|s| (&s.data[..], cfg.index_topk)));
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
     let nope = cfg.nope_dim();
-    if let Some(dev) = env.device() {
-        let y = dev.with(|g| {
-            g.attention(
-                &q.data, &kv.data, &cmp.data, &allowed, &sink.data, dims, nope, &tab, dev.round,
-            )
-        })?;
-        if let Some(y) = y {
-            return Ok(Tensor::new(vec![t, hd], y));
-        }
-    }
-    let out = kern::attention_core(&q.data, &kv.data, &cmp.data, &allowed, &sink.data, dims);
-    let mut out = Tensor::new(vec![t, hd], out);
-    env.store(&mut out);
-    for (pos, row) in out.data.chunks_mut(hd).enumerate() {
-        for head in row.chunks_mut(dh) {
-            tab.apply(&mut head[nope..], pos, true);
-        }
-    }
-    env.store(&mut out);
-    Ok(out)
+    env.device()
+        .attention(q, kv, cmp, &allowed, &sink.data, dims, nope, &tab)
 }

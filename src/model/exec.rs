@@ -5,13 +5,12 @@
 
 use std::collections::HashMap;
 
-use rayon::prelude::*;
-
 use super::graph::{Op, OpClass, OpKind};
-use super::kern::{self, HcParams};
-use super::ops::{self, rmsnorm_rows, sigmoid, silu, RopeTable};
+use super::rope::rope_freqs;
 use super::ModelConfig;
-use crate::backend::layer::Dev;
+use crate::device::kern::{self, HcParams};
+use crate::device::ops::{sigmoid, RopeTable};
+use crate::device::{CpuDevice, Device};
 use crate::{Error, Result, Tensor};
 
 /// What a numerics path provides to the op math.
@@ -77,10 +76,10 @@ pub trait OpEnv {
     fn weight_file(&self, _name: &str) -> Option<std::path::PathBuf> {
         None
     }
-    /// The device the non-linear ops run on (`backend::layer`), with this path's storage rounding;
-    /// `None` = the host (`model::kern`).
-    fn device(&self) -> Option<Dev> {
-        None
+    /// The device the non-linear ops run on, rounding as this path stores ([`OpEnv::store`]);
+    /// the host reference ([`CpuDevice`]) unless the env runs on a GPU.
+    fn device(&self) -> Box<dyn Device + '_> {
+        Box::new(CpuDevice::new(move |t: &mut Tensor| self.store(t)))
     }
 }
 
@@ -204,13 +203,13 @@ pub(crate) fn layer_of(op: &Op) -> Result<usize> {
 /// without YaRN on window-only layers (docs/DSV4-LAYER.md §3.4).
 pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
     if cfg.ratio(layer) > 0 {
-        ops::rope_freqs(
+        rope_freqs(
             cfg.qk_rope_head_dim,
             cfg.compress_rope_theta,
             cfg.yarn.as_ref(),
         )
     } else {
-        ops::rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+        rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None)
     }
 }
 
@@ -248,38 +247,15 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             let e = inputs[0];
             let t = e.numel() / d.max(1);
             check_shape(op, "embedding", e, &[t, d])?;
-            if let Some(dev) = env.device() {
-                let y = dev.with(|g| g.repeat_rows(&e.data, d, hc))?;
-                return Ok(vec![Tensor::new(vec![t, hc, d], y)]);
-            }
-            let mut data = Vec::with_capacity(t * hc * d);
-            for row in e.data.chunks(d) {
-                for _ in 0..hc {
-                    data.extend_from_slice(row);
-                }
-            }
-            vec![Tensor::new(vec![t, hc, d], data)]
+            vec![env.device().repeat_rows(e, d, hc)?]
         }
         OpKind::HcPre => hc_pre(op, inputs[0], env, &cfg)?,
         OpKind::HcPost => vec![hc_post(op, inputs, env, &cfg)?],
         OpKind::RmsNorm => {
             let x = inputs[0];
             let w = param_n(env, weight(op, 0)?, x.cols())?;
-            if let Some(dev) = env.device() {
-                let eps = cfg.rms_norm_eps as f32;
-                let y =
-                    dev.with(|g| g.rmsnorm(&x.data, x.cols(), Some(&w.data), eps, dev.round))?;
-                return Ok(vec![Tensor::new(x.shape.clone(), y)]);
-            }
-            let mut y = x.clone();
-            rmsnorm_rows(
-                &mut y.data,
-                x.cols(),
-                Some(&w.data),
-                cfg.rms_norm_eps as f32,
-            );
-            env.store(&mut y);
-            vec![y]
+            let eps = cfg.rms_norm_eps as f32;
+            vec![env.device().rmsnorm(x, &w.data, eps)?]
         }
         OpKind::Linear => {
             let x = inputs[0];
@@ -331,20 +307,7 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             check_shape(op, "kv", x, &[t, cfg.head_dim])?;
             let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), 0..t);
             let nope = cfg.nope_dim();
-            let mut y = match env.device() {
-                Some(dev) => Tensor::new(
-                    x.shape.clone(),
-                    dev.with(|g| g.rope(&x.data, 1, cfg.head_dim, nope, &tab, false, dev.round))?,
-                ),
-                None => {
-                    let mut y = x.clone();
-                    for (p, row) in y.data.chunks_mut(cfg.head_dim).enumerate() {
-                        tab.apply(&mut row[nope..], p, false);
-                    }
-                    env.store(&mut y);
-                    y
-                }
-            };
+            let mut y = env.device().rope(x, cfg.head_dim, nope, &tab)?;
             env.cache_store(&op.id, &mut y);
             vec![y]
         }
@@ -381,20 +344,7 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
                     format!("shapes {:?} and {:?} differ", a.shape, b.shape),
                 ));
             }
-            if let Some(dev) = env.device() {
-                let y = dev.with(|g| g.add(&a.data, &b.data, dev.round))?;
-                return Ok(vec![Tensor::new(a.shape.clone(), y)]);
-            }
-            let mut y = Tensor::new(
-                a.shape.clone(),
-                a.data
-                    .iter()
-                    .zip(&b.data)
-                    .map(|(x, y)| x + y)
-                    .collect::<Vec<f32>>(),
-            );
-            env.store(&mut y);
-            vec![y]
+            vec![env.device().add(a, b)?]
         }
         OpKind::HcHead => vec![hc_head(op, inputs[0], env, &cfg)?],
     };
@@ -432,16 +382,6 @@ pub fn run_graph(ops: &[Op], env: &mut dyn OpEnv) -> Result<HashMap<String, Tens
     Ok(vals)
 }
 
-/// m = (xf @ fnᵀ)·ρ per token with ρ = rsqrt(mean(xf²) + eps): the GEMM accumulates in f64 like
-/// every linear, ρ is `kern::rms_inv`.
-fn hc_mix(x: &Tensor, f: &Tensor, rows_out: usize, eps: f32) -> Vec<f32> {
-    let t = x.shape[0];
-    let w = x.numel() / t.max(1);
-    let mut m = crate::probe::served::matmul_nt(&x.data, &f.data, t, w, rows_out);
-    kern::hc_scale_rows(&mut m, &x.data, t, rows_out, eps);
-    m
-}
-
 fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Vec<Tensor>> {
     let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
     let t = x.shape.first().copied().unwrap_or(0);
@@ -458,21 +398,8 @@ fn hc_pre(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         eps: cfg.hc_eps as f32,
     };
     let rms_eps = cfg.rms_norm_eps as f32;
-    let (y, post, comb) = match env.device() {
-        Some(dev) => dev.with(|g| g.hc_pre(&x.data, t, d, &f.data, &p, rms_eps, dev.round))?,
-        None => {
-            let m = hc_mix(x, &f, mix, rms_eps);
-            let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
-            let mut y = Tensor::new(vec![t, d], kern::hc_weighted_sum(&x.data, &pre, t, hc, d));
-            env.store(&mut y);
-            (y.data, post.into(), comb.into())
-        }
-    };
-    Ok(vec![
-        Tensor::new(vec![t, d], y),
-        Tensor::new(vec![t, hc], post),
-        Tensor::new(vec![t, hc, hc], comb),
-    ])
+    let (y, post, comb) = env.device().hc_pre(x, t, d, &f, &p, rms_eps)?;
+    Ok(vec![y, post, comb])
 }
 
 fn hc_post(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
@@ -483,20 +410,7 @@ fn hc_post(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
     check_shape(op, "residual", x, &[t, hc, d])?;
     check_shape(op, "post", post, &[t, hc])?;
     check_shape(op, "comb", comb, &[t, hc, hc])?;
-    if let Some(dev) = env.device() {
-        let out = dev.with(|g| {
-            g.hc_post(
-                &y.data, &x.data, &post.data, &comb.data, t, hc, d, dev.round,
-            )
-        })?;
-        return Ok(Tensor::new(vec![t, hc, d], out));
-    }
-    let mut out = Tensor::new(
-        vec![t, hc, d],
-        kern::hc_post(&y.data, &x.data, &post.data, &comb.data, t, hc, d),
-    );
-    env.store(&mut out);
-    Ok(out)
+    env.device().hc_post(y, x, post, comb, t, hc, d)
 }
 
 fn hc_head(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
@@ -515,17 +429,7 @@ fn hc_head(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Resul
             .map(|(i, &v)| sigmoid(v * scale.data[0] + base.data[i % hc]) + eps)
             .collect()
     };
-    if let Some(dev) = env.device() {
-        let y = dev.with(|g| g.hc_head(&x.data, t, d, hc, &f.data, rms_eps, coef, dev.round))?;
-        return Ok(Tensor::new(vec![t, d], y));
-    }
-    let m = hc_mix(x, &f, hc, rms_eps);
-    let mut y = Tensor::new(
-        vec![t, d],
-        kern::hc_weighted_sum(&x.data, &coef(&m), t, hc, d),
-    );
-    env.store(&mut y);
-    Ok(y)
+    env.device().hc_head(x, t, d, hc, &f, rms_eps, &coef)
 }
 
 /// Per-head RMS normalisation without weight (fp32) then RoPE on each head's last dims at p_t.
@@ -537,22 +441,7 @@ fn q_rope(op: &Op, q: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
     let nope = cfg.nope_dim();
     let eps = cfg.rms_norm_eps as f32;
-    if let Some(dev) = env.device() {
-        let y = dev.with(|g| g.q_rope(&q.data, h, dh, nope, &tab, eps, dev.round))?;
-        return Ok(Tensor::new(q.shape.clone(), y));
-    }
-    let mut y = q.clone();
-    y.data
-        .par_chunks_mut(h * dh)
-        .enumerate()
-        .for_each(|(p, row)| {
-            for head in row.chunks_mut(dh) {
-                rmsnorm_rows(head, dh, None, eps);
-                tab.apply(&mut head[nope..], p, false);
-            }
-        });
-    env.store(&mut y);
-    Ok(y)
+    env.device().q_rope(q, h, dh, nope, &tab, eps)
 }
 
 /// Compressed KV rows of a compressor (docs/DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
@@ -598,26 +487,8 @@ pub(crate) fn compress(
     }
     let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), (0..n_c).map(|b| b * ratio));
     let eps = cfg.rms_norm_eps as f32;
-    if let Some(dev) = env.device() {
-        let ck = dev.with(|gp| {
-            gp.compress_tail(
-                &a.data, &g.data, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab, dev.round,
-            )
-        })?;
-        return Ok(Tensor::new(vec![n_c, dc], ck));
-    }
-    let mut ck = Tensor::new(
-        vec![n_c, dc],
-        kern::compress_pool(&a.data, &g.data, &ape.data, n_c, dc, ratio),
-    );
-    env.store(&mut ck);
-    rmsnorm_rows(&mut ck.data, dc, Some(&norm.data), eps);
-    env.store(&mut ck);
-    for (b, row) in ck.data.chunks_mut(dc).enumerate() {
-        tab.apply(&mut row[dc - rd..], b, false);
-    }
-    env.store(&mut ck);
-    Ok(ck)
+    env.device()
+        .compress_tail(&a, &g, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab)
 }
 
 /// Read an integer id stored as f32; rejects non-integers and values outside 0..limit.
@@ -671,10 +542,8 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
     } else {
         let bias = param_n(env, weight(op, 1)?, e)?;
-        match env.device() {
-            Some(dev) => dev.with(|g| g.route(&logits.data, &bias.data, t, e, k, f, norm, rs))?,
-            None => kern::route(&logits.data, &bias.data, t, e, k, f, norm, rs),
-        }
+        env.device()
+            .route(&logits, &bias.data, t, e, k, f, norm, rs)?
     };
     Ok(vec![
         Tensor::new(vec![t, k], wts),
@@ -707,21 +576,7 @@ fn swiglu_hidden(
     }
     env.store(&mut gt);
     env.store(&mut up);
-    if let Some(dev) = env.device() {
-        let y = dev.with(|g| g.swiglu(&gt.data, &up.data, limit, dev.round))?;
-        return Ok(Tensor::new(gt.shape.clone(), y));
-    }
-    let mut a = gt;
-    for (g, u) in a.data.iter_mut().zip(&up.data) {
-        let (mut g2, mut u2) = (*g, *u);
-        if limit > 0.0 {
-            g2 = g2.min(limit);
-            u2 = u2.clamp(-limit, limit);
-        }
-        *g = silu(g2) * u2;
-    }
-    env.store(&mut a);
-    Ok(a)
+    env.device().swiglu(&gt, &up, limit)
 }
 
 fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {

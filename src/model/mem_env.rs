@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 
 use super::exec::OpEnv;
-use super::ops::{gemm, matmul_nt};
 use super::ModelConfig;
+use crate::device::ops::{gemm, matmul_nt};
 use crate::{Error, Result, Tensor};
 
 /// splitmix64 + Box–Muller: deterministic, dependency-free test data.

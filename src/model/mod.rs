@@ -4,10 +4,9 @@ mod attn;
 pub mod config;
 pub mod exec;
 pub mod graph;
-pub mod kern;
 pub mod limits;
 pub mod mem_env;
-pub mod ops;
+pub mod rope;
 
 pub use config::ModelConfig;
 pub use exec::{exec, run_graph, OpEnv};

@@ -5,8 +5,8 @@
 //! plotters under the `sans-serif` family, so the plots look the same on a bare CI runner with no
 //! system fonts. PNG or SVG follows the output extension.
 
-use crate::gate::layer_of;
 use crate::output::{Guard, Outputs};
+use crate::run_json::layer_of;
 use crate::{Error, Result};
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
@@ -145,11 +145,11 @@ pub fn plot_files(out: &Path) -> Result<Vec<PathBuf>> {
 /// Writes `STEM-amax.EXT`, `STEM-cos.EXT` and `STEM-heatmap.EXT` next to `out` (`STEM.EXT`, EXT
 /// `png` or `svg`), all or none, and returns their paths.
 pub fn plot_run(run_json_text: &str, out: &Path) -> Result<Vec<PathBuf>> {
-    let run = crate::gate::parse_run(run_json_text, "run JSON")?;
+    let run = crate::run_json::parse_run(run_json_text, "run JSON")?;
     plot_value(&run, out)
 }
 
-/// [`plot_run`] of a run JSON already read and checked by [`crate::gate::load_run`].
+/// [`plot_run`] of a run JSON already read and checked by [`crate::run_json::load_run`].
 pub fn plot_value(run: &Value, out: &Path) -> Result<Vec<PathBuf>> {
     let mut outs = Outputs::new(Guard::new());
     plot_into(run, out, &mut outs)?;

@@ -23,12 +23,13 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::env::{PathEnv, PathKind, Shared};
+use super::env::{PathEnv, Shared};
 use super::spec::Thresholds;
 use super::OpRecord;
 use crate::metrics::Compare;
 use crate::model::exec::exec;
 use crate::model::graph::{Op, OpKind};
+use crate::served::PathKind;
 use crate::{Result, Tensor};
 
 /// What a divergent op's error does downstream.

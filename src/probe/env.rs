@@ -6,35 +6,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::backend::cuda::LinearCtx;
+use crate::backend::layer::{CudaDevice, Dev};
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::device::{CpuDevice, Device};
 use crate::model::exec::OpEnv;
 use crate::model::ModelConfig;
 use crate::numerics::nvfp4::QuantHealth;
-use crate::probe::faults::Fault;
-use crate::probe::served::{self, LinearObs, Override, Profile, ServedWeight};
+use crate::served::faults::Fault;
+use crate::served::PathKind;
+use crate::served::{self, LinearObs, Override, Profile, ServedWeight};
 use crate::tensor::Data;
 use crate::{Result, Tensor};
-
-/// Which forward a path computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PathKind {
-    OracleFp32,
-    OracleBf16,
-    Served,
-}
-
-impl PathKind {
-    pub const ALL: [PathKind; 3] = [PathKind::OracleFp32, PathKind::OracleBf16, PathKind::Served];
-    pub fn name(self) -> &'static str {
-        match self {
-            PathKind::OracleFp32 => "oracle_fp32",
-            PathKind::OracleBf16 => "oracle_bf16",
-            PathKind::Served => "served",
-        }
-    }
-}
 
 struct Cached {
     qw: QuantWeight,
@@ -187,7 +170,7 @@ impl<'a> Shared<'a> {
     ) -> Result<(Arc<WeightView>, usize, usize)> {
         let profile = self.profile;
         let fuse = self.fuse_pairs;
-        let faults: Vec<Fault> = crate::probe::faults::hitting(&self.faults, base)
+        let faults: Vec<Fault> = crate::served::faults::hitting(&self.faults, base)
             .into_iter()
             .cloned()
             .collect();
@@ -263,7 +246,7 @@ impl PathEnv<'_, '_> {
             ));
         }
         let y = match &*view {
-            WeightView::F32(w) => served::matmul_nt(x, w, m, k, n),
+            WeightView::F32(w) => crate::device::gemm::matmul_nt(x, w, m, k, n),
             WeightView::Served(sw, profile) => {
                 let (y, obs) = served::apply(sw, *profile, x, m, k, n);
                 if self.shared.record_observations {
@@ -366,7 +349,7 @@ impl OpEnv for PathEnv<'_, '_> {
         let out = served::grouped(&x.data, rows, groups, k, r, |g, xg| {
             Ok(match &*view {
                 WeightView::F32(w) => {
-                    served::matmul_nt(xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
+                    crate::device::gemm::matmul_nt(xg, &w[g * r * k..(g + 1) * r * k], rows, k, r)
                 }
                 WeightView::Served(sw, profile) => {
                     let sub = sw.rows(g * r, r, k);
@@ -436,12 +419,18 @@ impl OpEnv for PathEnv<'_, '_> {
         })();
         Some(r)
     }
-    fn device(&self) -> Option<crate::backend::layer::Dev> {
-        let gpu = self.shared.backend.gpu()?.clone();
-        Some(crate::backend::layer::Dev {
-            gpu,
-            round: self.kind != PathKind::OracleFp32,
-        })
+    fn device(&self) -> Box<dyn Device + '_> {
+        let store = move |t: &mut Tensor| self.store(t);
+        match self.shared.backend.gpu() {
+            Some(gpu) => Box::new(CudaDevice::new(
+                Dev {
+                    gpu: gpu.clone(),
+                    round: self.kind != PathKind::OracleFp32,
+                },
+                store,
+            )),
+            None => Box::new(CpuDevice::new(store)),
+        }
     }
 }
 

@@ -5,11 +5,11 @@
 pub mod budget;
 pub mod consequence;
 pub mod env;
-pub mod faults;
+
 pub mod findings;
 pub mod replay;
 pub mod scan;
-pub mod served;
+
 pub mod spec;
 pub mod tolerance;
 
@@ -24,10 +24,11 @@ use crate::metrics::{Compare, Stats};
 use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op, OpKind};
 use crate::numerics::nvfp4::QuantHealth;
+use crate::served::faults::Fault;
+use crate::served::PathKind;
+use crate::served::{Override, Profile};
 use crate::{Error, Result, Tensor};
-use env::{PathEnv, PathKind, Shared};
-use faults::Fault;
-use served::{Override, Profile};
+use env::{PathEnv, Shared};
 use spec::ProbeSpec;
 
 /// What to run.
@@ -696,7 +697,7 @@ pub(crate) fn op_record(
     iso: &[Tensor],
     fp_on_bf: &[Tensor],
     touched: &[String],
-    observed: &[(String, served::LinearObs)],
+    observed: &[(String, crate::served::LinearObs)],
 ) -> Result<OpRecord> {
     let p = op_record_begin(opts, step, op, outs, iso, fp_on_bf, touched, observed)?;
     op_record_finish(ckpt, opts, p)
@@ -716,7 +717,7 @@ pub(crate) struct PendingRecord {
     op: Op,
     shape: Vec<usize>,
     touched: Vec<String>,
-    observed: Vec<(String, served::LinearObs)>,
+    observed: Vec<(String, crate::served::LinearObs)>,
     agreement: Option<Agreement>,
     metrics: PendingMeasure,
 }
@@ -733,7 +734,7 @@ pub(crate) fn op_record_begin(
     iso: &[Tensor],
     fp_on_bf: &[Tensor],
     touched: &[String],
-    observed: &[(String, served::LinearObs)],
+    observed: &[(String, crate::served::LinearObs)],
 ) -> Result<PendingRecord> {
     let (fp, bf, sv, is) = (&outs[0][0], &outs[1][0], &outs[2][0], &iso[0]);
     let metrics = {

@@ -32,10 +32,11 @@ use crate::model::graph::{build_graph, Op};
 use crate::model::ModelConfig;
 use crate::numerics::nvfp4::Convention;
 use crate::numerics::{bf16, e2m1, e4m3, nvfp4};
-use crate::probe::env::{PathEnv, PathKind};
-use crate::probe::faults::Fault;
-use crate::probe::served::{self, LinearObs, Nvfp4Params, Override, Profile, ServedWeight};
+use crate::probe::env::PathEnv;
 use crate::probe::RunOptions;
+use crate::served::faults::Fault;
+use crate::served::PathKind;
+use crate::served::{self, LinearObs, Nvfp4Params, Override, Profile, ServedWeight};
 use crate::{Error, Result, Tensor};
 
 /// The BF16-oracle view of one op: its inputs and outputs.
@@ -203,7 +204,7 @@ impl<'a> Replayer<'a> {
         if !self.cache.contains_key(base) {
             let qw = self.ckpt.weight(base)?;
             let f32 = qw.dequantize()?.data;
-            let faults = crate::probe::faults::hitting(&self.faults, base);
+            let faults = crate::served::faults::hitting(&self.faults, base);
             let served = served::prepare(self.ckpt, &qw, &f32, true, &faults, &[])?;
             let bf16 = Arc::new(f32.iter().map(|&v| bf16::round(v)).collect());
             self.cache
@@ -226,7 +227,7 @@ impl<'a> Replayer<'a> {
         let Some(conv) = nvfp4_convention(&m) else {
             return Ok(None);
         };
-        let faults = crate::probe::faults::hitting(&self.faults, base);
+        let faults = crate::served::faults::hitting(&self.faults, base);
         Ok(Some(served::resolve_nvfp4_named(
             self.ckpt,
             &m.canonical,
@@ -250,7 +251,7 @@ impl<'a> Replayer<'a> {
 
     /// Build the served weight of `base` under `patches`.
     fn served_with(&mut self, base: &str, patches: &[&Patch]) -> Result<ServedWeight> {
-        let faults: Vec<Fault> = crate::probe::faults::hitting(&self.faults, base)
+        let faults: Vec<Fault> = crate::served::faults::hitting(&self.faults, base)
             .into_iter()
             .cloned()
             .collect();
@@ -454,7 +455,9 @@ impl ReplayEnv<'_, '_, '_> {
         self.note_amax(base, x);
         let profile = self.r.profile;
         let y = match &self.prepared[base] {
-            Prepared::Oracle(w) => served::matmul_nt(x, &w[row0 * k..(row0 + n) * k], m, k, n),
+            Prepared::Oracle(w) => {
+                crate::device::gemm::matmul_nt(x, &w[row0 * k..(row0 + n) * k], m, k, n)
+            }
             Prepared::Served(sw) => {
                 let sub;
                 let sw = if n_rows.is_some() {
@@ -511,7 +514,7 @@ impl OpEnv for ReplayEnv<'_, '_, '_> {
             ));
         }
         let r = n / groups;
-        let out = crate::probe::served::grouped(&x.data, rows, groups, k, r, |g, xg| {
+        let out = crate::served::grouped(&x.data, rows, groups, k, r, |g, xg| {
             Ok(self
                 .gemm(&format!("{sub_id}.g{g}"), base, xg, rows, g * r, Some(r))?
                 .0)
@@ -681,7 +684,7 @@ impl Replayer<'_> {
                 let m = &lay.meta;
                 let conv = nvfp4_convention(m)
                     .ok_or_else(|| Error::usage("internal: layout repair of a non-NVFP4 weight"))?;
-                let faults = crate::probe::faults::hitting(&self.faults, b);
+                let faults = crate::served::faults::hitting(&self.faults, b);
                 let ovs = served::overrides_of(overrides, b);
                 let (sc, swap, _) =
                     served::nvfp4_served_bytes(ckpt, m, conv, true, &faults, &ovs, || {
@@ -903,11 +906,14 @@ impl OpEnv for DevEnv<'_, '_> {
     fn store(&self, t: &mut Tensor) {
         t.round_bf16();
     }
-    fn device(&self) -> Option<crate::backend::layer::Dev> {
-        Some(crate::backend::layer::Dev {
-            gpu: self.gpu.clone(),
-            round: true,
-        })
+    fn device(&self) -> Box<dyn crate::device::Device + '_> {
+        Box::new(crate::backend::layer::CudaDevice::new(
+            crate::backend::layer::Dev {
+                gpu: self.gpu.clone(),
+                round: true,
+            },
+            move |t: &mut Tensor| self.store(t),
+        ))
     }
     fn experts_fused(
         &mut self,
@@ -991,7 +997,7 @@ impl Replayer<'_> {
         if plan.stored.iter().any(|b| b == base) {
             self.stored_scales_of(&[base])?;
         }
-        let faults = crate::probe::faults::hitting(&self.faults, base);
+        let faults = crate::served::faults::hitting(&self.faults, base);
         let ovs = served::overrides_of(&plan.overrides, base);
         let lay = ckpt.weight_layout(base)?;
         let stored = || -> Result<Vec<u8>> {
@@ -1038,7 +1044,7 @@ impl Replayer<'_> {
 mod tests {
     use super::*;
     use crate::checkpoint::Naming;
-    use crate::probe::faults::FaultKind;
+    use crate::served::faults::FaultKind;
     use crate::synth::{self, Format, Preset, SynthOptions};
 
     fn ckpt(format: Format, faults: Vec<Fault>) -> Checkpoint {

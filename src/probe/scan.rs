@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::env::{PathEnv, PathKind, Shared};
+use super::env::{PathEnv, Shared};
 use super::replay::Capture;
 use super::spec::Thresholds;
 use super::{OpRecord, RunOptions};
@@ -26,6 +26,7 @@ use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, Stats};
 use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op};
+use crate::served::PathKind;
 use crate::{Error, Result, Tensor};
 
 /// When a propagated layer output counts as *clearly broken* (not merely noisy). On random or

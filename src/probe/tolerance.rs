@@ -12,8 +12,8 @@ use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
-use super::served::Profile;
 use super::spec::{glob_match, Thresholds};
+use crate::served::Profile;
 
 /// The built-in table (`probes/isolated-tolerances.toml`).
 pub const BUILTIN_TABLE: &str = include_str!("../../probes/isolated-tolerances.toml");

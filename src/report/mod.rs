@@ -14,7 +14,7 @@ use crate::probe::spec::Thresholds;
 use crate::probe::{OpRecord, RunResult, Summary};
 use crate::{Error, Result};
 
-pub const RUN_SCHEMA: &str = "nvfp4-probe.run/1";
+pub use crate::run_json::RUN_SCHEMA;
 
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct CheckpointFingerprint {

@@ -1,5 +1,5 @@
 //! Linear weights into checkpoint tensors, per scheme, with the producer-exact encoders of
-//! `numerics`, and the planted faults of `probe::faults` applied to the bytes and scales.
+//! `numerics`, and the planted faults of `served::faults` applied to the bytes and scales.
 
 use crate::checkpoint::{Dtype, Naming};
 use crate::numerics::fp8_block::{self, Fp8ScaleFmt};
@@ -8,7 +8,7 @@ use crate::numerics::nvfp4::{self, NvFp4Quant};
 use rayon::prelude::*;
 
 use crate::numerics::{swizzle, ue8m0};
-use crate::probe::faults::{Fault, FaultKind};
+use crate::served::faults::{Fault, FaultKind};
 use crate::{Error, Result};
 
 use super::plan::{role, Role, WScheme};

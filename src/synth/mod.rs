@@ -1,5 +1,5 @@
 //! Synthetic DeepSeek-V4 checkpoints in the real on-disk formats (docs/DSV4-LAYER.md §2, docs/NVFP4.md
-//! §3.3–3.4, §6), with faults of `probe::faults` planted into the written bytes.
+//! §3.3–3.4, §6), with faults of `served::faults` planted into the written bytes.
 //!
 //! Two writers share one plan (`plan`), one generator (`gen`) and one encoder (`encode`):
 //! - `tiny` is generated whole in memory, calibrated by a real FP32 forward (`calib`) and
@@ -20,9 +20,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::checkpoint::{Checkpoint, Dtype, Naming, ShardWriter};
-use crate::cli::SynthArgs;
 use crate::model::ModelConfig;
-use crate::probe::faults::{Fault, FaultKind};
+use crate::served::faults::{Fault, FaultKind};
 use crate::{Error, Result, Tensor};
 
 use encode::{bf16_bytes, encode_group, f32_bytes, i64_bytes, LinIn, RawT};
@@ -55,21 +54,6 @@ impl SynthOptions {
             layers: None,
             faults: Vec::new(),
         }
-    }
-
-    pub fn from_args(a: &SynthArgs) -> Result<SynthOptions> {
-        Ok(SynthOptions {
-            preset: Preset::parse(&a.preset)?,
-            format: Format::parse(&a.format)?,
-            naming: plan::parse_naming(&a.naming)?,
-            seed: a.seed,
-            layers: a.layers,
-            faults: a
-                .faults
-                .iter()
-                .map(|f| Fault::parse(f))
-                .collect::<Result<_>>()?,
-        })
     }
 }
 
@@ -532,7 +516,7 @@ fn standin_input(seed: u64, d: &Dims, b: &Block, norm: &str, width: usize) -> Te
 
 /// max |silu(min(x·w1ᵀ, 10)) · clamp(x·w3ᵀ, ±10)|: the w2 input a forward would produce.
 fn swiglu_amax(x: &Tensor, w1: &[f32], w3: &[f32], out: usize) -> f32 {
-    use crate::model::ops::{matmul_nt, silu};
+    use crate::device::ops::{matmul_nt, silu};
     let g = matmul_nt(&x.data, x.rows(), x.cols(), w1, out);
     let u = matmul_nt(&x.data, x.rows(), x.cols(), w3, out);
     g.iter()

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use nvfp4_probe::checkpoint::{Checkpoint, Naming, ShardWriter};
-use nvfp4_probe::probe::faults::Fault;
+use nvfp4_probe::served::faults::Fault;
 use nvfp4_probe::synth::{synth_to_dir, Format, Preset, SynthOptions};
 use tempfile::TempDir;
 

@@ -2,9 +2,7 @@
 //! the DeepSeek-V4 RoPE tables, SiLU.
 //!
 //! Everything is f32 with the op order the spec (docs/DSV4-LAYER.md §3) prescribes; rounding to BF16 is
-//! the caller's business (`OpEnv::store`), so the same code serves the FP32 oracle and BF16 paths.
-
-use crate::model::config::Yarn;
+//! the caller's business (the path's store), so the same code serves the FP32 oracle and BF16 paths.
 
 /// C[m, n] = A[m, k] · B[n, k]ᵀ for row-major contiguous A and B (the `x @ Wᵀ` of every linear).
 pub fn matmul_nt(a: &[f32], m: usize, k: usize, b: &[f32], n: usize) -> Vec<f32> {
@@ -102,42 +100,6 @@ pub use super::kern::{sigmoid, sinkhorn, softmax, softplus};
 pub fn silu(x: f32) -> f32 {
     let d = x as f64;
     (d * (1.0 / (1.0 + (-d).exp()))) as f32
-}
-
-/// YaRN correction range (lo, hi) for a rope of `dim` dims (docs/DSV4-LAYER.md §3.4):
-/// lo = floor(dim·ln(L/(β_fast·2π)) / (2 ln base)), hi = ceil(dim·ln(L/(β_slow·2π)) / (2 ln base)),
-/// clamped to [0, dim−1].
-pub fn yarn_range(dim: usize, base: f64, y: &Yarn) -> (usize, usize) {
-    let corr = |rot: f64| {
-        dim as f64 * (y.original_max_position_embeddings / (rot * 2.0 * std::f64::consts::PI)).ln()
-            / (2.0 * base.ln())
-    };
-    let lo = corr(y.beta_fast).floor().max(0.0) as usize;
-    let hi = corr(y.beta_slow).ceil().max(0.0) as usize;
-    (lo.min(dim - 1), hi.min(dim - 1))
-}
-
-/// Inverse frequencies of an interleaved rope of `dim` dims, computed in f32 like DeepSeek's
-/// `precompute_freqs_cis` (f_i = 1 / base^(2i/dim)), with YaRN blending when given.
-pub fn rope_freqs(dim: usize, base: f64, yarn: Option<&Yarn>) -> Vec<f32> {
-    let half = dim / 2;
-    let mut f: Vec<f32> = (0..half)
-        .map(|i| 1.0f32 / (base as f32).powf((2 * i) as f32 / dim as f32))
-        .collect();
-    if let Some(y) = yarn {
-        let (lo, hi) = yarn_range(dim, base, y);
-        let (lo, mut hi) = (lo as f32, hi as f32);
-        if lo == hi {
-            hi += 0.001;
-        }
-        let factor = y.factor as f32;
-        for (i, fi) in f.iter_mut().enumerate() {
-            let ramp = ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
-            let smooth = 1.0 - ramp;
-            *fi = *fi / factor * (1.0 - smooth) + *fi * smooth;
-        }
-    }
-    f
 }
 
 /// cos/sin of the rope angles for positions 0..n_pos: the angle is fp32(p)·f_i rounded to f32
@@ -259,52 +221,6 @@ mod tests {
         assert!((silu(1.0) - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-7);
     }
 
-    fn pro_yarn() -> Yarn {
-        Yarn {
-            factor: 16.0,
-            original_max_position_embeddings: 65536.0,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-        }
-    }
-
-    #[test]
-    fn yarn_range_for_base_160000_is_15_25() {
-        assert_eq!(yarn_range(64, 160000.0, &pro_yarn()), (15, 25));
-    }
-
-    #[test]
-    fn yarn_freqs_blend_between_plain_and_scaled() {
-        let plain = rope_freqs(64, 160000.0, None);
-        let y = rope_freqs(64, 160000.0, Some(&pro_yarn()));
-        // Below lo the frequency is untouched, above hi it is divided by the factor.
-        assert_eq!(y[0], plain[0]);
-        assert_eq!(y[15], plain[15]);
-        assert!((y[31] - plain[31] / 16.0).abs() <= f32::EPSILON * plain[31]);
-        // f_1 = 160000^(-1/32).
-        assert!((plain[1] as f64 - 160000f64.powf(-1.0 / 32.0)).abs() < 1e-7);
-        // ramp at i = 20 is 0.5.
-        let mid = plain[20] * 0.5 + plain[20] / 16.0 * 0.5;
-        assert!((y[20] - mid).abs() < 1e-6 * plain[20]);
-    }
-
-    #[test]
-    fn rope_then_inverse_is_identity_and_pairs_are_interleaved() {
-        let f = rope_freqs(8, 10000.0, None);
-        let t = RopeTable::new(&f, 0..50);
-        let v0 = lcg(4, 8);
-        let mut v = v0.clone();
-        t.apply(&mut v, 37, false);
-        assert!(v.iter().zip(&v0).any(|(a, b)| (a - b).abs() > 1e-3));
-        t.apply(&mut v, 37, true);
-        for (a, b) in v.iter().zip(&v0) {
-            assert!((a - b).abs() < 1e-6);
-        }
-        // Pair 0 rotates by angle p (f_0 = 1): (1, 0) → (cos p, sin p).
-        let mut e = vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
-        t.apply(&mut e, 3, false);
-        assert!((e[0] - 3f32.cos()).abs() < 1e-6 && (e[1] - 3f32.sin()).abs() < 1e-6);
-    }
     #[test]
     fn sinkhorn_is_doubly_stochastic() {
         let mut c = lcg(9, 16).iter().map(|v| v * 4.0).collect::<Vec<_>>();

@@ -638,7 +638,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         let want = if np == 0 {
             fp8_block::fake_quant_act_1x128(&x, m, k, fp8_block::ActScale::DeepSeekPow2)
         } else {
-            crate::probe::served::fake_quant_fp8_non_pow2(&x, m, k)
+            crate::served::fake_quant_fp8_non_pow2(&x, m, k)
         };
         out.push(exact(name, &t.get_f32(&o, m * k)?, &want));
     }
@@ -721,7 +721,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     let w: Vec<f32> = (0..nn * k)
         .map(|_| bf16::round(rng.normal() as f32))
         .collect();
-    let want = crate::probe::served::matmul_nt(&x, &w, m, k, nn);
+    let want = crate::device::gemm::matmul_nt(&x, &w, m, k, nn);
     let (xb, wb) = (t.up(&x)?, t.up(&w)?);
     use crate::backend::cuda::Ty;
     // the default GEMM: f64 accumulation, bit-equal to the CPU reference

@@ -474,7 +474,7 @@ mod tests {
     fn topk_select_matches_the_sort_order() {
         let s = [0.5f32, 2.0, f32::NAN, 2.0, -0.0, 0.0, f32::NEG_INFINITY];
         let mut idx: Vec<usize> = (0..s.len()).collect();
-        idx.sort_by(|&a, &b| crate::model::ops::topk_order(s[a], a, s[b], b));
+        idx.sort_by(|&a, &b| crate::device::ops::topk_order(s[a], a, s[b], b));
         for k in 0..=s.len() {
             let mut out = vec![0usize; k];
             topk_select(&s, k, &mut out);

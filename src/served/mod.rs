@@ -1,10 +1,10 @@
 //! The served path: what a serving engine computes for one linear, given the checkpoint's bytes and
-//! the way its loader reads them. Profiles (docs/NVFP4.md §4):
-//! - `blackwell-w4a4`: NVFP4 activations quantized at run time with the static encode scale g_x
-//!   (§3.2 op order), exact block partials, `bf16(alpha · acc)` epilogue (§4.2–4.3);
-//! - `hopper-w4a16`: Marlin, activations stay BF16, `bf16(f32(x · e2m1·s_w) · d_w)`;
-//! - `emulation`: vLLM's emulation backend, quantize-dequantize activation to BF16, weight to BF16,
-//!   BF16 matmul with f32 accumulation.
+//! the way its loader reads them. Low in the crate (it reads `checkpoint` and `numerics`, and
+//! nothing above): the backends and the model import their served types from here.
+//! - [`profile`]: the served profiles as data (a [`Recipe`] per profile) and the numerics paths;
+//! - [`faults`]: the loader-fault catalogue (`--loader-fault`, `synth --fault`);
+//! - this module: the loader's reading of a weight ([`prepare`], [`resolve_nvfp4`], bisect's
+//!   [`Override`]s) and the CPU reference of the served linear ([`apply`]).
 //!
 //! FP8 block and MXFP4 weights use DeepSeek's FP8 1×128 activation quantization (power-of-two
 //! scales, docs/DSV4-LAYER.md §5 L1); BF16 weights are a BF16 GEMM with f32 output.
@@ -12,38 +12,16 @@
 use std::sync::Arc;
 
 use crate::checkpoint::{Checkpoint, QuantWeight, WeightFormat};
+use crate::device::gemm::matmul_nt;
 use crate::numerics::nvfp4::{self, Convention, QuantHealth};
 use crate::numerics::{e2m1, e4m3, fp8_block, swizzle};
-use crate::probe::faults::{Fault, FaultKind};
-use crate::{Error, Result};
+use crate::Result;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Profile {
-    BlackwellW4a4,
-    HopperW4a16,
-    Emulation,
-}
+pub mod faults;
+pub mod profile;
 
-impl Profile {
-    pub fn parse(s: &str) -> Result<Profile> {
-        match s {
-            "blackwell-w4a4" | "w4a4" => Ok(Profile::BlackwellW4a4),
-            "hopper-w4a16" | "w4a16" | "marlin" => Ok(Profile::HopperW4a16),
-            "emulation" => Ok(Profile::Emulation),
-            _ => Err(Error::usage(format!(
-                "unknown served profile `{s}` (blackwell-w4a4, hopper-w4a16, emulation)"
-            ))),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Profile::BlackwellW4a4 => "blackwell-w4a4",
-            Profile::HopperW4a16 => "hopper-w4a16",
-            Profile::Emulation => "emulation",
-        }
-    }
-}
+use faults::{Fault, FaultKind};
+pub use profile::{ActQuant, Epilogue, PathKind, Profile, Recipe, WeightOperand};
 
 /// The overrides among (weight base, override) pairs that apply to weight `base`, in order.
 pub fn overrides_of(overrides: &[(String, Override)], base: &str) -> Vec<Override> {
@@ -475,93 +453,6 @@ pub fn grouped(
     Ok(out)
 }
 
-/// y[m, n] = Σ_k x[m, k] · w[n, k]: every product exact and the sum accumulated in f64, rounded
-/// once to f32 (matrixmultiply dgemm over row blocks of w, so the f64 copy stays bounded).
-///
-/// Accumulating in f64 makes the result independent of the summation order to within one f32
-/// rounding in about 1e-7 of the outputs, so the CPU reference and the CUDA backend (cuBLAS DGEMM
-/// on the same operands) produce the same bits: with f32 accumulation their different orders
-/// differ in the last f32 bit, which BF16 storage and NVFP4 re-quantization then amplify.
-pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-    let mut y = vec![0f32; m * n];
-    if m == 0 || n == 0 || k == 0 {
-        return y;
-    }
-    if m <= 8 {
-        // a few rows (a routed expert's tokens): dot products straight from the f32 weight,
-        // parallel over output columns; no f64 copy of the weight
-        use rayon::prelude::*;
-        let dot = |wr: &[f32]| {
-            let mut acc = [0f64; 8];
-            for (r, a) in acc.iter_mut().enumerate().take(m) {
-                let xr = &x[r * k..(r + 1) * k];
-                // four partial sums: the f64 order does not change the rounded result
-                let mut p = [0f64; 4];
-                let mut it = xr.chunks_exact(4).zip(wr.chunks_exact(4));
-                for (xs, ws) in &mut it {
-                    for j in 0..4 {
-                        p[j] += xs[j] as f64 * ws[j] as f64;
-                    }
-                }
-                let tail = k - k % 4;
-                let mut t = 0f64;
-                for i in tail..k {
-                    t += xr[i] as f64 * wr[i] as f64;
-                }
-                *a = (p[0] + p[1]) + (p[2] + p[3]) + t;
-            }
-            acc
-        };
-        let cols: Vec<[f64; 8]> = if n * k >= 1 << 20 {
-            w[..n * k].par_chunks(k).map(dot).collect()
-        } else {
-            w[..n * k].chunks(k).map(dot).collect()
-        };
-        for (c, acc) in cols.iter().enumerate() {
-            for r in 0..m {
-                y[r * n + c] = acc[r] as f32;
-            }
-        }
-        return y;
-    }
-    let xd: Vec<f64> = x[..m * k].iter().map(|&v| v as f64).collect();
-    const ROWS: usize = 1024;
-    let mut yd = vec![0f64; m * ROWS.min(n)];
-    let mut wd: Vec<f64> = Vec::with_capacity(ROWS.min(n) * k);
-    for n0 in (0..n).step_by(ROWS) {
-        let c = ROWS.min(n - n0);
-        wd.clear();
-        wd.extend(w[n0 * k..(n0 + c) * k].iter().map(|&v| v as f64));
-        unsafe {
-            matrixmultiply::dgemm(
-                m,
-                k,
-                c,
-                1.0,
-                xd.as_ptr(),
-                k as isize,
-                1,
-                wd.as_ptr(),
-                1,
-                k as isize,
-                0.0,
-                yd.as_mut_ptr(),
-                c as isize,
-                1,
-            );
-        }
-        for r in 0..m {
-            for (o, v) in y[r * n + n0..r * n + n0 + c]
-                .iter_mut()
-                .zip(&yd[r * c..(r + 1) * c])
-            {
-                *o = *v as f32;
-            }
-        }
-    }
-    y
-}
-
 /// Run the served linear: x [m, k] (BF16 values) → y [m, n].
 pub fn apply(
     sw: &ServedWeight,
@@ -597,22 +488,15 @@ pub fn apply(
                 params: Some(*p),
                 ..Default::default()
             };
-            let y = match profile {
-                Profile::HopperW4a16 => {
-                    let mut y = matmul_nt(x, wq, m, k, n);
-                    y.iter_mut().for_each(|v| *v = bf(*v * p.d_w));
-                    y
-                }
-                Profile::Emulation => {
+            let r = profile.recipe();
+            let xa: std::borrow::Cow<[f32]> = match r.act {
+                ActQuant::Bf16 => x.into(),
+                ActQuant::Nvfp4Bf16 => {
                     let (xh, h) = nvfp4::fake_quant_activation(x, m, k, p.g_x);
                     obs.health = Some(h);
-                    let xh: Vec<f32> = xh.into_iter().map(bf).collect();
-                    let wh: Vec<f32> = wq.iter().map(|&v| bf(v * p.d_w)).collect();
-                    let mut y = matmul_nt(&xh, &wh, m, k, n);
-                    y.iter_mut().for_each(|v| *v = bf(*v));
-                    y
+                    xh.into_iter().map(bf).collect::<Vec<f32>>().into()
                 }
-                Profile::BlackwellW4a4 => {
+                ActQuant::Nvfp4Codes => {
                     let (_, h) = nvfp4::fake_quant_activation(x, m, k, p.g_x);
                     obs.health = Some(h);
                     let act = nvfp4::quantize_activation(x, m, k, p.g_x);
@@ -629,11 +513,25 @@ pub fn apply(
                             }
                         }
                     }
-                    let mut y = matmul_nt(&xq, wq, m, k, n);
-                    y.iter_mut().for_each(|v| *v = bf(*v * p.alpha));
-                    y
+                    xq.into()
                 }
             };
+            let wa: std::borrow::Cow<[f32]> = match r.weight {
+                WeightOperand::E2m1Scaled => wq[..].into(),
+                WeightOperand::Bf16Dequantized => wq
+                    .iter()
+                    .map(|&v| bf(v * p.d_w))
+                    .collect::<Vec<f32>>()
+                    .into(),
+            };
+            let mut y = matmul_nt(&xa, &wa, m, k, n);
+            match r.epilogue {
+                Epilogue::Round => y.iter_mut().for_each(|v| *v = bf(*v)),
+                e => {
+                    let mul = e.multiplier(p);
+                    y.iter_mut().for_each(|v| *v = bf(*v * mul));
+                }
+            }
             (y, obs)
         }
     }

@@ -2,7 +2,7 @@
 //! `act_quant_nvfp4_seg` in kernels/quant.cu) on fresh random data.
 //!
 //! `moe_gemm_f64` against the CPU reference built from independent pieces: the NVFP4 / MXFP4
-//! dequantization of `numerics`, the host GEMM `probe::served::matmul_nt` per expert, and the
+//! dequantization of `numerics`, the host GEMM `device::gemm::matmul_nt` per expert, and the
 //! epilogue bf16(y · mul), in every decode mode the runner uses. `act_quant_nvfp4_seg` against
 //! `act_quant_nvfp4_v3` run segment by segment (v3 is itself checked against the CPU reference in
 //! the kernel table): every output bit and every health counter.
@@ -11,10 +11,10 @@ use super::{exact, exact_u, nvfp4_scale_bytes, Check};
 use crate::backend::cuda::{
     ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
+use crate::device::gemm::matmul_nt;
 use crate::model::mem_env::Rng;
 use crate::numerics::nvfp4::{self, Convention};
 use crate::numerics::{bf16, mxfp4};
-use crate::probe::served::matmul_nt;
 use crate::Result;
 
 /// One expert's stored weight: packed E2M1 codes, E4M3 block scales (16) and UE8M0 ones (32).

@@ -1,12 +1,13 @@
 //! Self-test of the layer ops on the device (`backend::layer`, `kernels/layer.cu`) against the
-//! host's `model::kern` on fresh random data: every output bit for bit, with and without the
+//! host's `device::kern` on fresh random data: every output bit for bit, with and without the
 //! path's BF16 storage rounding.
 
 use super::{exact, Check};
 use crate::backend::cuda::Gpu;
-use crate::model::kern::{self, AttnDims, HcParams, Scoring};
+use crate::device::kern::{self, AttnDims, HcParams, Scoring};
+use crate::device::ops::{rmsnorm_rows, RopeTable};
 use crate::model::mem_env::Rng;
-use crate::model::ops::{rmsnorm_rows, rope_freqs, RopeTable};
+use crate::model::rope::rope_freqs;
 use crate::numerics::bf16;
 use crate::tensor::Data;
 use crate::Result;
@@ -99,7 +100,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             iters: 20,
             eps,
         };
-        let mut m = crate::probe::served::matmul_nt(&x, &f, t, hc * d, mix);
+        let mut m = crate::device::gemm::matmul_nt(&x, &f, t, hc * d, mix);
         kern::hc_scale_rows(&mut m, &x, t, mix, eps);
         let (pre, post, comb) = kern::hc_coeffs_rows(&m, &p, t);
         let want_y = rounded(kern::hc_weighted_sum(&x, &pre, t, hc, d), round);
@@ -115,7 +116,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 .map(|(i, &v)| kern::sigmoid(v * scale[0] + base[i % hc]) + eps)
                 .collect()
         };
-        let mut mh = crate::probe::served::matmul_nt(&x, &fh, t, hc * d, hc);
+        let mut mh = crate::device::gemm::matmul_nt(&x, &fh, t, hc * d, hc);
         kern::hc_scale_rows(&mut mh, &x, t, hc, eps);
         let want = rounded(kern::hc_weighted_sum(&x, &coef(&mh), t, hc, d), round);
         let got = g.hc_head(&dv(&x), t, d, hc, &dv(&fh), eps, coef, round)?;
@@ -170,7 +171,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                     x2 = x2.min(limit);
                     u2 = u2.clamp(-limit, limit);
                 }
-                crate::model::ops::silu(x2) * u2
+                crate::device::ops::silu(x2) * u2
             })
             .collect();
         let got = g.swiglu(&dv(&gt), &dv(&up), limit, round)?;

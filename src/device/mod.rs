@@ -1,0 +1,133 @@
+//! The op math the layer graph needs, behind one interface: a [`Device`] carries every
+//! non-linear op of the layer (norms, RoPE, mHC pre/post/head, attention, the compressor's
+//! tail, the indexer's scores, routing, SwiGLU, sums) with the path's storage rounding, so
+//! `model::exec` states each op once and never asks where it runs.
+//!
+//! Two implementations: [`cpu::CpuDevice`] (the host reference: [`kern`], [`ops`], [`gemm`]) and
+//! `backend::layer::CudaDevice` (`kernels/layer.cu`), which agree bit for bit: every reduction
+//! sums exact f32 products in f64 and rounds once, every exponential is evaluated in f64.
+//! The linears are not here: a path's `OpEnv` owns its weights and their served reading
+//! (`served`), and the backends run them.
+
+pub mod cpu;
+pub mod gemm;
+pub mod kern;
+pub mod ops;
+
+pub use cpu::CpuDevice;
+
+use crate::{Result, Tensor};
+use kern::{AttnDims, HcParams, Scoring};
+use ops::RopeTable;
+
+/// The layer's non-linear ops on one numerics path. Every method returns its output rounded the
+/// way the path stores activations (BF16 on the BF16 and served paths, none on the FP32 oracle),
+/// at the points where the spec rounds (docs/DSV4-LAYER.md §3).
+#[allow(clippy::too_many_arguments)]
+pub trait Device {
+    /// Each row of x [t, d] repeated `hc` times: [t, hc, d] (no rounding: a copy).
+    fn repeat_rows(&self, x: &Tensor, d: usize, hc: usize) -> Result<Tensor>;
+    /// RMSNorm of each row of x [.., cols] with weight `w`.
+    fn rmsnorm(&self, x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor>;
+    /// RoPE of dims [nope, dh) of each row of x [t, dh] at position = row.
+    fn rope(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor>;
+    /// Per-head RMSNorm without weight, then RoPE on dims [nope, dh) of each head; q [t, h·dh].
+    fn q_rope(
+        &self,
+        q: &Tensor,
+        h: usize,
+        dh: usize,
+        nope: usize,
+        tab: &RopeTable,
+        eps: f32,
+    ) -> Result<Tensor>;
+    /// mHC pre over the residual x [t, hc, d] with the mixing table f: (y [t, d] rounded,
+    /// post [t, hc], comb [t, hc, hc]).
+    fn hc_pre(
+        &self,
+        x: &Tensor,
+        t: usize,
+        d: usize,
+        f: &Tensor,
+        p: &HcParams,
+        rms_eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// mHC post: out [t, hc, d] = post · y + combᵀ · x.
+    fn hc_post(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        post: &Tensor,
+        comb: &Tensor,
+        t: usize,
+        hc: usize,
+        d: usize,
+    ) -> Result<Tensor>;
+    /// mHC head: the mixing rows [t, hc] (scaled by ρ), `coef` of them the stream weights, then
+    /// the weighted sum of x [t, hc, d] → [t, d].
+    fn hc_head(
+        &self,
+        x: &Tensor,
+        t: usize,
+        d: usize,
+        hc: usize,
+        f: &Tensor,
+        rms_eps: f32,
+        coef: &dyn Fn(&[f32]) -> Vec<f32>,
+    ) -> Result<Tensor>;
+    /// The attention core over the allowed rows, then inverse RoPE on dims [nope, dh): [t, h·dh].
+    fn attention(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        cmp: &Tensor,
+        allowed: &[u8],
+        sink: &[f32],
+        dims: AttnDims,
+        nope: usize,
+        tab: &RopeTable,
+    ) -> Result<Tensor>;
+    /// The compressor's tail: gated softmax pooling of a/g [n_c·ratio, w] with `ape`, RMSNorm with
+    /// `norm`, RoPE on the last dims at position b·ratio, each step rounded: [n_c, dc].
+    fn compress_tail(
+        &self,
+        a: &Tensor,
+        g: &Tensor,
+        ape: &[f32],
+        norm: &[f32],
+        n_c: usize,
+        dc: usize,
+        ratio: usize,
+        eps: f32,
+        tab: &RopeTable,
+    ) -> Result<Tensor>;
+    /// The indexer's scores [t, n_c] (not rounded).
+    fn indexer_scores(
+        &self,
+        q: &[f32],
+        ki: &[f32],
+        w: &[f32],
+        t: usize,
+        hi: usize,
+        di: usize,
+        n_c: usize,
+    ) -> Result<Vec<f32>>;
+    /// The router's top-k from the logits [t, e] with the selection bias: (weights [t, k],
+    /// expert ids [t, k]).
+    fn route(
+        &self,
+        logits: &Tensor,
+        bias: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<(Vec<f32>, Vec<usize>)>;
+    /// a + b (equal shapes).
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// SwiGLU with the clamp on the stored gate and up projections:
+    /// silu(min(g, L)) · clamp(u, ±L) (no clamp when L ≤ 0).
+    fn swiglu(&self, g: &Tensor, u: &Tensor, limit: f32) -> Result<Tensor>;
+}
