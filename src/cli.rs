@@ -1,6 +1,7 @@
 //! Command-line arguments (clap derive). `main.rs` parses and dispatches; each command lives in
 //! its own module and takes its args struct from here.
 
+use crate::model::layers::LayerRange;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -87,7 +88,7 @@ pub struct RunArgs {
     /// Layers to run, inclusive: `0..4` is layers 0,1,2,3,4; `3` is layer 3 alone [default:
     /// the probe spec's; 0..4 in the built-in spec].
     #[arg(long, value_name = "A..B")]
-    pub layers: Option<String>,
+    pub layers: Option<LayerRange>,
     #[command(flatten)]
     pub tokens: TokenArgs,
     /// Probe spec (TOML: layers, ops, tokens, served profile, thresholds); the default spec
@@ -223,7 +224,7 @@ pub struct BisectArgs {
     /// Layers to search, inclusive: `0..4` is layers 0,1,2,3,4; `3` is layer 3 alone
     /// [default: 0..4, the built-in probe spec's].
     #[arg(long, value_name = "A..B")]
-    pub layers: Option<String>,
+    pub layers: Option<LayerRange>,
     #[command(flatten)]
     pub tokens: TokenArgs,
     /// Served-numerics profile: blackwell-w4a4, hopper-w4a16, emulation [default:
@@ -333,7 +334,7 @@ pub struct SelftestArgs {
     pub model: Option<PathBuf>,
     /// Layers of the whole-run comparison.
     #[arg(long, value_name = "A..B", default_value = "0..4")]
-    pub layers: String,
+    pub layers: LayerRange,
     /// Tokens of the whole-run comparison.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub seq_len: usize,
@@ -434,7 +435,7 @@ mod tests {
     #[test]
     fn stated_defaults_are_the_built_in_specs() {
         let spec = crate::probe::spec::ProbeSpec::builtin();
-        assert_eq!(spec.layers.as_deref(), Some("0..4"));
+        assert_eq!(spec.layers, Some(LayerRange::new(0, 4)));
         assert_eq!(spec.tokens.seq_len, Some(64));
         assert_eq!(spec.served.as_deref(), Some("blackwell-w4a4"));
         let help = Cli::command()

@@ -18,7 +18,7 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
     }
     let mut p = super::run::prepare(
         args.model.as_deref(),
-        args.layers.as_deref(),
+        args.layers,
         &args.tokens,
         None,
         args.served.as_deref(),

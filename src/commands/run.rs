@@ -7,8 +7,9 @@ use crate::checkpoint::Checkpoint;
 use crate::checkpoint::GuardCheckpoint;
 use crate::cli::{BackendChoice, RunArgs, TokenArgs};
 use crate::error::{EXIT_FINDINGS, EXIT_OK};
+use crate::model::layers::LayerRange;
 use crate::output::{Guard, Outputs};
-use crate::probe::spec::{parse_layers, ProbeSpec};
+use crate::probe::spec::ProbeSpec;
 use crate::probe::{self, RunOptions, RunResult};
 use crate::report::{self, RunMeta};
 use crate::served::faults::Fault;
@@ -110,7 +111,7 @@ pub struct Prepared {
 #[allow(clippy::too_many_arguments)]
 pub fn prepare(
     model: Option<&Path>,
-    layers: Option<&str>,
+    layers: Option<LayerRange>,
     tokens: &TokenArgs,
     probe_file: Option<&Path>,
     served: Option<&str>,
@@ -140,22 +141,14 @@ pub fn prepare(
     let ckpt = ckpt?;
     crate::profile::mark("checkpoint opened");
     let cfg = ckpt.model_config()?.clone();
-    let layer_s = layers.map(str::to_string).or(spec.layers.clone());
-    let (a, b) = match layer_s {
-        Some(s) => parse_layers(&s)?,
-        None => (0, cfg.num_hidden_layers.saturating_sub(1).min(4)),
-    };
-    if backend_sel.gpu().is_some() && b < cfg.num_hidden_layers {
+    let (a, b) = layers
+        .or(spec.layers)
+        .unwrap_or(LayerRange::default_for(cfg.num_hidden_layers))
+        .check(cfg.num_hidden_layers)?;
+    if backend_sel.gpu().is_some() {
         // the disk starts on the first layer's weights while the rest of the command sets up
         let n = probe::start_early_read(&ckpt, b, probe::EARLY_READ_BYTES);
         crate::profile::mark(&format!("early read of {:.1} MB started", n as f64 / 1e6));
-    }
-    if b >= cfg.num_hidden_layers {
-        return Err(Error::usage(format!(
-            "--layers {a}..{b}: the model has {} layers (0..{})",
-            cfg.num_hidden_layers,
-            cfg.num_hidden_layers.saturating_sub(1)
-        )));
     }
     let profile = Profile::parse(
         served
@@ -276,7 +269,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     )?;
     let mut p = prepare(
         args.model.as_deref(),
-        args.layers.as_deref(),
+        args.layers,
         &args.tokens,
         args.probe.as_deref(),
         args.served.as_deref(),

@@ -120,7 +120,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         for profile in &args.served {
             let mut p = prepare(
                 args.model.as_deref(),
-                Some(&args.layers),
+                Some(args.layers),
                 &tokens,
                 None,
                 Some(profile),

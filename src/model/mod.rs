@@ -4,6 +4,7 @@ mod attn;
 pub mod config;
 pub mod exec;
 pub mod graph;
+pub mod layers;
 pub mod limits;
 pub mod mem_env;
 pub mod rope;

@@ -13,6 +13,7 @@ pub mod scan;
 pub mod spec;
 pub mod tolerance;
 
+use crate::model::layers::LayerRange;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -236,14 +237,7 @@ pub fn run_capturing(
     let t0 = Instant::now();
     let bytes0 = ckpt.bytes_read();
     let cfg = ckpt.model_config()?.clone();
-    let (a, b) = opts.layers;
-    if b >= cfg.num_hidden_layers {
-        return Err(Error::usage(format!(
-            "--layers {a}..{b}: the model has {} layers (0..{})",
-            cfg.num_hidden_layers,
-            cfg.num_hidden_layers.saturating_sub(1)
-        )));
-    }
+    let (a, b) = LayerRange::new(opts.layers.0, opts.layers.1).check(cfg.num_hidden_layers)?;
     if opts.tokens.is_empty() {
         return Err(Error::usage("no tokens to run"));
     }

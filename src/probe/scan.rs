@@ -185,14 +185,8 @@ impl LayerGraph {
     /// The graph `probe::run` builds for `opts` minus the head (a layer search never needs it).
     pub fn new(ckpt: &Checkpoint, opts: &RunOptions) -> Result<LayerGraph> {
         let cfg = ckpt.model_config()?;
-        let (a, b) = opts.layers;
-        if b >= cfg.num_hidden_layers || a > b {
-            return Err(Error::usage(format!(
-                "--layers {a}..{b}: the model has {} layers (0..{})",
-                cfg.num_hidden_layers,
-                cfg.num_hidden_layers.saturating_sub(1)
-            )));
-        }
+        let (a, b) = crate::model::layers::LayerRange::new(opts.layers.0, opts.layers.1)
+            .check(cfg.num_hidden_layers)?;
         // the search keeps both paths' state at every layer input: checked before any is made
         super::budget::check(
             cfg,

@@ -18,7 +18,7 @@ pub struct ProbeSpec {
     pub description: String,
     /// Inclusive layer range, e.g. "0..4".
     #[serde(default)]
-    pub layers: Option<String>,
+    pub layers: Option<crate::model::layers::LayerRange>,
     /// Op-id globs to report (`*` = all); ops outside still run.
     #[serde(default = "all_ops")]
     pub ops: Vec<String>,
@@ -102,24 +102,6 @@ impl ProbeSpec {
 
 pub use crate::glob::glob_match;
 
-/// Parse `A..B` (inclusive), `A..=B` or `N`.
-pub fn parse_layers(s: &str) -> Result<(usize, usize)> {
-    let s = s.trim();
-    let bad = || Error::usage(format!("--layers `{s}`: expected A..B (inclusive) or N"));
-    if let Some((a, b)) = s.split_once("..") {
-        let b = b.strip_prefix('=').unwrap_or(b);
-        let a: usize = a.trim().parse().map_err(|_| bad())?;
-        let b: usize = b.trim().parse().map_err(|_| bad())?;
-        if b < a {
-            return Err(bad());
-        }
-        Ok((a, b))
-    } else {
-        let n: usize = s.parse().map_err(|_| bad())?;
-        Ok((n, n))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,15 +113,6 @@ mod tests {
         assert!(glob_match("*", "embed"));
         assert!(glob_match("L1.attn.*", "L1.attn.q_a"));
         assert!(!glob_match("L1.attn.*", "L11.attn.q_a"));
-    }
-
-    #[test]
-    fn layers() {
-        assert_eq!(parse_layers("0..4").unwrap(), (0, 4));
-        assert_eq!(parse_layers("2..=3").unwrap(), (2, 3));
-        assert_eq!(parse_layers("3").unwrap(), (3, 3));
-        assert!(parse_layers("4..1").is_err());
-        assert!(parse_layers("a..b").is_err());
     }
 
     #[test]
