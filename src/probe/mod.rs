@@ -8,12 +8,12 @@ pub mod env;
 
 pub mod findings;
 pub mod replay;
+mod runner;
 pub mod scan;
 
 pub mod spec;
 pub mod tolerance;
 
-use crate::model::layers::LayerRange;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -22,14 +22,12 @@ use serde::Serialize;
 
 use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, Stats};
-use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op, OpKind};
 use crate::numerics::nvfp4::QuantHealth;
 use crate::served::faults::Fault;
-use crate::served::PathKind;
 use crate::served::{Override, Profile};
 use crate::{Error, Result, Tensor};
-use env::{PathEnv, Shared};
+use env::Shared;
 use spec::ProbeSpec;
 
 /// What to run.
@@ -236,51 +234,8 @@ pub fn run_capturing(
 ) -> Result<(RunResult, Vec<replay::Capture>)> {
     let t0 = Instant::now();
     let bytes0 = ckpt.bytes_read();
-    let cfg = ckpt.model_config()?.clone();
-    let (a, b) = LayerRange::new(opts.layers.0, opts.layers.1).check(cfg.num_hidden_layers)?;
-    if opts.tokens.is_empty() {
-        return Err(Error::usage("no tokens to run"));
-    }
-    if let Some(&bad) = opts.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(Error::usage(format!(
-            "token id {bad} is outside the vocabulary (vocab_size {})",
-            cfg.vocab_size
-        )));
-    }
-    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
-    // nothing of the run's size is allocated before its estimate fits (`budget`)
-    budget::check(
-        &cfg,
-        &budget::Plan {
-            layers: (a, b),
-            tokens: opts.tokens.len() as u64,
-            keep_outputs: opts.keep_outputs,
-            with_head,
-            layer_states: false,
-            device: opts.backend.gpu().is_some(),
-        },
-        opts.max_mem,
-        opts.backend.gpu(),
-        "this run",
-    )?;
-    let ops = build_graph(&cfg, b, with_head);
-    crate::profile::mark("runner: graph built");
-
-    // last step at which each tensor id is consumed, so tensors can be dropped after it
-    let mut last_use: HashMap<&str, usize> = HashMap::new();
-    for (i, op) in ops.iter().enumerate() {
-        for inp in &op.inputs {
-            last_use.insert(inp.as_str(), i);
-        }
-    }
-
-    let mut shared = opts.shared(ckpt, cfg.clone());
-    let mut maps: [HashMap<String, Tensor>; 3] = Default::default();
-    let mut records: Vec<OpRecord> = Vec::new();
-    let mut captured: Vec<replay::Capture> = Vec::new();
-    // divergent ops' faulty outputs, fed to their consumers (severity by consequence)
-    let mut tracker = consequence::Tracker::default();
-    let mut outputs: BTreeMap<String, Vec<(String, Tensor)>> = BTreeMap::new();
+    let plan = runner::plan(ckpt, opts)?;
+    let (ops, cfg) = (&plan.ops, &plan.cfg);
     let pb = if opts.progress {
         let pb = indicatif::ProgressBar::new(ops.len() as u64);
         pb.set_style(
@@ -291,73 +246,20 @@ pub fn run_capturing(
     } else {
         indicatif::ProgressBar::hidden()
     };
-
-    // NVFP4_PROBE_PROFILE=1: seconds per op kind (all execs of the op) and in metrics, on stderr
-    let profile = crate::profile::enabled();
-    let mut prof: BTreeMap<String, f64> = BTreeMap::new();
     // With the CUDA backend a thread asks the kernel to read ahead the weights of the coming ops
-    // while the device computes (cold runs are disk-bound; this overlaps the two).
+    // while the device computes (cold runs are disk-bound; this overlaps the two), and a loader
+    // thread stages them on the device (its own pinned buffers and copy stream), so the host's
+    // reads and the copies overlap the kernels (`backend::stage`).
     let at_step = std::sync::atomic::AtomicUsize::new(0);
     let done = std::sync::atomic::AtomicBool::new(false);
     let t_len = opts.tokens.len();
-    // the page-cache prefetcher and the routing it follows, with the CUDA backend
-    let reads_ahead = opts.backend.gpu().is_some();
-    // experts op step → the experts any path routed to (published after the router's step)
     let routed: std::sync::Mutex<HashMap<usize, Vec<bool>>> = Default::default();
-    // With the CUDA backend a loader thread also stages the weights of the coming ops on the
-    // device (its own pinned buffers and copy stream), so the host's reads and the copies overlap
-    // the kernels (`backend::stage`). NVFP4_PROBE_STAGE=0 switches it off.
-    let stager = match opts.backend.gpu() {
-        Some(g) if crate::backend::stage::Stager::enabled() => {
-            let mut g = g
-                .lock()
-                .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-            // the loader reads through the device state's large pinned buffers (pinning new
-            // ones would stall this thread's driver calls at the start of the run)
-            let lent = g.lend_pinned()?;
-            let s = crate::backend::stage::Stager::new(g.ctx.clone(), g.stream.clone(), lent);
-            g.stager = Some(s.clone());
-            Some(s)
-        }
-        _ => None,
-    };
-    // the loader's plan, here (in parallel: a few ms) so that it starts reading at once
-    let stage_plan: Vec<Vec<crate::backend::stage::StageGroup>> = match &stager {
-        Some(_) => plan_of(&ops, |op| {
-            if reads_nothing(&cfg, op, t_len) {
-                Vec::new()
-            } else {
-                stage_groups(ckpt, op)
-            }
-        }),
-        None => Vec::new(),
-    };
-    crate::profile::mark("runner: loader set up");
-    // the last op's record, its metrics still queued on the device
-    let mut queued: Option<Queued> = None;
-    let finish = |q: Queued,
-                  records: &mut Vec<OpRecord>,
-                  captured: &mut Vec<replay::Capture>,
-                  tracker: &mut consequence::Tracker,
-                  oracle: &HashMap<String, Tensor>|
-     -> Result<()> {
-        let op = q.record.op.clone();
-        let r = op_record_finish(ckpt, opts, q.record)?;
-        if r.divergent {
-            if let Some(c) = q.capture {
-                if captured.len() < MAX_CAPTURES {
-                    captured.push(c);
-                }
-            }
-            tracker.finished(&r, &op, q.iso, oracle.get(&op.id));
-        }
-        records.push(r);
-        Ok(())
-    };
+    let loader = runner::start_loader(ckpt, opts, &plan)?;
+    let mut st = runner::Stepper::new(ckpt, opts, &plan, capture, &routed);
     let scoped = std::thread::scope(|sc| -> Result<()> {
-        if let Some(st) = &stager {
+        if let Some(stager) = &loader.stager {
             let (routed, at_step, done) = (&routed, &at_step, &done);
-            let (ops, cfg, stage_plan) = (&ops, &cfg, &stage_plan);
+            let stage_plan = &loader.plan;
             sc.spawn(move || {
                 // hash-routed layers: their experts are known from the token ids alone
                 for (target, used) in hash_routing(ckpt, cfg, ops, &opts.tokens) {
@@ -365,11 +267,11 @@ pub fn run_capturing(
                         m.entry(target).or_insert(used);
                     }
                 }
-                crate::backend::stage::run_loader(st, ckpt, stage_plan, routed, at_step, done)
+                crate::backend::stage::run_loader(stager, ckpt, stage_plan, routed, at_step, done)
             });
         }
-        if reads_ahead {
-            let (ops, cfg, routed, at_step, done) = (&ops, &cfg, &routed, &at_step, &done);
+        if st.reads_ahead {
+            let (routed, at_step, done) = (&routed, &at_step, &done);
             sc.spawn(move || {
                 // its plan is made here, off the runner's path (15 ms for V4-Flash's five
                 // layers on the H200, in parallel): it matters when the page cache is cold
@@ -390,291 +292,138 @@ pub fn run_capturing(
                 let t_op = Instant::now();
                 crate::profile::set_step(step);
                 pb.set_message(op.id.clone());
-                let report = op.layer.is_none_or(|l| l >= a) && opts.spec.selects(&op.id);
-                // an op made of linears: its weights in one parallel read and one copy per batch
-                // (routed experts load themselves once routed)
-                if matches!(
-                    op.kind,
-                    OpKind::Linear | OpKind::GroupedLinear | OpKind::SharedExpert
-                ) {
-                    if let Some(g) = opts.backend.gpu() {
-                        let bases: Vec<&str> = op.weights.iter().map(String::as_str).collect();
-                        g.lock()
-                            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
-                            .preload(ckpt, &bases)?;
-                    }
-                }
-                // a routed-experts op on the device: every path's op (and the isolated and
-                // FP32-on-BF16 ones) only begins here; the flush below runs them interleaved,
-                // chunk by chunk of experts as the loader brings them (`cuda::experts`)
-                let deferred = op.kind == OpKind::Experts
-                    && match opts.backend.gpu() {
-                        Some(g) => g
-                            .lock()
-                            .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
-                            .defer_experts(),
-                        None => false,
-                    };
-                let _cancel = deferred.then(|| CancelDeferred(opts.backend.gpu()));
-                let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
-                for (pi, kind) in PathKind::ALL.iter().enumerate() {
-                    let inputs: Vec<&Tensor> = op
-                        .inputs
-                        .iter()
-                        .map(|id| {
-                            maps[pi].get(id).ok_or_else(|| {
-                                Error::usage(format!(
-                                    "internal: op {} input {id} not computed",
-                                    op.id
-                                ))
-                            })
-                        })
-                        .collect::<Result<_>>()?;
-                    shared.record_observations = *kind == PathKind::Served && report;
-                    let mut env = PathEnv {
-                        kind: *kind,
-                        shared: &mut shared,
-                    };
-                    let _s = crate::profile::span(match kind {
-                        PathKind::OracleFp32 => "exec: oracle_fp32",
-                        PathKind::OracleBf16 => "exec: oracle_bf16",
-                        PathKind::Served => "exec: served",
-                    });
-                    outs.push(exec(op, &inputs, &mut env)?);
-                }
-                shared.record_observations = false;
-                if reads_ahead && op.kind == OpKind::Router {
-                    publish_routing(&ops, step, &outs, &routed);
-                }
-                let touched = shared.touched.clone();
-                let mut observed = std::mem::take(&mut shared.observed);
-                if report {
-                    let quantized = touched.iter().any(|t| shared.is_quantized(t));
-                    let iso: Vec<Tensor> = if quantized {
-                        let inputs: Vec<&Tensor> =
-                            op.inputs.iter().map(|id| &maps[1][id]).collect();
-                        let mut env = PathEnv {
-                            kind: PathKind::Served,
-                            shared: &mut shared,
-                        };
-                        let _s = crate::profile::span("exec: served isolated");
-                        exec(op, &inputs, &mut env)?
-                    } else {
-                        outs[1].clone()
-                    };
-                    // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
-                    let fp_on_bf: Vec<Tensor> = {
-                        let inputs: Vec<&Tensor> =
-                            op.inputs.iter().map(|id| &maps[1][id]).collect();
-                        let mut env = PathEnv {
-                            kind: PathKind::OracleFp32,
-                            shared: &mut shared,
-                        };
-                        let _s = crate::profile::span("exec: fp32 on bf16 inputs");
-                        exec(op, &inputs, &mut env)?
-                    };
-                    if deferred {
-                        shared.flush_experts()?;
-                        observed.append(&mut shared.observed);
-                    }
-                    let t_m = Instant::now();
-                    let p = op_record_begin(
-                        opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
-                    )?;
-                    // what bisect would start from, should this op diverge
-                    let cand =
-                        (capture && captured.len() < MAX_CAPTURES).then(|| replay::Capture {
-                            op: op.clone(),
-                            inputs: op.inputs.iter().map(|id| maps[1][id].clone()).collect(),
-                            oracle_bf16: outs[1].clone(),
-                        });
-                    // the previous op's record: its metrics were queued before this op's work,
-                    // so waiting for them leaves the device busy
-                    let q = Queued {
-                        record: p,
-                        capture: cand,
-                        iso: iso.clone(),
-                    };
-                    if let Some(q) = queued.replace(q) {
-                        finish(q, &mut records, &mut captured, &mut tracker, &maps[1])?;
-                    }
-                    *prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
-                    if opts.keep_outputs {
-                        for (name, ts) in [
-                            ("oracle_fp32", &outs[0]),
-                            ("oracle_bf16", &outs[1]),
-                            ("served", &outs[2]),
-                            ("served_isolated", &iso),
-                        ] {
-                            let e = outputs.entry(name.to_string()).or_default();
-                            for (id, t) in op.outputs.iter().zip(ts.iter()) {
-                                e.push((id.clone(), t.clone()));
-                            }
-                        }
-                    }
-                }
-                if deferred && !report {
-                    shared.flush_experts()?;
-                }
-                if !report {
-                    // the last record is needed now: this op may consume its output
-                    if let Some(q) = queued.take() {
-                        finish(q, &mut records, &mut captured, &mut tracker, &maps[1])?;
-                    }
-                }
-                // an op that reads a divergent op's output: what does it make of the error?
-                if tracker.consumes_faulty(op) {
-                    let _s = crate::profile::span("exec: consequence");
-                    tracker.consumer(op, &maps[1], &outs[1], &mut shared)?;
-                }
-                let _s = crate::profile::span("runner: clear + bookkeeping");
-                shared.clear();
-                for (pi, out) in outs.into_iter().enumerate() {
-                    if out.len() != op.outputs.len() {
-                        return Err(Error::usage(format!(
-                            "internal: op {} returned {} outputs for {} ids",
-                            op.id,
-                            out.len(),
-                            op.outputs.len()
-                        )));
-                    }
-                    for (id, t) in op.outputs.iter().zip(out) {
-                        maps[pi].insert(id.clone(), t);
-                    }
-                }
-                // drop tensors nothing later consumes
-                for m in maps.iter_mut() {
-                    m.retain(|id, _| last_use.get(id.as_str()).is_some_and(|&l| l > step));
-                }
-                tracker.retire(&last_use, step);
-                // a device → host read that failed inside `Data` (values read as NaN) ends the run
-                if let Some(e) = crate::tensor::take_device_error() {
-                    return Err(Error::Backend(format!("op {}: {e}", op.id)));
-                }
+                st.step(step, op)?;
                 pb.inc(1);
                 crate::profile::interval("op", step, t_op);
-                *prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
+                *st.prof.entry(format!("{:?}", op.kind)).or_default() +=
+                    t_op.elapsed().as_secs_f64();
                 if opts.stop_after.as_deref() == Some(op.id.as_str()) {
                     break;
                 }
             }
             crate::profile::mark("runner: last op done");
-            if let Some(q) = queued.take() {
-                finish(q, &mut records, &mut captured, &mut tracker, &maps[1])?;
+            if let Some(q) = st.queued.take() {
+                st.finish(q)?;
             }
             Ok(())
         })();
         done.store(true, std::sync::atomic::Ordering::Relaxed);
         r
     });
-    let stage_stats = stager.map(|st| {
-        if let Some(g) = opts.backend.gpu() {
-            if let Ok(mut g) = g.lock() {
-                g.stager = None;
-                // the loader thread has ended (the scope joined it) and synchronized its copies
-                let _ = g.unlend_pinned();
-            }
-        }
-        st.shutdown();
-        st.stats()
-    });
+    let stage_stats = runner::stop_loader(opts, loader.stager);
     crate::profile::mark("runner: loader and prefetcher joined");
     scoped?;
     pb.finish_and_clear();
-    if profile {
-        let mut v: Vec<_> = prof.into_iter().collect();
-        v.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
-        eprintln!(
-            "profile (s, ops include their metrics): {}",
-            line.join(", ")
+    if crate::profile::enabled() {
+        print_profile(
+            opts,
+            ops,
+            std::mem::take(&mut st.prof),
+            stage_stats.as_ref(),
         );
-        eprintln!("profile host spans (s, count): {}", crate::profile::spans());
-        if let Some(g) = opts.backend.gpu() {
-            if let Ok(g) = g.lock() {
-                eprintln!(
-                    "gpu counters: {}",
-                    serde_json::to_string(&g.counters).unwrap_or_default()
-                );
-                if let Some(s) = &stage_stats {
-                    let dropped: Vec<String> = s
-                        .dropped_at
-                        .iter()
-                        .map(|(step, b)| {
-                            format!("{} {b}", ops.get(*step).map_or("?", |o| o.id.as_str()))
-                        })
-                        .collect();
-                    eprintln!(
-                        "loader (weights staged ahead): {}; dropped by op: {}",
-                        serde_json::to_string(s).unwrap_or_default(),
-                        dropped.join(", ")
-                    );
-                }
-                if let Some(by_step) = g.kernel_times_by_step() {
-                    let mut kinds: HashMap<String, f64> = HashMap::new();
-                    for &(step, secs) in &by_step {
-                        let kind = ops
-                            .get(step)
-                            .map_or("?".into(), |o| format!("{:?}", o.kind));
-                        *kinds.entry(kind).or_default() += secs;
-                        crate::profile::record("device", step, 0.0, secs);
-                    }
-                    let mut v: Vec<_> = kinds.into_iter().collect();
-                    v.sort_by(|a, b| b.1.total_cmp(&a.1));
-                    let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
-                    eprintln!("gpu device time by op kind (s): {}", line.join(", "));
-                    for &(step, secs) in by_step.iter().filter(|x| x.1 > 0.02) {
-                        let top: Vec<String> = g
-                            .kernel_times_of_step(step)
-                            .iter()
-                            .take(4)
-                            .map(|(k, n, s)| format!("{k} {:.1} ms ({n})", s * 1e3))
-                            .collect();
-                        eprintln!(
-                            "gpu device time of step {step} {}: {:.1} ms: {}",
-                            ops.get(step).map_or("?", |o| o.id.as_str()),
-                            secs * 1e3,
-                            top.join(", ")
-                        );
-                    }
-                }
-                if let Some(kt) = g.kernel_times() {
-                    let sum = |copies: bool| -> f64 {
-                        kt.iter()
-                            .filter(|(k, _, _)| k.starts_with("copy") == copies)
-                            .map(|(_, _, s)| s)
-                            .sum()
-                    };
-                    let top: Vec<String> = kt
-                        .iter()
-                        .take(16)
-                        .map(|(k, n, s)| format!("{k} {s:.3} ({n})"))
-                        .collect();
-                    eprintln!(
-                        "gpu device time (events around every launch and copy): kernels + cuBLAS {:.3} s, copies {:.3} s; by kernel (s, calls): {}",
-                        sum(false),
-                        sum(true),
-                        top.join(", ")
-                    );
-                }
-            }
-        }
     }
-
     crate::profile::write_timeline();
-    let (found, scales) = tracker.into_parts();
+    let (found, scales) = st.tracker.into_parts();
+    let mut records = st.records;
     consequence::classify(&mut records, found, &scales, &opts.spec.thresholds);
     let summary = Summary::of(&records);
     Ok((
         RunResult {
             records,
             summary,
-            outputs,
+            outputs: st.outputs,
             seconds: t0.elapsed().as_secs_f64(),
             bytes_read: ckpt.bytes_read() - bytes0,
         },
-        captured,
+        st.captured,
     ))
+}
+
+/// `NVFP4_PROBE_PROFILE=1`: seconds per op kind (all execs of the op) and in metrics, host spans,
+/// the device's counters, the loader's statistics and the device time per kernel, on stderr.
+fn print_profile(
+    opts: &RunOptions,
+    ops: &[Op],
+    prof: BTreeMap<String, f64>,
+    stage_stats: Option<&crate::backend::stage::StageStats>,
+) {
+    let mut v: Vec<_> = prof.into_iter().collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
+    eprintln!(
+        "profile (s, ops include their metrics): {}",
+        line.join(", ")
+    );
+    eprintln!("profile host spans (s, count): {}", crate::profile::spans());
+    if let Some(g) = opts.backend.gpu() {
+        if let Ok(g) = g.lock() {
+            eprintln!(
+                "gpu counters: {}",
+                serde_json::to_string(&g.counters).unwrap_or_default()
+            );
+            if let Some(s) = stage_stats {
+                let dropped: Vec<String> = s
+                    .dropped_at
+                    .iter()
+                    .map(|(step, b)| {
+                        format!("{} {b}", ops.get(*step).map_or("?", |o| o.id.as_str()))
+                    })
+                    .collect();
+                eprintln!(
+                    "loader (weights staged ahead): {}; dropped by op: {}",
+                    serde_json::to_string(s).unwrap_or_default(),
+                    dropped.join(", ")
+                );
+            }
+            if let Some(by_step) = g.kernel_times_by_step() {
+                let mut kinds: HashMap<String, f64> = HashMap::new();
+                for &(step, secs) in &by_step {
+                    let kind = ops
+                        .get(step)
+                        .map_or("?".into(), |o| format!("{:?}", o.kind));
+                    *kinds.entry(kind).or_default() += secs;
+                    crate::profile::record("device", step, 0.0, secs);
+                }
+                let mut v: Vec<_> = kinds.into_iter().collect();
+                v.sort_by(|a, b| b.1.total_cmp(&a.1));
+                let line: Vec<String> = v.iter().map(|(k, s)| format!("{k} {s:.3}")).collect();
+                eprintln!("gpu device time by op kind (s): {}", line.join(", "));
+                for &(step, secs) in by_step.iter().filter(|x| x.1 > 0.02) {
+                    let top: Vec<String> = g
+                        .kernel_times_of_step(step)
+                        .iter()
+                        .take(4)
+                        .map(|(k, n, s)| format!("{k} {:.1} ms ({n})", s * 1e3))
+                        .collect();
+                    eprintln!(
+                        "gpu device time of step {step} {}: {:.1} ms: {}",
+                        ops.get(step).map_or("?", |o| o.id.as_str()),
+                        secs * 1e3,
+                        top.join(", ")
+                    );
+                }
+            }
+            if let Some(kt) = g.kernel_times() {
+                let sum = |copies: bool| -> f64 {
+                    kt.iter()
+                        .filter(|(k, _, _)| k.starts_with("copy") == copies)
+                        .map(|(_, _, s)| s)
+                        .sum()
+                };
+                let top: Vec<String> = kt
+                    .iter()
+                    .take(16)
+                    .map(|(k, n, s)| format!("{k} {s:.3} ({n})"))
+                    .collect();
+                eprintln!(
+                        "gpu device time (events around every launch and copy): kernels + cuBLAS {:.3} s, copies {:.3} s; by kernel (s, calls): {}",
+                        sum(false),
+                        sum(true),
+                        top.join(", ")
+                    );
+            }
+        }
+    }
 }
 
 /// The record of one reported op from its executions: the three propagated paths' outputs
