@@ -1,0 +1,222 @@
+//! GEMMs: exact (operands widened to f64, cuBLAS DGEMM or `gemm_small_f64`, rounded once to
+//! f32, bit-equal to the CPU reference) or the hardware's (cuBLAS FP32 without TF32, BF16 with
+//! FP32 accumulation).
+
+use super::*;
+
+impl Gpu {
+    /// f32 or BF16-bits [rows, cols] with row stride `ld` → contiguous f64.
+    fn widen(
+        &self,
+        src: u64,
+        bf: i32,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        dst: u64,
+    ) -> Result<()> {
+        self.launch(
+            "to_f64",
+            (rows * cols) as u64,
+            &[
+                A::P(src),
+                A::I(bf),
+                A::U(rows as u64),
+                A::U(cols as u64),
+                A::U(ld as u64),
+                A::P(dst),
+            ],
+        )
+    }
+
+    /// y[m, n] (f32, row stride ldy) = x[m, k] · w[n, k]ᵀ, both row-major, operands of type
+    /// `ty`. With `exact64` (the default) the operands are widened to f64 and multiplied by cuBLAS
+    /// DGEMM, then rounded once to f32 — the CPU reference's accumulation
+    /// (`device::gemm::matmul_nt`), so both backends give the same bits; otherwise
+    /// [`Gpu::gemm_native`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &mut self,
+        ty: Ty,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if !self.exact64 {
+            return self.gemm_native(ty, x, ldx, w, y, ldy, m, n, k);
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let bf = (ty == Ty::Bf16) as i32;
+        if m <= 8 {
+            // one warp per four output columns
+            return self.launch(
+                "gemm_small_f64",
+                // one block of 8 warps (the grid's 256 threads) per four output columns
+                (n.div_ceil(4) * 256) as u64,
+                &[
+                    A::P(x),
+                    A::P(w),
+                    A::I(bf),
+                    A::U(m as u64),
+                    A::U(n as u64),
+                    A::U(k as u64),
+                    A::U(ldx as u64),
+                    A::P(y),
+                    A::U(ldy as u64),
+                ],
+            );
+        }
+        let xd = self.scratch("gx64", m * k.max(1) * 8)?;
+        let wd = self.scratch("gw64", n * k.max(1) * 8)?;
+        let yd = self.scratch("gy64", m * n * 8)?;
+        self.widen(x, bf, m, k, ldx, xd)?;
+        self.widen(w, bf, n, k, k, wd)?;
+        if k == 0 {
+            self.memset(yd, 0, m * n * 8)?;
+        } else {
+            let (alpha, beta) = (1.0f64, 0.0f64);
+            self.timed("cuBLAS DGEMM", || unsafe {
+                blas::gemm_ex(
+                    *self.blas.handle(),
+                    bsys::cublasOperation_t::CUBLAS_OP_T,
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    &alpha as *const f64 as *const _,
+                    wd as *const _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    k as i32,
+                    xd as *const _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    k as i32,
+                    &beta as *const f64 as *const _,
+                    yd as *mut _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    n as i32,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+                .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))
+            })?;
+        }
+        self.launch(
+            "from_f64",
+            (m * n) as u64,
+            &[
+                A::P(yd),
+                A::U(m as u64),
+                A::U(n as u64),
+                A::U(ldy as u64),
+                A::P(y),
+            ],
+        )
+    }
+
+    /// [`Gpu::gemm`] over `groups` blocks: x block g (m rows from row g·m) times weight rows
+    /// g·n.. (n of them) into columns g·n.. of y.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_g(
+        &mut self,
+        ty: Ty,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+        groups: usize,
+    ) -> Result<()> {
+        let es = if ty == Ty::F32 { 4 } else { 2 };
+        for g in 0..groups {
+            self.gemm(
+                ty,
+                x + (g * m * ldx * es) as u64,
+                ldx,
+                w + (g * n * k * es) as u64,
+                y + (g * n * 4) as u64,
+                ldy,
+                m,
+                n,
+                k,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The hardware GEMM: F32 operands with `CUBLAS_COMPUTE_32F_PEDANTIC` (no TF32), BF16
+    /// operands with FP32 accumulation (`gemm_ex`, tensor cores).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_native(
+        &self,
+        ty: Ty,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            for r in 0..m {
+                self.memset(y + (r * ldy * 4) as u64, 0, n * 4)?;
+            }
+            return Ok(());
+        }
+        let (dt, ct) = match ty {
+            Ty::F32 => (
+                bsys::cudaDataType::CUDA_R_32F,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+            Ty::Bf16 => (
+                bsys::cudaDataType::CUDA_R_16BF,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // column-major view: Yᵀ[n, m] = W[k, n]ᵀ · Xᵀ[k, m]
+        let what = if ty == Ty::F32 {
+            "cuBLAS GEMM f32"
+        } else {
+            "cuBLAS GEMM bf16"
+        };
+        self.timed(what, || unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                bsys::cublasOperation_t::CUBLAS_OP_T,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                dt,
+                k as i32,
+                x as *const _,
+                dt,
+                ldx as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                bsys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                ct,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .map_err(|e| cuda_err(&format!("GEMM {m}x{n}x{k} {ty:?}"), e))
+        })
+    }
+}

@@ -1,0 +1,396 @@
+//! The kernels of `kernels/*.cu` on the compute stream: the table of kernels the module loads,
+//! launch configuration, launches by name (timed when the kernel timer is on), and the launches
+//! that take argument structures (NVFP4 decode, activation quantization, the grouped experts GEMM,
+//! row gathers, SwiGLU).
+
+use super::*;
+
+pub(super) const KERNELS: &[&str] = &[
+    "decode_bytes",
+    "encode_floats",
+    "round_bf16",
+    "count_inexact_bf16",
+    "scale_round",
+    "rcp_approx_map",
+    "rcp_sweep",
+    "rcp_table",
+    "dequant_nvfp4",
+    "dequant_nvfp4_v2",
+    "dequant_mxfp4",
+    "dequant_fp8_block",
+    "convert_dense",
+    "act_quant_nvfp4",
+    "act_quant_nvfp4_v2",
+    "act_quant_nvfp4_v3",
+    "act_quant_nvfp4_seg",
+    "act_quant_fp8",
+    "fused_stats",
+    "stats_pick",
+    "gather_rows",
+    "swiglu_clamp",
+    "moe_combine",
+    "to_f64",
+    "from_f64",
+    "gemm_small_f64",
+    "moe_gemm_f64",
+    "row_rms",
+    "rms_apply",
+    "rope_rows",
+    "hc_coeffs",
+    "hc_wsum",
+    "hc_post",
+    "attn_core",
+    "compress_pool",
+    "indexer_scores",
+    "route_topk",
+    "add_f32",
+];
+
+/// Pieces (one 16-byte store each) per lane and step of `dequant_nvfp4_v2` (`DQ2_U` in
+/// kernels/formats.cu).
+const DQ2_U: u64 = 4;
+
+/// The faster NVFP4 activation quantization kernels (same arguments and output bits as
+/// `act_quant_nvfp4`), with the 16-element blocks each work item covers: `_v2` gives a block to
+/// four lanes (a work item is two float4 of one lane), `_v3` gives a block to one lane.
+pub const AQ_KERNELS: [(&str, f64); 2] = [("act_quant_nvfp4_v2", 0.5), ("act_quant_nvfp4_v3", 1.0)];
+
+/// The default of [`Gpu::aq_kernel`] (`NVFP4_PROBE_AQ_KERNEL` names another of [`AQ_KERNELS`]):
+/// v3, 90 % of the copy bandwidth on the H200 where v2 reaches 60 % (codes + scales).
+pub const AQ_KERNEL_DEFAULT: &str = "act_quant_nvfp4_v3";
+
+/// How `dequant_nvfp4` decodes: per-block multiplier `conv` (0 = s / global, compressed-tensors;
+/// 1 = s · global, ModelOpt; 2 = s, the served operand), an optional multiplier after decoding,
+/// the nibble order, and the output (BF16 bits or f32).
+#[derive(Clone, Copy, Debug)]
+pub struct Nvfp4Decode {
+    pub global: f32,
+    pub conv: i32,
+    pub post: Option<f32>,
+    pub swap: bool,
+    pub out_bf16: bool,
+}
+
+/// Outputs of `act_quant_nvfp4` (device addresses; 0 = not written).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ActQuantOut {
+    pub packed: u64,
+    pub scales: u64,
+    /// BF16 bits of e2m1 · s (the W4A4 GEMM operand).
+    pub xq16: u64,
+    /// Quantize-dequantize e2m1 · s / g, rounded to BF16 when `xhat_bf16`.
+    pub xhat: u64,
+    pub xhat_bf16: bool,
+    /// H_SLOTS counters.
+    pub health: u64,
+}
+
+impl ActQuantOut {
+    /// Whether v3 (and the segmented kernel) may run on input `x` with these outputs: they load
+    /// and store whole blocks with 8- and 16-byte accesses.
+    fn v3_aligned(&self, x: u64) -> bool {
+        x.is_multiple_of(16)
+            && self.packed.is_multiple_of(8)
+            && self.xq16.is_multiple_of(16)
+            && self.xhat.is_multiple_of(16)
+    }
+}
+
+/// One tile of `moe_gemm_f64` (kernels/stats.cu, same layout): up to [`MOE_R`] consecutive rows
+/// of the gathered activations multiplied by one expert weight decoded from its stored bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeTile {
+    pub packed: u64,
+    pub scales: u64,
+    pub row0: u32,
+    pub rows: u32,
+    /// NVFP4 tensor scale (conv 0: divided by, 1: multiplied by).
+    pub global: f32,
+    /// Multiplier after decoding, with [`MT_POST`].
+    pub post: f32,
+    /// Epilogue multiplier, with [`MT_EPI`]: y = bf16(y · mul).
+    pub mul: f32,
+    /// Decode (bits 0-1: 0 compressed-tensors, 1 ModelOpt, 2 served e2m1·s, 3 MXFP4) and the
+    /// `MT_*` flags.
+    pub flags: u32,
+}
+
+/// Rows per [`MoeTile`] (`MOE_R` in kernels/stats.cu).
+pub const MOE_R: usize = 4;
+
+/// Output columns per CUDA block of `moe_gemm_f64` (`MOE_C`).
+const MOE_C: usize = 8;
+
+pub const MT_POST: u32 = 4;
+
+pub const MT_SWAP: u32 = 8;
+
+pub const MT_WBF16: u32 = 16;
+
+pub const MT_EPI: u32 = 32;
+
+/// One segment of `act_quant_nvfp4_seg` (kernels/quant.cu, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AqSeg {
+    pub block0: u64,
+    pub nblocks: u64,
+    pub g: f32,
+    pub pad: u32,
+    /// H_SLOTS device counters, or 0.
+    pub health: u64,
+}
+
+impl Gpu {
+    pub(super) fn grid(&self, name: &str, n: u64) -> LaunchConfig {
+        // reductions end in per-warp atomics: keep their grids small; element-wise kernels get
+        // one thread per item (many short-lived blocks keep the most memory requests in flight)
+        let cap = match name {
+            // fused_stats ends in 16 atomics per warp on the same 16 words: two blocks per SM
+            // keep that contention small (at 16 per SM a 2M-element pair took 128 µs)
+            "fused_stats" => self.sm_count as u64 * 2,
+            "rcp_sweep" | "count_inexact_bf16" => self.sm_count as u64 * 16,
+            "act_quant_nvfp4" => self.sm_count as u64 * 64,
+            // v2 kernels: warp-strided loops over shared tables built once per CUDA block. The
+            // cap keeps the table build well under 2 % of a block's work on multi-GB tensors,
+            // and 120 blocks per SM is a whole number of waves at 4, 5, 6 or 8 resident blocks
+            // of 256 threads (no partly filled last wave)
+            "dequant_nvfp4_v2" | "act_quant_nvfp4_v2" | "act_quant_nvfp4_v3" => {
+                self.sm_count as u64 * 120
+            }
+            _ => 1 << 22,
+        };
+        let blocks = n.div_ceil(256).clamp(1, cap) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Launch kernel `name` over `n` work items (grid-stride).
+    pub fn launch(&self, name: &str, n: u64, args: &[A]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch_cfg(name, self.grid(name, n), args)
+    }
+
+    /// Launch kernel `name` with an explicit grid, block and dynamic shared memory.
+    pub fn launch_cfg(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
+        let _s = crate::profile::span("host: launch");
+        let f = self
+            .funcs
+            .get(name)
+            .ok_or_else(|| Error::Backend(format!("cuda: no kernel {name}")))?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                A::P(v) | A::U(v) => b.arg(v),
+                A::I(v) => b.arg(v),
+                A::F(v) => b.arg(v),
+                A::U32(v) => b.arg(v),
+            };
+        }
+        let key = self.funcs.get_key_value(name).map_or("?", |(k, _)| *k);
+        self.timed(key, || {
+            unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+            Ok(())
+        })
+    }
+
+    /// out[r] = x[rows[r]] for `nrows` rows of width `d` (`rows`: device i32 row indices).
+    pub fn gather_rows(&self, x: u64, rows: u64, nrows: usize, d: usize, out: u64) -> Result<()> {
+        self.launch(
+            "gather_rows",
+            (nrows * d) as u64,
+            &[
+                A::P(x),
+                A::P(rows),
+                A::U(nrows as u64),
+                A::U(d as u64),
+                A::P(out),
+            ],
+        )
+    }
+
+    /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu); the v2 kernel
+    /// when `self.v2`.
+    pub fn dequant_nvfp4(
+        &self,
+        packed: u64,
+        scales: u64,
+        nblocks: u64,
+        d: Nvfp4Decode,
+        out: u64,
+    ) -> Result<()> {
+        let (name, n) = if self.v2 {
+            // one work item per lane-step of DQ2_U pieces: 16-byte stores of 8 BF16 (2 per
+            // block) or 4 f32 (4 per block)
+            let pieces = nblocks * if d.out_bf16 { 2 } else { 4 };
+            ("dequant_nvfp4_v2", pieces.div_ceil(DQ2_U))
+        } else {
+            ("dequant_nvfp4", nblocks * 4)
+        };
+        self.launch(
+            name,
+            n,
+            &[
+                A::P(packed),
+                A::P(scales),
+                A::U(nblocks),
+                A::F(d.global),
+                A::I(d.conv),
+                A::F(d.post.unwrap_or(1.0)),
+                A::I(d.post.is_some() as i32),
+                A::I(d.swap as i32),
+                A::I(d.out_bf16 as i32),
+                A::P(out),
+            ],
+        )
+    }
+
+    /// `act_quant_nvfp4` of `nblocks` 16-element blocks at `x` with encode scale `g`.
+    /// `self.aq_kernel` (same bits, faster) when `self.v2`.
+    pub fn act_quant_nvfp4(&self, x: u64, nblocks: u64, g: f32, o: ActQuantOut) -> Result<()> {
+        let (name, n) = if self.v2 {
+            // v3 stores whole blocks with 8- and 16-byte stores: aligned buffers only
+            let aligned = o.v3_aligned(x);
+            let (name, per) = AQ_KERNELS
+                .iter()
+                .copied()
+                .find(|&(k, _)| k == self.aq_kernel && (aligned || k != "act_quant_nvfp4_v3"))
+                .unwrap_or(AQ_KERNELS[0]);
+            (name, (nblocks as f64 / per).ceil() as u64)
+        } else {
+            ("act_quant_nvfp4", nblocks * 4)
+        };
+        self.launch(
+            name,
+            n,
+            &[
+                A::P(x),
+                A::U(nblocks),
+                A::F(g),
+                A::P(o.packed),
+                A::P(o.scales),
+                A::P(o.xq16),
+                A::P(o.xhat),
+                A::I(o.xhat_bf16 as i32),
+                A::P(o.health),
+            ],
+        )
+    }
+
+    /// `act_quant_nvfp4_v3`'s work over many segments in one launch: segment i quantizes its
+    /// blocks with its own encode scale and counts into its own health slots. The outputs of `o`
+    /// are shared buffers indexed as v3 indexes them (`o.health` is ignored). Needs v3's alignment.
+    pub fn act_quant_nvfp4_seg(&self, x: u64, segs: &[AqSeg], o: ActQuantOut) -> Result<()> {
+        if segs.is_empty() {
+            return Ok(());
+        }
+        if !o.v3_aligned(x) || segs.len() > 65_535 {
+            return Err(Error::Backend(
+                "cuda: act_quant_nvfp4_seg needs 16-byte aligned buffers and at most 65535 segments"
+                    .into(),
+            ));
+        }
+        let most = segs.iter().map(|s| s.nblocks).max().unwrap_or(0);
+        let sb = self.upload(segs)?;
+        let cfg = LaunchConfig {
+            grid_dim: (most.div_ceil(256).clamp(1, 64) as u32, segs.len() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch_cfg(
+            "act_quant_nvfp4_seg",
+            cfg,
+            &[
+                A::P(x),
+                A::P(sb.ptr),
+                A::P(o.packed),
+                A::P(o.scales),
+                A::P(o.xq16),
+                A::P(o.xhat),
+                A::I(o.xhat_bf16 as i32),
+            ],
+        )
+    }
+
+    /// `moe_gemm_f64`: for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
+    /// rounded once (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`,
+    /// y f32 with row stride `ldy`. Needs k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm(
+        &self,
+        x: u64,
+        xbf: bool,
+        ldx: usize,
+        tiles: &[MoeTile],
+        n: usize,
+        k: usize,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        if tiles.is_empty() || n == 0 {
+            return Ok(());
+        }
+        let es = if xbf { 2 } else { 4 };
+        if !k.is_multiple_of(16) || !(ldx * es).is_multiple_of(16) || !x.is_multiple_of(16) {
+            return Err(Error::Backend(format!(
+                "cuda: moe_gemm_f64 needs k % 16 == 0 and 16-byte aligned rows (k {k}, ldx {ldx})"
+            )));
+        }
+        if tiles.len() > 65_535 {
+            return Err(Error::Backend(format!(
+                "cuda: moe_gemm_f64: {} tiles, at most 65535",
+                tiles.len()
+            )));
+        }
+        let tb = self.upload(tiles)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(MOE_C).min(65_535) as u32, tiles.len() as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch_cfg(
+            "moe_gemm_f64",
+            cfg,
+            &[
+                A::P(x),
+                A::I(xbf as i32),
+                A::U(ldx as u64),
+                A::P(tb.ptr),
+                A::U(n as u64),
+                A::U(k as u64),
+                A::P(y),
+                A::U(ldy as u64),
+            ],
+        )
+    }
+
+    /// act = silu(min(gt, L)) · clamp(up, ±L) over `n` elements, rounded to BF16 when `round`.
+    pub(crate) fn swiglu_clamp(
+        &self,
+        gt: u64,
+        up: u64,
+        n: usize,
+        limit: f32,
+        round: bool,
+        act: u64,
+    ) -> Result<()> {
+        self.launch(
+            "swiglu_clamp",
+            n as u64,
+            &[
+                A::P(gt),
+                A::P(up),
+                A::U(n as u64),
+                A::F(limit),
+                A::I(round as i32),
+                A::P(act),
+            ],
+        )
+    }
+}
