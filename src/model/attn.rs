@@ -6,14 +6,14 @@
 
 use rayon::prelude::*;
 
-use super::exec::{
+use super::env::{
     check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
 };
 use super::graph::Op;
 use super::ModelConfig;
 use crate::device::kern::{self, AttnDims};
 use crate::device::ops::{topk_order, RopeTable};
-use crate::{Result, Tensor};
+use crate::{Error, Result, Tensor};
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
 /// ascending (a set: its order carries no meaning, and sorted sets compare directly across paths).
@@ -60,7 +60,7 @@ pub(crate) fn indexer(
         weight(op, 4)?,
         weight(op, 5)?,
     ];
-    let mut ki = super::exec::compress(
+    let mut ki = compress(
         env,
         &format!("{}.compressor", op.id),
         x,
@@ -174,4 +174,51 @@ pub(crate) fn attention(
     let nope = cfg.nope_dim();
     env.device()
         .attention(q, kv, cmp, &allowed, &sink.data, dims, nope, &tab)
+}
+
+/// Compressed KV rows of a compressor (docs/DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
+/// slots per channel (ratio 4: 8 overlapping slots, c = 2), then bf, RMSNorm with weight, RoPE at
+/// position b·ratio, bf. `names` = [wkv base, wgate base, ape, norm weight]. Returns [n_c, dc].
+pub(crate) fn compress(
+    env: &mut dyn OpEnv,
+    sub_prefix: &str,
+    x: &Tensor,
+    names: [&str; 4],
+    ratio: usize,
+    dc: usize,
+    layer: usize,
+) -> Result<Tensor> {
+    let cfg = env.cfg().clone();
+    if ratio == 0 {
+        return Err(Error::usage(format!(
+            "{sub_prefix}: compressor on a layer with ratio 0"
+        )));
+    }
+    let t = x.rows();
+    let n_c = t / ratio;
+    if n_c == 0 {
+        return Ok(Tensor::new(vec![0, dc], vec![]));
+    }
+    let w = if ratio == 4 { 2 * dc } else { dc };
+    let n = n_c * ratio;
+    let xs = if n == t {
+        x.clone() // shares device values, if any
+    } else {
+        Tensor::new(vec![n, x.cols()], x.data[..n * x.cols()].to_vec())
+    };
+    let a = linear_checked(env, &format!("{sub_prefix}.wkv"), &xs, names[0], w)?;
+    let g = linear_checked(env, &format!("{sub_prefix}.wgate"), &xs, names[1], w)?;
+    let ape = param_n(env, names[2], ratio * w)?;
+    let norm = param_n(env, names[3], dc)?;
+
+    let rd = cfg.qk_rope_head_dim;
+    if rd > dc {
+        return Err(Error::usage(format!(
+            "{sub_prefix}: rope dim {rd} exceeds compressed width {dc}"
+        )));
+    }
+    let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), (0..n_c).map(|b| b * ratio));
+    let eps = cfg.rms_norm_eps as f32;
+    env.device()
+        .compress_tail(&a, &g, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab)
 }

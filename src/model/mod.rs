@@ -2,6 +2,7 @@
 
 mod attn;
 pub mod config;
+pub mod env;
 pub mod exec;
 pub mod graph;
 pub mod layers;

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
-use super::spec::{glob_match, Thresholds};
+use crate::glob::glob_match;
 use crate::served::Profile;
 
 /// The built-in table (`probes/isolated-tolerances.toml`).
@@ -76,6 +76,38 @@ pub fn format_key(weights: &[(String, String)]) -> Option<&'static str> {
     ["nvfp4", "mxfp4", "fp8-block"]
         .into_iter()
         .find(|k| keys.contains(k))
+}
+
+/// Divergence thresholds. An op diverges (isolated) when its served output, fed the BF16 oracle's
+/// inputs, is further from the BF16 oracle than both `noise_multiplier ×` the op's own
+/// BF16-vs-FP32 spread and the expected error of a healthy served op of its class, weight format
+/// and profile (the isolated tolerance table, `probe::tolerance`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Thresholds {
+    pub noise_multiplier: f64,
+    /// Absolute floor for ops whose numerics are identical to the oracle's.
+    pub min_rel_l2: f64,
+    /// Rows of the isolated tolerance table that come before the built-in ones
+    /// (`probes/isolated-tolerances.toml`): `[[thresholds.isolated]] class, format, profile, rel_l2`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub isolated: Vec<IsolatedRow>,
+    /// amax ratio outside [1/x, x] diverges.
+    pub amax_ratio: f64,
+    /// Propagated: the error "shows" once rel-L2 vs the BF16 oracle exceeds this.
+    pub propagated_rel_l2: f64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            noise_multiplier: 8.0,
+            min_rel_l2: 1e-3,
+            isolated: Vec::new(),
+            amax_ratio: 4.0,
+            propagated_rel_l2: 0.5,
+        }
+    }
 }
 
 impl Thresholds {

@@ -1,0 +1,210 @@
+//! What the op math is written against: the [`OpEnv`] a numerics path provides (weights,
+//! parameters, linears, rounding, the device), and the small checks and lookups every op shares.
+//! `exec.rs` (the op dispatch and most ops) and `attn.rs` (attention, compressor, indexer) both
+//! build on it.
+
+use super::graph::Op;
+use super::rope::rope_freqs;
+use super::ModelConfig;
+use crate::device::{CpuDevice, Device};
+use crate::{Error, Result, Tensor};
+
+/// What a numerics path provides to the op math.
+pub trait OpEnv {
+    fn cfg(&self) -> &ModelConfig;
+    fn token_ids(&self) -> &[u32];
+    /// A non-linear parameter (norm weights, hc fn/base/scale, attn_sink, compressor ape, gate.bias,
+    /// tid2eid, hc_head_*) as f32 values exactly as stored. Canonical official name, e.g.
+    /// "layers.0.hc_attn_fn".
+    fn param(&mut self, canonical: &str) -> Result<Tensor>;
+    /// [`OpEnv::param`] for a parameter the device reads: an env on a device may hand it out with
+    /// a device copy attached, made once for all the paths of an op.
+    fn param_dev(&mut self, canonical: &str) -> Result<Tensor> {
+        self.param(canonical)
+    }
+    /// Rows `ids` of a 2-D parameter (tid2eid), [ids.len(), cols], as stored; an id past its
+    /// last row is an error naming it. An env may read only those rows.
+    fn param_rows(&mut self, canonical: &str, ids: &[u32]) -> Result<Tensor> {
+        let p = self.param(canonical)?;
+        gather_rows(canonical, &p, ids)
+    }
+    /// Embedding rows for the given ids, [ids.len(), D], as stored.
+    fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor>;
+    /// y = x @ Wᵀ for the checkpoint weight `base` (e.g. "layers.0.attn.wq_a",
+    /// "layers.0.ffn.experts.3.w1", "layers.0.attn.compressor.wkv", "head"), x [rows, in] →
+    /// [rows, out] in f32. The env decides the numerics (dequant precision, activation
+    /// quantization). `sub_id` names this GEMM for the env's records, e.g. "L0.attn.q_a",
+    /// "L0.ffn.expert.3.w1", "L0.attn.compressor.wkv".
+    fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor>;
+    /// Grouped projection (wo_a): x [rows, G, K], weight [G·R, K] where group g uses rows
+    /// g·R..(g+1)·R → [rows, G, R].
+    fn linear_grouped(
+        &mut self,
+        sub_id: &str,
+        x: &Tensor,
+        base: &str,
+        groups: usize,
+    ) -> Result<Tensor>;
+    /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
+    /// identity for the FP32 oracle.
+    fn store(&self, t: &mut Tensor);
+    /// Hook for KV-cache fidelity simulation (docs/DSV4-LAYER.md §3.4 step 5, §3.5): called on what a
+    /// serving stack writes to its caches, after rope and `store`. Sites: "Ln.attn.kv_rope"
+    /// [T, Dh], "Ln.attn.compressor" [n_c, Dh], "Ln.attn.indexer.kv" [n_c, Di],
+    /// "Ln.attn.indexer.q" [T, Hi·Di]. The L0 math leaves them alone (the default).
+    fn cache_store(&self, _site: &str, _t: &mut Tensor) {}
+    /// The whole routed-experts op in one call, for a backend that batches it on a device:
+    /// x [t, d], `per[e]` = (token, routing weight) pairs of expert e in token order, `k` slots
+    /// per token, `bases[3e..3e+3]` = (w1, w3, w2). `None` = compute it linear by linear.
+    fn experts_fused(
+        &mut self,
+        _layer: usize,
+        _x: &Tensor,
+        _per: &[Vec<(usize, f32)>],
+        _k: usize,
+        _bases: &[&str],
+        _limit: f32,
+    ) -> Option<Result<Tensor>> {
+        None
+    }
+    /// The file a weight or parameter is stored in, so that errors found in the op math (a
+    /// parameter of the wrong size) name it; None when the env does not know (built-in models).
+    fn weight_file(&self, _name: &str) -> Option<std::path::PathBuf> {
+        None
+    }
+    /// The device the non-linear ops run on, rounding as this path stores ([`OpEnv::store`]);
+    /// the host reference ([`CpuDevice`]) unless the env runs on a GPU.
+    fn device(&self) -> Box<dyn Device + '_> {
+        Box::new(CpuDevice::new(move |t: &mut Tensor| self.store(t)))
+    }
+}
+
+/// Rows `ids` of the 2-D tensor `p` (named `name` in errors).
+pub(crate) fn gather_rows(name: &str, p: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    if p.shape.len() != 2 {
+        return Err(bad_weight(
+            name,
+            format!("shape {:?}, expected 2 dimensions", p.shape),
+        ));
+    }
+    p.select_rows(ids).ok_or_else(|| {
+        let rows = p.shape[0];
+        let id = ids
+            .iter()
+            .find(|&&i| i as usize >= rows)
+            .copied()
+            .unwrap_or(0);
+        bad_weight(
+            name,
+            format!("token id {id} outside the table of {rows} rows"),
+        )
+    })
+}
+
+pub(crate) fn internal(op: &Op, msg: impl std::fmt::Display) -> Error {
+    Error::usage(format!("op {}: {msg}", op.id))
+}
+
+/// Placeholder file of [`bad_weight`] errors until [`exec`] names the real one.
+const UNKNOWN_FILE: &str = "(checkpoint)";
+
+/// A weight or parameter with the wrong shape: the checkpoint is at fault. [`exec`] replaces the
+/// placeholder file with the one the env says holds the tensor.
+pub(crate) fn bad_weight(name: &str, msg: impl Into<String>) -> Error {
+    Error::bad(UNKNOWN_FILE, Some(name), msg)
+}
+
+/// Name the file of a [`bad_weight`] error.
+pub(crate) fn locate(err: Error, env: &dyn OpEnv) -> Error {
+    match err {
+        Error::BadInput { file, tensor, msg } if file.as_os_str() == UNKNOWN_FILE => {
+            let file = tensor
+                .as_deref()
+                .and_then(|t| env.weight_file(t))
+                .unwrap_or(file);
+            Error::BadInput { file, tensor, msg }
+        }
+        other => other,
+    }
+}
+
+pub(crate) fn check_shape(op: &Op, what: &str, t: &Tensor, want: &[usize]) -> Result<()> {
+    if t.shape != want {
+        return Err(internal(
+            op,
+            format!("{what} has shape {:?}, expected {want:?}", t.shape),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn param_n(env: &mut dyn OpEnv, name: &str, n: usize) -> Result<Tensor> {
+    let p = env.param(name)?;
+    check_numel(name, p, n)
+}
+
+/// [`param_n`] for a parameter the device reads (its device copy made once per op: [`OpEnv::param_dev`]).
+pub(crate) fn param_n_dev(env: &mut dyn OpEnv, name: &str, n: usize) -> Result<Tensor> {
+    let p = env.param_dev(name)?;
+    check_numel(name, p, n)
+}
+
+fn check_numel(name: &str, p: Tensor, n: usize) -> Result<Tensor> {
+    if p.numel() != n {
+        return Err(bad_weight(
+            name,
+            format!(
+                "has {} elements (shape {:?}), expected {n}",
+                p.numel(),
+                p.shape
+            ),
+        ));
+    }
+    Ok(p)
+}
+
+pub(crate) fn linear_checked(
+    env: &mut dyn OpEnv,
+    sub: &str,
+    x: &Tensor,
+    base: &str,
+    out: usize,
+) -> Result<Tensor> {
+    let y = env.linear(sub, x, base)?;
+    if y.numel() != x.rows() * out {
+        return Err(bad_weight(
+            base,
+            format!(
+                "linear {sub}: output shape {:?}, expected [{}, {out}]",
+                y.shape,
+                x.rows()
+            ),
+        ));
+    }
+    Ok(Tensor::new(vec![x.rows(), out], y.data))
+}
+
+pub(crate) fn weight(op: &Op, i: usize) -> Result<&str> {
+    op.weights
+        .get(i)
+        .map(String::as_str)
+        .ok_or_else(|| internal(op, format!("weight #{i} missing from the op")))
+}
+
+pub(crate) fn layer_of(op: &Op) -> Result<usize> {
+    op.layer.ok_or_else(|| internal(op, "op has no layer"))
+}
+
+/// RoPE frequencies of a layer: `compress_rope_theta` with YaRN on compressed layers, `rope_theta`
+/// without YaRN on window-only layers (docs/DSV4-LAYER.md §3.4).
+pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
+    if cfg.ratio(layer) > 0 {
+        rope_freqs(
+            cfg.qk_rope_head_dim,
+            cfg.compress_rope_theta,
+            cfg.yarn.as_ref(),
+        )
+    } else {
+        rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+    }
+}
