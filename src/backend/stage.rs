@@ -28,7 +28,6 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result as dres, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use super::cuda::{Buf, Mem, STAGE};
 use crate::checkpoint::Checkpoint;
 use crate::{Error, Result};
 
@@ -813,4 +812,35 @@ fn loader_body(
         cand_bytes = 0;
     }
     Ok(())
+}
+
+/// The size of each large pinned staging buffer (two per device state, lent to the loader).
+pub(crate) const STAGE: usize = 256 << 20;
+
+/// Device memory: allocated on the compute stream (freed in its order), or staged by the loader
+/// thread (handed back to it, freed once the compute stream is past its last use).
+pub enum Mem {
+    Own(cudarc::driver::CudaSlice<u8>),
+    Staged(Lease),
+}
+
+/// A device allocation with its raw address (event tracking is off: one stream orders everything,
+/// and the loader's copies are ordered by events, `stage`).
+pub struct Buf {
+    /// The allocation; shared by the pieces of one arena (`Gpu::preload`, the loader's batches),
+    /// freed with the last.
+    pub(crate) _s: std::sync::Arc<Mem>,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+impl Buf {
+    /// A piece `[ptr, ptr + bytes)` of a shared allocation.
+    pub(crate) fn shared(m: &std::sync::Arc<Mem>, ptr: u64, bytes: usize) -> Buf {
+        Buf {
+            _s: m.clone(),
+            ptr,
+            bytes,
+        }
+    }
 }

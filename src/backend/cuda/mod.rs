@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use cudarc::driver::{
-    result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream,
-    DevicePtr, LaunchConfig, PushKernelArg,
+    result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -51,6 +51,8 @@ mod stats;
 mod transfer;
 mod weights;
 
+pub(crate) use super::stage::STAGE;
+pub use super::stage::{Buf, Mem};
 pub use image::KERNEL_SOURCE;
 pub use kernels::{
     ActQuantOut, AqSeg, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MOE_R, MT_EPI,
@@ -71,34 +73,6 @@ pub const H_SLOTS: usize = 8;
 
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Backend(format!("cuda: {what}: {e:?}"))
-}
-
-/// Device memory: allocated on the compute stream (freed in its order), or staged by the loader
-/// thread (handed back to it, freed once the compute stream is past its last use).
-pub enum Mem {
-    Own(CudaSlice<u8>),
-    Staged(super::stage::Lease),
-}
-
-/// A device allocation with its raw address (event tracking is off: one stream orders everything,
-/// and the loader's copies are ordered by events, `stage`).
-pub struct Buf {
-    /// The allocation; shared by the pieces of one arena (`Gpu::preload`, the loader's batches),
-    /// freed with the last.
-    _s: std::sync::Arc<Mem>,
-    pub ptr: u64,
-    pub bytes: usize,
-}
-
-impl Buf {
-    /// A piece `[ptr, ptr + bytes)` of a shared allocation.
-    pub(crate) fn shared(m: &Arc<Mem>, ptr: u64, bytes: usize) -> Buf {
-        Buf {
-            _s: m.clone(),
-            ptr,
-            bytes,
-        }
-    }
 }
 
 /// A kernel argument.
@@ -217,8 +191,6 @@ impl Drop for Gpu {
         }
     }
 }
-
-pub(crate) const STAGE: usize = 256 << 20;
 
 /// The pinned staging buffers of a device state whose large ones are lent to a loader.
 const SMALL_STAGE: usize = 16 << 20;
