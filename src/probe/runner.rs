@@ -33,15 +33,7 @@ pub(super) struct Plan {
 pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     let cfg = ckpt.model_config()?.clone();
     let (a, b) = LayerRange::new(opts.layers.0, opts.layers.1).check(cfg.num_hidden_layers)?;
-    if opts.tokens.is_empty() {
-        return Err(Error::usage("no tokens to run"));
-    }
-    if let Some(&bad) = opts.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(Error::usage(format!(
-            "token id {bad} is outside the vocabulary (vocab_size {})",
-            cfg.vocab_size
-        )));
-    }
+    super::scan::check_tokens(ckpt, opts)?;
     let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
     // nothing of the run's size is allocated before its estimate fits (`budget`)
     budget::check(

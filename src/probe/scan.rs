@@ -250,7 +250,8 @@ impl LayerGraph {
     }
 }
 
-fn check_tokens(ckpt: &Checkpoint, opts: &RunOptions) -> Result<()> {
+/// The run's tokens: at least one, each inside the model's vocabulary.
+pub(super) fn check_tokens(ckpt: &Checkpoint, opts: &RunOptions) -> Result<()> {
     let vocab = ckpt.model_config()?.vocab_size;
     if opts.tokens.is_empty() {
         return Err(Error::usage("no tokens to run"));
