@@ -5,6 +5,7 @@
 
 use serde_json::{json, Value};
 
+use crate::checkpoint::formats::{self, Scheme};
 use crate::checkpoint::Naming;
 use crate::{Error, Result};
 
@@ -21,6 +22,9 @@ pub enum Format {
     ModelOptNvfp4,
     OfficialMixed,
     Mxfp4,
+    /// A format of the format table with a synth encoder (`formats::Synth`): the linears the
+    /// NVFP4 exports quantize are stored in it, the rest BF16.
+    Table(Scheme),
 }
 
 impl Preset {
@@ -43,13 +47,28 @@ impl Format {
         Format::OfficialMixed,
         Format::Mxfp4,
     ];
+    /// Every format `synth --format` knows: [`Format::ALL`] and the format table's.
+    pub fn known() -> Vec<Format> {
+        let mut v = Format::ALL.to_vec();
+        v.extend(
+            formats::TABLE
+                .iter()
+                .filter(|s| s.synth.is_some())
+                .map(|s| Format::Table(s.scheme)),
+        );
+        v
+    }
     pub fn parse(s: &str) -> Result<Format> {
-        Format::ALL
-            .into_iter()
+        let known = Format::known();
+        known
+            .iter()
+            .copied()
             .find(|f| f.name() == s)
             .ok_or_else(|| {
+                let names: Vec<&str> = known.iter().map(|f| f.name()).collect();
                 Error::usage(format!(
-                    "unknown format `{s}` (known: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed, mxfp4)"
+                    "unknown format `{s}` (known: {})",
+                    names.join(", ")
                 ))
             })
     }
@@ -60,6 +79,11 @@ impl Format {
             Format::ModelOptNvfp4 => "modelopt-nvfp4",
             Format::OfficialMixed => "official-mixed",
             Format::Mxfp4 => "mxfp4",
+            Format::Table(s) => s
+                .spec()
+                .synth
+                .as_ref()
+                .map_or(s.spec().label, |y| y.format_name),
         }
     }
     /// Whether any linear of this format carries a static activation scale (needs calibration).
@@ -90,6 +114,8 @@ pub enum WScheme {
     /// Block FP8 128×128 with power-of-two (UE8M0) scales.
     Fp8,
     Mxfp4,
+    /// A format of the format table, encoded by its spec's encoder.
+    Table(Scheme),
 }
 
 impl WScheme {
@@ -100,6 +126,7 @@ impl WScheme {
             WScheme::Nvfp4ModelOpt => "nvfp4-modelopt",
             WScheme::Fp8 => "fp8-block",
             WScheme::Mxfp4 => "mxfp4",
+            WScheme::Table(s) => s.spec().label,
         }
     }
     pub fn is_nvfp4(self) -> bool {
@@ -169,6 +196,12 @@ pub fn scheme(format: Format, base: &str) -> WScheme {
                 _ => WScheme::Bf16,
             }
         }
+        Format::Table(s) => match r {
+            Role::QA | Role::Kv | Role::QB | Role::WoB | Role::Shared(_) | Role::Expert(_) => {
+                WScheme::Table(s)
+            }
+            _ => WScheme::Bf16,
+        },
         Format::OfficialMixed | Format::Mxfp4 => match r {
             Role::QA
             | Role::Kv
@@ -916,6 +949,14 @@ pub fn config_files(
         Format::Mxfp4 => {
             m.insert("quantization_config".into(), fp8_qc);
             m.insert("expert_dtype".into(), json!("fp4"));
+        }
+        Format::Table(s) => {
+            if let Some(y) = &s.spec().synth {
+                let ex = excluded(format, blocks, naming, WScheme::Table(s));
+                let (qc, h) = (y.config)(&ex);
+                m.insert("quantization_config".into(), qc);
+                hq = h;
+            }
         }
     }
     let pretty = |v: &Value| serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".into());

@@ -18,6 +18,7 @@ pub(super) const KERNELS: &[&str] = &[
     "dequant_nvfp4_v2",
     "dequant_mxfp4",
     "dequant_fp8_block",
+    "dequant_blocked",
     "convert_dense",
     "act_quant_nvfp4",
     "act_quant_nvfp4_v2",

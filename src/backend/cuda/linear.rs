@@ -146,9 +146,9 @@ impl Gpu {
             ServedDev::Native { nv, non_pow2, .. } => (
                 *nv,
                 None,
-                matches!(w.fmt, DevFmt::Fp8 { .. } | DevFmt::Mx { .. }),
+                w.fmt.served() == crate::checkpoint::formats::Served::Fp8Act,
                 *non_pow2,
-                matches!(w.fmt, DevFmt::Dense(_)),
+                w.fmt.served() == crate::checkpoint::formats::Served::Dense,
             ),
             ServedDev::Host {
                 w: hw,
