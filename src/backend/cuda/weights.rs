@@ -133,10 +133,12 @@ impl Gpu {
                     } else {
                         let f = self.alloc(n * k * 4)?;
                         let fmt = if m.weight_dtype == Dtype::BF16 { 3 } else { 4 };
-                        self.launch(
-                            "decode_bytes",
+                        self.kern().decode_bytes(
                             (n * k) as u64,
-                            &[A::P(raw.ptr), A::U((n * k) as u64), A::I(fmt), A::P(f.ptr)],
+                            raw.ptr,
+                            (n * k) as u64,
+                            fmt,
+                            f.ptr,
                         )?;
                         DevFmt::Dense(f)
                     }
@@ -464,48 +466,30 @@ impl Gpu {
             ServedDev::Host { .. } => (false, false, None),
         };
         match &w.fmt {
-            DevFmt::Dense(b) => self.launch(
-                "convert_dense",
-                nk,
-                &[
-                    A::P(b.ptr),
-                    A::U(nk),
-                    A::I(round as i32),
-                    A::I(ok),
-                    A::P(out),
-                ],
-            )?,
+            DevFmt::Dense(b) => self
+                .kern()
+                .convert_dense(nk, b.ptr, nk, round as i32, ok, out)?,
             DevFmt::Fp8 {
                 bytes,
                 scales,
                 bm,
                 bn,
-            } => self.launch(
-                "dequant_fp8_block",
+            } => self.kern().dequant_fp8_block(
                 nk,
-                &[
-                    A::P(bytes.ptr),
-                    A::P(scales.ptr),
-                    A::U(w.n as u64),
-                    A::U(w.k as u64),
-                    A::U(*bm as u64),
-                    A::U(*bn as u64),
-                    A::I((served_operand && flags.1) as i32),
-                    A::I(ok),
-                    A::P(out),
-                ],
+                bytes.ptr,
+                scales.ptr,
+                w.n as u64,
+                w.k as u64,
+                *bm as u64,
+                *bn as u64,
+                (served_operand && flags.1) as i32,
+                ok,
+                out,
             )?,
-            DevFmt::Mx { packed, scales } => self.launch(
-                "dequant_mxfp4",
-                nk / 32,
-                &[
-                    A::P(packed.ptr),
-                    A::P(scales.ptr),
-                    A::U(nk / 32),
-                    A::I(ok),
-                    A::P(out),
-                ],
-            )?,
+            DevFmt::Mx { packed, scales } => {
+                self.kern()
+                    .dequant_mxfp4(nk / 32, packed.ptr, scales.ptr, nk / 32, ok, out)?
+            }
             DevFmt::Nv {
                 packed,
                 scales,
@@ -551,40 +535,37 @@ impl Gpu {
                     Block::Row(bn) => (1, bn),
                     Block::Grid => (0, 0),
                 };
-                self.launch(
-                    "dequant_blocked",
+                self.kern().dequant_blocked(
                     nk,
-                    &[
-                        A::P(codes.ptr),
-                        A::I(match d.elem {
-                            Elem::E4m3 => 0,
-                            Elem::E2m1Packed => 1,
-                        }),
-                        A::P(scales.ptr),
-                        A::I(match d.scale {
-                            ScaleCode::E4m3 => 0,
-                            ScaleCode::Ue8m0 => 1,
-                            ScaleCode::F32 => 2,
-                        }),
-                        A::U(w.n as u64),
-                        A::U(w.k as u64),
-                        A::U(bm),
-                        A::U(bn as u64),
-                        A::I(match d.global {
-                            Global::None => 0,
-                            Global::Divide => 1,
-                            Global::Multiply => 2,
-                        }),
-                        A::F(1.0),
-                        A::I(ok),
-                        A::P(out),
-                    ],
+                    codes.ptr,
+                    match d.elem {
+                        Elem::E4m3 => 0,
+                        Elem::E2m1Packed => 1,
+                    },
+                    scales.ptr,
+                    match d.scale {
+                        ScaleCode::E4m3 => 0,
+                        ScaleCode::Ue8m0 => 1,
+                        ScaleCode::F32 => 2,
+                    },
+                    w.n as u64,
+                    w.k as u64,
+                    bm,
+                    bn as u64,
+                    match d.global {
+                        Global::None => 0,
+                        Global::Divide => 1,
+                        Global::Multiply => 2,
+                    },
+                    1.0,
+                    ok,
+                    out,
                 )?
             }
         }
         // BF16 bits are already rounded; f32 output is rounded here when asked
         if round && out_ty == Ty::F32 && !matches!(w.fmt, DevFmt::Dense(_)) {
-            self.launch("round_bf16", nk, &[A::P(out), A::U(nk), A::P(0)])?;
+            self.kern().round_bf16(nk, out, nk, 0)?;
         }
         Ok(())
     }
