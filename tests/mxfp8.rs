@@ -133,11 +133,12 @@ fn synth_lint_and_run_round_trip() {
         }
         n_mx += 1;
         for (k, (&x, &y)) in q.iter().zip(&b).enumerate() {
-            // |q − w| ≤ 2^-4 |w| (E4M3 RNE) + 2^-10 · the block's step; |b − w| ≤ 2^-9 |w|
-            assert!(
-                (x - y).abs() <= y.abs() * (1.0 / 16.0 + 1.0 / 256.0) + 1e-6,
-                "{base}[{k}]: {x} vs {y}"
-            );
+            // the block's scale X < 2·amax/448 (no element clips); |q − w| ≤ 2^-4 |w| for E4M3
+            // normals, ≤ 2^-10 X below them; |b − w| ≤ 2^-9 |w| (BF16)
+            let blk = &b[k / 32 * 32..k / 32 * 32 + 32];
+            let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let tol = y.abs() * (1.0 / 16.0 + 1.0 / 256.0) + amax * 1.01 / (448.0 * 512.0);
+            assert!((x - y).abs() <= tol, "{base}[{k}]: {x} vs {y}");
         }
     }
     assert!(n_mx > 50, "{n_mx} MXFP8 weights");

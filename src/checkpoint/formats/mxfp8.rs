@@ -15,10 +15,6 @@ use super::*;
 /// Elements per block.
 pub const BLOCK: usize = 32;
 
-/// Exponent of E4M3's largest power of two (448 = 1.75 · 2^8): the OCP scale is
-/// 2^(floor(log2 amax) − EMAX).
-const EMAX: i32 = 8;
-
 pub static SPEC: FormatSpec = FormatSpec {
     scheme: Scheme::Mxfp8,
     label: "mxfp8",
@@ -61,15 +57,12 @@ pub static SPEC: FormatSpec = FormatSpec {
     }),
 };
 
-/// UE8M0 byte of a block with largest magnitude `amax` (OCP MX v1.0 §6.3: the shared exponent
-/// is floor(log2 amax) − emax_elem), clamped to [0x00, 0xFE]; zero and f32-subnormal blocks get
-/// 0x00 (2^-127).
+/// UE8M0 byte of a block with largest magnitude `amax`: 2^ceil(log2(amax/448)), so the block's
+/// largest element never clips (ModelOpt's and FlashInfer's rounding of MX scales; the OCP
+/// example rule 2^(floor(log2 amax) − 8) clips elements in (448, 512)·scale to 448). Clamped to
+/// [0x00, 0xFE]; zero and tiny blocks get 0x00 (2^-127).
 pub fn scale_byte(amax: f32) -> u8 {
-    let exp = (amax.abs().to_bits() >> 23) as i32;
-    if exp == 0 {
-        return 0;
-    }
-    (exp - 127 - EMAX + 127).clamp(0, 254) as u8
+    ue8m0::encode(amax.abs() / e4m3::MAX, ue8m0::Ue8m0Rounding::Ceil)
 }
 
 /// Quantize a row-major [rows, cols] weight (cols a multiple of 32): E4M3 codes (RNE,
@@ -141,11 +134,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scale_is_floor_log2_amax_minus_8() {
-        assert_eq!(scale_byte(1.0), 127 - 8); // 2^0 → 2^-8
-        assert_eq!(scale_byte(448.0), 127); // 1.75·2^8 → 2^0
-        assert_eq!(scale_byte(511.0), 127);
-        assert_eq!(scale_byte(512.0), 128);
+    fn scale_is_the_smallest_power_of_two_that_holds_the_block() {
+        assert_eq!(scale_byte(448.0), 127); // 448 / 448 = 2^0
+        assert_eq!(scale_byte(449.0), 128);
+        assert_eq!(scale_byte(1.0), 127 - 8); // 1/448 → 2^-8 (1/256 ≥ 1/448 > 1/512)
+                                              // 2^-11 (251 fits); 2^-12, the OCP floor rule's choice, would need 502 > 448
+        assert_eq!(scale_byte(0.122_558_59), 116);
         assert_eq!(scale_byte(0.0), 0);
     }
 
