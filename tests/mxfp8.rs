@@ -81,7 +81,7 @@ fn decode_vectors_from_the_ocp_spec() {
                                // row 0, block 1: × 2^-7
         assert_eq!(v[32], 0.015625); // 0x40 = 2
         assert_eq!(v[33], 3.5); // 0x7E = 448
-        assert_eq!(v[34], 0.0001220703125); // 0x08 = 2^-6 → 2^-13
+        assert_eq!(v[34], 1.0 / 8192.0); // 0x08 = 2^-6 → 2^-13
         assert_eq!(v[35], 0.0078125);
         // row 1: a NaN scale poisons its block, 2^-127 scales the next one
         assert!(v[64..96].iter().all(|x| x.is_nan()));

@@ -567,7 +567,7 @@ impl Checkpoint {
         let name = spec.name;
         let inf = meta.in_features * d.elem.per_byte();
         meta.in_features = inf;
-        if inf % bn != 0 {
+        if !inf.is_multiple_of(bn) {
             return Err(Error::bad(
                 &meta.file,
                 Some(label),

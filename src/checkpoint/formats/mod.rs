@@ -147,7 +147,7 @@ impl Elem {
         match self {
             Elem::E2m1Packed => {
                 let (lo, hi) = e2m1::unpack(codes[i / 2]);
-                e2m1::decode(if i % 2 == 0 { lo } else { hi })
+                e2m1::decode(if i.is_multiple_of(2) { lo } else { hi })
             }
             Elem::E4m3 => e4m3::decode(codes[i]),
         }
