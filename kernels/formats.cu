@@ -396,6 +396,37 @@ extern "C" __global__ void dequant_mxfp4(const u8* packed, const u8* scales, u64
     }
 }
 
+// Generic block-scaled weight, the format table's `Decode` (src/checkpoint/formats) as data:
+//   value = elem(code) * q, q = scale (gmode 0), scale / global (1) or scale * global (2),
+// each product one f32 rounding, as `formats::decode_blocked` on the host.
+//   elem: 0 = E4M3 byte, 1 = E2M1 packed two per byte (the even element in the low nibble);
+//   scale_code: 0 = E4M3 byte, 1 = UE8M0 byte, 2 = f32; one scale per bm rows x bn columns,
+//   row-major [ceil(rows / bm), ceil(cols / bn)].
+// A block-scaled format the table describes needs no kernel of its own; the formats with their
+// own kernels above and below (NVFP4, MXFP4, FP8 block) keep them for speed and their faults.
+extern "C" __global__ void dequant_blocked(const u8* codes, int elem, const void* scales, int scale_code,
+                                           u64 rows, u64 cols, u64 bm, u64 bn, int gmode, float global,
+                                           int out_kind, void* out) {
+    u64 sc = (cols + bn - 1) / bn;
+    GRID_STRIDE(i, rows * cols) {
+        u64 r = i / cols, c = i % cols;
+        u64 si = (r / bm) * sc + c / bn;
+        float s;
+        if (scale_code == 0) s = e4m3_decode(((const u8*)scales)[si]);
+        else if (scale_code == 1) s = ue8m0_decode(((const u8*)scales)[si]);
+        else s = ((const float*)scales)[si];
+        float q = gmode == 0 ? s : (gmode == 1 ? __fdiv_rn(s, global) : __fmul_rn(s, global));
+        float e;
+        if (elem == 0) {
+            e = e4m3_decode(codes[i]);
+        } else {
+            u32 byte = codes[i >> 1];
+            e = e2m1_decode((i & 1) ? (byte >> 4) : (byte & 15u));
+        }
+        store_val(out, i, __fmul_rn(e, q), out_kind);
+    }
+}
+
 // FP8 block weight: e4m3 * scale[r / bm][c / bn] with f32 multipliers; extra = a second
 // multiplication by the same scale (the double-applied-scale loader fault), 0 normally.
 extern "C" __global__ void dequant_fp8_block(const u8* w, const float* scales, u64 rows, u64 cols, u64 bm,

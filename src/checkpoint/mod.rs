@@ -8,6 +8,7 @@
 mod access;
 mod complete;
 pub mod convert;
+pub mod formats;
 pub mod guard;
 pub mod naming;
 pub mod quant;

@@ -23,14 +23,7 @@ pub enum Fp8ScaleKind {
     Ue8m0,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Scheme {
-    Dense,
-    Fp8Block,
-    Mxfp4,
-    Nvfp4Ct,
-    Nvfp4ModelOpt,
-}
+pub use super::formats::Scheme;
 
 /// Raw (checkpoint) names of the tensors a weight is made of.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -93,6 +86,13 @@ pub enum WeightFormat {
         /// As stored: CT g_x or ModelOpt d_x.
         input_global: Option<f32>,
     },
+    /// A format read entirely through the format table (`formats::Tensors::generic`): byte
+    /// codes and byte block scales, decoded as `scheme.spec().decode` says.
+    Blocked {
+        scheme: Scheme,
+        codes: Vec<u8>,
+        scales: Vec<u8>,
+    },
 }
 
 /// Where a weight's tensors are: [`Checkpoint::weight_layout`].
@@ -135,6 +135,11 @@ pub enum RawFormat<'a> {
         weight_global: f32,
         input_global: Option<f32>,
     },
+    Blocked {
+        scheme: Scheme,
+        codes: &'a [u8],
+        scales: &'a [u8],
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -145,23 +150,6 @@ pub struct QuantWeight {
     pub format: WeightFormat,
     pub tensors: WeightTensors,
     pub file: PathBuf,
-}
-
-impl Scheme {
-    /// Stable scheme label. Dense weights are labelled by dtype: "bf16", "f16" or "f32".
-    pub fn label(self, weight_dtype: Dtype) -> &'static str {
-        match self {
-            Scheme::Dense => match weight_dtype {
-                Dtype::F16 => "f16",
-                Dtype::F32 => "f32",
-                _ => "bf16",
-            },
-            Scheme::Fp8Block => "fp8-block",
-            Scheme::Mxfp4 => "mxfp4",
-            Scheme::Nvfp4Ct => "nvfp4-ct",
-            Scheme::Nvfp4ModelOpt => "nvfp4-modelopt",
-        }
-    }
 }
 
 impl WeightMeta {
@@ -232,29 +220,61 @@ impl QuantWeight {
                 }
                 nvfp4::dequantize(packed, scales, *weight_global, *convention, o, i)
             }
+            WeightFormat::Blocked {
+                scheme,
+                codes,
+                scales,
+            } => {
+                let spec = scheme.spec();
+                let d = spec.decode.expect("a generic format decodes");
+                let bn = match d.block {
+                    super::formats::Block::Row(n) => n,
+                    super::formats::Block::Grid => 0,
+                };
+                let nc = n / d.elem.per_byte();
+                if bn == 0 || i % bn != 0 || i % d.elem.per_byte() != 0 || codes.len() != nc {
+                    return Err(len_err(self, "weight", codes.len(), nc));
+                }
+                if scales.len() != n / bn {
+                    return Err(len_err(self, "block scale", scales.len(), n / bn));
+                }
+                super::formats::decode_blocked(&d, codes, scales, o, i)
+            }
         };
         Ok(Tensor::new(vec![o, i], data))
     }
 
-    /// "bf16" (or "f16"/"f32" for other dense dtypes), "fp8-block", "mxfp4", "nvfp4-ct", "nvfp4-modelopt".
+    /// The scheme label: "bf16" (or "f16"/"f32" for other dense dtypes), "fp8-block", "mxfp4",
+    /// "nvfp4-ct", "nvfp4-modelopt", "mxfp8", … (the table's `label`).
     pub fn scheme(&self) -> &'static str {
         match &self.format {
             WeightFormat::Dense { dtype, .. } => Scheme::Dense.label(*dtype),
-            WeightFormat::Fp8Block { .. } => "fp8-block",
-            WeightFormat::Mxfp4 { .. } => "mxfp4",
-            WeightFormat::Nvfp4 {
-                convention: Convention::CompressedTensors,
-                ..
-            } => "nvfp4-ct",
-            WeightFormat::Nvfp4 {
-                convention: Convention::ModelOpt,
-                ..
-            } => "nvfp4-modelopt",
+            f => f.scheme().spec().label,
         }
     }
 
     pub fn is_quantized(&self) -> bool {
         !matches!(self.format, WeightFormat::Dense { .. })
+    }
+}
+
+impl WeightFormat {
+    /// The format's entry in the format table.
+    pub fn scheme(&self) -> Scheme {
+        match self {
+            WeightFormat::Dense { .. } => Scheme::Dense,
+            WeightFormat::Fp8Block { .. } => Scheme::Fp8Block,
+            WeightFormat::Mxfp4 { .. } => Scheme::Mxfp4,
+            WeightFormat::Nvfp4 {
+                convention: Convention::CompressedTensors,
+                ..
+            } => Scheme::Nvfp4Ct,
+            WeightFormat::Nvfp4 {
+                convention: Convention::ModelOpt,
+                ..
+            } => Scheme::Nvfp4ModelOpt,
+            WeightFormat::Blocked { scheme, .. } => *scheme,
+        }
     }
 }
 
@@ -495,6 +515,93 @@ impl Checkpoint {
             block_scale_dtype: None,
             fp8_scale_kind: None,
         };
+        let leaf = if packed.is_some() {
+            "weight_packed"
+        } else {
+            "weight"
+        };
+        if let Some((spec, sname, si)) = super::formats::generic_candidates(leaf, wi.dtype)
+            .find_map(|spec| {
+                spec.tensors.scale_leaves.iter().find_map(|l| {
+                    self.cinfo(base, l)
+                        .filter(|(_, si)| spec.tensors.scale_dtypes.contains(&si.dtype))
+                        .map(|(n, si)| (spec, n, si))
+                })
+            })
+        {
+            self.generic_meta(&mut meta, spec, &sname, &si, &label)?;
+        } else {
+            self.specific_meta(&mut meta, base, &wc, &wi, packed.is_some(), &label)?;
+        }
+        if let Ok(cfg) = self.model_config() {
+            if let Some(((o, i), fields)) = expected_shape(cfg, base) {
+                if (o, i) != (meta.out_features, meta.in_features) {
+                    return Err(Error::bad(
+                        &file,
+                        Some(&label),
+                        format!(
+                            "logical shape [{}, {}] contradicts config.json: expected [{o}, {i}] ({fields})",
+                            meta.out_features, meta.in_features
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(meta)
+    }
+
+    /// A weight of a format read through the format table: its block scale `sname` (one of the
+    /// spec's leaves and dtypes) checked against the weight's shape.
+    fn generic_meta(
+        &self,
+        meta: &mut WeightMeta,
+        spec: &'static super::formats::FormatSpec,
+        sname: &str,
+        si: &TensorInfo,
+        label: &str,
+    ) -> Result<()> {
+        let d = spec.decode.expect("a generic format decodes");
+        let super::formats::Block::Row(bn) = d.block else {
+            unreachable!("generic formats have row blocks (table test)")
+        };
+        let name = spec.name;
+        let inf = meta.in_features * d.elem.per_byte();
+        meta.in_features = inf;
+        if !inf.is_multiple_of(bn) {
+            return Err(Error::bad(
+                &meta.file,
+                Some(label),
+                format!("{name} in_features {inf} not a multiple of {bn}"),
+            ));
+        }
+        let sraw = self.resolve(sname).unwrap_or_default();
+        self.check_shape(
+            &sraw,
+            si,
+            &[meta.out_features, inf / bn],
+            &format!("{name} block scale [out, in/{bn}]"),
+        )?;
+        meta.scheme = spec.scheme;
+        meta.block = Some([1, bn]);
+        meta.block_scale_dtype = Some(si.dtype);
+        meta.tensors.block_scale = Some(sraw);
+        Ok(())
+    }
+
+    /// A weight of a format with its own reader (dense, NVFP4, MXFP4, FP8 block).
+    fn specific_meta(
+        &self,
+        meta: &mut WeightMeta,
+        base: &str,
+        wc: &str,
+        wi: &TensorInfo,
+        packed: bool,
+        label: &str,
+    ) -> Result<()> {
+        let wraw = self.resolve(wc).unwrap_or_default();
+        let file = wi.file.clone();
+        let label = label.to_string();
+        let (rows, cols) = (wi.shape[0], wi.shape[1]);
         let need = |leaf: &str, what: &str| -> Error {
             self.missing(
                 &self.sibling_raw(&wraw, leaf),
@@ -502,7 +609,7 @@ impl Checkpoint {
             )
         };
         let is_packed_dtype = matches!(wi.dtype, Dtype::U8 | Dtype::I8);
-        if packed.is_some() || is_packed_dtype {
+        if packed || is_packed_dtype {
             if !is_packed_dtype {
                 return Err(Error::bad(
                     &file,
@@ -519,7 +626,7 @@ impl Checkpoint {
                 (None, Some(s)) => s,
                 (None, None) => {
                     // I8 is the official MXFP4 layout (`.scale`); U8 is NVFP4/CT-MXFP4 (`.weight_scale`).
-                    let leaf = if wi.dtype == Dtype::I8 && packed.is_none() {
+                    let leaf = if wi.dtype == Dtype::I8 && !packed {
                         "scale"
                     } else {
                         "weight_scale"
@@ -539,7 +646,7 @@ impl Checkpoint {
                         return Err(Error::bad(&file, Some(&label), format!("NVFP4 in_features {inf} not a multiple of 16")));
                     }
                     self.check_shape(&sraw, &si, &[rows, inf / nvfp4::BLOCK], "NVFP4 block scale [out, in/16]")?;
-                    let (gleaf, ileaf, conv, scheme) = if packed.is_some() {
+                    let (gleaf, ileaf, conv, scheme) = if packed {
                         ("weight_global_scale", "input_global_scale", Convention::CompressedTensors, Scheme::Nvfp4Ct)
                     } else {
                         ("weight_scale_2", "input_scale", Convention::ModelOpt, Scheme::Nvfp4ModelOpt)
@@ -617,21 +724,7 @@ impl Checkpoint {
                 format!("dtype {:?} is not a weight format this tool reads (BF16/F16/F32, F8_E4M3 + scale, U8/I8 packed FP4)", wi.dtype),
             ));
         }
-        if let Ok(cfg) = self.model_config() {
-            if let Some(((o, i), fields)) = expected_shape(cfg, base) {
-                if (o, i) != (meta.out_features, meta.in_features) {
-                    return Err(Error::bad(
-                        &file,
-                        Some(&label),
-                        format!(
-                            "logical shape [{}, {}] contradicts config.json: expected [{o}, {i}] ({fields})",
-                            meta.out_features, meta.in_features
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(meta)
+        Ok(())
     }
 
     /// A linear weight with all its bytes and scales, ready to dequantise.
@@ -671,6 +764,15 @@ impl Checkpoint {
                 convention,
                 weight_global,
                 input_global,
+            },
+            RawFormat::Blocked {
+                scheme,
+                codes,
+                scales,
+            } => WeightFormat::Blocked {
+                scheme,
+                codes: codes.to_vec(),
+                scales: scales.to_vec(),
             },
         };
         Ok(QuantWeight {
@@ -750,6 +852,15 @@ impl Checkpoint {
                         input_global: m.input_global,
                     },
                     None => RawFormat::Mxfp4 { packed, scales },
+                }
+            }
+            // every format read through the table
+            _ => {
+                let sc = scale_canon(&m.tensors.block_scale).unwrap_or_default();
+                RawFormat::Blocked {
+                    scheme: m.scheme,
+                    codes: self.canonical_bytes(&wc)?,
+                    scales: self.canonical_bytes(&sc)?,
                 }
             }
         };
@@ -859,13 +970,13 @@ pub fn implied_amax(conv: Convention, stored: f32) -> f32 {
 /// Largest decodable weight magnitude given the scales alone: max block scale × max element ×
 /// tensor scale, in the producer's op order.
 pub fn amax_from_scales(meta: &WeightMeta, s: &ScaleSummary) -> Option<f32> {
-    match meta.scheme {
-        Scheme::Dense => None,
-        Scheme::Fp8Block => Some(s.max_scale * e4m3::MAX),
-        Scheme::Mxfp4 => Some(s.max_scale * 6.0),
-        Scheme::Nvfp4Ct => Some(6.0 * (s.max_scale / meta.weight_global?)),
-        Scheme::Nvfp4ModelOpt => Some(6.0 * (s.max_scale * meta.weight_global?)),
-    }
+    use super::formats::Global;
+    let d = meta.scheme.spec().decode?;
+    Some(match d.global {
+        Global::None => s.max_scale * d.elem.max(),
+        Global::Divide => d.elem.max() * (s.max_scale / meta.weight_global?),
+        Global::Multiply => d.elem.max() * (s.max_scale * meta.weight_global?),
+    })
 }
 
 struct ByteStats {

@@ -2,7 +2,7 @@
 
 use crate::cli::SynthArgs;
 use crate::served::faults::Fault;
-use crate::synth::{self, plan, Format, Preset, SynthOptions};
+use crate::synth::{self, plan, Choice, Preset, SynthOptions};
 use crate::{Error, Result};
 
 pub fn main(a: &SynthArgs) -> Result<i32> {
@@ -50,7 +50,7 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
 fn options(a: &SynthArgs) -> Result<SynthOptions> {
     Ok(SynthOptions {
         preset: Preset::parse(&a.preset)?,
-        format: Format::parse(&a.format)?,
+        format: Choice::parse(&a.format)?,
         naming: plan::parse_naming(&a.naming)?,
         seed: a.seed,
         layers: a.layers,

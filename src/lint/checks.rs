@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use super::layout;
 use super::rules::Severity::{self, Error as E, Info as I, Warning as W};
 use super::{Cx, Finding};
+use crate::checkpoint::formats::{AmaxRule, Block};
 use crate::checkpoint::quant::implied_amax;
 use crate::checkpoint::{Dtype, Fp8ScaleKind, Scheme, WeightMeta};
 use crate::numerics::nvfp4::Convention;
@@ -265,10 +266,12 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
     let base = meta.canonical.as_str();
     let sfile = file_of(cx, sraw, &meta.file);
     let (o, i) = (meta.out_features, meta.in_features);
-    let (rows, cols, kind) = match meta.scheme {
-        Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => (o, i / 16, "E4M3"),
-        Scheme::Mxfp4 => (o, i / 32, "UE8M0"),
-        Scheme::Fp8Block => {
+    let Some(d) = meta.scheme.spec().decode else {
+        return Ok(());
+    };
+    let (rows, cols, kind) = match d.block {
+        Block::Row(bn) => (o, i / bn, d.scale.name()),
+        Block::Grid => {
             let b = meta.block.unwrap_or([128, 128]);
             let k = if meta.fp8_scale_kind == Some(Fp8ScaleKind::Ue8m0) {
                 "UE8M0"
@@ -277,7 +280,6 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
             };
             (o.div_ceil(b[0]), i.div_ceil(b[1]), k)
         }
-        Scheme::Dense => return Ok(()),
     };
     let n = rows * cols;
     let (mut nan, mut neg, mut sat, mut nonpow2) = (0usize, 0usize, 0usize, 0usize);
@@ -483,9 +485,13 @@ fn zero_row_findings(
     let base = meta.canonical.as_str();
     // The weight row a scale row covers, and how to read it: packed FP4 rows hold in/2 bytes
     // (a value is non-zero when its magnitude bits are), FP8 rows in bytes.
-    let (row_bytes, step, fp8) = match meta.scheme {
-        Scheme::Fp8Block => (meta.in_features, meta.block.unwrap_or([128, 128])[0], true),
-        _ => (meta.in_features / 2, 1, false),
+    let Some(d) = meta.scheme.spec().decode else {
+        return Ok(());
+    };
+    let row_bytes = meta.in_features / d.elem.per_byte();
+    let step = match d.block {
+        Block::Grid => meta.block.unwrap_or([128, 128])[0],
+        Block::Row(_) => 1,
     };
     let wraw = cx
         .ck
@@ -497,14 +503,8 @@ fn zero_row_findings(
         let b = cx
             .sampler
             .row(cx.ck, &wraw, &meta.file, r * step, row_bytes)?;
-        let nz = if fp8 {
-            b.iter().filter(|&&x| x & 0x7F != 0).count()
-        } else {
-            b.iter()
-                .map(|&x| (x & 0x07 != 0) as usize + (x & 0x70 != 0) as usize)
-                .sum()
-        };
-        let total = if fp8 { row_bytes } else { row_bytes * 2 };
+        let nz: usize = b.iter().map(|&x| d.elem.nonzero_in(x)).sum();
+        let total = row_bytes * d.elem.per_byte();
         live.push((r, nz, total));
     }
     let more = if zero_rows.len() > 4 {
@@ -560,8 +560,10 @@ fn convention(
         return;
     }
     let range = format!("[{}, {}]", g(th.weight_amax_min), g(th.weight_amax_max));
-    match (meta.scheme, meta.convention, meta.weight_global) {
-        (Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt, Some(conv), Some(gs)) => {
+    let spec = meta.scheme.spec();
+    let elem_max = spec.decode.map_or(f64::NAN, |d| d.elem.max() as f64);
+    match (&spec.lint.amax, meta.convention, meta.weight_global) {
+        (AmaxRule::TensorScale, Some(conv), Some(gs)) => {
             if gs.is_nan() || gs <= 0.0 || !gs.is_finite() || gs.is_subnormal() {
                 return; // reported by the scalar rules
             }
@@ -624,11 +626,18 @@ fn convention(
                 ));
             }
         }
-        (Scheme::Fp8Block, _, _) => {
-            let stored = max_s as f64 * 448.0;
+        (
+            AmaxRule::BlockMax {
+                inverted: true,
+                fix,
+            },
+            _,
+            _,
+        ) => {
+            let stored = max_s as f64 * elem_max;
             if !ok(stored) {
                 let other = if min_s > 0.0 && min_s.is_finite() {
-                    448.0 / min_s as f64
+                    elem_max / min_s as f64
                 } else {
                     f64::NAN
                 };
@@ -641,19 +650,21 @@ fn convention(
                         g(stored)
                     )
                 };
-                push(out, cx.finding(
-                    "scale.convention",
-                    E,
-                    sraw,
-                    sfile,
-                    base,
-                    ev,
-                    "FP8 block scales are dequant multipliers s = amax_block/448 (`weight_scale_inv` despite its name, docs/NVFP4.md §6.1); store them that way.",
-                ));
+                push(
+                    out,
+                    cx.finding("scale.convention", E, sraw, sfile, base, ev, fix),
+                );
             }
         }
-        (Scheme::Mxfp4, _, _) => {
-            let stored = max_s as f64 * 6.0;
+        (
+            AmaxRule::BlockMax {
+                inverted: false,
+                fix,
+            },
+            _,
+            _,
+        ) => {
+            let stored = max_s as f64 * elem_max;
             if !ok(stored) {
                 push(
                     out,
@@ -668,7 +679,7 @@ fn convention(
                             g(max_s as f64),
                             g(stored)
                         ),
-                        "Check the exponent bias (127) of the MXFP4 scales (docs/NVFP4.md §6.2).",
+                        fix,
                     ),
                 );
             }

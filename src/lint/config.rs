@@ -9,6 +9,7 @@ use serde_json::Value;
 use super::checks::raw_stem;
 use super::rules::Severity::{Error as E, Info as I, Warning as W};
 use super::{Cx, Finding};
+use crate::checkpoint::formats::{InFp8, TABLE};
 use crate::checkpoint::{Scheme, WeightMeta};
 
 /// One ignore/exclude entry, compiled once: `re:` entries are Python `re.match` patterns
@@ -100,13 +101,10 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
                         })
                 })
                 .unwrap_or_default();
-            let exp = if fmt.contains("nvfp4") {
-                Some(Scheme::Nvfp4Ct)
-            } else if fmt.contains("mxfp4") {
-                Some(Scheme::Mxfp4)
-            } else {
-                None
-            };
+            let exp = TABLE
+                .iter()
+                .find(|s| s.config.ct_format.is_some_and(|f| fmt.contains(f)))
+                .map(|s| s.scheme);
             (exp, str_list(q.get("ignore")), "ignore")
         }
         "modelopt" => {
@@ -115,11 +113,10 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             if ex.is_empty() {
                 ex = str_list(hq.and_then(|h| h.get("exclude_modules")));
             }
-            let exp = if algo == "NVFP4" {
-                Some(Scheme::Nvfp4ModelOpt)
-            } else {
-                None
-            };
+            let exp = TABLE
+                .iter()
+                .find(|s| s.config.modelopt_algo == Some(algo))
+                .map(|s| s.scheme);
             (exp, ex, "exclude_modules")
         }
         "fp8" => {
@@ -186,17 +183,18 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             }
             _ => {
                 // fp8 (DeepSeek style), optionally with NVFP4 or MXFP4 experts.
-                let ok = match m.scheme {
-                    Scheme::Dense | Scheme::Fp8Block => true,
-                    Scheme::Nvfp4ModelOpt => moe_nvfp4 && is_expert(&m.canonical),
-                    Scheme::Mxfp4 => fp4_experts && is_expert(&m.canonical),
-                    Scheme::Nvfp4Ct => false,
+                let in_fp8 = m.scheme.spec().config.in_fp8;
+                let ok = match in_fp8 {
+                    InFp8::Always => true,
+                    InFp8::MoeNvfp4Experts => moe_nvfp4 && is_expert(&m.canonical),
+                    InFp8::Fp4Experts => fp4_experts && is_expert(&m.canonical),
+                    InFp8::Never => false,
                 };
                 if !ok {
                     emit("config.scheme", format!("quantization_config (fp8{}) does not provide for {label_s} `{stem}`", if moe_nvfp4 { ", moe_quant_algo NVFP4" } else { "" }), "Declare the scheme (moe_quant_algo / expert_dtype / a quantization config of the producer) or re-export the weight.");
                     continue;
                 }
-                let nv = matches!(m.scheme, Scheme::Nvfp4ModelOpt);
+                let nv = in_fp8 == InFp8::MoeNvfp4Experts;
                 if ign && nv {
                     emit("config.ignore", format!("`{stem}` matches quantization_config.{label} but is stored {label_s}"), "Remove the entry from the ignore list, or re-export the weight in FP8/BF16.");
                 } else if moe_nvfp4 && is_expert(&m.canonical) && !ign && !nv {

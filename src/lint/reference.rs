@@ -178,6 +178,22 @@ fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
                 with(set(scales.iter().map(|s| 1.0 / s).collect())),
             ));
         }
+        WeightFormat::Blocked { scales, .. } => {
+            // a format of the table: its scale rows, as for the packed formats
+            let set = |sc: Vec<u8>| -> WeightFormat {
+                let mut f = w.format.clone();
+                if let WeightFormat::Blocked { scales, .. } = &mut f {
+                    *scales = sc;
+                }
+                f
+            };
+            v.push(("reference.block-scales", "the block-scale rows are shifted down by one (row r holds row r−1's scales: a wrong offset or TP slice)", with(set(rot(scales, o, true)))));
+            v.push((
+                "reference.block-scales",
+                "the block-scale rows are shifted up by one (row r holds row r+1's scales)",
+                with(set(rot(scales, o, false))),
+            ));
+        }
         WeightFormat::Dense { .. } => {}
     }
     v

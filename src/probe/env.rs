@@ -459,12 +459,7 @@ pub fn aggregate_health(obs: &[(String, LinearObs)]) -> (Option<QuantHealth>, Op
 
 /// Helper for reports: the format name of a weight format.
 pub fn format_name(f: &WeightFormat) -> &'static str {
-    match f {
-        WeightFormat::Dense { .. } => "bf16",
-        WeightFormat::Fp8Block { .. } => "fp8-block",
-        WeightFormat::Mxfp4 { .. } => "mxfp4",
-        WeightFormat::Nvfp4 { .. } => "nvfp4",
-    }
+    f.scheme().spec().family
 }
 
 #[cfg(test)]

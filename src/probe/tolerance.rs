@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::Scheme;
 use crate::glob::glob_match;
 use crate::served::Profile;
 
@@ -55,25 +56,17 @@ pub fn builtin_rows() -> &'static [IsolatedRow] {
     })
 }
 
-/// The format key a scheme counts as (`nvfp4-ct`/`nvfp4-modelopt` → `nvfp4`), None for
-/// unquantized weights.
+/// The format key a scheme label counts as (its `tolerance_key` in the format table:
+/// `nvfp4-ct`/`nvfp4-modelopt` → `nvfp4`), None for unquantized weights.
 pub fn scheme_key(scheme: &str) -> Option<&'static str> {
-    if scheme.starts_with("nvfp4") {
-        Some("nvfp4")
-    } else if scheme.starts_with("mxfp4") {
-        Some("mxfp4")
-    } else if scheme.starts_with("fp8") {
-        Some("fp8-block")
-    } else {
-        None
-    }
+    Scheme::from_label(scheme).and_then(|s| s.spec().tolerance_key)
 }
 
-/// The coarsest quantized format among an op's weights (nvfp4, then mxfp4, then fp8-block), None
-/// when it reads none.
+/// The coarsest quantized format among an op's weights (the format table's order: nvfp4, then
+/// mxfp4, then fp8-block), None when it reads none.
 pub fn format_key(weights: &[(String, String)]) -> Option<&'static str> {
     let keys: Vec<&str> = weights.iter().filter_map(|(_, s)| scheme_key(s)).collect();
-    ["nvfp4", "mxfp4", "fp8-block"]
+    crate::checkpoint::formats::tolerance_keys()
         .into_iter()
         .find(|k| keys.contains(k))
 }

@@ -5,7 +5,7 @@
 //! Format conversions, quantization and health counters must match bit for bit; f32 reductions
 //! to 1e-6 relative; GEMMs to the rounding of a different summation order.
 
-use crate::backend::cuda::{ActQuantOut, Gpu, Nvfp4Decode, A, H_SLOTS};
+use crate::backend::cuda::{ActQuantOut, Gpu, Nvfp4Decode, H_SLOTS};
 use crate::metrics::{Compare, Stats};
 use crate::model::mem_env::Rng;
 use crate::numerics::nvfp4::{self, Convention};
@@ -243,22 +243,16 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         (2, "decode e2m1 (all nibbles)", e2m1::decode),
     ] {
         let o = t.out(n * 4)?;
-        t.g.launch(
-            "decode_bytes",
-            n as u64,
-            &[A::P(b.ptr), A::U(n as u64), A::I(fmt), A::P(o.ptr)],
-        )?;
+        t.g.kern()
+            .decode_bytes(n as u64, b.ptr, n as u64, fmt, o.ptr)?;
         let want: Vec<f32> = all.iter().map(|&x| f(x)).collect();
         out.push(exact(name, &t.get_f32(&o, n)?, &want));
     }
     let bits: Vec<u16> = (0..=u16::MAX).collect();
     let b16 = t.up(&bits)?;
     let o = t.out(bits.len() * 4)?;
-    t.g.launch(
-        "decode_bytes",
-        bits.len() as u64,
-        &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(3), A::P(o.ptr)],
-    )?;
+    t.g.kern()
+        .decode_bytes(bits.len() as u64, b16.ptr, bits.len() as u64, 3, o.ptr)?;
     let want: Vec<f32> = bits.iter().map(|&h| bf16::from_bits(h)).collect();
     out.push(exact(
         "decode bf16 (all 65536)",
@@ -266,11 +260,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         &want,
     ));
     let o = t.out(bits.len() * 4)?;
-    t.g.launch(
-        "decode_bytes",
-        bits.len() as u64,
-        &[A::P(b16.ptr), A::U(bits.len() as u64), A::I(4), A::P(o.ptr)],
-    )?;
+    t.g.kern()
+        .decode_bytes(bits.len() as u64, b16.ptr, bits.len() as u64, 4, o.ptr)?;
     let want: Vec<f32> = bits
         .iter()
         .map(|&h| half::f16::from_bits(h).to_f32())
@@ -290,11 +281,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         (1, "encode e2m1 (kernel sign rule)"),
     ] {
         let o = t.out(n)?;
-        t.g.launch(
-            "encode_floats",
-            n as u64,
-            &[A::P(xb.ptr), A::U(n as u64), A::I(fmt), A::P(o.ptr)],
-        )?;
+        t.g.kern()
+            .encode_floats(n as u64, xb.ptr, n as u64, fmt, o.ptr)?;
         let want: Vec<u8> = xs
             .iter()
             .map(|&x| {
@@ -308,11 +296,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         out.push(exact_u(name, &t.get_u8(&o, n)?, &want));
     }
     let o = t.out(n * 2)?;
-    t.g.launch(
-        "encode_floats",
-        n as u64,
-        &[A::P(xb.ptr), A::U(n as u64), A::I(2), A::P(o.ptr)],
-    )?;
+    t.g.kern()
+        .encode_floats(n as u64, xb.ptr, n as u64, 2, o.ptr)?;
     let want: Vec<u16> = xs.iter().map(|&x| bf16::to_bits(x)).collect();
     out.push(exact_u("encode bf16 RNE", &t.get_u16(&o, n)?, &want));
 
@@ -324,11 +309,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     let n = rx.len();
     let rb = t.up(&rx)?;
     let o = t.out(n * 4)?;
-    t.g.launch(
-        "rcp_approx_map",
-        n as u64,
-        &[A::P(rb.ptr), A::U(n as u64), A::P(o.ptr)],
-    )?;
+    t.g.kern()
+        .rcp_approx_map(n as u64, rb.ptr, n as u64, o.ptr)?;
     let want: Vec<f32> = rx.iter().map(|&x| nvfp4::rcp_approx(x)).collect();
     let mut c = exact(
         "rcp.approx.ftz vs CPU emulation (random + all mantissas of 5 binades)",
@@ -442,11 +424,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     let mb = t.up(&mxs)?;
     let o = t.out(rows * mcols * 4)?;
     let nb32 = (rows * mcols / 32) as u64;
-    t.g.launch(
-        "dequant_mxfp4",
-        nb32,
-        &[A::P(pb.ptr), A::P(mb.ptr), A::U(nb32), A::I(0), A::P(o.ptr)],
-    )?;
+    t.g.kern()
+        .dequant_mxfp4(nb32, pb.ptr, mb.ptr, nb32, 0, o.ptr)?;
     out.push(exact(
         "dequant mxfp4 -> f32",
         &t.get_f32(&o, rows * mcols)?,
@@ -465,26 +444,75 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         .collect();
     let (wb, scb) = (t.up(&w8)?, t.up(&sc)?);
     let o = t.out(fr * fc * 4)?;
-    t.g.launch(
-        "dequant_fp8_block",
+    t.g.kern().dequant_fp8_block(
         (fr * fc) as u64,
-        &[
-            A::P(wb.ptr),
-            A::P(scb.ptr),
-            A::U(fr as u64),
-            A::U(fc as u64),
-            A::U(128),
-            A::U(128),
-            A::I(0),
-            A::I(0),
-            A::P(o.ptr),
-        ],
+        wb.ptr,
+        scb.ptr,
+        fr as u64,
+        fc as u64,
+        128,
+        128,
+        0,
+        0,
+        o.ptr,
     )?;
     out.push(exact(
         "dequant fp8 block 128x128 -> f32",
         &t.get_f32(&o, fr * fc)?,
         &fp8_block::dequantize(&w8, &sc, fr, fc, 128, 128),
     ));
+
+    // ---- the generic decode of the format table (`dequant_blocked`) ----
+    // Every format of the table with byte codes and byte scales in row blocks and no tensor
+    // scale (MXFP8, MXFP4) against the host reference `formats::decode_blocked`, random bytes
+    // (NaN codes and scales included), f32 output.
+    for spec in crate::checkpoint::formats::TABLE {
+        use crate::checkpoint::formats::{Block, Elem, Global, ScaleCode};
+        let Some(d) = spec.decode else { continue };
+        let Block::Row(bn) = d.block else { continue };
+        if d.global != Global::None || d.scale == ScaleCode::F32 {
+            continue;
+        }
+        let (rows, cols) = (37 * s, 4 * bn);
+        let per = d.elem.per_byte();
+        let codes = bytes(&mut rng, rows * cols / per);
+        let scales: Vec<u8> = (0..rows * cols / bn)
+            .map(|i| {
+                if i % 97 == 5 {
+                    0xFF
+                } else {
+                    (100 + rng.below(50)) as u8
+                }
+            })
+            .collect();
+        let (cb, sb) = (t.up(&codes)?, t.up(&scales)?);
+        let o = t.out(rows * cols * 4)?;
+        let (elem, scode) = (
+            (d.elem == Elem::E2m1Packed) as i32,
+            (d.scale == ScaleCode::Ue8m0) as i32,
+        );
+        let nk = (rows * cols) as u64;
+        t.g.kern().dequant_blocked(
+            nk,
+            cb.ptr,
+            elem,
+            sb.ptr,
+            scode,
+            rows as u64,
+            cols as u64,
+            1,
+            bn as u64,
+            0,
+            1.0,
+            0,
+            o.ptr,
+        )?;
+        out.push(exact(
+            &format!("dequant_blocked {} -> f32", spec.label),
+            &t.get_f32(&o, rows * cols)?,
+            &crate::checkpoint::formats::decode_blocked(&d, &codes, &scales, rows, cols),
+        ));
+    }
 
     // ---- NVFP4 activation quantization (serving kernel op order) ----
     // Both kernel variants (v1, and v2 with " v2" in the check name) against the CPU reference,
@@ -624,16 +652,13 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         (1, "act quant fp8 1x128 (non-pow2 fault)"),
     ] {
         let o = t.out(m * k * 4)?;
-        t.g.launch(
-            "act_quant_fp8",
+        t.g.kern().act_quant_fp8(
             (m * k.div_ceil(128)) as u64,
-            &[
-                A::P(xb.ptr),
-                A::U(m as u64),
-                A::U(k as u64),
-                A::I(np),
-                A::P(o.ptr),
-            ],
+            xb.ptr,
+            m as u64,
+            k as u64,
+            np,
+            o.ptr,
         )?;
         let want = if np == 0 {
             fp8_block::fake_quant_act_1x128(&x, m, k, fp8_block::ActScale::DeepSeekPow2)
@@ -646,11 +671,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     // ---- BF16 rounding and the GEMM epilogue ----
     let n = xs.len();
     let xb = t.up(&xs)?;
-    t.g.launch(
-        "scale_round",
-        n as u64,
-        &[A::P(xb.ptr), A::U(n as u64), A::F(0.731), A::I(1)],
-    )?;
+    t.g.kern()
+        .scale_round(n as u64, xb.ptr, n as u64, 0.731, 1)?;
     let want: Vec<f32> = xs.iter().map(|&v| bf16::round(v * 0.731)).collect();
     out.push(exact(
         "epilogue bf16(y * alpha)",
@@ -799,18 +821,15 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     }
     let (yb, rb, wb) = (t.up(&y)?, t.up(&srow)?, t.up(&sw)?);
     let o = t.out(tt * d * 4)?;
-    t.g.launch(
-        "moe_combine",
+    t.g.kern().moe_combine(
         (tt * d) as u64,
-        &[
-            A::P(yb.ptr),
-            A::P(rb.ptr),
-            A::P(wb.ptr),
-            A::U(tt as u64),
-            A::U(k_slots as u64),
-            A::U(d as u64),
-            A::P(o.ptr),
-        ],
+        yb.ptr,
+        rb.ptr,
+        wb.ptr,
+        tt as u64,
+        k_slots as u64,
+        d as u64,
+        o.ptr,
     )?;
     let mut want = vec![0f32; tt * d];
     for ti in 0..tt {
@@ -841,11 +860,7 @@ fn rcp_sweep(g: &mut Gpu, exps: std::ops::RangeInclusive<i32>) -> Result<(u64, V
     let cap = 8u32;
     let first = g.alloc(cap as usize * 4)?;
     for e in exps {
-        g.launch(
-            "rcp_sweep",
-            1 << 23,
-            &[A::I(e), A::P(cnt.ptr), A::P(first.ptr), A::U32(cap)],
-        )?;
+        g.kern().rcp_sweep(1 << 23, e, cnt.ptr, first.ptr, cap)?;
     }
     let c: Vec<u64> = g.download(cnt.ptr, 1)?;
     let f: Vec<u32> = g.download(first.ptr, cap as usize)?;
@@ -1102,6 +1117,6 @@ pub fn bench(g: &mut Gpu, gib: f64) -> Result<Vec<BenchLine>> {
 pub fn rcp_table(g: &mut Gpu) -> Result<Vec<i8>> {
     let o = g.alloc(1 << 23)?;
     g.memset(o.ptr, 0x7F, 1 << 23)?;
-    g.launch("rcp_table", 1 << 23, &[A::P(o.ptr)])?;
+    g.kern().rcp_table(1 << 23, o.ptr)?;
     g.download(o.ptr, 1 << 23)
 }

@@ -126,12 +126,22 @@ pub fn hitting<'a>(faults: &'a [Fault], base: &str) -> Vec<&'a Fault> {
 
 /// Whether the served path can emulate `kind` as a loader fault on a weight of `scheme`
 /// (a scheme label of `Checkpoint::weight_scheme`).
+/// Decided by the format's served recipe (the format table): every NVFP4 loader fault but the
+/// FP8 activation's; on the FP8-activation formats the non-power-of-two activation scale, and
+/// the double-applied scale where the scales are FP8 block's f32 multipliers.
 pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
-    match scheme {
-        s if s.starts_with("nvfp4") => kind != FaultKind::NonPow2Ue8m0,
-        "fp8-block" => matches!(kind, FaultKind::DoubleScale | FaultKind::NonPow2Ue8m0),
-        "mxfp4" => kind == FaultKind::NonPow2Ue8m0,
-        _ => false,
+    use crate::checkpoint::formats::Served;
+    use crate::checkpoint::Scheme;
+    let Some(s) = Scheme::from_label(scheme) else {
+        return false;
+    };
+    match s.spec().served {
+        Served::Nvfp4 => kind != FaultKind::NonPow2Ue8m0,
+        Served::Fp8Act => {
+            kind == FaultKind::NonPow2Ue8m0
+                || (kind == FaultKind::DoubleScale && s == Scheme::Fp8Block)
+        }
+        Served::Dense => false,
     }
 }
 

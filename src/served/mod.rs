@@ -365,8 +365,9 @@ pub fn prepare(
     overrides: &[Override],
 ) -> Result<ServedWeight> {
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
-    Ok(match &qw.format {
-        WeightFormat::Dense { .. } => ServedWeight::Dense {
+    use crate::checkpoint::formats::Served;
+    Ok(match (&qw.format, qw.format.scheme().spec().served) {
+        (_, Served::Dense) => ServedWeight::Dense {
             w: Arc::new(
                 dequant_f32
                     .iter()
@@ -374,7 +375,7 @@ pub fn prepare(
                     .collect(),
             ),
         },
-        WeightFormat::Fp8Block { .. } | WeightFormat::Mxfp4 { .. } => {
+        (_, Served::Fp8Act) => {
             let mut w = dequant_f32.to_vec();
             if has(FaultKind::DoubleScale) {
                 if let WeightFormat::Fp8Block { scales, block, .. } = &qw.format {
@@ -392,13 +393,16 @@ pub fn prepare(
                 non_pow2_act: has(FaultKind::NonPow2Ue8m0),
             }
         }
-        WeightFormat::Nvfp4 {
-            packed,
-            scales,
-            convention,
-            weight_global,
-            input_global,
-        } => {
+        (
+            WeightFormat::Nvfp4 {
+                packed,
+                scales,
+                convention,
+                weight_global,
+                input_global,
+            },
+            _,
+        ) => {
             let mut p = resolve_nvfp4(
                 ckpt,
                 qw,
@@ -423,6 +427,12 @@ pub fn prepare(
                 wq: Arc::new(wq),
                 p,
             }
+        }
+        (_, Served::Nvfp4) => {
+            return Err(crate::Error::usage(format!(
+                "internal: {} is served as NVFP4 but not stored as NVFP4",
+                qw.canonical
+            )))
         }
     })
 }

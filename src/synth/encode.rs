@@ -301,6 +301,36 @@ fn encode_one(
                 t(leaf, sdt, grid, sb),
             ]
         }
+        WScheme::Table(s) => {
+            let spec = s.spec();
+            let (Some(y), Some(d)) = (&spec.synth, spec.decode) else {
+                return Err(Error::usage(format!(
+                    "synth: format {} has no encoder",
+                    spec.label
+                )));
+            };
+            let mut v: Vec<RawT> = (y.encode)(m.w, o, i)
+                .into_iter()
+                .map(|st| t(st.leaf, st.dtype, st.shape, st.bytes))
+                .collect();
+            // the block-scale faults every table format has, planted into its scale tensor
+            let is_scale = |r: &RawT| {
+                spec.tensors
+                    .scale_leaves
+                    .iter()
+                    .any(|l| r.name.ends_with(&format!(".{l}")))
+            };
+            if let Some(sc) = v.iter_mut().find(|r| is_scale(r)) {
+                if has(kinds, NanBlockScale) && !sc.bytes.is_empty() {
+                    sc.bytes[0] = d.scale.nan_byte();
+                }
+                if has(kinds, ShiftedScaleRows) {
+                    let rb = sc.shape.get(1).copied().unwrap_or(0);
+                    shift_rows(&mut sc.bytes, o, rb);
+                }
+            }
+            v
+        }
         WScheme::Mxfp4 => {
             // DeepSeek's FP4 quantisation rounds the block scale up (never clips): 2^ceil(log2(amax/6)).
             let (mut packed, mut scales) = mxfp4::quantize(m.w, o, i, Mxfp4Rule::Ceil);

@@ -26,7 +26,7 @@ use crate::{Error, Result, Tensor};
 
 use encode::{bf16_bytes, encode_group, f32_bytes, i64_bytes, LinIn, RawT};
 use plan::{Block, Dims, Group, PDtype, ParamSpec};
-pub use plan::{Format, Preset};
+pub use plan::{Choice, Format, Preset};
 
 /// Calibration tokens of the tiny forward.
 pub const CALIB_TOKENS: usize = 64;
@@ -36,7 +36,8 @@ pub const STANDIN_ROWS: usize = 8;
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthOptions {
     pub preset: Preset,
-    pub format: Format,
+    /// A built-in format or one of the format table's (`Format` converts).
+    pub format: Choice,
     /// `Official` or `Hf` (the hybrid naming is read, never written).
     pub naming: Naming,
     pub seed: u64,
@@ -45,10 +46,15 @@ pub struct SynthOptions {
 }
 
 impl SynthOptions {
-    pub fn new(preset: Preset, format: Format, naming: Naming, seed: u64) -> SynthOptions {
+    pub fn new(
+        preset: Preset,
+        format: impl Into<Choice>,
+        naming: Naming,
+        seed: u64,
+    ) -> SynthOptions {
         SynthOptions {
             preset,
-            format,
+            format: format.into(),
             naming,
             seed,
             layers: None,
@@ -363,7 +369,8 @@ impl<'a> Ctx<'a> {
         let mut encoded = encoded.into_iter();
         let mut ptensors = ptensors.into_iter();
         let (mut n, mut bytes) = (0usize, 0u64);
-        let fuse = self.opts.format == Format::Bf16 && self.opts.naming == Naming::Hf;
+        let fuse =
+            self.opts.format == Choice::Builtin(Format::Bf16) && self.opts.naming == Naming::Hf;
         for b in &self.blocks {
             for _ in &b.params {
                 let t = ptensors.next().ok_or_else(|| Error::usage("synth: plan"))?;

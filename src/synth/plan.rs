@@ -5,6 +5,7 @@
 
 use serde_json::{json, Value};
 
+use crate::checkpoint::formats::{self, Scheme};
 use crate::checkpoint::Naming;
 use crate::{Error, Result};
 
@@ -21,6 +22,63 @@ pub enum Format {
     ModelOptNvfp4,
     OfficialMixed,
     Mxfp4,
+}
+
+/// What `synth --format` writes: a built-in [`Format`] (a mixture of schemes by role) or a
+/// format of the format table with a synth encoder (`formats::Synth`), in which the linears the
+/// NVFP4 exports quantize are stored, the rest BF16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    Builtin(Format),
+    Table(Scheme),
+}
+
+impl From<Format> for Choice {
+    fn from(f: Format) -> Choice {
+        Choice::Builtin(f)
+    }
+}
+
+impl Choice {
+    /// Every format `synth --format` knows: [`Format::ALL`], then the format table's.
+    pub fn known() -> Vec<Choice> {
+        let mut v: Vec<Choice> = Format::ALL.iter().map(|&f| Choice::Builtin(f)).collect();
+        v.extend(
+            formats::TABLE
+                .iter()
+                .filter(|s| s.synth.is_some())
+                .map(|s| Choice::Table(s.scheme)),
+        );
+        v
+    }
+    pub fn parse(s: &str) -> Result<Choice> {
+        let known = Choice::known();
+        known
+            .iter()
+            .copied()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = known.iter().map(|f| f.name()).collect();
+                Error::usage(format!(
+                    "unknown format `{s}` (known: {})",
+                    names.join(", ")
+                ))
+            })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Choice::Builtin(f) => f.name(),
+            Choice::Table(s) => s
+                .spec()
+                .synth
+                .as_ref()
+                .map_or(s.spec().label, |y| y.format_name),
+        }
+    }
+    /// Whether any linear carries a static activation scale (needs calibration).
+    pub fn has_act_scales(self) -> bool {
+        matches!(self, Choice::Builtin(f) if f.has_act_scales())
+    }
 }
 
 impl Preset {
@@ -90,6 +148,8 @@ pub enum WScheme {
     /// Block FP8 128×128 with power-of-two (UE8M0) scales.
     Fp8,
     Mxfp4,
+    /// A format of the format table, encoded by its spec's encoder.
+    Table(Scheme),
 }
 
 impl WScheme {
@@ -100,6 +160,7 @@ impl WScheme {
             WScheme::Nvfp4ModelOpt => "nvfp4-modelopt",
             WScheme::Fp8 => "fp8-block",
             WScheme::Mxfp4 => "mxfp4",
+            WScheme::Table(s) => s.spec().label,
         }
     }
     pub fn is_nvfp4(self) -> bool {
@@ -152,8 +213,19 @@ pub fn role(base: &str) -> Role {
 /// The scheme of a linear in a format (docs/DSV4-LAYER.md §2.1 for the official/NVIDIA releases;
 /// the NVFP4 exports quantise attention q_a/kv/q_b/wo_b and all experts, leaving wo_a, router,
 /// compressor and indexer BF16 like FORK's README describes).
-pub fn scheme(format: Format, base: &str) -> WScheme {
+pub fn scheme(format: impl Into<Choice>, base: &str) -> WScheme {
     let r = role(base);
+    let format = match format.into() {
+        Choice::Builtin(f) => f,
+        Choice::Table(s) => {
+            return match r {
+                Role::QA | Role::Kv | Role::QB | Role::WoB | Role::Shared(_) | Role::Expert(_) => {
+                    WScheme::Table(s)
+                }
+                _ => WScheme::Bf16,
+            }
+        }
+    };
     match format {
         Format::Bf16 => WScheme::Bf16,
         Format::CtNvfp4 | Format::ModelOptNvfp4 => {
@@ -795,7 +867,7 @@ fn model_config(d: &Dims, naming: Naming) -> serde_json::Map<String, Value> {
 }
 
 /// Modules left unquantised by the NVFP4 part of a format, as raw module names.
-fn excluded(format: Format, blocks: &[Block], naming: Naming, want: WScheme) -> Vec<String> {
+fn excluded(format: Choice, blocks: &[Block], naming: Naming, want: WScheme) -> Vec<String> {
     all_linears(blocks)
         .iter()
         .filter(|l| scheme(format, &l.base) != want)
@@ -806,12 +878,26 @@ fn excluded(format: Format, blocks: &[Block], naming: Naming, want: WScheme) -> 
 /// `config.json` and (ModelOpt formats) `hf_quant_config.json` contents.
 pub fn config_files(
     d: &Dims,
-    format: Format,
+    format: impl Into<Choice>,
     naming: Naming,
     blocks: &[Block],
 ) -> (String, Option<String>) {
     let mut m = model_config(d, naming);
     let mut hq = None;
+    let pretty = |v: &Value| serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".into());
+    let choice = format.into();
+    let format = match choice {
+        Choice::Builtin(f) => f,
+        Choice::Table(s) => {
+            if let Some(y) = &s.spec().synth {
+                let ex = excluded(choice, blocks, naming, WScheme::Table(s));
+                let (qc, h) = (y.config)(&ex);
+                m.insert("quantization_config".into(), qc);
+                hq = h;
+            }
+            return (pretty(&Value::Object(m)), hq.as_ref().map(pretty));
+        }
+    };
     let fp8_qc = json!({
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -844,7 +930,7 @@ pub fn config_files(
                         "input_activations": args(json!("local")),
                         "output_activations": null,
                     }},
-                    "ignore": excluded(format, blocks, naming, WScheme::Nvfp4Ct),
+                    "ignore": excluded(choice, blocks, naming, WScheme::Nvfp4Ct),
                     "kv_cache_scheme": null,
                     "global_compression_ratio": null,
                     "sparsity_config": {},
@@ -853,7 +939,7 @@ pub fn config_files(
             );
         }
         Format::ModelOptNvfp4 => {
-            let ex = excluded(format, blocks, naming, WScheme::Nvfp4ModelOpt);
+            let ex = excluded(choice, blocks, naming, WScheme::Nvfp4ModelOpt);
             m.insert(
                 "quantization_config".into(),
                 json!({
@@ -918,7 +1004,6 @@ pub fn config_files(
             m.insert("expert_dtype".into(), json!("fp4"));
         }
     }
-    let pretty = |v: &Value| serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".into());
     (pretty(&Value::Object(m)), hq.as_ref().map(pretty))
 }
 

@@ -492,18 +492,15 @@ impl Gpu {
         let (t, d, k_slots) = (job.t, job.d, job.k_slots);
         let srb = self.upload(&job.slot_row)?;
         let swb = self.upload(&job.slot_w)?;
-        self.launch(
-            "moe_combine",
+        self.kern().moe_combine(
             (t * d) as u64,
-            &[
-                A::P(job.ys.ptr),
-                A::P(srb.ptr),
-                A::P(swb.ptr),
-                A::U(t as u64),
-                A::U(k_slots as u64),
-                A::U(d as u64),
-                A::P(job.out.buf.ptr),
-            ],
+            job.ys.ptr,
+            srb.ptr,
+            swb.ptr,
+            t as u64,
+            k_slots as u64,
+            d as u64,
+            job.out.buf.ptr,
         )?;
         let y = job.output();
         let touched = job.touched();

@@ -15,17 +15,14 @@ impl Gpu {
         ld: usize,
         dst: u64,
     ) -> Result<()> {
-        self.launch(
-            "to_f64",
+        self.kern().to_f64(
             (rows * cols) as u64,
-            &[
-                A::P(src),
-                A::I(bf),
-                A::U(rows as u64),
-                A::U(cols as u64),
-                A::U(ld as u64),
-                A::P(dst),
-            ],
+            src,
+            bf,
+            rows as u64,
+            cols as u64,
+            ld as u64,
+            dst,
         )
     }
 
@@ -56,21 +53,18 @@ impl Gpu {
         let bf = (ty == Ty::Bf16) as i32;
         if m <= 8 {
             // one warp per four output columns
-            return self.launch(
-                "gemm_small_f64",
+            return self.kern().gemm_small_f64(
                 // one block of 8 warps (the grid's 256 threads) per four output columns
                 (n.div_ceil(4) * 256) as u64,
-                &[
-                    A::P(x),
-                    A::P(w),
-                    A::I(bf),
-                    A::U(m as u64),
-                    A::U(n as u64),
-                    A::U(k as u64),
-                    A::U(ldx as u64),
-                    A::P(y),
-                    A::U(ldy as u64),
-                ],
+                x,
+                w,
+                bf,
+                m as u64,
+                n as u64,
+                k as u64,
+                ldx as u64,
+                y,
+                ldy as u64,
             );
         }
         let xd = self.scratch("gx64", m * k.max(1) * 8)?;
@@ -107,17 +101,8 @@ impl Gpu {
                 .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))
             })?;
         }
-        self.launch(
-            "from_f64",
-            (m * n) as u64,
-            &[
-                A::P(yd),
-                A::U(m as u64),
-                A::U(n as u64),
-                A::U(ldy as u64),
-                A::P(y),
-            ],
-        )
+        self.kern()
+            .from_f64((m * n) as u64, yd, m as u64, n as u64, ldy as u64, y)
     }
 
     /// [`Gpu::gemm`] over `groups` blocks: x block g (m rows from row g·m) times weight rows

@@ -1,50 +1,9 @@
-//! The kernels of `kernels/*.cu` on the compute stream: the table of kernels the module loads,
-//! launch configuration, launches by name (timed when the kernel timer is on), and the launches
-//! that take argument structures (NVFP4 decode, activation quantization, the grouped experts GEMM,
+//! The kernels of `kernels/*.cu` on the compute stream: launch configuration, the launch by
+//! name the typed launchers of `launch.rs` call (timed when the kernel timer is on), and the
+//! launches that take argument structures (NVFP4 decode, activation quantization, the grouped experts GEMM,
 //! row gathers, SwiGLU).
 
 use super::*;
-
-pub(super) const KERNELS: &[&str] = &[
-    "decode_bytes",
-    "encode_floats",
-    "round_bf16",
-    "count_inexact_bf16",
-    "scale_round",
-    "rcp_approx_map",
-    "rcp_sweep",
-    "rcp_table",
-    "dequant_nvfp4",
-    "dequant_nvfp4_v2",
-    "dequant_mxfp4",
-    "dequant_fp8_block",
-    "convert_dense",
-    "act_quant_nvfp4",
-    "act_quant_nvfp4_v2",
-    "act_quant_nvfp4_v3",
-    "act_quant_nvfp4_seg",
-    "act_quant_fp8",
-    "fused_stats",
-    "stats_pick",
-    "gather_rows",
-    "swiglu_clamp",
-    "moe_combine",
-    "to_f64",
-    "from_f64",
-    "gemm_small_f64",
-    "moe_gemm_f64",
-    "row_rms",
-    "rms_apply",
-    "rope_rows",
-    "hc_coeffs",
-    "hc_wsum",
-    "hc_post",
-    "attn_core",
-    "compress_pool",
-    "indexer_scores",
-    "route_topk",
-    "add_f32",
-];
 
 /// Pieces (one 16-byte store each) per lane and step of `dequant_nvfp4_v2` (`DQ2_U` in
 /// kernels/formats.cu).
@@ -202,17 +161,8 @@ impl Gpu {
 
     /// out[r] = x[rows[r]] for `nrows` rows of width `d` (`rows`: device i32 row indices).
     pub fn gather_rows(&self, x: u64, rows: u64, nrows: usize, d: usize, out: u64) -> Result<()> {
-        self.launch(
-            "gather_rows",
-            (nrows * d) as u64,
-            &[
-                A::P(x),
-                A::P(rows),
-                A::U(nrows as u64),
-                A::U(d as u64),
-                A::P(out),
-            ],
-        )
+        self.kern()
+            .gather_rows((nrows * d) as u64, x, rows, nrows as u64, d as u64, out)
     }
 
     /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu); the v2 kernel
@@ -225,30 +175,32 @@ impl Gpu {
         d: Nvfp4Decode,
         out: u64,
     ) -> Result<()> {
-        let (name, n) = if self.v2 {
+        let k = self.kern();
+        let (post, post_mul) = (d.post.unwrap_or(1.0), d.post.is_some() as i32);
+        let (swap, ok) = (d.swap as i32, d.out_bf16 as i32);
+        if self.v2 {
             // one work item per lane-step of DQ2_U pieces: 16-byte stores of 8 BF16 (2 per
             // block) or 4 f32 (4 per block)
             let pieces = nblocks * if d.out_bf16 { 2 } else { 4 };
-            ("dequant_nvfp4_v2", pieces.div_ceil(DQ2_U))
+            let n = pieces.div_ceil(DQ2_U);
+            k.dequant_nvfp4_v2(
+                n, packed, scales, nblocks, d.global, d.conv, post, post_mul, swap, ok, out,
+            )
         } else {
-            ("dequant_nvfp4", nblocks * 4)
-        };
-        self.launch(
-            name,
-            n,
-            &[
-                A::P(packed),
-                A::P(scales),
-                A::U(nblocks),
-                A::F(d.global),
-                A::I(d.conv),
-                A::F(d.post.unwrap_or(1.0)),
-                A::I(d.post.is_some() as i32),
-                A::I(d.swap as i32),
-                A::I(d.out_bf16 as i32),
-                A::P(out),
-            ],
-        )
+            k.dequant_nvfp4(
+                nblocks * 4,
+                packed,
+                scales,
+                nblocks,
+                d.global,
+                d.conv,
+                post,
+                post_mul,
+                swap,
+                ok,
+                out,
+            )
+        }
     }
 
     /// `act_quant_nvfp4` of `nblocks` 16-element blocks at `x` with encode scale `g`.
@@ -266,21 +218,20 @@ impl Gpu {
         } else {
             ("act_quant_nvfp4", nblocks * 4)
         };
-        self.launch(
-            name,
-            n,
-            &[
-                A::P(x),
-                A::U(nblocks),
-                A::F(g),
-                A::P(o.packed),
-                A::P(o.scales),
-                A::P(o.xq16),
-                A::P(o.xhat),
-                A::I(o.xhat_bf16 as i32),
-                A::P(o.health),
-            ],
-        )
+        let k = self.kern();
+        let (p, sc, q, xh, xb, h) = (
+            o.packed,
+            o.scales,
+            o.xq16,
+            o.xhat,
+            o.xhat_bf16 as i32,
+            o.health,
+        );
+        match name {
+            "act_quant_nvfp4_v2" => k.act_quant_nvfp4_v2(n, x, nblocks, g, p, sc, q, xh, xb, h),
+            "act_quant_nvfp4_v3" => k.act_quant_nvfp4_v3(n, x, nblocks, g, p, sc, q, xh, xb, h),
+            _ => k.act_quant_nvfp4(n, x, nblocks, g, p, sc, q, xh, xb, h),
+        }
     }
 
     /// `act_quant_nvfp4_v3`'s work over many segments in one launch: segment i quantizes its
@@ -303,18 +254,15 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch_cfg(
-            "act_quant_nvfp4_seg",
+        self.kern().act_quant_nvfp4_seg(
             cfg,
-            &[
-                A::P(x),
-                A::P(sb.ptr),
-                A::P(o.packed),
-                A::P(o.scales),
-                A::P(o.xq16),
-                A::P(o.xhat),
-                A::I(o.xhat_bf16 as i32),
-            ],
+            x,
+            sb.ptr,
+            o.packed,
+            o.scales,
+            o.xq16,
+            o.xhat,
+            o.xhat_bf16 as i32,
         )
     }
 
@@ -354,19 +302,8 @@ impl Gpu {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch_cfg(
-            "moe_gemm_f64",
-            cfg,
-            &[
-                A::P(x),
-                A::I(xbf as i32),
-                A::U(ldx as u64),
-                A::P(tb.ptr),
-                A::U(n as u64),
-                A::U(k as u64),
-                A::P(y),
-                A::U(ldy as u64),
-            ],
+        self.kern().moe_gemm_f64(
+            cfg, x, xbf as i32, ldx as u64, tb.ptr, n as u64, k as u64, y, ldy as u64,
         )
     }
 
@@ -380,17 +317,7 @@ impl Gpu {
         round: bool,
         act: u64,
     ) -> Result<()> {
-        self.launch(
-            "swiglu_clamp",
-            n as u64,
-            &[
-                A::P(gt),
-                A::P(up),
-                A::U(n as u64),
-                A::F(limit),
-                A::I(round as i32),
-                A::P(act),
-            ],
-        )
+        self.kern()
+            .swiglu_clamp(n as u64, gt, up, n as u64, limit, round as i32, act)
     }
 }

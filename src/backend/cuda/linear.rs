@@ -18,7 +18,7 @@ impl Gpu {
     /// f32 → BF16 bits into a scratch buffer.
     pub(super) fn bf16_copy(&mut self, name: &'static str, x: u64, n: usize) -> Result<u64> {
         let p = self.scratch(name, n * 2)?;
-        self.launch("round_bf16", n as u64, &[A::P(x), A::U(n as u64), A::P(p)])?;
+        self.kern().round_bf16(n as u64, x, n as u64, p)?;
         Ok(p)
     }
 
@@ -102,23 +102,12 @@ impl Gpu {
     /// Epilogue y = bf16(y · mul) over an [m, n] block with row stride ldy.
     pub(super) fn epilogue(&self, y: u64, m: usize, n: usize, ldy: usize, mul: f32) -> Result<()> {
         if ldy == n {
-            self.launch(
-                "scale_round",
-                (m * n) as u64,
-                &[A::P(y), A::U((m * n) as u64), A::F(mul), A::I(1)],
-            )
+            self.kern()
+                .scale_round((m * n) as u64, y, (m * n) as u64, mul, 1)
         } else {
             for r in 0..m {
-                self.launch(
-                    "scale_round",
-                    n as u64,
-                    &[
-                        A::P(y + (r * ldy * 4) as u64),
-                        A::U(n as u64),
-                        A::F(mul),
-                        A::I(1),
-                    ],
-                )?;
+                self.kern()
+                    .scale_round(n as u64, y + (r * ldy * 4) as u64, n as u64, mul, 1)?;
             }
             Ok(())
         }
@@ -146,9 +135,9 @@ impl Gpu {
             ServedDev::Native { nv, non_pow2, .. } => (
                 *nv,
                 None,
-                matches!(w.fmt, DevFmt::Fp8 { .. } | DevFmt::Mx { .. }),
+                w.fmt.served() == crate::checkpoint::formats::Served::Fp8Act,
                 *non_pow2,
-                matches!(w.fmt, DevFmt::Dense(_)),
+                w.fmt.served() == crate::checkpoint::formats::Served::Dense,
             ),
             ServedDev::Host {
                 w: hw,
@@ -181,16 +170,13 @@ impl Gpu {
                 }
             };
             let xq = self.scratch("xq32", m * groups * k * 4)?;
-            self.launch(
-                "act_quant_fp8",
+            self.kern().act_quant_fp8(
                 (m * groups * k.div_ceil(128)) as u64,
-                &[
-                    A::P(x),
-                    A::U((m * groups) as u64),
-                    A::U(k as u64),
-                    A::I(non_pow2 as i32),
-                    A::P(xq),
-                ],
+                x,
+                (m * groups) as u64,
+                k as u64,
+                non_pow2 as i32,
+                xq,
             )?;
             self.gemm_g(Ty::F32, xq, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
             self.epilogue(y, m, nr * groups, ldy, 1.0)?;
@@ -209,22 +195,10 @@ impl Gpu {
                     let tmp = self.scratch("w32", nk * 4)?;
                     unsafe { dres::memcpy_dtod_async(tmp, hp, nk * 4, self.stream.cu_stream()) }
                         .map_err(|e| cuda_err("copy", e))?;
-                    self.launch(
-                        "scale_round",
-                        nk as u64,
-                        &[A::P(tmp), A::U(nk as u64), A::F(d), A::I(1)],
-                    )?;
-                    self.launch(
-                        "round_bf16",
-                        nk as u64,
-                        &[A::P(tmp), A::U(nk as u64), A::P(wq16)],
-                    )?;
+                    self.kern().scale_round(nk as u64, tmp, nk as u64, d, 1)?;
+                    self.kern().round_bf16(nk as u64, tmp, nk as u64, wq16)?;
                 } else {
-                    self.launch(
-                        "round_bf16",
-                        nk as u64,
-                        &[A::P(hp), A::U(nk as u64), A::P(wq16)],
-                    )?;
+                    self.kern().round_bf16(nk as u64, hp, nk as u64, wq16)?;
                 }
             }
             None => self.dequant(w, wq16, Ty::Bf16, true, false, post)?,

@@ -44,6 +44,7 @@ mod experts;
 mod gemm;
 pub mod image;
 mod kernels;
+pub mod launch;
 mod linear;
 mod moe;
 mod served_weight;
@@ -62,7 +63,7 @@ pub use moe::ExpertsOut;
 pub use stats::{KernelTimer, PendingMetrics};
 pub use transfer::{Bounce, DevRef, DevTensor};
 
-use kernels::KERNELS;
+use launch::KERNELS;
 use linear::WRows;
 use moe::{aq_segs, MoeAct, GROUPED_MAX_ROWS};
 use served_weight::{served_key, PreparedLayout, ServedDev};

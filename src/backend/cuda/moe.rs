@@ -238,16 +238,13 @@ impl Gpu {
             }
             MoeAct::Fp8 { non_pow2 } => {
                 let xq = self.scratch("xq32", n * 4)?;
-                self.launch(
-                    "act_quant_fp8",
+                self.kern().act_quant_fp8(
                     (total * k.div_ceil(128)) as u64,
-                    &[
-                        A::P(x),
-                        A::U(total as u64),
-                        A::U(k as u64),
-                        A::I(non_pow2 as i32),
-                        A::P(xq),
-                    ],
+                    x,
+                    total as u64,
+                    k as u64,
+                    non_pow2 as i32,
+                    xq,
                 )?;
                 (xq, false)
             }
@@ -267,8 +264,8 @@ impl Gpu {
     ) -> Result<()> {
         if round {
             let m = n as u64;
-            self.launch("round_bf16", m, &[A::P(gt), A::U(m), A::P(0)])?;
-            self.launch("round_bf16", m, &[A::P(up), A::U(m), A::P(0)])?;
+            self.kern().round_bf16(m, gt, m, 0)?;
+            self.kern().round_bf16(m, up, m, 0)?;
         }
         self.swiglu_clamp(gt, up, n, limit, round, act)
     }

@@ -153,23 +153,11 @@ impl Gpu {
         for (k, &(x, r, n)) in items.iter().enumerate() {
             let a = acc.ptr + (k * STAT_WORDS * 8) as u64;
             let r0 = r.unwrap_or(0);
-            self.launch(
-                "fused_stats",
-                n as u64,
-                &[A::P(x), A::P(r0), A::U(n as u64), A::P(a), A::P(a + 40)],
-            )?;
+            self.kern()
+                .fused_stats(n as u64, x, r0, n as u64, a, a + 40)?;
             if r.is_some() {
-                self.launch_cfg(
-                    "stats_pick",
-                    one,
-                    &[
-                        A::P(x),
-                        A::P(r0),
-                        A::U(n as u64),
-                        A::P(a + 40),
-                        A::P(a + 128),
-                    ],
-                )?;
+                self.kern()
+                    .stats_pick(one, x, r0, n as u64, a + 40, a + 128)?;
             }
         }
         Ok(acc)

@@ -171,11 +171,7 @@ impl Gpu {
     pub fn round_data(&self, x: &mut Data) -> Result<()> {
         let n = x.len();
         let b = self.input_copy(x)?;
-        self.launch(
-            "round_bf16",
-            n as u64,
-            &[A::P(b.ptr), A::U(n as u64), A::P(0)],
-        )?;
+        self.kern().round_bf16(n as u64, b.ptr, n as u64, 0)?;
         *x = self.output(b, n, true);
         Ok(())
     }
@@ -193,11 +189,8 @@ impl Gpu {
         let p = self.input(x)?;
         let c = self.scratch("inexact_count", 8)?;
         self.memset(c, 0, 8)?;
-        self.launch(
-            "count_inexact_bf16",
-            n as u64,
-            &[A::P(p.ptr), A::U(n as u64), A::P(c)],
-        )?;
+        self.kern()
+            .count_inexact_bf16(n as u64, p.ptr, n as u64, c)?;
         let v: Vec<u64> = self.download(c, 1)?;
         let exact = v[0] == 0;
         x.set_bf16_exact(exact);

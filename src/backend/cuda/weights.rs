@@ -3,6 +3,8 @@
 //! the per-op weight cache, and their dequantization for each path.
 
 use super::*;
+use crate::checkpoint::formats::{Block, Elem, Global, ScaleCode, Served};
+use crate::checkpoint::Scheme;
 
 /// The weight as stored, resident on the device for the current op.
 pub(super) enum DevFmt {
@@ -23,6 +25,25 @@ pub(super) enum DevFmt {
         conv: Convention,
         global: f32,
     },
+    /// A format read through the format table: its codes and byte block scales as stored,
+    /// decoded by `dequant_blocked` as its `Decode` says.
+    Blocked {
+        codes: Buf,
+        scales: Buf,
+        scheme: Scheme,
+    },
+}
+
+impl DevFmt {
+    /// How the served path computes with the weight (the format table's `served`).
+    pub(super) fn served(&self) -> Served {
+        match self {
+            DevFmt::Dense(_) => Served::Dense,
+            DevFmt::Fp8 { .. } | DevFmt::Mx { .. } => Served::Fp8Act,
+            DevFmt::Nv { .. } => Served::Nvfp4,
+            DevFmt::Blocked { scheme, .. } => scheme.spec().served,
+        }
+    }
 }
 
 pub(super) struct DevWeight {
@@ -87,7 +108,7 @@ impl Gpu {
                 )
             })
         };
-        use crate::checkpoint::{Dtype, Fp8ScaleKind, Scheme};
+        use crate::checkpoint::{Dtype, Fp8ScaleKind};
         let fmt = match m.scheme {
             Scheme::Dense => {
                 let es = match m.weight_dtype {
@@ -112,10 +133,12 @@ impl Gpu {
                     } else {
                         let f = self.alloc(n * k * 4)?;
                         let fmt = if m.weight_dtype == Dtype::BF16 { 3 } else { 4 };
-                        self.launch(
-                            "decode_bytes",
+                        self.kern().decode_bytes(
                             (n * k) as u64,
-                            &[A::P(raw.ptr), A::U((n * k) as u64), A::I(fmt), A::P(f.ptr)],
+                            raw.ptr,
+                            (n * k) as u64,
+                            fmt,
+                            f.ptr,
                         )?;
                         DevFmt::Dense(f)
                     }
@@ -169,6 +192,30 @@ impl Gpu {
                     None => DevFmt::Mx { packed, scales },
                 }
             }
+            // every format read through the table: codes and block-scale bytes as stored
+            scheme => {
+                let d = scheme
+                    .spec()
+                    .decode
+                    .ok_or_else(|| Error::usage(format!("internal: {base}: no decode")))?;
+                let bn = match d.block {
+                    Block::Row(bn) => bn,
+                    Block::Grid => 0,
+                };
+                let nc = n * k / d.elem.per_byte();
+                let (wp, sp) = (span(&lay.weight)?, span(&scale_name()?)?);
+                if bn == 0 || k % bn != 0 || wp.len() != nc {
+                    return Err(bad("weight", wp.len(), nc));
+                }
+                if sp.len() != n * k / bn {
+                    return Err(bad("block scale", sp.len(), n * k / bn));
+                }
+                DevFmt::Blocked {
+                    codes: self.upload_span(lc.ckpt, &wp)?,
+                    scales: self.upload_span(lc.ckpt, &sp)?,
+                    scheme,
+                }
+            }
         };
         let served = self.served_reading(lc, base, &lay)?;
         self.weights.insert(
@@ -189,7 +236,7 @@ impl Gpu {
     /// on the host), the codes and block scales of an NVFP4/MXFP4 weight. Empty for a name that
     /// is not a weight, or a tensor in memory.
     pub fn staged_spans(ckpt: &Checkpoint, base: &str) -> Vec<(std::path::PathBuf, u64, usize)> {
-        use crate::checkpoint::{Dtype, Scheme, Span};
+        use crate::checkpoint::{Dtype, Span};
         let Ok(l) = ckpt.weight_layout(base) else {
             return Vec::new();
         };
@@ -199,9 +246,8 @@ impl Gpu {
                 _ => Vec::new(),
             },
             Scheme::Fp8Block => vec![&l.weight],
-            Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt => {
-                std::iter::once(&l.weight).chain(l.scale.as_ref()).collect()
-            }
+            // the packed formats and every format of the table: codes and block scales
+            _ => std::iter::once(&l.weight).chain(l.scale.as_ref()).collect(),
         };
         names
             .into_iter()
@@ -420,48 +466,30 @@ impl Gpu {
             ServedDev::Host { .. } => (false, false, None),
         };
         match &w.fmt {
-            DevFmt::Dense(b) => self.launch(
-                "convert_dense",
-                nk,
-                &[
-                    A::P(b.ptr),
-                    A::U(nk),
-                    A::I(round as i32),
-                    A::I(ok),
-                    A::P(out),
-                ],
-            )?,
+            DevFmt::Dense(b) => self
+                .kern()
+                .convert_dense(nk, b.ptr, nk, round as i32, ok, out)?,
             DevFmt::Fp8 {
                 bytes,
                 scales,
                 bm,
                 bn,
-            } => self.launch(
-                "dequant_fp8_block",
+            } => self.kern().dequant_fp8_block(
                 nk,
-                &[
-                    A::P(bytes.ptr),
-                    A::P(scales.ptr),
-                    A::U(w.n as u64),
-                    A::U(w.k as u64),
-                    A::U(*bm as u64),
-                    A::U(*bn as u64),
-                    A::I((served_operand && flags.1) as i32),
-                    A::I(ok),
-                    A::P(out),
-                ],
+                bytes.ptr,
+                scales.ptr,
+                w.n as u64,
+                w.k as u64,
+                *bm as u64,
+                *bn as u64,
+                (served_operand && flags.1) as i32,
+                ok,
+                out,
             )?,
-            DevFmt::Mx { packed, scales } => self.launch(
-                "dequant_mxfp4",
-                nk / 32,
-                &[
-                    A::P(packed.ptr),
-                    A::P(scales.ptr),
-                    A::U(nk / 32),
-                    A::I(ok),
-                    A::P(out),
-                ],
-            )?,
+            DevFmt::Mx { packed, scales } => {
+                self.kern()
+                    .dequant_mxfp4(nk / 32, packed.ptr, scales.ptr, nk / 32, ok, out)?
+            }
             DevFmt::Nv {
                 packed,
                 scales,
@@ -494,10 +522,50 @@ impl Gpu {
                     out,
                 )?
             }
+            DevFmt::Blocked {
+                codes,
+                scales,
+                scheme,
+            } => {
+                let d = scheme
+                    .spec()
+                    .decode
+                    .ok_or_else(|| Error::usage("internal: a table format without a decode"))?;
+                let (bm, bn) = match d.block {
+                    Block::Row(bn) => (1, bn),
+                    Block::Grid => (0, 0),
+                };
+                self.kern().dequant_blocked(
+                    nk,
+                    codes.ptr,
+                    match d.elem {
+                        Elem::E4m3 => 0,
+                        Elem::E2m1Packed => 1,
+                    },
+                    scales.ptr,
+                    match d.scale {
+                        ScaleCode::E4m3 => 0,
+                        ScaleCode::Ue8m0 => 1,
+                        ScaleCode::F32 => 2,
+                    },
+                    w.n as u64,
+                    w.k as u64,
+                    bm,
+                    bn as u64,
+                    match d.global {
+                        Global::None => 0,
+                        Global::Divide => 1,
+                        Global::Multiply => 2,
+                    },
+                    1.0,
+                    ok,
+                    out,
+                )?
+            }
         }
         // BF16 bits are already rounded; f32 output is rounded here when asked
         if round && out_ty == Ty::F32 && !matches!(w.fmt, DevFmt::Dense(_)) {
-            self.launch("round_bf16", nk, &[A::P(out), A::U(nk), A::P(0)])?;
+            self.kern().round_bf16(nk, out, nk, 0)?;
         }
         Ok(())
     }

@@ -1,0 +1,41 @@
+//! MXFP4 (OCP MX): packed E2M1 elements, one UE8M0 scale per 32 elements of a row; `.scale`
+//! with I8 codes (official V4) or `weight_scale` with U8 codes (compressed-tensors). Read by
+//! `quant.rs`; dequantization `numerics::mxfp4`; encoder in `synth::encode`.
+
+use super::*;
+
+pub static SPEC: FormatSpec = FormatSpec {
+    scheme: Scheme::Mxfp4,
+    label: "mxfp4",
+    name: "MXFP4",
+    family: "mxfp4",
+    tolerance_key: Some("mxfp4"),
+    tensors: Tensors {
+        weight_leaf: "weight",
+        weight_dtypes: &[Dtype::U8, Dtype::I8],
+        scale_leaves: &["weight_scale", "scale"],
+        scale_dtypes: &[Dtype::F8_E8M0, Dtype::U8],
+        global_leaf: None,
+        input_leaf: None,
+        generic: false,
+    },
+    decode: Some(Decode {
+        elem: Elem::E2m1Packed,
+        scale: ScaleCode::Ue8m0,
+        block: Block::Row(crate::numerics::mxfp4::BLOCK),
+        global: Global::None,
+    }),
+    served: Served::Fp8Act,
+    lint: Lint {
+        amax: AmaxRule::BlockMax {
+            inverted: false,
+            fix: "Check the exponent bias (127) of the MXFP4 scales (docs/NVFP4.md §6.2).",
+        },
+    },
+    config: ConfigClaims {
+        ct_format: Some("mxfp4"),
+        modelopt_algo: None,
+        in_fp8: InFp8::Fp4Experts,
+    },
+    synth: None,
+};
