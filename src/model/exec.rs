@@ -150,6 +150,9 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             vec![env.device().add(a, b)?]
         }
         OpKind::HcHead => vec![hc_head(op, inputs[0], env, &cfg)?],
+        OpKind::HeadNorm | OpKind::HeadRope | OpKind::GqaAttention | OpKind::Mlp => {
+            vec![super::family::ops::exec(op, inputs, env, &cfg)?]
+        }
     };
     if out.len() != op.outputs.len() {
         return Err(internal(
@@ -297,9 +300,12 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         let scores = kern::route_scores(&logits.data, e, f);
         (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
     } else {
-        let bias = param_n(env, weight(op, 1)?, e)?;
-        env.device()
-            .route(&logits, &bias.data, t, e, k, f, norm, rs)?
+        // a router without a selection bias (Qwen3-MoE) selects on the scores alone
+        let bias = match op.weights.get(1) {
+            Some(name) => param_n(env, name, e)?.data.to_vec(),
+            None => vec![0.0; e],
+        };
+        env.device().route(&logits, &bias, t, e, k, f, norm, rs)?
     };
     Ok(vec![
         Tensor::new(vec![t, k], wts),
@@ -311,7 +317,7 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
 }
 
 /// SwiGLU with the clamp: gt = min(bf(x@w1ᵀ), L), up = clamp(bf(x@w3ᵀ), ±L), a = bf(silu(gt)·up).
-fn swiglu_hidden(
+pub(crate) fn swiglu_hidden(
     env: &mut dyn OpEnv,
     sub: &str,
     x: &Tensor,
