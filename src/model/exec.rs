@@ -260,7 +260,11 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let (e, k) = (cfg.n_routed_experts, cfg.num_experts_per_tok);
     let t = x.rows();
     let gate = weight(op, 0)?;
-    let logits = linear_checked(env, &op.id, x, gate, e)?;
+    let mut logits = linear_checked(env, &op.id, x, gate, e)?;
+    if cfg.family.as_ref().is_some_and(|f| f.router_logits_stored) {
+        // engines and transformers that run the gate in the activation dtype round its logits
+        env.store(&mut logits);
+    }
     let f = kern::Scoring::parse(&cfg.scoring_func).ok_or_else(|| {
         Error::usage(format!(
             "config: unsupported scoring_func `{}`",

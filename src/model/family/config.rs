@@ -50,6 +50,9 @@ pub struct Family {
     pub intermediate_size: usize,
     /// Whether the checkpoint has its own output head (`tie_word_embeddings` false).
     pub separate_head: bool,
+    /// Whether the router's logits are stored activations (the gate runs in the activation
+    /// dtype, so BF16 paths round them before the softmax), or computed in FP32 (DeepSeek-V3).
+    pub router_logits_stored: bool,
 }
 
 /// The family a config names, if it is not V4: `model_type` first, then `architectures`.
@@ -272,6 +275,7 @@ fn qwen3_moe(v: &Value) -> Result<ModelConfig> {
         dense,
         intermediate_size,
         separate_head: !r.bool("tie_word_embeddings", false)?,
+        router_logits_stored: true,
     });
     cfg.validate()?;
     Ok(cfg)
