@@ -199,3 +199,19 @@ fn compare_bf16_clean(family: &str, min_ops: usize) {
 fn qwen3_moe_bf16_trace_compares_clean() {
     compare_bf16_clean("qwen3_moe", 3 * 13 + 3);
 }
+
+#[test]
+fn deepseek_v3_fp32_oracle_matches_transformers() {
+    let checked = check("deepseek_v3");
+    // layer 0 dense (9 mapped ops: norms, q_a, q_norm, q_b, kv_a, kv_norm, kv_b, core, o, mlp,
+    // out), layers 1-2 MoE (14 with the router, experts, shared, ffn.out), embed, norm, head
+    assert!(checked.len() >= 11 + 2 * 14 + 3, "only {} ops compared", checked.len());
+    for want in ["L0.ffn.mlp", "L2.attn.core", "L2.attn.kv_norm", "L2.ffn.shared", "L2.ffn.router", "L2.out", "head"] {
+        assert!(checked.iter().any(|(op, _)| op == want), "{want} not compared");
+    }
+}
+
+#[test]
+fn deepseek_v3_bf16_trace_compares_clean() {
+    compare_bf16_clean("deepseek_v3", 11 + 2 * 15 + 3);
+}

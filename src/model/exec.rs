@@ -150,7 +150,12 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             vec![env.device().add(a, b)?]
         }
         OpKind::HcHead => vec![hc_head(op, inputs[0], env, &cfg)?],
-        OpKind::HeadNorm | OpKind::HeadRope | OpKind::GqaAttention | OpKind::Mlp => {
+        OpKind::HeadNorm
+        | OpKind::HeadRope
+        | OpKind::GqaAttention
+        | OpKind::Mlp
+        | OpKind::LatentNorm
+        | OpKind::MlaAttention => {
             vec![super::family::ops::exec(op, inputs, env, &cfg)?]
         }
     };
@@ -302,6 +307,12 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
             }
         }
         let scores = kern::route_scores(&logits.data, e, f);
+        (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
+    } else if let Some(fam) = cfg.family.as_ref().filter(|f| f.n_group > 1) {
+        // DeepSeek-V3's group-limited top-k
+        let bias = param_n(env, weight(op, 1)?, e)?;
+        let scores = kern::route_scores(&logits.data, e, f);
+        let idx = super::family::ops::select_grouped(&scores, &bias.data, t, e, k, fam);
         (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
     } else {
         // a router without a selection bias (Qwen3-MoE) selects on the scores alone

@@ -35,6 +35,10 @@ use super::ModelConfig;
 /// - `HeadRope`: inputs [x [T, n·Dh]]: RoPE on each head's last rotary dims (the family's style).
 /// - `GqaAttention`: inputs [q, k, v]; weights [] or [sinks]: causal grouped-query attention.
 /// - `Mlp`: inputs [x]; weights [gate, up, down] bases: a dense SwiGLU MLP.
+/// - `LatentNorm`: inputs [x [T, r + more]]; weights [norm weight [r]]: RMSNorm of the leading r
+///   dims (MLA's KV latent) → [T, r].
+/// - `MlaAttention`: inputs [q [T, H·(nope+rope)] roped, kv_b [T, H·(nope+v)], kv_a [T, r+rope]
+///   roped]: causal MLA, the rope key shared by the heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum OpKind {
     Embed,
@@ -58,6 +62,8 @@ pub enum OpKind {
     HeadRope,
     GqaAttention,
     Mlp,
+    LatentNorm,
+    MlaAttention,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

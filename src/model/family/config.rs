@@ -13,6 +13,9 @@ use crate::{Error, Result};
 pub enum Kind {
     /// `Qwen3MoeForCausalLM`: GQA with per-head q/k RMSNorm, softmax top-k router, no shared expert.
     Qwen3Moe,
+    /// `DeepseekV3ForCausalLM` (V3, R1): MLA, leading dense layers, sigmoid router with the
+    /// correction bias and group-limited top-k, a shared expert.
+    DeepseekV3,
 }
 
 impl Kind {
@@ -20,6 +23,7 @@ impl Kind {
     pub fn label(self) -> &'static str {
         match self {
             Kind::Qwen3Moe => "qwen3-moe",
+            Kind::DeepseekV3 => "deepseek-v3",
         }
     }
 }
@@ -50,8 +54,16 @@ pub struct Family {
     pub intermediate_size: usize,
     /// Whether the checkpoint has its own output head (`tie_word_embeddings` false).
     pub separate_head: bool,
+    /// The attention's softmax scale (head_dim^-½, times YaRN's mscale² on DeepSeek-V3).
+    pub attn_scale: f64,
+    /// MLA (DeepSeek-V3): the query LoRA rank (`None`: a plain `q_proj`), the KV latent rank.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    /// Group-limited routing: experts in `n_group` groups, the best `topk_group` groups kept.
+    pub n_group: usize,
+    pub topk_group: usize,
     /// Whether the router's logits are stored activations (the gate runs in the activation
-    /// dtype, so BF16 paths round them before the softmax), or computed in FP32 (DeepSeek-V3).
+    /// dtype, so BF16 paths round them before the scores), or kept in FP32.
     pub router_logits_stored: bool,
 }
 
@@ -65,6 +77,9 @@ pub fn detect(v: &Value) -> Option<Kind> {
     };
     if mt == Some("qwen3_moe") || (mt.is_none() && arch("Qwen3MoeForCausalLM")) {
         return Some(Kind::Qwen3Moe);
+    }
+    if mt == Some("deepseek_v3") || (mt.is_none() && arch("DeepseekV3ForCausalLM")) {
+        return Some(Kind::DeepseekV3);
     }
     None
 }
@@ -169,6 +184,7 @@ fn rope_theta(r: &Reader, default: f64) -> Result<(f64, Option<String>)> {
 pub fn parse(v: &Value, kind: Kind) -> Result<ModelConfig> {
     match kind {
         Kind::Qwen3Moe => qwen3_moe(v),
+        Kind::DeepseekV3 => deepseek_v3(v),
     }
 }
 
@@ -275,6 +291,178 @@ fn qwen3_moe(v: &Value) -> Result<ModelConfig> {
         dense,
         intermediate_size,
         separate_head: !r.bool("tie_word_embeddings", false)?,
+        attn_scale: (head_dim as f64).powf(-0.5),
+        q_lora_rank: None,
+        kv_lora_rank: 0,
+        n_group: 1,
+        topk_group: 1,
+        router_logits_stored: true,
+    });
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+const KV_LORA_RANK: Range = Range {
+    field: "kv_lora_rank",
+    min: 1,
+    max: 1 << 16,
+    why: "the MLA key/value latent; V3 has 512",
+};
+const N_GROUP: Range = Range {
+    field: "n_group",
+    min: 1,
+    max: 4096,
+    why: "expert groups of the group-limited router; V3 has 8",
+};
+
+fn deepseek_v3(v: &Value) -> Result<ModelConfig> {
+    let r = Reader { v };
+    let nope = r.usize(&["qk_nope_head_dim"], None, &limits::HEAD_DIM)?;
+    let rope = r.usize(&["qk_rope_head_dim"], None, &limits::QK_ROPE_HEAD_DIM)?;
+    let head_dim = limits::HEAD_DIM.check((nope + rope) as u64)?;
+    let v_head_dim = r.usize(&["v_head_dim"], None, &limits::HEAD_DIM)?;
+    let q_lora_rank = match r.get("q_lora_rank") {
+        None => None,
+        Some(_) => Some(r.usize(&["q_lora_rank"], None, &limits::Q_LORA_RANK)?),
+    };
+    let kv_lora_rank = r.usize(&["kv_lora_rank"], None, &KV_LORA_RANK)?;
+    let (theta, ty) = rope_theta(&r, 10000.0)?;
+    let params = r.get("rope_parameters").or_else(|| r.get("rope_scaling"));
+    let mut attn_scale = (head_dim as f64).powf(-0.5);
+    let mut rope_factor = 1.0;
+    let yarn = match ty.as_deref() {
+        None | Some("default") => None,
+        Some("yarn") => {
+            let p = params.unwrap_or(&Value::Null);
+            let f = |k: &str, d: f64| -> Result<f64> {
+                match p.get(k).filter(|x| !x.is_null()) {
+                    Some(x) => {
+                        let field = format!("rope_parameters.{k}");
+                        let f = x.as_f64().ok_or_else(|| {
+                            Error::usage(format!("config field `{field}` is not a number: {x}"))
+                        })?;
+                        limits::check_float(&field, f, Sign::Positive)
+                    }
+                    None => Ok(d),
+                }
+            };
+            let y = super::super::config::Yarn {
+                factor: f("factor", 1.0)?,
+                original_max_position_embeddings: f("original_max_position_embeddings", 4096.0)?,
+                beta_fast: f("beta_fast", 32.0)?,
+                beta_slow: f("beta_slow", 1.0)?,
+            };
+            // DeepseekV3Attention: softmax scale × mscale(factor, mscale_all_dim)²
+            let all_dim = match p.get("mscale_all_dim").filter(|x| !x.is_null()) {
+                Some(_) => f("mscale_all_dim", 0.0)?,
+                None => 0.0,
+            };
+            let ms = |m: f64| {
+                if y.factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * y.factor.ln() + 1.0
+                }
+            };
+            if all_dim > 0.0 {
+                attn_scale *= ms(all_dim) * ms(all_dim);
+            }
+            // transformers' YaRN attention factor on cos/sin: mscale(mscale)/mscale(mscale_all_dim)
+            let mscale = match p.get("mscale").filter(|x| !x.is_null()) {
+                Some(_) => f("mscale", 1.0)?,
+                None => 0.0,
+            };
+            rope_factor = if mscale > 0.0 && all_dim > 0.0 {
+                ms(mscale) / ms(all_dim)
+            } else {
+                ms(1.0)
+            };
+            Some(y)
+        }
+        Some(t) => {
+            return Err(Error::usage(format!(
+                "config field `rope_parameters.rope_type` = `{t}`: this tool reads DeepSeek-V3 with the default or YaRN rope"
+            )))
+        }
+    };
+    let mut cfg = shared(&r, head_dim, rope, theta)?;
+    cfg.yarn = yarn;
+    cfg.q_lora_rank = q_lora_rank.unwrap_or(cfg.hidden_size);
+    cfg.n_shared_experts = r.usize(&["n_shared_experts"], Some(1), &limits::N_SHARED_EXPERTS)?;
+    cfg.norm_topk_prob = r.bool("norm_topk_prob", true)?;
+    cfg.routed_scaling_factor = r.float("routed_scaling_factor", 1.0, Sign::Any)?;
+    let scoring = r
+        .get("scoring_func")
+        .and_then(Value::as_str)
+        .unwrap_or("sigmoid");
+    if scoring != "sigmoid" {
+        return Err(Error::usage(format!(
+            "config field `scoring_func` = `{scoring}`: DeepSeek-V3 routes on sigmoid scores"
+        )));
+    }
+    cfg.scoring_func = "sigmoid".into();
+    let n = cfg.num_hidden_layers;
+    let first_dense = r.usize(
+        &["first_k_dense_replace"],
+        Some(0),
+        &Range {
+            field: "first_k_dense_replace",
+            min: 0,
+            max: n as u64,
+            why: "leading dense layers, at most the layers there are; V3 has 3",
+        },
+    )?;
+    let freq = r.usize(&["moe_layer_freq"], Some(1), &DECODER_SPARSE_STEP)?;
+    let dense: Vec<bool> = (0..n).map(|i| i < first_dense || i % freq != 0).collect();
+    let intermediate_size = if dense.iter().any(|&d| d) {
+        r.usize(&["intermediate_size"], None, &INTERMEDIATE_SIZE)?
+    } else {
+        0
+    };
+    let heads = cfg.num_attention_heads;
+    let n_group = r.usize(&["n_group"], Some(1), &N_GROUP)?;
+    let topk_group = r.usize(
+        &["topk_group"],
+        Some(n_group),
+        &Range {
+            field: "topk_group",
+            min: 1,
+            max: n_group as u64,
+            why: "groups kept, at most `n_group`",
+        },
+    )?;
+    if !cfg.n_routed_experts.is_multiple_of(n_group) || cfg.n_routed_experts / n_group < 2 {
+        return Err(Error::usage(format!(
+            "config field `n_group` = {n_group}: `n_routed_experts` {} must split into groups of at least 2",
+            cfg.n_routed_experts
+        )));
+    }
+    if topk_group * (cfg.n_routed_experts / n_group) < cfg.num_experts_per_tok {
+        return Err(Error::usage(format!(
+            "config field `topk_group` = {topk_group}: its groups hold fewer experts than `num_experts_per_tok` {}",
+            cfg.num_experts_per_tok
+        )));
+    }
+    cfg.family = Some(Family {
+        kind: Kind::DeepseekV3,
+        num_key_value_heads: heads,
+        v_head_dim,
+        rope_style: if r.bool("rope_interleave", true)? {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::HalfSplit
+        },
+        rope_attention_factor: rope_factor,
+        dense,
+        intermediate_size,
+        separate_head: !r.bool("tie_word_embeddings", false)?,
+        attn_scale,
+        q_lora_rank,
+        kv_lora_rank,
+        n_group,
+        topk_group,
+        // transformers casts the gate to FP32, but under autocast and in vLLM/SGLang the gate
+        // runs in the activation dtype: the BF16 paths round the logits as served
         router_logits_stored: true,
     });
     cfg.validate()?;

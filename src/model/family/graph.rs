@@ -10,6 +10,12 @@
 //! `attn.q_rope`, `attn.k_rope` → `attn.core` (GQA) → `attn.o` → `attn.res` = X + o →
 //! `ffn.norm` → `ffn.router` (+ `.idx`) → `ffn.experts` (or `ffn.mlp` on a dense layer) →
 //! `out` = res + ffn.
+//!
+//! DeepSeek-V3, layer n: `attn.norm` → `attn.q_a` → `attn.q_norm` → `attn.q_b` (or `attn.q` without
+//! a query LoRA) → `attn.q_rope`; `attn.kv_a` → `attn.kv_norm` (the latent) → `attn.kv_b`, and
+//! `attn.k_rope` (the shared rope key, the latent passed through) → `attn.core` (MLA) → `attn.o` →
+//! `attn.res`; `ffn.norm` → `ffn.mlp` on the leading dense layers, else `ffn.router` (+ `.idx`),
+//! `ffn.experts`, `ffn.shared` → `ffn.out` = experts + shared → `out` = res + ffn.
 
 use super::super::graph::{op, Op, OpClass, OpKind};
 use super::super::ModelConfig;
@@ -70,6 +76,10 @@ fn layer_ops(cfg: &ModelConfig, n: usize, x: &str, ops: &mut Vec<Op>) {
     match f.kind {
         Kind::Qwen3Moe => {
             gqa_attention(n, x, ops);
+            ffn(cfg, n, ops);
+        }
+        Kind::DeepseekV3 => {
+            mla_attention(cfg, n, x, ops);
             ffn(cfg, n, ops);
         }
     }
@@ -153,6 +163,86 @@ fn gqa_attention(n: usize, x: &str, ops: &mut Vec<Op>) {
     ));
 }
 
+/// DeepSeek-V3's MLA side (HF names mapped by `checkpoint::naming`: `q_a_proj` → `wq_a`,
+/// `q_b_proj` → `wq_b`, `kv_a_layernorm` → `kv_norm`).
+fn mla_attention(cfg: &ModelConfig, n: usize, x: &str, ops: &mut Vec<Op>) {
+    let l = Some(n);
+    let lora = cfg.family.as_ref().and_then(|f| f.q_lora_rank).is_some();
+    ops.push(op(
+        id(n, "attn.norm"),
+        OpKind::RmsNorm,
+        OpClass::Norm,
+        l,
+        vec![x.to_string()],
+        vec![w(n, "attn_norm.weight")],
+    ));
+    let q = if lora {
+        linear(n, "attn.q_a", id(n, "attn.norm"), "attn.wq_a", ops);
+        ops.push(op(
+            id(n, "attn.q_norm"),
+            OpKind::RmsNorm,
+            OpClass::Norm,
+            l,
+            vec![id(n, "attn.q_a")],
+            vec![w(n, "attn.q_a_layernorm.weight")],
+        ));
+        linear(n, "attn.q_b", id(n, "attn.q_norm"), "attn.wq_b", ops);
+        id(n, "attn.q_b")
+    } else {
+        linear(n, "attn.q", id(n, "attn.norm"), "attn.q_proj", ops);
+        id(n, "attn.q")
+    };
+    linear(
+        n,
+        "attn.kv_a",
+        id(n, "attn.norm"),
+        "attn.kv_a_proj_with_mqa",
+        ops,
+    );
+    ops.push(op(
+        id(n, "attn.kv_norm"),
+        OpKind::LatentNorm,
+        OpClass::Norm,
+        l,
+        vec![id(n, "attn.kv_a")],
+        vec![w(n, "attn.kv_norm.weight")],
+    ));
+    linear(n, "attn.kv_b", id(n, "attn.kv_norm"), "attn.kv_b_proj", ops);
+    ops.push(op(
+        id(n, "attn.q_rope"),
+        OpKind::HeadRope,
+        OpClass::Rope,
+        l,
+        vec![q],
+        vec![],
+    ));
+    ops.push(op(
+        id(n, "attn.k_rope"),
+        OpKind::HeadRope,
+        OpClass::Rope,
+        l,
+        vec![id(n, "attn.kv_a")],
+        vec![],
+    ));
+    ops.push(op(
+        id(n, "attn.core"),
+        OpKind::MlaAttention,
+        OpClass::Attention,
+        l,
+        vec![id(n, "attn.q_rope"), id(n, "attn.kv_b"), id(n, "attn.k_rope")],
+        vec![],
+    ));
+    linear(n, "attn.o", id(n, "attn.core"), "attn.o_proj", ops);
+    ops.push(op(
+        id(n, "attn.res"),
+        OpKind::Sum,
+        OpClass::Elementwise,
+        l,
+        vec![x.to_string(), id(n, "attn.o")],
+        vec![],
+    ));
+}
+
 /// The FFN side: norm, then the routed experts (router, experts) or a dense MLP, then the
 /// residual sum `out`.
 fn ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
@@ -184,13 +274,18 @@ fn ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
         ));
         id(n, "ffn.mlp")
     } else {
+        let mut rw = vec![w(n, "ffn.gate")];
+        if cfg.family.as_ref().is_some_and(|f| f.kind == Kind::DeepseekV3) {
+            // `e_score_correction_bias`, canonically `ffn.gate.bias`
+            rw.push(w(n, "ffn.gate.bias"));
+        }
         let mut router = op(
             id(n, "ffn.router"),
             OpKind::Router,
             OpClass::Router,
             l,
             vec![id(n, "ffn.norm")],
-            vec![w(n, "ffn.gate")],
+            rw,
         );
         router.outputs.push(id(n, "ffn.router.idx"));
         ops.push(router);
@@ -208,7 +303,31 @@ fn ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
             vec![id(n, "ffn.norm"), id(n, "ffn.router"), id(n, "ffn.router.idx")],
             experts,
         ));
-        id(n, "ffn.experts")
+        if cfg.n_shared_experts > 0 {
+            ops.push(op(
+                id(n, "ffn.shared"),
+                OpKind::SharedExpert,
+                OpClass::Moe,
+                l,
+                vec![id(n, "ffn.norm")],
+                vec![
+                    w(n, "ffn.shared_experts.w1"),
+                    w(n, "ffn.shared_experts.w3"),
+                    w(n, "ffn.shared_experts.w2"),
+                ],
+            ));
+            ops.push(op(
+                id(n, "ffn.out"),
+                OpKind::Sum,
+                OpClass::Elementwise,
+                l,
+                vec![id(n, "ffn.experts"), id(n, "ffn.shared")],
+                vec![],
+            ));
+            id(n, "ffn.out")
+        } else {
+            id(n, "ffn.experts")
+        }
     };
     ops.push(op(
         id(n, "out"),

@@ -30,6 +30,8 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig)
         OpKind::HeadRope => head_rope(op, inputs[0], env, cfg, fam),
         OpKind::GqaAttention => gqa(op, inputs, env, cfg, fam),
         OpKind::Mlp => mlp(op, inputs[0], env, cfg),
+        OpKind::LatentNorm => latent_norm(op, inputs[0], env, cfg, fam),
+        OpKind::MlaAttention => mla(op, inputs, env, cfg, fam),
         _ => Err(internal(op, "not a family op")),
     }
 }
@@ -55,7 +57,7 @@ fn head_norm(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Res
 /// The rope frequencies of a family (the rope's own dims), with the attention factor applied
 /// to cos and sin as transformers does.
 fn rope_table(cfg: &ModelConfig, fam: &Family, positions: impl Iterator<Item = usize>) -> RopeTable {
-    let freqs = rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None);
+    let freqs = rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn.as_ref());
     let mut tab = RopeTable::new(&freqs, positions);
     let a = fam.rope_attention_factor as f32;
     if a != 1.0 {
@@ -84,8 +86,19 @@ fn head_rope(
     fam: &Family,
 ) -> Result<Tensor> {
     layer_of(op)?;
-    let (dh, r) = (cfg.head_dim, cfg.qk_rope_head_dim);
+    // DeepSeek-V3's rope key is the tail of the kv_a row (latent, then rope): one head of it all
+    let shared_key = fam.kind == super::Kind::DeepseekV3 && op.id.ends_with(".attn.k_rope");
+    let (dh, r) = (
+        if shared_key { x.cols() } else { cfg.head_dim },
+        cfg.qk_rope_head_dim,
+    );
     let t = x.rows();
+    if dh < r {
+        return Err(internal(
+            op,
+            format!("input {:?} is narrower than the rope's {r} dims", x.shape),
+        ));
+    }
     if x.cols() % dh != 0 {
         return Err(internal(
             op,
@@ -154,10 +167,79 @@ fn gqa(
         kvh,
         dq,
         dv,
-        scale: (dq as f64).powf(-0.5) as f32,
+        scale: fam.attn_scale as f32,
         window: None,
     };
     let mut y = Tensor::new(vec![t, h * dv], gqa_core(&q.data, &k.data, &v.data, None, dims));
+    env.store(&mut y);
+    Ok(y)
+}
+
+/// RMSNorm of the leading `kv_lora_rank` dims of each row (MLA's key/value latent) → [t, r].
+fn latent_norm(
+    op: &Op,
+    x: &Tensor,
+    env: &mut dyn OpEnv,
+    cfg: &ModelConfig,
+    fam: &Family,
+) -> Result<Tensor> {
+    let r = fam.kv_lora_rank;
+    let (t, c) = (x.rows(), x.cols());
+    if c < r {
+        return Err(internal(
+            op,
+            format!("input {:?} is narrower than the latent's {r} dims", x.shape),
+        ));
+    }
+    let w = param_n(env, weight(op, 0)?, r)?;
+    let lead: Vec<f32> = x.data.chunks(c).flat_map(|row| row[..r].iter().copied()).collect();
+    env.device()
+        .rmsnorm(&Tensor::new(vec![t, r], lead), &w.data, cfg.rms_norm_eps as f32)
+}
+
+/// Multi-head latent attention (DeepSeek-V3, as transformers computes it): head i's key is
+/// [k_nope_i, k_rope] with k_nope_i from `kv_b` and the rope key shared by every head, its value
+/// v_i from `kv_b`; then the causal attention of [`gqa_core`] with the YaRN-scaled softmax scale.
+fn mla(
+    op: &Op,
+    inputs: &[&Tensor],
+    env: &mut dyn OpEnv,
+    cfg: &ModelConfig,
+    fam: &Family,
+) -> Result<Tensor> {
+    let (q, kvb, kva) = (inputs[0], inputs[1], inputs[2]);
+    let (h, dq, dv, rope) = (
+        cfg.num_attention_heads,
+        cfg.head_dim,
+        fam.v_head_dim,
+        cfg.qk_rope_head_dim,
+    );
+    let nope = dq - rope;
+    let t = q.rows();
+    check_shape(op, "q", q, &[t, h * dq])?;
+    check_shape(op, "kv_b", kvb, &[t, h * (nope + dv)])?;
+    check_shape(op, "kv_a", kva, &[t, fam.kv_lora_rank + rope])?;
+    let mut k = Vec::with_capacity(t * h * dq);
+    let mut v = Vec::with_capacity(t * h * dv);
+    for ti in 0..t {
+        let row = &kvb.data[ti * h * (nope + dv)..(ti + 1) * h * (nope + dv)];
+        let kr = &kva.data[(ti + 1) * (fam.kv_lora_rank + rope) - rope..(ti + 1) * (fam.kv_lora_rank + rope)];
+        for head in row.chunks(nope + dv) {
+            k.extend_from_slice(&head[..nope]);
+            k.extend_from_slice(kr);
+            v.extend_from_slice(&head[nope..]);
+        }
+    }
+    let dims = Gqa {
+        t,
+        h,
+        kvh: h,
+        dq,
+        dv,
+        scale: fam.attn_scale as f32,
+        window: None,
+    };
+    let mut y = Tensor::new(vec![t, h * dv], gqa_core(&q.data, &k, &v, None, dims));
     env.store(&mut y);
     Ok(y)
 }
@@ -218,6 +300,47 @@ pub fn gqa_core(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: Gqa) 
             o.iter_mut().zip(&acc).for_each(|(o, a)| *o = *a as f32);
         });
     out
+}
+
+/// DeepSeek-V3's group-limited expert choice (transformers' `DeepseekV3MoE.route_tokens_to_experts`):
+/// keys = scores + correction bias; each of `n_group` groups scores the sum of its two best keys;
+/// the best `topk_group` groups are kept and the other experts' keys set to 0 (not −∞, as
+/// transformers and vLLM mask them); then the top-k keys. Expert ids [t, k].
+pub fn select_grouped(
+    scores: &[f32],
+    bias: &[f32],
+    t: usize,
+    e: usize,
+    k: usize,
+    fam: &Family,
+) -> Vec<usize> {
+    use crate::device::kern::topk_select;
+    let (ng, kg) = (fam.n_group.max(1), fam.topk_group);
+    let per = e / ng;
+    let mut idx = vec![0usize; t * k];
+    let mut keys = vec![0.0f32; e];
+    let mut best = [0usize; 2];
+    let mut groups = vec![0usize; kg];
+    for ti in 0..t {
+        for (j, kk) in keys.iter_mut().enumerate() {
+            *kk = scores[ti * e + j] + bias[j];
+        }
+        let gs: Vec<f32> = keys
+            .chunks(per)
+            .map(|g| {
+                topk_select(g, 2, &mut best);
+                g[best[0]] + g[best[1]]
+            })
+            .collect();
+        topk_select(&gs, kg, &mut groups);
+        for (gi, g) in keys.chunks_mut(per).enumerate() {
+            if !groups.contains(&gi) {
+                g.iter_mut().for_each(|v| *v = 0.0);
+            }
+        }
+        topk_select(&keys, k, &mut idx[ti * k..(ti + 1) * k]);
+    }
+    idx
 }
 
 /// A dense SwiGLU MLP: down(silu(gate(x)) · up(x)), the hidden stored, the output stored.
