@@ -29,7 +29,8 @@ fn bf16_to_f32(b: &[u8]) -> Vec<f32> {
 /// router gate, norms, embedding and head stay BF16, as llm-compressor's and ModelOpt's recipes
 /// for these models leave them).
 fn quantized(name: &str) -> bool {
-    name.ends_with("_proj.weight") && !name.contains(".mlp.gate.")
+    (name.ends_with("_proj.weight") || name.ends_with("_proj_with_mqa.weight"))
+        && !name.contains(".mlp.gate.")
 }
 
 /// Re-encode `family`'s checkpoint into `dir`; returns (raw module, packed, scales, global) of
@@ -173,9 +174,14 @@ fn reads_and_runs(family: &str, ct: bool, min_weights: usize) {
             .weights
             .clone()
     };
-    eprintln!("{family}: L0.attn.q reads {:?}, L0.ffn.router {:?}", fmt("L0.attn.q"), fmt("L0.ffn.router"));
-    assert!(fmt("L0.attn.q").iter().all(|(_, f)| f.starts_with("nvfp4")));
-    assert!(fmt("L0.ffn.router").iter().all(|(_, f)| !f.starts_with("nvfp4")));
+    let router = format!("L{}.ffn.router", cfg.num_hidden_layers - 1);
+    eprintln!(
+        "{family}: L0.attn.o reads {:?}, {router} {:?}",
+        fmt("L0.attn.o"),
+        fmt(&router)
+    );
+    assert!(fmt("L0.attn.o").iter().all(|(_, f)| f.starts_with("nvfp4")));
+    assert!(fmt(&router).iter().all(|(_, f)| !f.starts_with("nvfp4")));
 }
 
 #[test]
@@ -187,4 +193,15 @@ fn qwen3_moe_compressed_tensors_nvfp4_reads_exactly_and_runs() {
 #[test]
 fn qwen3_moe_modelopt_nvfp4_reads_exactly_and_runs() {
     reads_and_runs("qwen3_moe", false, 3 * (4 + 24));
+}
+
+#[test]
+fn deepseek_v3_compressed_tensors_nvfp4_reads_exactly_and_runs() {
+    // layer 0: 5 attention + 3 dense MLP; layers 1-2: 5 attention + 8 × 3 experts + 3 shared
+    reads_and_runs("deepseek_v3", true, 8 + 2 * (5 + 24 + 3));
+}
+
+#[test]
+fn deepseek_v3_modelopt_nvfp4_reads_exactly_and_runs() {
+    reads_and_runs("deepseek_v3", false, 8 + 2 * (5 + 24 + 3));
 }
