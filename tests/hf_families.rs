@@ -215,3 +215,30 @@ fn deepseek_v3_fp32_oracle_matches_transformers() {
 fn deepseek_v3_bf16_trace_compares_clean() {
     compare_bf16_clean("deepseek_v3", 11 + 2 * 15 + 3);
 }
+
+/// A family config outside its limits is refused up front, naming config.json and the field,
+/// exit 2 from the command.
+#[test]
+fn a_bad_family_config_is_refused_naming_the_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = data("qwen3_moe");
+    for f in ["model.safetensors", "tokens.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["num_key_value_heads"] = serde_json::json!(3);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
+        .unwrap()
+        .args(["run", "--backend", "cpu", "--model"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("config.json") && err.contains("`num_key_value_heads` 3"),
+        "{err}"
+    );
+}

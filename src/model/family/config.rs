@@ -569,6 +569,67 @@ mod tests {
         assert!(e.contains("`head_dim`"), "{e}");
     }
 
+    fn v3() -> Value {
+        json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": 128, "num_hidden_layers": 3, "vocab_size": 256,
+            "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "moe_intermediate_size": 64, "intermediate_size": 256, "first_k_dense_replace": 1,
+            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+            "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+            "rope_theta": 10000.0
+        })
+    }
+
+    #[test]
+    fn deepseek_v3_is_read_with_its_yarn_scale() {
+        let c = ModelConfig::from_json(&v3()).unwrap();
+        let f = c.family.as_ref().unwrap();
+        assert_eq!(f.kind, Kind::DeepseekV3);
+        assert_eq!((c.head_dim, c.qk_rope_head_dim, f.v_head_dim), (48, 16, 32));
+        assert_eq!((f.q_lora_rank, f.kv_lora_rank), (Some(64), 32));
+        assert_eq!(f.dense, vec![true, false, false]);
+        assert_eq!((f.n_group, f.topk_group, c.n_shared_experts), (4, 2, 1));
+        // mscale(40, 1)² on the softmax scale; mscale/mscale_all_dim = 1 on cos/sin
+        let m = 0.1 * 40f64.ln() + 1.0;
+        assert!((f.attn_scale - m * m / 48f64.sqrt()).abs() < 1e-12);
+        assert_eq!(f.rope_attention_factor, 1.0);
+        assert_eq!(c.yarn.as_ref().unwrap().factor, 40.0);
+        assert_eq!(f.rope_style, RopeStyle::Interleaved);
+        // V2-Lite style: no query LoRA
+        let mut v = v3();
+        v["q_lora_rank"] = Value::Null;
+        assert_eq!(ModelConfig::from_json(&v).unwrap().family.unwrap().q_lora_rank, None);
+    }
+
+    #[test]
+    fn deepseek_v3_refusals_name_the_field() {
+        let e = |f: &dyn Fn(&mut Value)| {
+            let mut v = v3();
+            f(&mut v);
+            ModelConfig::from_json(&v).unwrap_err().to_string()
+        };
+        let m = e(&|v| v["topk_group"] = json!(5));
+        assert!(m.contains("`topk_group`"), "{m}");
+        let m = e(&|v| v["n_group"] = json!(3));
+        assert!(m.contains("`n_group`"), "{m}");
+        let m = e(&|v| v["first_k_dense_replace"] = json!(4));
+        assert!(m.contains("`first_k_dense_replace`"), "{m}");
+        let m = e(&|v| v["kv_lora_rank"] = json!(0));
+        assert!(m.contains("`kv_lora_rank`"), "{m}");
+        let m = e(&|v| v["scoring_func"] = json!("softmax"));
+        assert!(m.contains("`scoring_func`"), "{m}");
+        let m = e(&|v| v["rope_scaling"]["factor"] = json!(-1));
+        assert!(m.contains("`rope_parameters.factor`"), "{m}");
+        let m = e(&|v| {
+            v.as_object_mut().unwrap().remove("v_head_dim");
+        });
+        assert!(m.contains("`v_head_dim` is missing"), "{m}");
+    }
+
     #[test]
     fn dense_layers_follow_the_sparse_step_and_the_list() {
         let mut v = qwen();

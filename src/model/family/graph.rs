@@ -403,6 +403,60 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_v3_layers_in_order() {
+        let cfg = ModelConfig::from_json(&serde_json::json!({
+            "model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2,
+            "vocab_size": 10, "num_attention_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 1
+        }))
+        .unwrap();
+        let ops = build(&cfg, 1, true);
+        let ids = |l: usize| -> Vec<String> {
+            ops.iter()
+                .filter(|o| o.layer == Some(l))
+                .flat_map(|o| o.outputs.clone())
+                .map(|s| s[3..].to_string())
+                .collect()
+        };
+        let attn = [
+            "attn.norm",
+            "attn.q_a",
+            "attn.q_norm",
+            "attn.q_b",
+            "attn.kv_a",
+            "attn.kv_norm",
+            "attn.kv_b",
+            "attn.q_rope",
+            "attn.k_rope",
+            "attn.core",
+            "attn.o",
+            "attn.res",
+            "ffn.norm",
+        ];
+        let mut l0: Vec<&str> = attn.to_vec();
+        l0.extend(["ffn.mlp", "out"]);
+        assert_eq!(ids(0), l0);
+        let mut l1: Vec<&str> = attn.to_vec();
+        l1.extend([
+            "ffn.router",
+            "ffn.router.idx",
+            "ffn.experts",
+            "ffn.shared",
+            "ffn.out",
+            "out",
+        ]);
+        assert_eq!(ids(1), l1);
+        let r = ops.iter().find(|o| o.id == "L1.ffn.router").unwrap();
+        assert_eq!(r.weights, ["layers.1.ffn.gate", "layers.1.ffn.gate.bias"]);
+        let core = ops.iter().find(|o| o.id == "L1.attn.core").unwrap();
+        assert_eq!(core.inputs, ["L1.attn.q_rope", "L1.attn.kv_b", "L1.attn.k_rope"]);
+        let kv = ops.iter().find(|o| o.id == "L1.attn.kv_norm").unwrap();
+        assert_eq!(kv.weights, ["layers.1.attn.kv_norm.weight"]);
+    }
+
+    #[test]
     fn dense_layers_have_an_mlp_instead_of_experts() {
         let ops = build(&qwen(&[1]), 2, false);
         let has = |s: &str| ops.iter().any(|o| o.id == s);

@@ -366,6 +366,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn group_limited_choice_masks_other_groups_to_zero() {
+        let cfg = crate::model::ModelConfig::from_json(&serde_json::json!({
+            "model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 1,
+            "vocab_size": 10, "num_attention_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "n_group": 4, "topk_group": 1
+        }))
+        .unwrap();
+        let fam = cfg.family.as_ref().unwrap();
+        // groups {0,1} {2,3} {4,5} {6,7}: group 1 sums best (0.9 + 0.8)
+        let scores = [0.5, 0.5, 0.9, 0.8, 0.95, 0.1, 0.2, 0.3];
+        let idx = select_grouped(&scores, &[0.0; 8], 1, 8, 2, fam);
+        assert_eq!(idx, [2, 3]);
+        // a negative bias makes the kept group's keys < 0: masked experts (key 0) win, as in
+        // transformers' masked_fill(…, 0.0)
+        let bias = [0.0, 0.0, -1.0, -1.0, 0.0, 0.0, 0.0, 0.0];
+        let scores = [0.1, 0.1, 0.9, 0.9, 0.1, 0.1, 0.1, 0.1];
+        let idx = select_grouped(&scores, &bias, 1, 8, 2, fam);
+        // group sums: 0.2, -0.2, 0.2, 0.2 → group 0 kept; keys 0.1, 0.1, then zeros
+        assert_eq!(idx, [0, 1]);
+    }
+
+    #[test]
     fn the_permutation_round_trips_and_pairs_i_with_i_plus_half() {
         let mut v: Vec<f32> = (0..12).map(|i| i as f32).collect();
         // two heads of 6 dims: 2 nope, 4 rotary (half 2)
