@@ -137,10 +137,11 @@ fn check(family: &str) -> Vec<(String, f64)> {
         }
         checked.push((format!("L{n}.ffn.router"), worst));
     }
-    let worst = checked
-        .iter()
-        .cloned()
-        .fold((0f64, String::new()), |a, (op, e)| if e > a.0 { (e, op) } else { a });
+    let worst =
+        checked.iter().cloned().fold(
+            (0f64, String::new()),
+            |a, (op, e)| if e > a.0 { (e, op) } else { a },
+        );
     eprintln!(
         "{family}: {} ops agree; worst rel-L2 {:.2e} at {}",
         checked.len(),
@@ -161,9 +162,22 @@ fn qwen3_moe_fp32_oracle_matches_transformers() {
     let checked = check("qwen3_moe");
     // every layer's 12 mapped ops (norms, q/k/v, q/k norms, core, o, experts, out, router), the
     // embedding, final norm and head
-    assert!(checked.len() >= 3 * 12 + 3, "only {} ops compared", checked.len());
-    for want in ["L2.attn.q_norm", "L2.attn.core", "L2.ffn.experts", "L2.out", "head"] {
-        assert!(checked.iter().any(|(op, _)| op == want), "{want} not compared");
+    assert!(
+        checked.len() >= 3 * 12 + 3,
+        "only {} ops compared",
+        checked.len()
+    );
+    for want in [
+        "L2.attn.q_norm",
+        "L2.attn.core",
+        "L2.ffn.experts",
+        "L2.out",
+        "head",
+    ] {
+        assert!(
+            checked.iter().any(|(op, _)| op == want),
+            "{want} not compared"
+        );
     }
 }
 
@@ -192,7 +206,11 @@ fn compare_bf16_clean(family: &str, min_ops: usize) {
         .collect();
     assert!(bad.is_empty(), "{family}: divergent ops: {bad:?}");
     assert_eq!(r.summary.first_divergent, None, "{:?}", r.summary);
-    assert!(r.ops.len() >= min_ops, "{family}: only {} ops compared", r.ops.len());
+    assert!(
+        r.ops.len() >= min_ops,
+        "{family}: only {} ops compared",
+        r.ops.len()
+    );
 }
 
 #[test]
@@ -205,9 +223,24 @@ fn deepseek_v3_fp32_oracle_matches_transformers() {
     let checked = check("deepseek_v3");
     // layer 0 dense (9 mapped ops: norms, q_a, q_norm, q_b, kv_a, kv_norm, kv_b, core, o, mlp,
     // out), layers 1-2 MoE (14 with the router, experts, shared, ffn.out), embed, norm, head
-    assert!(checked.len() >= 11 + 2 * 14 + 3, "only {} ops compared", checked.len());
-    for want in ["L0.ffn.mlp", "L2.attn.core", "L2.attn.kv_norm", "L2.ffn.shared", "L2.ffn.router", "L2.out", "head"] {
-        assert!(checked.iter().any(|(op, _)| op == want), "{want} not compared");
+    assert!(
+        checked.len() >= 11 + 2 * 14 + 3,
+        "only {} ops compared",
+        checked.len()
+    );
+    for want in [
+        "L0.ffn.mlp",
+        "L2.attn.core",
+        "L2.attn.kv_norm",
+        "L2.ffn.shared",
+        "L2.ffn.router",
+        "L2.out",
+        "head",
+    ] {
+        assert!(
+            checked.iter().any(|(op, _)| op == want),
+            "{want} not compared"
+        );
     }
 }
 

@@ -33,9 +33,12 @@ fn quantized(name: &str) -> bool {
         && !name.contains(".mlp.gate.")
 }
 
+/// One encoded weight: raw module, packed nibbles, block scales, tensor scale, rows, cols.
+type Encoded = (String, Vec<u8>, Vec<u8>, f32, usize, usize);
+
 /// Re-encode `family`'s checkpoint into `dir`; returns (raw module, packed, scales, global) of
 /// every quantized weight.
-fn requantize(family: &str, ct: bool, dir: &Path) -> Vec<(String, Vec<u8>, Vec<u8>, f32, usize, usize)> {
+fn requantize(family: &str, ct: bool, dir: &Path) -> Vec<Encoded> {
     let src = data(family);
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -47,7 +50,8 @@ fn requantize(family: &str, ct: bool, dir: &Path) -> Vec<(String, Vec<u8>, Vec<u
     for name in &names {
         let t = st.tensor(name).unwrap();
         if !quantized(name) {
-            w.add(name, t.dtype(), t.shape(), t.data().to_vec()).unwrap();
+            w.add(name, t.dtype(), t.shape(), t.data().to_vec())
+                .unwrap();
             continue;
         }
         assert_eq!(t.dtype(), safetensors::Dtype::BF16);
@@ -61,12 +65,22 @@ fn requantize(family: &str, ct: bool, dir: &Path) -> Vec<(String, Vec<u8>, Vec<u
         let module = name.strip_suffix(".weight").unwrap().to_string();
         let act = 1.0f32; // a calibrated input scale; its value does not change the weight
         let (wl, gl, il, sshape): (&str, &str, &str, Vec<usize>) = if ct {
-            ("weight_packed", "weight_global_scale", "input_global_scale", vec![1])
+            (
+                "weight_packed",
+                "weight_global_scale",
+                "input_global_scale",
+                vec![1],
+            )
         } else {
             ("weight", "weight_scale_2", "input_scale", vec![])
         };
-        w.add(&format!("{module}.{wl}"), Dtype::U8, &[o, i / 2], q.packed.clone())
-            .unwrap();
+        w.add(
+            &format!("{module}.{wl}"),
+            Dtype::U8,
+            &[o, i / 2],
+            q.packed.clone(),
+        )
+        .unwrap();
         w.add(
             &format!("{module}.weight_scale"),
             Dtype::F8_E4M3,
@@ -74,15 +88,25 @@ fn requantize(family: &str, ct: bool, dir: &Path) -> Vec<(String, Vec<u8>, Vec<u
             q.scales.clone(),
         )
         .unwrap();
-        w.add(&format!("{module}.{gl}"), Dtype::F32, &sshape, q.global.to_le_bytes().to_vec())
-            .unwrap();
+        w.add(
+            &format!("{module}.{gl}"),
+            Dtype::F32,
+            &sshape,
+            q.global.to_le_bytes().to_vec(),
+        )
+        .unwrap();
         let a = if ct {
             nvfp4::global_scale_ct(act)
         } else {
             nvfp4::global_scale_modelopt(act)
         };
-        w.add(&format!("{module}.{il}"), Dtype::F32, &sshape, a.to_le_bytes().to_vec())
-            .unwrap();
+        w.add(
+            &format!("{module}.{il}"),
+            Dtype::F32,
+            &sshape,
+            a.to_le_bytes().to_vec(),
+        )
+        .unwrap();
         modules.push(module.clone());
         out.push((module, q.packed, q.scales, q.global, o, i));
     }
@@ -118,7 +142,8 @@ fn requantize(family: &str, ct: bool, dir: &Path) -> Vec<(String, Vec<u8>, Vec<u
         )
         .unwrap();
     }
-    w.finish(&serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    w.finish(&serde_json::to_string_pretty(&cfg).unwrap())
+        .unwrap();
     std::fs::copy(src.join("tokens.json"), dir.join("tokens.json")).unwrap();
     out
 }
@@ -143,14 +168,24 @@ fn reads_and_runs(family: &str, ct: bool, min_weights: usize) {
             .strip_suffix(".weight_scale")
             .unwrap()
             .to_string();
-        assert!(bases.contains(&canon), "{module} → {canon} is not a weight base");
+        assert!(
+            bases.contains(&canon),
+            "{module} → {canon} is not a weight base"
+        );
         let w = ckpt.weight(&canon).unwrap();
-        assert_eq!(w.scheme(), if ct { "nvfp4-ct" } else { "nvfp4-modelopt" }, "{module}");
+        assert_eq!(
+            w.scheme(),
+            if ct { "nvfp4-ct" } else { "nvfp4-modelopt" },
+            "{module}"
+        );
         let got = w.dequantize().unwrap();
         let want = nvfp4::dequantize(packed, scales, *g, conv, *o, *i);
         assert_eq!(got.shape, vec![*o, *i], "{module}");
         assert!(
-            got.data.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            got.data
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{module}: dequantized values differ from the encoder's"
         );
     }

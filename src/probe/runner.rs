@@ -32,7 +32,10 @@ pub(super) struct Plan {
 /// allocated, then builds the op graph.
 pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     let cfg = ckpt.model_config()?.clone();
-    if let (Some(why), Some(_)) = (crate::model::family::cuda_unsupported(&cfg), opts.backend.gpu()) {
+    if let (Some(why), Some(_)) = (
+        crate::model::family::cuda_unsupported(&cfg),
+        opts.backend.gpu(),
+    ) {
         return Err(Error::usage(format!("cuda backend: {why}")));
     }
     let (a, b) = LayerRange::new(opts.layers.0, opts.layers.1).check(cfg.num_hidden_layers)?;

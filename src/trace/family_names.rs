@@ -79,9 +79,18 @@ mod tests {
         }))
         .unwrap();
         let op = |n: &str| map_hf(n, &cfg).map(|m| m.op);
-        assert_eq!(op("model.layers.1.self_attn.k_norm").unwrap(), "L1.attn.k_norm");
-        assert_eq!(op("model.layers.0.self_attn.o_proj:input").unwrap(), "L0.attn.core");
-        assert_eq!(op("model.layers.0.mlp.gate:2").unwrap(), "L0.ffn.router.idx");
+        assert_eq!(
+            op("model.layers.1.self_attn.k_norm").unwrap(),
+            "L1.attn.k_norm"
+        );
+        assert_eq!(
+            op("model.layers.0.self_attn.o_proj:input").unwrap(),
+            "L0.attn.core"
+        );
+        assert_eq!(
+            op("model.layers.0.mlp.gate:2").unwrap(),
+            "L0.ffn.router.idx"
+        );
         assert_eq!(op("model.layers.0").unwrap(), "L0.out");
         assert_eq!(op("model.layers.0.mlp.experts").unwrap(), "L0.ffn.experts");
         assert_eq!(op("model.layers.1.mlp").unwrap(), "L1.ffn.mlp");

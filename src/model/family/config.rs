@@ -127,12 +127,16 @@ impl Reader<'_> {
             ),
             None => (
                 keys[0],
-                default.ok_or_else(|| {
-                    Error::usage(format!("config field `{}` is missing", keys[0]))
-                })? as u64,
+                default
+                    .ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0])))?
+                    as u64,
             ),
         };
-        Range { field: name, ..*lim }.check(n)
+        Range {
+            field: name,
+            ..*lim
+        }
+        .check(n)
     }
     fn float(&self, key: &str, default: f64, sign: Sign) -> Result<f64> {
         match self.get(key) {
@@ -160,7 +164,10 @@ impl Reader<'_> {
 /// says so.
 fn rope_theta(r: &Reader, default: f64) -> Result<(f64, Option<String>)> {
     let params = r.get("rope_parameters").or_else(|| r.get("rope_scaling"));
-    let theta = match params.and_then(|p| p.get("rope_theta")).filter(|x| !x.is_null()) {
+    let theta = match params
+        .and_then(|p| p.get("rope_theta"))
+        .filter(|x| !x.is_null())
+    {
         Some(x) => {
             let f = x.as_f64().ok_or_else(|| {
                 Error::usage(format!(
@@ -284,7 +291,11 @@ fn qwen3_moe(v: &Value) -> Result<ModelConfig> {
     };
     cfg.family = Some(Family {
         kind: Kind::Qwen3Moe,
-        num_key_value_heads: r.usize(&["num_key_value_heads"], Some(heads), &NUM_KEY_VALUE_HEADS)?,
+        num_key_value_heads: r.usize(
+            &["num_key_value_heads"],
+            Some(heads),
+            &NUM_KEY_VALUE_HEADS,
+        )?,
         v_head_dim: head_dim,
         rope_style: RopeStyle::HalfSplit,
         rope_attention_factor: 1.0,
@@ -602,7 +613,14 @@ mod tests {
         // V2-Lite style: no query LoRA
         let mut v = v3();
         v["q_lora_rank"] = Value::Null;
-        assert_eq!(ModelConfig::from_json(&v).unwrap().family.unwrap().q_lora_rank, None);
+        assert_eq!(
+            ModelConfig::from_json(&v)
+                .unwrap()
+                .family
+                .unwrap()
+                .q_lora_rank,
+            None
+        );
     }
 
     #[test]

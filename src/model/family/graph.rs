@@ -229,7 +229,11 @@ fn mla_attention(cfg: &ModelConfig, n: usize, x: &str, ops: &mut Vec<Op>) {
         OpKind::MlaAttention,
         OpClass::Attention,
         l,
-        vec![id(n, "attn.q_rope"), id(n, "attn.kv_b"), id(n, "attn.k_rope")],
+        vec![
+            id(n, "attn.q_rope"),
+            id(n, "attn.kv_b"),
+            id(n, "attn.k_rope"),
+        ],
         vec![],
     ));
     linear(n, "attn.o", id(n, "attn.core"), "attn.o_proj", ops);
@@ -275,7 +279,11 @@ fn ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
         id(n, "ffn.mlp")
     } else {
         let mut rw = vec![w(n, "ffn.gate")];
-        if cfg.family.as_ref().is_some_and(|f| f.kind == Kind::DeepseekV3) {
+        if cfg
+            .family
+            .as_ref()
+            .is_some_and(|f| f.kind == Kind::DeepseekV3)
+        {
             // `e_score_correction_bias`, canonically `ffn.gate.bias`
             rw.push(w(n, "ffn.gate.bias"));
         }
@@ -300,7 +308,11 @@ fn ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
             OpKind::Experts,
             OpClass::Moe,
             l,
-            vec![id(n, "ffn.norm"), id(n, "ffn.router"), id(n, "ffn.router.idx")],
+            vec![
+                id(n, "ffn.norm"),
+                id(n, "ffn.router"),
+                id(n, "ffn.router.idx"),
+            ],
             experts,
         ));
         if cfg.n_shared_experts > 0 {
@@ -451,7 +463,10 @@ mod tests {
         let r = ops.iter().find(|o| o.id == "L1.ffn.router").unwrap();
         assert_eq!(r.weights, ["layers.1.ffn.gate", "layers.1.ffn.gate.bias"]);
         let core = ops.iter().find(|o| o.id == "L1.attn.core").unwrap();
-        assert_eq!(core.inputs, ["L1.attn.q_rope", "L1.attn.kv_b", "L1.attn.k_rope"]);
+        assert_eq!(
+            core.inputs,
+            ["L1.attn.q_rope", "L1.attn.kv_b", "L1.attn.k_rope"]
+        );
         let kv = ops.iter().find(|o| o.id == "L1.attn.kv_norm").unwrap();
         assert_eq!(kv.weights, ["layers.1.attn.kv_norm.weight"]);
     }

@@ -40,7 +40,7 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig)
 fn head_norm(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
     let dh = cfg.head_dim;
     let t = x.rows();
-    if x.cols() % dh != 0 {
+    if !x.cols().is_multiple_of(dh) {
         return Err(internal(
             op,
             format!("input {:?} is not whole heads of {dh}", x.shape),
@@ -56,7 +56,11 @@ fn head_norm(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Res
 
 /// The rope frequencies of a family (the rope's own dims), with the attention factor applied
 /// to cos and sin as transformers does.
-fn rope_table(cfg: &ModelConfig, fam: &Family, positions: impl Iterator<Item = usize>) -> RopeTable {
+fn rope_table(
+    cfg: &ModelConfig,
+    fam: &Family,
+    positions: impl Iterator<Item = usize>,
+) -> RopeTable {
     let freqs = rope_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn.as_ref());
     let mut tab = RopeTable::new(&freqs, positions);
     let a = fam.rope_attention_factor as f32;
@@ -99,7 +103,7 @@ fn head_rope(
             format!("input {:?} is narrower than the rope's {r} dims", x.shape),
         ));
     }
-    if x.cols() % dh != 0 {
+    if !x.cols().is_multiple_of(dh) {
         return Err(internal(
             op,
             format!("input {:?} is not whole heads of {dh}", x.shape),
@@ -170,7 +174,10 @@ fn gqa(
         scale: fam.attn_scale as f32,
         window: None,
     };
-    let mut y = Tensor::new(vec![t, h * dv], gqa_core(&q.data, &k.data, &v.data, None, dims));
+    let mut y = Tensor::new(
+        vec![t, h * dv],
+        gqa_core(&q.data, &k.data, &v.data, None, dims),
+    );
     env.store(&mut y);
     Ok(y)
 }
@@ -192,9 +199,16 @@ fn latent_norm(
         ));
     }
     let w = param_n(env, weight(op, 0)?, r)?;
-    let lead: Vec<f32> = x.data.chunks(c).flat_map(|row| row[..r].iter().copied()).collect();
-    env.device()
-        .rmsnorm(&Tensor::new(vec![t, r], lead), &w.data, cfg.rms_norm_eps as f32)
+    let lead: Vec<f32> = x
+        .data
+        .chunks(c)
+        .flat_map(|row| row[..r].iter().copied())
+        .collect();
+    env.device().rmsnorm(
+        &Tensor::new(vec![t, r], lead),
+        &w.data,
+        cfg.rms_norm_eps as f32,
+    )
 }
 
 /// Multi-head latent attention (DeepSeek-V3, as transformers computes it): head i's key is
@@ -223,7 +237,8 @@ fn mla(
     let mut v = Vec::with_capacity(t * h * dv);
     for ti in 0..t {
         let row = &kvb.data[ti * h * (nope + dv)..(ti + 1) * h * (nope + dv)];
-        let kr = &kva.data[(ti + 1) * (fam.kv_lora_rank + rope) - rope..(ti + 1) * (fam.kv_lora_rank + rope)];
+        let kr = &kva.data
+            [(ti + 1) * (fam.kv_lora_rank + rope) - rope..(ti + 1) * (fam.kv_lora_rank + rope)];
         for head in row.chunks(nope + dv) {
             k.extend_from_slice(&head[..nope]);
             k.extend_from_slice(kr);
@@ -288,7 +303,8 @@ pub fn gqa_core(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: Gqa) 
                 .iter()
                 .cloned()
                 .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
-            let den = sink.map_or(0.0, |sk| exp64(sk - mx)) + sum64(s.iter().map(|&x| exp64(x - mx)));
+            let den =
+                sink.map_or(0.0, |sk| exp64(sk - mx)) + sum64(s.iter().map(|&x| exp64(x - mx)));
             let mut acc = vec![0.0f64; dv];
             for (j, &sj) in (lo..=ti).zip(&s) {
                 let p = (exp64(sj - mx) / den) as f32 as f64;
@@ -356,7 +372,8 @@ fn mlp(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Te
         weight(op, 1)?,
         cfg.swiglu_limit as f32,
     )?;
-    let mut y = super::super::env::linear_checked(env, &format!("{sub}.w2"), &a, weight(op, 2)?, d)?;
+    let mut y =
+        super::super::env::linear_checked(env, &format!("{sub}.w2"), &a, weight(op, 2)?, d)?;
     env.store(&mut y);
     Ok(y)
 }
@@ -427,7 +444,16 @@ mod tests {
         assert!((o[4] - want[0]).abs() < 1e-6 && (o[5] - want[1]).abs() < 1e-6);
         assert!((o[6] as f64 - ((1.0 - p1) * 3.0 + p1 * 5.0)).abs() < 1e-6);
         // a window of one key: each query sees itself only
-        let o = gqa_core(&q, &k, &v, None, Gqa { window: Some(1), ..a });
+        let o = gqa_core(
+            &q,
+            &k,
+            &v,
+            None,
+            Gqa {
+                window: Some(1),
+                ..a
+            },
+        );
         assert_eq!(&o[4..], &[5.0, 6.0, 5.0, 6.0]);
     }
 }
