@@ -101,7 +101,13 @@ impl Checkpoint {
         }
         if has("head.weight") {
             let f = file_near("head.");
-            for w in ["hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight"] {
+            // the families other than V4 have no mHC head collapse
+            let params: &[&str] = if cfg.family.is_some() {
+                &["norm.weight"]
+            } else {
+                &["hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight"]
+            };
+            for &w in params {
                 need(w, "hc_head", "parameter", f.clone());
             }
         }

@@ -120,6 +120,7 @@ pub fn prepare(
     seed: u64,
     max_mem: Option<f64>,
 ) -> Result<Prepared> {
+    let choice = backend;
     let spec = match probe_file {
         Some(p) => ProbeSpec::from_file(p)?,
         None => ProbeSpec::builtin(),
@@ -137,12 +138,25 @@ pub fn prepare(
         });
         (sel, ckpt)
     });
-    let (backend_sel, backend, device) = sel?;
+    let (mut backend_sel, mut backend, mut device) = sel?;
     let ckpt = ckpt?;
     crate::profile::mark("checkpoint opened");
     let cfg = ckpt.model_config()?.clone();
+    // a model family whose ops have no CUDA version yet: `auto` runs it on the CPU, `cuda` refuses
+    if let (Some(why), Some(_)) = (
+        crate::model::family::cuda_unsupported(&cfg),
+        backend_sel.gpu(),
+    ) {
+        if choice == BackendChoice::Cuda {
+            return Err(Error::usage(format!("--backend cuda: {why}")));
+        }
+        eprintln!("backend: cpu ({why})");
+        (backend_sel, backend, device) = select_backend(BackendChoice::Cpu)?;
+    }
+    // the built-in spec's `0..4` means the first five layers, or all of a smaller model
+    let spec_layers = probe_file.and(spec.layers);
     let (a, b) = layers
-        .or(spec.layers)
+        .or(spec_layers)
         .unwrap_or(LayerRange::default_for(cfg.num_hidden_layers))
         .check(cfg.num_hidden_layers)?;
     if backend_sel.gpu().is_some() {

@@ -52,6 +52,9 @@ pub struct ModelConfig {
     pub index_n_heads: usize,
     pub index_head_dim: usize,
     pub index_topk: usize,
+    /// A family other than V4 (issue 23: Qwen3-MoE, …) and what it adds; `None` for V4.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub family: Option<super::family::Family>,
 }
 
 fn get<'a>(v: &'a Value, keys: &[&str]) -> Option<&'a Value> {
@@ -77,6 +80,9 @@ impl ModelConfig {
     pub fn from_json(v: &Value) -> Result<Self> {
         if !v.is_object() {
             return Err(Error::usage("config is not a JSON object"));
+        }
+        if let Some(kind) = super::family::detect(v) {
+            return super::family::config::parse(v, kind);
         }
         let us = |keys: &[&str], default: Option<usize>, lim: &limits::Range| -> Result<usize> {
             let n = match get(v, keys) {
@@ -361,6 +367,7 @@ impl ModelConfig {
             index_n_heads: us(&["index_n_heads"], Some(64), &limits::INDEX_N_HEADS)?,
             index_head_dim: us(&["index_head_dim"], Some(128), &limits::INDEX_HEAD_DIM)?,
             index_topk: us(&["index_topk"], Some(512), &limits::INDEX_TOPK)?,
+            family: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -448,6 +455,9 @@ impl ModelConfig {
             ("swiglu_limit", self.swiglu_limit, Sign::Any),
         ] {
             limits::check_float(field, x, sign)?;
+        }
+        if let Some(f) = &self.family {
+            f.validate(self)?;
         }
         Ok(())
     }

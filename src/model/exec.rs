@@ -150,6 +150,14 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             vec![env.device().add(a, b)?]
         }
         OpKind::HcHead => vec![hc_head(op, inputs[0], env, &cfg)?],
+        OpKind::HeadNorm
+        | OpKind::HeadRope
+        | OpKind::GqaAttention
+        | OpKind::Mlp
+        | OpKind::LatentNorm
+        | OpKind::MlaAttention => {
+            vec![super::family::ops::exec(op, inputs, env, &cfg)?]
+        }
     };
     if out.len() != op.outputs.len() {
         return Err(internal(
@@ -257,7 +265,11 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let (e, k) = (cfg.n_routed_experts, cfg.num_experts_per_tok);
     let t = x.rows();
     let gate = weight(op, 0)?;
-    let logits = linear_checked(env, &op.id, x, gate, e)?;
+    let mut logits = linear_checked(env, &op.id, x, gate, e)?;
+    if cfg.family.as_ref().is_some_and(|f| f.router_logits_stored) {
+        // engines and transformers that run the gate in the activation dtype round its logits
+        env.store(&mut logits);
+    }
     let f = kern::Scoring::parse(&cfg.scoring_func).ok_or_else(|| {
         Error::usage(format!(
             "config: unsupported scoring_func `{}`",
@@ -296,10 +308,19 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         }
         let scores = kern::route_scores(&logits.data, e, f);
         (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
-    } else {
+    } else if let Some(fam) = cfg.family.as_ref().filter(|f| f.n_group > 1) {
+        // DeepSeek-V3's group-limited top-k
         let bias = param_n(env, weight(op, 1)?, e)?;
-        env.device()
-            .route(&logits, &bias.data, t, e, k, f, norm, rs)?
+        let scores = kern::route_scores(&logits.data, e, f);
+        let idx = super::family::ops::select_grouped(&scores, &bias.data, t, e, k, fam);
+        (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
+    } else {
+        // a router without a selection bias (Qwen3-MoE) selects on the scores alone
+        let bias = match op.weights.get(1) {
+            Some(name) => param_n(env, name, e)?.data.to_vec(),
+            None => vec![0.0; e],
+        };
+        env.device().route(&logits, &bias, t, e, k, f, norm, rs)?
     };
     Ok(vec![
         Tensor::new(vec![t, k], wts),
@@ -311,7 +332,7 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
 }
 
 /// SwiGLU with the clamp: gt = min(bf(x@w1ᵀ), L), up = clamp(bf(x@w3ᵀ), ±L), a = bf(silu(gt)·up).
-fn swiglu_hidden(
+pub(crate) fn swiglu_hidden(
     env: &mut dyn OpEnv,
     sub: &str,
     x: &Tensor,

@@ -29,6 +29,16 @@ use super::ModelConfig;
 /// - `SharedExpert`: inputs [ffn.norm]; weights [w1, w3, w2] bases.
 /// - `Sum`: inputs [a, b] → bf(a + b).
 /// - `HcHead`: inputs [X]; weights [hc_head_fn, hc_head_base, hc_head_scale].
+///
+/// Ops of the other families (`model::family`):
+/// - `HeadNorm`: inputs [x [T, n·Dh]]; weights [norm weight [Dh]]: RMSNorm of each head.
+/// - `HeadRope`: inputs [x [T, n·Dh]]: RoPE on each head's last rotary dims (the family's style).
+/// - `GqaAttention`: inputs [q, k, v]; weights [] or [sinks]: causal grouped-query attention.
+/// - `Mlp`: inputs [x]; weights [gate, up, down] bases: a dense SwiGLU MLP.
+/// - `LatentNorm`: inputs [x [T, r + more]]; weights [norm weight [r]]: RMSNorm of the leading r
+///   dims (MLA's KV latent) → [T, r].
+/// - `MlaAttention`: inputs [q [T, H·(nope+rope)] roped, kv_b [T, H·(nope+v)], kv_a [T, r+rope]
+///   roped]: causal MLA, the rope key shared by the heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum OpKind {
     Embed,
@@ -48,6 +58,12 @@ pub enum OpKind {
     SharedExpert,
     Sum,
     HcHead,
+    HeadNorm,
+    HeadRope,
+    GqaAttention,
+    Mlp,
+    LatentNorm,
+    MlaAttention,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -81,7 +97,7 @@ pub struct Op {
     pub weights: Vec<String>,
 }
 
-fn op(
+pub(crate) fn op(
     id: String,
     kind: OpKind,
     class: OpClass,
@@ -103,6 +119,9 @@ fn op(
 /// Ops of layers `0..=last_layer` (plus `hc_head`, `final_norm`, `head` when `with_head`).
 /// `last_layer` beyond the config is clamped to the last layer.
 pub fn build_graph(cfg: &ModelConfig, last_layer: usize, with_head: bool) -> Vec<Op> {
+    if cfg.family.is_some() {
+        return super::family::graph::build(cfg, last_layer, with_head);
+    }
     let mut ops = Vec::new();
     ops.push(op(
         "embed".into(),
@@ -166,6 +185,9 @@ pub fn build_graph(cfg: &ModelConfig, last_layer: usize, with_head: bool) -> Vec
 /// The ops of layer `n` alone (its input named `x`): what the layer reads, for checks of a
 /// checkpoint's completeness that must not build every layer of a config.
 pub fn layer_graph(cfg: &ModelConfig, n: usize) -> Vec<Op> {
+    if cfg.family.is_some() {
+        return super::family::graph::layer(cfg, n);
+    }
     let mut ops = Vec::new();
     if n < cfg.compress_ratios.len().min(cfg.num_hidden_layers) {
         layer_ops(cfg, n, "x", &mut ops);

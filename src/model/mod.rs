@@ -4,6 +4,7 @@ mod attn;
 pub mod config;
 pub mod env;
 pub mod exec;
+pub mod family;
 pub mod graph;
 pub mod layers;
 pub mod limits;

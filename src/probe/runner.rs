@@ -32,6 +32,12 @@ pub(super) struct Plan {
 /// allocated, then builds the op graph.
 pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     let cfg = ckpt.model_config()?.clone();
+    if let (Some(why), Some(_)) = (
+        crate::model::family::cuda_unsupported(&cfg),
+        opts.backend.gpu(),
+    ) {
+        return Err(Error::usage(format!("cuda backend: {why}")));
+    }
     let (a, b) = LayerRange::new(opts.layers.0, opts.layers.1).check(cfg.num_hidden_layers)?;
     super::scan::check_tokens(ckpt, opts)?;
     let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();

@@ -3,6 +3,7 @@
 
 pub mod assemble;
 pub mod compare;
+pub mod family_names;
 pub mod names;
 pub mod precision;
 pub mod read;

@@ -342,6 +342,9 @@ impl NameMap {
         let from = |m: Option<Mapped>| m.map(|m| vec![Rule::plain(m.op, m.token_rows)]);
         let found = match self {
             NameMap::Official => from(map_official(name)).map(|r| tp_defaults(r, cfg)),
+            NameMap::Hf if cfg.family.is_some() => {
+                from(super::family_names::map_hf(name, cfg)).map(|r| tp_defaults(r, cfg))
+            }
             NameMap::Hf => from(map_hf(name)).map(|r| tp_defaults(r, cfg)),
             NameMap::Vllm => map_vllm(name, cfg),
             NameMap::Sglang => map_sglang(name, cfg),
