@@ -221,3 +221,48 @@ fn a_nan_scale_byte_is_found_and_named() {
     let e = synth_to_dir(&o, TempDir::new().unwrap().path()).unwrap_err();
     assert_eq!(e.exit_code(), 2);
 }
+
+/// compressed-tensors 0.20.0's own MXFP8 bytes of the six producer matrices
+/// (tests/data/producers-mxfp8, its README) decode through the table's reference to exactly
+/// compressed-tensors' own decompression of them, value by value (f32 `==`, −0 included).
+#[test]
+fn compressed_tensors_mxfp8_bytes_decode_exactly() {
+    use nvfp4_probe::checkpoint::formats::{decode_blocked, mxfp8};
+    use safetensors::SafeTensors;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/producers-mxfp8");
+    let packed = std::fs::read(dir.join("ct-mxfp8.safetensors")).unwrap();
+    let deq = std::fs::read(dir.join("ct-mxfp8-dequant.safetensors")).unwrap();
+    let (p, d) = (
+        SafeTensors::deserialize(&packed).unwrap(),
+        SafeTensors::deserialize(&deq).unwrap(),
+    );
+    let dec = mxfp8::SPEC.decode.as_ref().unwrap();
+    let mut modules = 0;
+    for (name, w) in p.tensors() {
+        let Some(m) = name.strip_suffix(".weight") else {
+            continue;
+        };
+        let s = p.tensor(&format!("{m}.weight_scale")).unwrap();
+        assert_eq!(w.dtype(), safetensors::Dtype::F8_E4M3, "{m}");
+        assert_eq!(s.dtype(), safetensors::Dtype::U8, "{m}");
+        let (rows, cols) = (w.shape()[0], w.shape()[1]);
+        assert_eq!(s.shape(), &[rows, cols / 32][..], "{m}");
+        let ours = decode_blocked(dec, w.data(), s.data(), rows, cols);
+        let want: Vec<f32> = d
+            .tensor(&format!("{m}:ct"))
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert_eq!(ours.len(), want.len(), "{m}");
+        let bad = ours
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(bad, 0, "{m}: {bad} values differ from compressed-tensors' decompression");
+        modules += 1;
+    }
+    assert_eq!(modules, 6);
+}

@@ -46,7 +46,8 @@ pub static SPEC: FormatSpec = FormatSpec {
         },
     },
     config: ConfigClaims {
-        ct_format: None,
+        // compressed-tensors' MXFP8 (`format: mxfp8-quantized`) stores the same tensors.
+        ct_format: Some("mxfp8"),
         modelopt_algo: Some("MXFP8"),
         in_fp8: InFp8::Never,
     },
