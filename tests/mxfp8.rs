@@ -261,7 +261,10 @@ fn compressed_tensors_mxfp8_bytes_decode_exactly() {
             .zip(&want)
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
-        assert_eq!(bad, 0, "{m}: {bad} values differ from compressed-tensors' decompression");
+        assert_eq!(
+            bad, 0,
+            "{m}: {bad} values differ from compressed-tensors' decompression"
+        );
         modules += 1;
     }
     assert_eq!(modules, 6);

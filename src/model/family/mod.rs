@@ -19,12 +19,58 @@ pub use config::{detect, Family, Kind, RopeStyle};
 
 use super::ModelConfig;
 
-/// The first op of a family graph the CUDA backend has no device version of, for a clear refusal
-/// (`--backend cuda` on such a model exits 2 naming it). `None` for V4.
+/// The ops of a family graph the CUDA backend has no device version of, for a clear refusal
+/// (`--backend cuda` on such a model exits 2 naming them). `None` for V4.
 pub fn cuda_unsupported(cfg: &ModelConfig) -> Option<String> {
+    use super::graph::OpKind;
     let f = cfg.family.as_ref()?;
+    let host_only = |k: &OpKind| {
+        matches!(
+            k,
+            OpKind::HeadNorm
+                | OpKind::HeadRope
+                | OpKind::GqaAttention
+                | OpKind::LatentNorm
+                | OpKind::MlaAttention
+                | OpKind::Mlp
+        )
+    };
+    let mut names: Vec<String> = Vec::new();
+    for op in super::graph::build_graph(cfg, cfg.num_hidden_layers.saturating_sub(1), false) {
+        let n = format!("`{:?}`", op.kind);
+        if host_only(&op.kind) && !names.contains(&n) {
+            names.push(n);
+        }
+    }
     Some(format!(
-        "the {} family's per-head norm, RoPE and GQA attention ops (`HeadNorm`, `HeadRope`, `GqaAttention`) have no CUDA version yet; run it with `--backend cpu`",
-        f.kind.label()
+        "the {} family's ops {} have no CUDA version yet; run it with `--backend cpu`",
+        f.kind.label(),
+        names.join(", ")
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(family: &str) -> ModelConfig {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/hf-families")
+            .join(family)
+            .join("config.json");
+        ModelConfig::from_file(&p).unwrap()
+    }
+
+    /// The CUDA refusal names the host-only ops of that family's graph, not another family's.
+    #[test]
+    fn the_cuda_refusal_names_the_family_s_own_host_only_ops() {
+        let q = cuda_unsupported(&cfg("qwen3_moe")).unwrap();
+        assert!(
+            q.contains("qwen3-moe") && q.contains("`GqaAttention`") && q.contains("`HeadNorm`")
+        );
+        assert!(!q.contains("Mla"), "{q}");
+        let v = cuda_unsupported(&cfg("deepseek_v3")).unwrap();
+        assert!(v.contains("`MlaAttention`") && v.contains("`LatentNorm`") && v.contains("`Mlp`"));
+        assert!(!v.contains("Gqa"), "{v}");
+    }
 }
