@@ -11,7 +11,7 @@ use super::env::{
 };
 use super::graph::Op;
 use super::ModelConfig;
-use crate::device::kern::{self, AttnDims};
+use crate::device::kern::{self, AttnDims, CmpKeys};
 use crate::device::ops::{topk_order, RopeTable};
 use crate::{Error, Result, Tensor};
 
@@ -93,26 +93,77 @@ pub(crate) fn indexer(
     let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
     w.data.iter_mut().for_each(|v| *v *= sc);
 
-    let scores = env
-        .device()
-        .indexer_scores(&q.data, &ki.data, &w.data, t, hi, di, n_c)?;
-    out.par_chunks_mut(kk).enumerate().for_each(|(ti, o)| {
-        let m = causal(ti);
-        if m <= kk {
-            (0..m).for_each(|s| o[s] = s as f32);
-            return;
-        }
-        let score = &scores[ti * n_c..ti * n_c + m];
-        let mut order: Vec<usize> = (0..m).collect();
-        // Descending score, exact ties toward the lower index; NaN never wins.
-        order.sort_by(|&a, &b| topk_order(score[a], a, score[b], b));
-        let mut pick = order[..kk].to_vec();
-        pick.sort_unstable();
-        for (slot, p) in o.iter_mut().zip(pick) {
-            *slot = p as f32;
-        }
-    });
+    select_blocks(
+        env,
+        &q.data,
+        &ki.data,
+        &w.data,
+        (t, hi, di, n_c),
+        ratio,
+        kk,
+        &mut out,
+    )?;
     Ok(Tensor::new(vec![t, kk], out))
+}
+
+/// Scores and top-k of the queries in blocks (q [t, hi·di], ki [n_c, di], w [t, hi]): each
+/// block is scored against the compressed rows its last query may see (no score beyond the
+/// causal count is ever needed), then each query keeps its top kk of its causal rows, sorted
+/// ascending, into `out` [t, kk]. A query with no more causal rows than kk keeps them all.
+#[allow(clippy::too_many_arguments)]
+fn select_blocks(
+    env: &mut dyn OpEnv,
+    q: &[f32],
+    ki: &[f32],
+    w: &[f32],
+    (t, hi, di, n_c): (usize, usize, usize, usize),
+    ratio: usize,
+    kk: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let causal = |ti: usize| ((ti + 1) / ratio).min(n_c);
+    let rows = kern::score_block_rows(n_c);
+    let mut t0 = 0;
+    while t0 < t {
+        let t1 = (t0 + rows).min(t);
+        // every query of the block keeps all its causal rows: nothing to score
+        let m_b = causal(t1 - 1);
+        let scores = if m_b > kk {
+            env.device().indexer_scores(
+                &q[t0 * hi * di..t1 * hi * di],
+                &ki[..m_b * di],
+                &w[t0 * hi..t1 * hi],
+                t1 - t0,
+                hi,
+                di,
+                m_b,
+            )?
+        } else {
+            Vec::new()
+        };
+        out[t0 * kk..t1 * kk]
+            .par_chunks_mut(kk)
+            .enumerate()
+            .for_each(|(i, o)| {
+                let m = causal(t0 + i);
+                if m <= kk {
+                    (0..m).for_each(|s| o[s] = s as f32);
+                    return;
+                }
+                let score = &scores[i * m_b..i * m_b + m];
+                let mut order: Vec<usize> = (0..m).collect();
+                // Descending score, exact ties toward the lower index; NaN never wins. A total
+                // order, so the kk first are the same set as after a full sort.
+                order.select_nth_unstable_by(kk - 1, |&a, &b| topk_order(score[a], a, score[b], b));
+                let mut pick = order[..kk].to_vec();
+                pick.sort_unstable();
+                for (slot, p) in o.iter_mut().zip(pick) {
+                    *slot = p as f32;
+                }
+            });
+        t0 = t1;
+    }
+    Ok(())
 }
 
 /// MQA over one latent row per key (K = V), sliding window + causal compressed rows (or the
@@ -168,12 +219,18 @@ pub(crate) fn attention(
         n_c,
         win: cfg.sliding_window,
         scale: (dh as f64).powf(-0.5) as f32,
+        q0: 0,
+        kv0: 0,
     };
-    let allowed = kern::allowed_rows(t, n_c, ratio, sel.map(|s| (&s.data[..], cfg.index_topk)));
+    let lists = sel.map(|s| kern::selection_lists(&s.data, cfg.index_topk, n_c));
+    let keys = CmpKeys {
+        ratio,
+        sel: lists.as_deref().map(|l| (l, cfg.index_topk)),
+    };
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
     let nope = cfg.nope_dim();
     env.device()
-        .attention(q, kv, cmp, &allowed, &sink.data, dims, nope, &tab)
+        .attention(q, kv, cmp, keys, &sink.data, dims, nope, &tab)
 }
 
 /// Compressed KV rows of a compressor (docs/DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
