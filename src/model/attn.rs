@@ -222,15 +222,59 @@ pub(crate) fn attention(
         q0: 0,
         kv0: 0,
     };
-    let lists = sel.map(|s| kern::selection_lists(&s.data, cfg.index_topk, n_c));
+    let kk = cfg.index_topk;
+    let lists = sel.map(|s| kern::selection_lists(&s.data, kk, n_c));
     let keys = CmpKeys {
         ratio,
-        sel: lists.as_deref().map(|l| (l, cfg.index_topk)),
+        sel: lists.as_deref().map(|l| (l, kk)),
     };
-    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
+    let freqs = layer_rope_freqs(cfg, layer);
     let nope = cfg.nope_dim();
-    env.device()
-        .attention(q, kv, cmp, keys, &sink.data, dims, nope, &tab)
+    let chunk = env.chunk_rows().unwrap_or(t).max(1);
+    if chunk >= t {
+        let tab = RopeTable::new(&freqs, 0..t);
+        return env
+            .device()
+            .attention(q, kv, cmp, keys, &sink.data, dims, nope, &tab);
+    }
+    // Chunks of queries [q0, q1): each sees the kv rows from its first query's window on and
+    // every compressed row (the causal count and the selection lists stay per query), so each
+    // query's keys, their order and the result are those of one call over the prompt.
+    let rows = |x: &Tensor, a: usize, b: usize| {
+        let c = x.cols();
+        Tensor::new(vec![b - a, c], x.data[a * c..b * c].to_vec())
+    };
+    let mut out = Vec::with_capacity(t * hd);
+    let mut q0 = 0;
+    while q0 < t {
+        let q1 = (q0 + chunk).min(t);
+        let kv0 = (q0 + 1).saturating_sub(dims.win).min(q0);
+        let part = AttnDims {
+            t: q1 - q0,
+            q0,
+            kv0,
+            ..dims
+        };
+        let part_keys = CmpKeys {
+            ratio,
+            sel: lists.as_deref().map(|l| (&l[q0 * kk..q1 * kk], kk)),
+        };
+        let tab = RopeTable::new(&freqs, q0..q1);
+        let y = env.device().attention(
+            &rows(q, q0, q1),
+            &rows(kv, kv0, q1),
+            cmp,
+            part_keys,
+            &sink.data,
+            part,
+            nope,
+            &tab,
+        )?;
+        out.extend_from_slice(&y.data[..]);
+        q0 = q1;
+    }
+    // each chunk was stored (rounded) by the path's device already
+    Ok(Tensor::new(vec![t, hd], out))
 }
 
 /// Compressed KV rows of a compressor (docs/DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`

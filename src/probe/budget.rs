@@ -490,6 +490,66 @@ pub fn check(
     Ok(est)
 }
 
+/// Bytes one query token costs an attention call: its q row and output row (and the output's
+/// copy for the inverse RoPE), its kv row and its key list (i32 [topk]).
+fn chunk_row_bytes(cfg: &ModelConfig) -> f64 {
+    let f = |x: usize| x as f64;
+    let (h, dh) = (f(cfg.num_attention_heads), f(cfg.head_dim));
+    4.0 * (3.0 * h * dh + dh + f(cfg.index_topk))
+}
+
+/// Bytes an attention call holds whatever its chunk: the window rows before the chunk and every
+/// compressed row of `t` tokens (the densest compressed layer).
+fn chunk_fixed_bytes(cfg: &ModelConfig, t: usize) -> f64 {
+    let f = |x: usize| x as f64;
+    let dh = f(cfg.head_dim);
+    let densest = cfg
+        .compress_ratios
+        .iter()
+        .filter(|&&r| r > 0)
+        .map(|&r| t / r as usize)
+        .max()
+        .unwrap_or(0);
+    4.0 * dh * (f(cfg.sliding_window) + f(densest))
+}
+
+/// The attention's query chunk of a run over `t` tokens: `--chunk N` as given (at most t),
+/// else the most query tokens whose attention call fits `--mem-gib`, else None (the whole
+/// prompt in one call). A budget that does not hold one query token, or a chunk of 0, is a
+/// usage error (exit 2) naming what would work.
+pub fn chunk_rows(
+    cfg: &ModelConfig,
+    t: usize,
+    chunk: Option<usize>,
+    mem_gib: Option<f64>,
+) -> Result<Option<usize>> {
+    if let Some(n) = chunk {
+        if n == 0 {
+            return Err(Error::usage(
+                "--chunk 0: a chunk holds at least one query token",
+            ));
+        }
+        return Ok(Some(n.min(t.max(1))));
+    }
+    let Some(g) = mem_gib else {
+        return Ok(None);
+    };
+    let (row, fixed) = (chunk_row_bytes(cfg), chunk_fixed_bytes(cfg, t));
+    // in GiB, rounded up to 1e-6 GiB (1 KiB: less than one query token's bytes)
+    let smallest = ((fixed + row) / GIB * 1e6).ceil() / 1e6;
+    if !(g.is_finite() && g > 0.0) || g * GIB < fixed + row {
+        return Err(Error::usage(format!(
+            "--mem-gib {g}: one attention chunk over {t} tokens needs the window and compressed \
+             rows ({}) and one query token ({}); the smallest workable budget is --mem-gib \
+             {smallest:.6}",
+            gib(fixed),
+            gib(row),
+        )));
+    }
+    let n = ((g * GIB - fixed) / row).floor() as usize;
+    Ok(Some(n.clamp(1, t.max(1))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -549,6 +609,42 @@ mod tests {
         // a 100k-token file is announced (the runner warns past 60 s), 64 tokens are not
         assert!(estimate(&cfg, &plan(100_000)).cpu_seconds > 60.0);
         assert!(estimate(&cfg, &plan(64)).cpu_seconds < 60.0);
+    }
+
+    #[test]
+    fn the_chunk_comes_from_the_budget_and_a_too_small_budget_names_the_smallest() {
+        let cfg = tiny();
+        assert_eq!(chunk_rows(&cfg, 1000, None, None).unwrap(), None);
+        assert_eq!(chunk_rows(&cfg, 1000, Some(64), None).unwrap(), Some(64));
+        assert_eq!(chunk_rows(&cfg, 10, Some(64), None).unwrap(), Some(10));
+        assert_eq!(
+            chunk_rows(&cfg, 10, Some(0), None).unwrap_err().exit_code(),
+            2
+        );
+        // the chunk that fits: fixed + n rows within the budget, n + 1 rows not
+        let t = 8192;
+        let (row, fixed) = (chunk_row_bytes(&cfg), chunk_fixed_bytes(&cfg, t));
+        let g = (fixed + 100.5 * row) / GIB;
+        assert_eq!(chunk_rows(&cfg, t, None, Some(g)).unwrap(), Some(100));
+        assert_eq!(chunk_rows(&cfg, t, None, Some(1e6)).unwrap(), Some(t));
+        // too small: exit 2, and the budget the message names works
+        let e = chunk_rows(&cfg, t, None, Some(fixed / GIB)).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let msg = e.to_string();
+        let named: f64 = msg
+            .rsplit("--mem-gib ")
+            .next()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no budget named in: {msg}"));
+        assert_eq!(chunk_rows(&cfg, t, None, Some(named)).unwrap(), Some(1));
+        for bad in [0.0, -1.0, f64::NAN] {
+            assert_eq!(
+                chunk_rows(&cfg, t, None, Some(bad))
+                    .unwrap_err()
+                    .exit_code(),
+                2
+            );
+        }
     }
 
     #[test]
