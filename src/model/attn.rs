@@ -13,6 +13,7 @@ use super::graph::Op;
 use super::ModelConfig;
 use crate::device::kern::{self, AttnDims, CmpKeys};
 use crate::device::ops::{topk_order, RopeTable};
+use crate::device::Device;
 use crate::{Error, Result, Tensor};
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
@@ -93,14 +94,17 @@ pub(crate) fn indexer(
     let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
     w.data.iter_mut().for_each(|v| *v *= sc);
 
+    let rows = kern::score_block_rows(n_c);
+    let dims = (t, hi, di, n_c);
     select_blocks(
-        env,
+        &*env.device(),
         &q.data,
         &ki.data,
         &w.data,
-        (t, hi, di, n_c),
+        dims,
         ratio,
         kk,
+        rows,
         &mut out,
     )?;
     Ok(Tensor::new(vec![t, kk], out))
@@ -112,24 +116,25 @@ pub(crate) fn indexer(
 /// ascending, into `out` [t, kk]. A query with no more causal rows than kk keeps them all.
 #[allow(clippy::too_many_arguments)]
 fn select_blocks(
-    env: &mut dyn OpEnv,
+    dev: &dyn Device,
     q: &[f32],
     ki: &[f32],
     w: &[f32],
     (t, hi, di, n_c): (usize, usize, usize, usize),
     ratio: usize,
     kk: usize,
+    rows: usize,
     out: &mut [f32],
 ) -> Result<()> {
     let causal = |ti: usize| ((ti + 1) / ratio).min(n_c);
-    let rows = kern::score_block_rows(n_c);
+    let rows = rows.max(1);
     let mut t0 = 0;
     while t0 < t {
         let t1 = (t0 + rows).min(t);
         // every query of the block keeps all its causal rows: nothing to score
         let m_b = causal(t1 - 1);
         let scores = if m_b > kk {
-            env.device().indexer_scores(
+            dev.indexer_scores(
                 &q[t0 * hi * di..t1 * hi * di],
                 &ki[..m_b * di],
                 &w[t0 * hi..t1 * hi],
@@ -322,4 +327,45 @@ pub(crate) fn compress(
     let eps = cfg.rms_norm_eps as f32;
     env.device()
         .compress_tail(&a, &g, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::CpuDevice;
+    use crate::model::mem_env::Rng;
+
+    /// Scoring and selecting in query blocks of any size picks, for every query, the top kk of
+    /// its causal rows by an independent full sort of the whole [t, n_c] scores.
+    #[test]
+    fn blocks_of_any_size_select_what_a_full_sort_selects() {
+        let (t, hi, di, n_c, ratio, kk) = (57usize, 3usize, 8usize, 14usize, 4usize, 3usize);
+        let mut rng = Rng::new(9);
+        let q = rng.normals(t * hi * di, 0.0, 1.0);
+        let mut ki = rng.normals(n_c * di, 0.0, 1.0);
+        // two equal rows: exact ties go to the lower index
+        let (a, b) = (ki[2 * di..3 * di].to_vec(), 5 * di);
+        ki[b..b + di].copy_from_slice(&a);
+        let w = rng.normals(t * hi, 0.0, 0.3);
+        let scores = kern::indexer_scores(&q, &ki, &w, t, hi, di, n_c);
+        let mut want = vec![-1.0f32; t * kk];
+        for ti in 0..t {
+            let m = ((ti + 1) / ratio).min(n_c);
+            let mut order: Vec<usize> = (0..m).collect();
+            let s = &scores[ti * n_c..(ti + 1) * n_c];
+            order.sort_by(|&x, &y| topk_order(s[x], x, s[y], y));
+            let mut pick = order[..m.min(kk)].to_vec();
+            pick.sort_unstable();
+            for (j, p) in pick.into_iter().enumerate() {
+                want[ti * kk + j] = p as f32;
+            }
+        }
+        let dev = CpuDevice::new(|_: &mut Tensor| {});
+        for rows in [1usize, 5, 16, t] {
+            let mut out = vec![-1.0f32; t * kk];
+            let dims = (t, hi, di, n_c);
+            select_blocks(&dev, &q, &ki, &w, dims, ratio, kk, rows, &mut out).unwrap();
+            assert_eq!(out, want, "blocks of {rows} rows");
+        }
+    }
 }

@@ -507,7 +507,7 @@ fn chunk_fixed_bytes(cfg: &ModelConfig, t: usize) -> f64 {
         .compress_ratios
         .iter()
         .filter(|&&r| r > 0)
-        .map(|&r| t / r as usize)
+        .map(|&r| t / r)
         .max()
         .unwrap_or(0);
     4.0 * dh * (f(cfg.sliding_window) + f(densest))
