@@ -175,31 +175,46 @@ extern "C" __global__ void hc_post(const float* y, const float* x, const float* 
 
 // ---- attention ---------------------------------------------------------------------------------
 
-// One block per (query ti, head); blockDim.x a multiple of 32. Keys: the window [ti - win + 1, ti]
-// of kv [t, dh], then the compressed rows j of cmp [n_c, dh] with allowed[ti * n_c + j] != 0.
-// Dynamic shared memory: (win + n_c) floats for the scores, then 32 doubles for reductions.
-// Scores f32(q.k in f64) * scale; probabilities f32(exp(s - max) / den) with the f64 denominator
-// exp(sink - max) + sum exp(s - max); out = f32(sum p * k in f64) (kern::attention_core).
-extern "C" __global__ void attn_core(const float* q, const float* kv, const float* cmp, const u8* allowed,
-                                     const float* sink, u64 t, u64 h, u64 dh, u64 n_c, u64 win, float scale,
-                                     float* out) {
+// One block per (query ti, head); blockDim.x a multiple of 32. Query ti sits at position p = q0 + ti.
+// Keys: the window [p - win + 1, p] of kv (kv's row 0 is position kv0), then the compressed rows of cmp
+// [n_c, dh] below the causal count m = min((p + 1) / ratio, n_c) (none when ratio = 0): with a selection
+// (has_sel) the entries of sel[ti * kk ..] in list order up to the first -1 (ascending lists), else 0..m.
+// Dynamic shared memory: 32 doubles for reductions, then max_keys floats for the scores and max_keys ints
+// for the key rows. Scores f32(q.k in f64) * scale; probabilities f32(exp(s - max) / den) with the f64
+// denominator exp(sink - max) + sum exp(s - max); out = f32(sum p * k in f64) (kern::attention_core).
+extern "C" __global__ void attn_core(const float* q, const float* kv, const float* cmp, const int* sel, u64 kk,
+                                     int has_sel, u64 ratio, const float* sink, u64 t, u64 h, u64 dh, u64 n_c,
+                                     u64 win, u64 max_keys, u64 q0, u64 kv0, float scale, float* out) {
     extern __shared__ double shd[];
     double* red = shd;                      // 32 doubles
     float* sc = (float*)(shd + 32);         // scores, window first
-    int* kidx = (int*)(sc + win + n_c);     // key rows: >= 0 window row, < 0 compressed row -(j+1)
+    int* kidx = (int*)(sc + max_keys);      // key rows: >= 0 window row, < 0 compressed row -(j+1)
     u64 task = blockIdx.x;
     if (task >= t * h) return;
     u64 ti = task / h, head = task % h;
+    u64 p = q0 + ti;
     const float* qv = q + (ti * h + head) * dh;
-    u64 lo = (ti + 1 > win) ? ti + 1 - win : 0;
-    u64 nwin = win > 0 ? ti + 1 - lo : 0;
+    u64 lo = (p + 1 > win) ? p + 1 - win : 0;
+    u64 nwin = win > 0 ? p + 1 - lo : 0;
     // list the keys (thread 0; cheap next to the dot products)
     __shared__ u32 nkeys;
     if (threadIdx.x == 0) {
         u32 n = 0;
-        for (u64 k = 0; k < nwin; k++) kidx[n++] = (int)(lo + k);
-        for (u64 j = 0; j < n_c; j++)
-            if (allowed[ti * n_c + j]) kidx[n++] = -(int)(j + 1);
+        for (u64 k = 0; k < nwin; k++) kidx[n++] = (int)(lo + k - kv0);
+        u64 m = 0;
+        if (ratio > 0) {
+            m = (p + 1) / ratio;
+            if (m > n_c) m = n_c;
+        }
+        if (has_sel) {
+            for (u64 e = 0; e < kk; e++) {
+                int v = sel[ti * kk + e];
+                if (v < 0) break;
+                if ((u64)v < m && n < max_keys) kidx[n++] = -(v + 1);
+            }
+        } else {
+            for (u64 j = 0; j < m; j++) kidx[n++] = -(int)(j + 1);
+        }
         nkeys = n;
     }
     __syncthreads();

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::LaunchConfig;
 
 use super::cuda::{Gpu, A};
-use crate::device::kern::{AttnDims, HcParams, Scoring};
+use crate::device::kern::{AttnDims, CmpKeys, HcParams, Scoring};
 use crate::device::ops::RopeTable;
 use crate::device::{CpuDevice, Device};
 use crate::tensor::Data;
@@ -142,7 +142,7 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        allowed: &[u8],
+        keys: CmpKeys,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
@@ -151,14 +151,12 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         let dev = &self.dev;
         let y = dev.with(|g| {
             g.attention(
-                &q.data, &kv.data, &cmp.data, allowed, sink, dims, nope, tab, dev.round,
+                &q.data, &kv.data, &cmp.data, keys, sink, dims, nope, tab, dev.round,
             )
         })?;
         match y {
             Some(y) => Ok(Tensor::new(vec![dims.t, dims.h * dims.dh], y)),
-            None => self
-                .host
-                .attention(q, kv, cmp, allowed, sink, dims, nope, tab),
+            None => self.host.attention(q, kv, cmp, keys, sink, dims, nope, tab),
         }
     }
 
@@ -572,27 +570,39 @@ impl Gpu {
         Ok(self.output(ob, t * hc * d, round))
     }
 
-    /// The attention core (`kern::attention_core`), None when its scores do not fit the kernel's
-    /// shared memory (the caller computes it on the host).
+    /// The attention core (`kern::attention_core`), None when a query's keys do not fit the
+    /// kernel's shared memory (the caller computes it on the host). The compressed rows travel
+    /// as the per-query description (causal count, selection lists [t, kk]), never as a mask.
     pub fn attention_core(
         &mut self,
         q: &Data,
         kv: &Data,
         cmp: &Data,
-        allowed: &[u8],
+        keys: CmpKeys,
         sink: &[f32],
         a: AttnDims,
     ) -> Result<Option<Data>> {
-        let smem = 32 * 8 + (a.win + a.n_c) * 8;
+        let max_keys = a.win + keys.max_rows(a.n_c);
+        let smem = 32 * 8 + max_keys * 8;
         if smem > SMEM_DEFAULT {
             return Ok(None);
         }
+        if a.win > 0 && a.kv0 > (a.q0 + 1).saturating_sub(a.win) {
+            return Err(Error::Backend(format!(
+                "cuda: attention kv rows from {} miss the window of the query at {}",
+                a.kv0, a.q0
+            )));
+        }
         let n = a.t * a.h;
+        let (sel, kk) = match keys.sel {
+            Some((s, kk)) => (s, kk),
+            None => (&[-1i32][..], 0),
+        };
         let (qb, kb, cb, ab, sb) = (
             self.input(q)?,
             self.input(kv)?,
             self.input(cmp)?,
-            self.upload(allowed)?,
+            self.upload(sel)?,
             self.upload(sink)?,
         );
         let ob = self.out(n * a.dh * 4)?;
@@ -610,12 +620,18 @@ impl Gpu {
                     A::P(kb.ptr),
                     A::P(cb.ptr),
                     A::P(ab.ptr),
+                    A::U(kk as u64),
+                    A::I(keys.sel.is_some() as i32),
+                    A::U(keys.ratio as u64),
                     A::P(sb.ptr),
                     A::U(a.t as u64),
                     A::U(a.h as u64),
                     A::U(a.dh as u64),
                     A::U(a.n_c as u64),
                     A::U(a.win as u64),
+                    A::U(max_keys as u64),
+                    A::U(a.q0 as u64),
+                    A::U(a.kv0 as u64),
                     A::F(a.scale),
                     A::P(ob.ptr),
                 ],
@@ -632,14 +648,14 @@ impl Gpu {
         q: &Data,
         kv: &Data,
         cmp: &Data,
-        allowed: &[u8],
+        keys: CmpKeys,
         sink: &[f32],
         a: AttnDims,
         nope: usize,
         tab: &RopeTable,
         round: bool,
     ) -> Result<Option<Data>> {
-        let Some(o) = self.attention_core(q, kv, cmp, allowed, sink, a)? else {
+        let Some(o) = self.attention_core(q, kv, cmp, keys, sink, a)? else {
             return Ok(None);
         };
         let n = o.len();

@@ -292,6 +292,8 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         args.seed,
         args.mem.max_mem,
     )?;
+    p.opts.chunk = args.mem.chunk;
+    p.opts.mem_gib = args.mem.mem_gib;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     check_outputs(args, &outs)?;
     p.opts.keep_outputs = args.dump.is_some();

@@ -156,6 +156,19 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
                     ));
                 }
             }
+            // the attention over chunks of 7 query tokens (boundaries off the compression
+            // ratios' multiples): the same records as in one call
+            p.opts.chunk = Some(7);
+            let r = probe::run(&p.ckpt, &p.opts);
+            p.opts.chunk = None;
+            let differ = differing_ops(&gpu_res.records, &r?.records);
+            if !differ.is_empty() {
+                chunk_diff.push(format!(
+                    "attention chunks of 7: {} fields differ from one call, first {}",
+                    differ.len(),
+                    differ[0]
+                ));
+            }
             let ok = a.stat_mismatches.is_empty()
                 && a.worst_cos_delta <= 1e-4
                 && a.divergent_cpu == a.divergent_gpu
@@ -164,7 +177,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
                 rfail += 1;
             }
             println!(
-                "whole run `{profile}` layers {} T={}: {} ops; amax/NaN/Inf mismatches {}; worst |Δcos| {:.2e} at {}; worst amax rel {:.2e}; divergent ops cpu {} / cuda {}; experts by chunks of 1 and undeferred vs default: {}; cpu {:.2} s, cuda {:.2} s — {}",
+                "whole run `{profile}` layers {} T={}: {} ops; amax/NaN/Inf mismatches {}; worst |Δcos| {:.2e} at {}; worst amax rel {:.2e}; divergent ops cpu {} / cuda {}; experts by chunks of 1 and undeferred, attention by chunks of 7, vs default: {}; cpu {:.2} s, cuda {:.2} s — {}",
                 args.layers,
                 args.seq_len,
                 a.ops,

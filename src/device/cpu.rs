@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use super::gemm::matmul_nt;
-use super::kern::{self, AttnDims, HcParams, Scoring};
+use super::kern::{self, AttnDims, CmpKeys, HcParams, Scoring};
 use super::ops::{rmsnorm_rows, silu, RopeTable};
 use super::Device;
 use crate::{Result, Tensor};
@@ -146,7 +146,7 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        allowed: &[u8],
+        keys: CmpKeys,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
@@ -154,7 +154,7 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
     ) -> Result<Tensor> {
         let (t, dh) = (dims.t, dims.dh);
         let hd = dims.h * dh;
-        let out = kern::attention_core(&q.data, &kv.data, &cmp.data, allowed, sink, dims);
+        let out = kern::attention_core(&q.data, &kv.data, &cmp.data, keys, sink, dims);
         let mut out = Tensor::new(vec![t, hd], out);
         (self.store)(&mut out);
         for (pos, row) in out.data.chunks_mut(hd).enumerate() {

@@ -198,25 +198,117 @@ pub fn hc_post(
 /// Shapes and constants of the attention core.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnDims {
+    /// Queries (rows of q).
     pub t: usize,
     pub h: usize,
     pub dh: usize,
-    /// Compressed rows (0 on window-only layers).
+    /// Compressed rows (0 on window-only layers), always counted from the prompt's start.
     pub n_c: usize,
     pub win: usize,
     pub scale: f32,
+    /// Position of the first query in the prompt (0 unless the queries are a later chunk).
+    pub q0: usize,
+    /// Position of kv's first row: kv holds the rows [kv0, q0 + t), which must cover every
+    /// query's window (kv0 ≤ max(0, q0 + 1 − win)).
+    pub kv0: usize,
 }
 
-/// MQA over one latent row per key (K = V): for query ti and head, the keys are the window
-/// [ti − win + 1, ti] of `kv` then the compressed rows j of `cmp` with `allowed[ti·n_c + j]`,
-/// plus the head's sink logit. Scores = f32(q·k in f64) · scale; softmax with f64 exp and
-/// denominator, probabilities rounded to f32; output = Σ p·k in f64, rounded once. Returns
-/// [t, h·dh] before the path's storage rounding.
+impl AttnDims {
+    /// The window of the query at position p: kv positions [lo, p] (empty when win = 0).
+    #[inline]
+    pub fn window(&self, p: usize) -> std::ops::Range<usize> {
+        if self.win == 0 {
+            return p..p;
+        }
+        (p + 1).saturating_sub(self.win)..p + 1
+    }
+}
+
+/// Which compressed rows each query sees, described per query instead of as a [t, n_c] mask:
+/// the causal count min((p + 1) / ratio, n_c) of the query at position p, and, where the
+/// indexer selects, its selection list ([t, kk] row indices, ascending, −1 padding after the
+/// last): the rows of the list below the causal count, in list order.
+#[derive(Clone, Copy, Debug)]
+pub struct CmpKeys<'a> {
+    /// The layer's compression ratio (0: no compressed rows).
+    pub ratio: usize,
+    /// The per-query selection lists and their width kk.
+    pub sel: Option<(&'a [i32], usize)>,
+}
+
+impl CmpKeys<'_> {
+    /// No compressed rows (window-only layers).
+    pub const NONE: CmpKeys<'static> = CmpKeys {
+        ratio: 0,
+        sel: None,
+    };
+
+    /// The causal count of compressed rows of the query at position p.
+    #[inline]
+    pub fn causal(&self, p: usize, n_c: usize) -> usize {
+        if self.ratio == 0 {
+            return 0;
+        }
+        ((p + 1) / self.ratio).min(n_c)
+    }
+
+    /// The compressed rows of query `i` (position `p`), in the order the core sums them.
+    pub fn rows(&self, i: usize, p: usize, n_c: usize) -> impl Iterator<Item = usize> + '_ {
+        let m = self.causal(p, n_c);
+        let (list, all) = match self.sel {
+            Some((s, kk)) => (&s[i * kk..(i + 1) * kk], 0),
+            None => (&[][..], m),
+        };
+        list.iter()
+            .take_while(|&&v| v >= 0)
+            .map(|&v| v as usize)
+            .filter(move |&v| v < m)
+            .chain(0..all)
+    }
+
+    /// The most compressed keys any query can have (sizes the device kernel's key list).
+    pub fn max_rows(&self, n_c: usize) -> usize {
+        match self.sel {
+            _ if self.ratio == 0 => 0,
+            Some((_, kk)) => kk.min(n_c),
+            None => n_c,
+        }
+    }
+}
+
+/// The indexer's selection [t, kk] (f32, −1 = none) as the attention's per-query lists: each
+/// query's valid entries (a row < n_c) sorted ascending without repeats, −1 after them.
+/// O(t·kk): never a [t, n_c] mask.
+pub fn selection_lists(sel: &[f32], kk: usize, n_c: usize) -> Vec<i32> {
+    let mut out = vec![-1i32; sel.len()];
+    if kk == 0 {
+        return out;
+    }
+    out.par_chunks_mut(kk)
+        .zip(sel.par_chunks(kk))
+        .for_each(|(o, s)| {
+            let mut v: Vec<i32> = s
+                .iter()
+                .filter(|&&x| x >= 0.0 && (x as usize) < n_c)
+                .map(|&x| x as i32)
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            o[..v.len()].copy_from_slice(&v);
+        });
+    out
+}
+
+/// MQA over one latent row per key (K = V): for query i (position p = q0 + i) and head, the
+/// keys are the window [p − win + 1, p] of `kv` (whose row 0 is position kv0), then the
+/// compressed rows of `keys` (ascending), plus the head's sink logit. Scores = f32(q·k in
+/// f64) · scale; softmax with f64 exp and denominator, probabilities rounded to f32; output =
+/// Σ p·k in f64, rounded once. Returns [t, h·dh] before the path's storage rounding.
 pub fn attention_core(
     q: &[f32],
     kv: &[f32],
     cmp: &[f32],
-    allowed: &[u8],
+    keys: CmpKeys,
     sink: &[f32],
     a: AttnDims,
 ) -> Vec<f32> {
@@ -225,31 +317,29 @@ pub fn attention_core(
         h,
         dh,
         n_c,
-        win,
         scale,
+        q0,
+        kv0,
+        ..
     } = a;
     let mut out = vec![0.0f32; t * h * dh];
     out.par_chunks_mut(dh.max(1))
         .enumerate()
         .for_each(|(task, o)| {
             let (ti, head) = (task / h, task % h);
+            let p = q0 + ti;
             let qv = &q[(ti * h + head) * dh..(ti * h + head + 1) * dh];
-            let lo = (ti + 1).saturating_sub(win);
-            let mut keys: Vec<&[f32]> = (lo..=ti)
-                .filter(|_| win > 0)
-                .map(|k| &kv[k * dh..(k + 1) * dh])
+            let mut kr: Vec<&[f32]> = a
+                .window(p)
+                .map(|k| &kv[(k - kv0) * dh..(k - kv0 + 1) * dh])
                 .collect();
-            keys.extend(
-                (0..n_c)
-                    .filter(|&j| allowed[ti * n_c + j] != 0)
-                    .map(|j| &cmp[j * dh..(j + 1) * dh]),
-            );
-            let s: Vec<f32> = keys.iter().map(|k| (dot64(qv, k) as f32) * scale).collect();
+            kr.extend(keys.rows(ti, p, n_c).map(|j| &cmp[j * dh..(j + 1) * dh]));
+            let s: Vec<f32> = kr.iter().map(|k| (dot64(qv, k) as f32) * scale).collect();
             let sk = sink[head];
             let mx = s.iter().cloned().fold(sk, f32::max);
             let den = exp64(sk - mx) + sum64(s.iter().map(|&v| exp64(v - mx)));
             let mut acc = vec![0.0f64; dh];
-            for (k, &v) in keys.iter().zip(&s) {
+            for (k, &v) in kr.iter().zip(&s) {
                 let p = (exp64(v - mx) / den) as f32 as f64;
                 acc.iter_mut()
                     .zip(k.iter())
@@ -258,31 +348,6 @@ pub fn attention_core(
             o.iter_mut().zip(&acc).for_each(|(o, a)| *o = *a as f32);
         });
     out
-}
-
-/// Which compressed rows each query may attend to, [t, n_c] as 0/1: the causal rows
-/// j < min((ti + 1) / ratio, n_c), restricted to the indexer's selection when there is one
-/// (`sel` [t, kk], −1 = none).
-pub fn allowed_rows(t: usize, n_c: usize, ratio: usize, sel: Option<(&[f32], usize)>) -> Vec<u8> {
-    let mut a = vec![0u8; t * n_c];
-    if ratio == 0 {
-        return a;
-    }
-    for ti in 0..t {
-        let m = ((ti + 1) / ratio).min(n_c);
-        let row = &mut a[ti * n_c..(ti + 1) * n_c];
-        match sel {
-            Some((s, kk)) => {
-                for &v in &s[ti * kk..(ti + 1) * kk] {
-                    if v >= 0.0 && (v as usize) < m {
-                        row[v as usize] = 1;
-                    }
-                }
-            }
-            None => row[..m].iter_mut().for_each(|x| *x = 1),
-        }
-    }
-    a
 }
 
 /// The compressor's gated softmax pooling (docs/DSV4-LAYER.md §3.5.1), before any rounding: for block
@@ -327,6 +392,15 @@ pub fn compress_pool(
             }
         });
     out
+}
+
+/// The most bytes of indexer scores held at once: the queries are scored and selected in
+/// blocks of rows, so the indexer's memory is O(block·n_c), never O(t·n_c).
+const SCORE_BLOCK_BYTES: usize = 64 << 20;
+
+/// Rows per scoring block for n_c compressed rows (at least one).
+pub fn score_block_rows(n_c: usize) -> usize {
+    (SCORE_BLOCK_BYTES / 4 / n_c.max(1)).max(1)
 }
 
 /// The indexer's score of compressed row j for query ti (j < n_c): Σ_h relu(f32(q_h·k_j)) · w_h,
@@ -507,23 +581,92 @@ mod tests {
             n_c: 0,
             win: 1,
             scale: 1.0,
+            q0: 0,
+            kv0: 0,
         };
-        let o = attention_core(&q, &kv, &[], &[], &[0.0], a);
+        let o = attention_core(&q, &kv, &[], CmpKeys::NONE, &[0.0], a);
         let p = (2f64.exp() / (2f64.exp() + 1.0)) as f32 as f64;
         assert_eq!(o, vec![(p * 2.0) as f32, (p * 3.0) as f32]);
-        let o0 = attention_core(&q, &kv, &[], &[], &[0.0], AttnDims { win: 0, ..a });
+        let o0 = attention_core(
+            &q,
+            &kv,
+            &[],
+            CmpKeys::NONE,
+            &[0.0],
+            AttnDims { win: 0, ..a },
+        );
         assert_eq!(o0, vec![0.0, 0.0]);
     }
 
     #[test]
-    fn allowed_rows_is_causal_and_follows_the_selection() {
-        let a = allowed_rows(8, 2, 4, None);
-        assert_eq!(&a[0..2], &[0, 0]); // ti 0: (0+1)/4 = 0 rows
-        assert_eq!(&a[3 * 2..4 * 2], &[1, 0]); // ti 3: 1 row
-        assert_eq!(&a[7 * 2..8 * 2], &[1, 1]);
-        let sel: Vec<f32> = (0..8).flat_map(|_| [1.0f32, -1.0]).collect();
-        let b = allowed_rows(8, 2, 4, Some((&sel, 2)));
-        assert_eq!(&b[3 * 2..4 * 2], &[0, 0]); // row 1 not causal yet
-        assert_eq!(&b[7 * 2..8 * 2], &[0, 1]);
+    fn compressed_rows_are_causal_and_follow_the_selection() {
+        let all = CmpKeys {
+            ratio: 4,
+            sel: None,
+        };
+        let rows = |k: &CmpKeys, i: usize, p: usize| k.rows(i, p, 2).collect::<Vec<_>>();
+        assert_eq!(rows(&all, 0, 0), Vec::<usize>::new()); // (0+1)/4 = 0 rows
+        assert_eq!(rows(&all, 3, 3), vec![0]);
+        assert_eq!(rows(&all, 7, 7), vec![0, 1]);
+        // a repeated, unsorted, out-of-range selection becomes one ascending list per query
+        let sel: Vec<f32> = (0..8).flat_map(|_| [1.0f32, -1.0, 0.0, 1.0, 5.0]).collect();
+        let lists = selection_lists(&sel, 5, 2);
+        assert_eq!(&lists[..5], &[0, 1, -1, -1, -1]);
+        let picked = CmpKeys {
+            ratio: 4,
+            sel: Some((&lists, 5)),
+        };
+        assert_eq!(rows(&picked, 3, 3), vec![0]); // row 1 not causal yet
+        assert_eq!(rows(&picked, 7, 7), vec![0, 1]);
+        // a later chunk: query 0 of the block sits at position 7
+        assert_eq!(rows(&picked, 0, 7), vec![0, 1]);
+        assert_eq!(picked.max_rows(2), 2);
+        assert_eq!(CmpKeys::NONE.max_rows(9), 0);
+    }
+
+    /// A block of queries with its window's earlier rows (q0, kv0) computes the same bits as
+    /// the whole prompt's rows: chunked execution of the core is exact.
+    #[test]
+    fn a_query_block_equals_the_same_rows_of_the_whole_prompt() {
+        let (t, h, dh, win, ratio) = (23usize, 2usize, 4usize, 5usize, 4usize);
+        let n_c = t / ratio;
+        let r = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0;
+        let q: Vec<f32> = (0..t * h * dh).map(r).collect();
+        let kv: Vec<f32> = (0..t * dh).map(|i| r(i + 7)).collect();
+        let cmp: Vec<f32> = (0..n_c * dh).map(|i| r(i + 11)).collect();
+        let keys = CmpKeys { ratio, sel: None };
+        let a = AttnDims {
+            t,
+            h,
+            dh,
+            n_c,
+            win,
+            scale: 0.5,
+            q0: 0,
+            kv0: 0,
+        };
+        let whole = attention_core(&q, &kv, &cmp, keys, &[0.1, -0.2], a);
+        for (q0, q1) in [(0usize, 6usize), (6, 13), (13, 23)] {
+            let kv0 = (q0 + 1).saturating_sub(win);
+            let b = AttnDims {
+                t: q1 - q0,
+                q0,
+                kv0,
+                ..a
+            };
+            let part = attention_core(
+                &q[q0 * h * dh..q1 * h * dh],
+                &kv[kv0 * dh..q1 * dh],
+                &cmp,
+                keys,
+                &[0.1, -0.2],
+                b,
+            );
+            assert_eq!(
+                part,
+                whole[q0 * h * dh..q1 * h * dh].to_vec(),
+                "block {q0}..{q1}"
+            );
+        }
     }
 }

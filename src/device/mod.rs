@@ -17,7 +17,7 @@ pub mod ops;
 pub use cpu::CpuDevice;
 
 use crate::{Result, Tensor};
-use kern::{AttnDims, HcParams, Scoring};
+use kern::{AttnDims, CmpKeys, HcParams, Scoring};
 use ops::RopeTable;
 
 /// The layer's non-linear ops on one numerics path. Every method returns its output rounded the
@@ -75,13 +75,15 @@ pub trait Device {
         rms_eps: f32,
         coef: &dyn Fn(&[f32]) -> Vec<f32>,
     ) -> Result<Tensor>;
-    /// The attention core over the allowed rows, then inverse RoPE on dims [nope, dh): [t, h·dh].
+    /// The attention core of the queries q [t, h·dh] at positions q0.. over their windows in kv
+    /// (rows from position kv0) and the compressed rows `keys` describes per query, then inverse
+    /// RoPE on dims [nope, dh) with the table's row i for query i: [t, h·dh].
     fn attention(
         &self,
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        allowed: &[u8],
+        keys: CmpKeys,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
@@ -101,7 +103,8 @@ pub trait Device {
         eps: f32,
         tab: &RopeTable,
     ) -> Result<Tensor>;
-    /// The indexer's scores [t, n_c] (not rounded).
+    /// The indexer's scores [t, n_c] (not rounded) of a block of t queries; callers keep t small
+    /// enough that t·n_c stays bounded (`model::attn::indexer` scores query blocks).
     fn indexer_scores(
         &self,
         q: &[f32],

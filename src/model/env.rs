@@ -53,6 +53,11 @@ pub trait OpEnv {
     /// [T, Dh], "Ln.attn.compressor" [n_c, Dh], "Ln.attn.indexer.kv" [n_c, Di],
     /// "Ln.attn.indexer.q" [T, Hi·Di]. The L0 math leaves them alone (the default).
     fn cache_store(&self, _site: &str, _t: &mut Tensor) {}
+    /// Query tokens per attention call (`--chunk`): the attention runs over the prompt in
+    /// chunks of this many queries, with the same bits as in one call. None: all at once.
+    fn chunk_rows(&self) -> Option<usize> {
+        None
+    }
     /// The whole routed-experts op in one call, for a backend that batches it on a device:
     /// x [t, d], `per[e]` = (token, routing weight) pairs of expert e in token order, `k` slots
     /// per token, `bases[3e..3e+3]` = (w1, w3, w2). `None` = compute it linear by linear.

@@ -1,8 +1,9 @@
 //! What a run will need, estimated from the config, the layers and the token count alone, and
 //! checked against what the machine offers — before anything is allocated.
 //!
-//! Why: a run's memory grows with tokens × activation width × numerics paths, and the attention
-//! of compressed layers with tokens² (the indexer's scores and the allowed-row mask). A request the
+//! Why: a run's memory grows with tokens × activation width × numerics paths (the attention's
+//! key sets are per-query lists and the indexer scores query blocks, so nothing grows with
+//! tokens²). A request the
 //! machine cannot hold used to end in an allocator abort or the OOM killer minutes in; now it is
 //! refused up front (exit 2) with the estimate and the limit in the message, and `--max-mem GIB`
 //! replaces the detected limit for users who know better. The estimate is deliberately an upper
@@ -166,14 +167,18 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     let per_token = 3.0 * live + 5.0 * 3.0 * wide + 3.0 * hc * hc;
     let activations = t * per_token * 4.0;
 
-    // the compressed layers' allowed-row mask (1 byte) and, on CSA layers, the indexer's scores
-    // (4 bytes) and its per-thread ordering, one execution at a time
+    // the attention's per-query key lists on CSA layers (i32 [t, topk]) and the indexer's
+    // scores of one query block (`device::kern::score_block_rows`: at most 64 MiB, never
+    // [t, n_c]) with the top-k ordering each thread keeps (8 bytes per causal row), one
+    // execution at a time
+    let threads = rayon::current_num_threads().max(1) as f64;
     let attention = ratios
         .iter()
-        .filter(|&&r| r > 0)
-        .map(|&r| {
-            let n_c = (t / r as f64).floor();
-            t * n_c * if r == 4 { 1.0 + 4.0 + 2.0 } else { 1.0 }
+        .filter(|&&r| r == 4)
+        .map(|_| {
+            let n_c = (t / 4.0).floor();
+            let block = f(crate::device::kern::score_block_rows(n_c as usize)).min(t);
+            t * topk * 4.0 + block * n_c * 4.0 + threads * n_c * 8.0
         })
         .fold(0.0, f64::max);
 
@@ -218,7 +223,6 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     // CPU time: f64 GEMM flops on five executions per reported op (three per earlier op), plus
     // the f64 attention, at 4 GFLOP/s per thread (the tiny model runs at ~6 on one x86 core:
     // 5 layers × 1000 tokens took 25 CPU-seconds)
-    let threads = rayon::current_num_threads().max(1) as f64;
     let gemm_per_token: f64 = (0..run_layers.min(cfg.compress_ratios.len()))
         .map(|l| {
             let r = cfg.compress_ratios[l];
@@ -486,6 +490,66 @@ pub fn check(
     Ok(est)
 }
 
+/// Bytes one query token costs an attention call: its q row and output row (and the output's
+/// copy for the inverse RoPE), its kv row and its key list (i32 [topk]).
+fn chunk_row_bytes(cfg: &ModelConfig) -> f64 {
+    let f = |x: usize| x as f64;
+    let (h, dh) = (f(cfg.num_attention_heads), f(cfg.head_dim));
+    4.0 * (3.0 * h * dh + dh + f(cfg.index_topk))
+}
+
+/// Bytes an attention call holds whatever its chunk: the window rows before the chunk and every
+/// compressed row of `t` tokens (the densest compressed layer).
+fn chunk_fixed_bytes(cfg: &ModelConfig, t: usize) -> f64 {
+    let f = |x: usize| x as f64;
+    let dh = f(cfg.head_dim);
+    let densest = cfg
+        .compress_ratios
+        .iter()
+        .filter(|&&r| r > 0)
+        .map(|&r| t / r)
+        .max()
+        .unwrap_or(0);
+    4.0 * dh * (f(cfg.sliding_window) + f(densest))
+}
+
+/// The attention's query chunk of a run over `t` tokens: `--chunk N` as given (at most t),
+/// else the most query tokens whose attention call fits `--mem-gib`, else None (the whole
+/// prompt in one call). A budget that does not hold one query token, or a chunk of 0, is a
+/// usage error (exit 2) naming what would work.
+pub fn chunk_rows(
+    cfg: &ModelConfig,
+    t: usize,
+    chunk: Option<usize>,
+    mem_gib: Option<f64>,
+) -> Result<Option<usize>> {
+    if let Some(n) = chunk {
+        if n == 0 {
+            return Err(Error::usage(
+                "--chunk 0: a chunk holds at least one query token",
+            ));
+        }
+        return Ok(Some(n.min(t.max(1))));
+    }
+    let Some(g) = mem_gib else {
+        return Ok(None);
+    };
+    let (row, fixed) = (chunk_row_bytes(cfg), chunk_fixed_bytes(cfg, t));
+    // in GiB, rounded up to 1e-6 GiB (1 KiB: less than one query token's bytes)
+    let smallest = ((fixed + row) / GIB * 1e6).ceil() / 1e6;
+    if !(g.is_finite() && g > 0.0) || g * GIB < fixed + row {
+        return Err(Error::usage(format!(
+            "--mem-gib {g}: one attention chunk over {t} tokens needs the window and compressed \
+             rows ({}) and one query token ({}); the smallest workable budget is --mem-gib \
+             {smallest:.6}",
+            gib(fixed),
+            gib(row),
+        )));
+    }
+    let n = ((g * GIB - fixed) / row).floor() as usize;
+    Ok(Some(n.clamp(1, t.max(1))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -510,17 +574,26 @@ mod tests {
     }
 
     #[test]
-    fn grows_with_tokens_and_quadratically_in_attention() {
+    fn grows_with_tokens_and_never_quadratically_in_attention() {
         let cfg = tiny();
         let a = estimate(&cfg, &plan(1000));
         let b = estimate(&cfg, &plan(2000));
         assert!((b.activations / a.activations - 2.0).abs() < 1e-9);
+        // short prompts: the indexer's one score block is [t, t/4], quadratic
         let r = b.attention / a.attention;
-        assert!((3.9..4.1).contains(&r), "attention ratio {r}");
+        assert!((3.0..4.1).contains(&r), "attention ratio {r}");
+        // long prompts: per-query key lists and a bounded score block, at most linear in tokens
+        let (l1, l2) = (
+            estimate(&cfg, &plan(1 << 20)),
+            estimate(&cfg, &plan(1 << 21)),
+        );
+        let r = l2.attention / l1.attention;
+        assert!((1.0..2.01).contains(&r), "attention ratio at length {r}");
+        assert!(l1.attention < 2.0 * GIB, "{}", l1.attention);
         assert!(b.cpu_seconds > 1.9 * a.cpu_seconds);
         // u64::MAX tokens neither overflows nor panics: it is just enormous
         let z = estimate(&cfg, &plan(u64::MAX));
-        assert!(z.host() > 1e30, "{}", z.host());
+        assert!(z.host() > 1e20, "{}", z.host());
     }
 
     #[test]
@@ -536,6 +609,42 @@ mod tests {
         // a 100k-token file is announced (the runner warns past 60 s), 64 tokens are not
         assert!(estimate(&cfg, &plan(100_000)).cpu_seconds > 60.0);
         assert!(estimate(&cfg, &plan(64)).cpu_seconds < 60.0);
+    }
+
+    #[test]
+    fn the_chunk_comes_from_the_budget_and_a_too_small_budget_names_the_smallest() {
+        let cfg = tiny();
+        assert_eq!(chunk_rows(&cfg, 1000, None, None).unwrap(), None);
+        assert_eq!(chunk_rows(&cfg, 1000, Some(64), None).unwrap(), Some(64));
+        assert_eq!(chunk_rows(&cfg, 10, Some(64), None).unwrap(), Some(10));
+        assert_eq!(
+            chunk_rows(&cfg, 10, Some(0), None).unwrap_err().exit_code(),
+            2
+        );
+        // the chunk that fits: fixed + n rows within the budget, n + 1 rows not
+        let t = 8192;
+        let (row, fixed) = (chunk_row_bytes(&cfg), chunk_fixed_bytes(&cfg, t));
+        let g = (fixed + 100.5 * row) / GIB;
+        assert_eq!(chunk_rows(&cfg, t, None, Some(g)).unwrap(), Some(100));
+        assert_eq!(chunk_rows(&cfg, t, None, Some(1e6)).unwrap(), Some(t));
+        // too small: exit 2, and the budget the message names works
+        let e = chunk_rows(&cfg, t, None, Some(fixed / GIB)).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let msg = e.to_string();
+        let named: f64 = msg
+            .rsplit("--mem-gib ")
+            .next()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no budget named in: {msg}"));
+        assert_eq!(chunk_rows(&cfg, t, None, Some(named)).unwrap(), Some(1));
+        for bad in [0.0, -1.0, f64::NAN] {
+            assert_eq!(
+                chunk_rows(&cfg, t, None, Some(bad))
+                    .unwrap_err()
+                    .exit_code(),
+                2
+            );
+        }
     }
 
     #[test]

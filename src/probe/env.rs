@@ -53,6 +53,8 @@ pub struct Shared<'a> {
     deferred_record: Vec<bool>,
     /// Where linears, routed experts and statistics run.
     pub backend: Backend,
+    /// Query tokens per attention call (`--chunk`, `OpEnv::chunk_rows`).
+    pub chunk: Option<usize>,
     /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
     /// path of the op reads the same values, so they come from the checkpoint once per op.
     params: HashMap<String, Tensor>,
@@ -78,6 +80,7 @@ impl<'a> Shared<'a> {
             record_observations: false,
             deferred_record: Vec::new(),
             backend: Backend::Cpu,
+            chunk: None,
         }
     }
 
@@ -418,6 +421,9 @@ impl OpEnv for PathEnv<'_, '_> {
             Ok(y)
         })();
         Some(r)
+    }
+    fn chunk_rows(&self) -> Option<usize> {
+        self.shared.chunk
     }
     fn device(&self) -> Box<dyn Device + '_> {
         let store = move |t: &mut Tensor| self.store(t);

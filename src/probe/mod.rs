@@ -52,6 +52,10 @@ pub struct RunOptions {
     /// `--max-mem` (GiB): the memory budget the run's estimate is held to instead of what the
     /// machine reports (`budget`).
     pub max_mem: Option<f64>,
+    /// `--chunk`: query tokens per attention call (None: from `mem_gib`, else all at once).
+    pub chunk: Option<usize>,
+    /// `--mem-gib`: the memory one attention chunk may hold; chooses the chunk (`budget::chunk_rows`).
+    pub mem_gib: Option<f64>,
 }
 
 impl RunOptions {
@@ -71,6 +75,8 @@ impl RunOptions {
             stop_after: None,
             backend: crate::backend::Backend::Cpu,
             max_mem: None,
+            chunk: None,
+            mem_gib: None,
         }
     }
 

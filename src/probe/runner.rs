@@ -26,6 +26,8 @@ pub(super) struct Plan {
     pub first: usize,
     pub cfg: ModelConfig,
     pub ops: Vec<Op>,
+    /// Query tokens per attention call (`--chunk`, or chosen from `--mem-gib`).
+    pub chunk: Option<usize>,
 }
 
 /// Checks the request (layers, tokens, the memory estimate) before anything of the run's size is
@@ -56,9 +58,15 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
         opts.backend.gpu(),
         "this run",
     )?;
+    let chunk = budget::chunk_rows(&cfg, opts.tokens.len(), opts.chunk, opts.mem_gib)?;
     let ops = build_graph(&cfg, b, with_head);
     crate::profile::mark("runner: graph built");
-    Ok(Plan { first: a, cfg, ops })
+    Ok(Plan {
+        first: a,
+        cfg,
+        ops,
+        chunk,
+    })
 }
 
 /// The device loader (CUDA only; `NVFP4_PROBE_STAGE=0` switches it off) and its plan: the
@@ -153,6 +161,8 @@ impl<'a> Stepper<'a> {
         capture: bool,
         routed: &'a std::sync::Mutex<HashMap<usize, Vec<bool>>>,
     ) -> Stepper<'a> {
+        let mut shared = opts.shared(ckpt, p.cfg.clone());
+        shared.chunk = p.chunk;
         let mut last_use: HashMap<&str, usize> = HashMap::new();
         for (i, op) in p.ops.iter().enumerate() {
             for inp in &op.inputs {
@@ -168,7 +178,7 @@ impl<'a> Stepper<'a> {
             reads_ahead: opts.backend.gpu().is_some(),
             routed,
             last_use,
-            shared: opts.shared(ckpt, p.cfg.clone()),
+            shared,
             maps: Default::default(),
             records: Vec::new(),
             captured: Vec::new(),

@@ -4,7 +4,7 @@
 
 use super::{exact, Check};
 use crate::backend::cuda::Gpu;
-use crate::device::kern::{self, AttnDims, HcParams, Scoring};
+use crate::device::kern::{self, AttnDims, CmpKeys, HcParams, Scoring};
 use crate::device::ops::{rmsnorm_rows, RopeTable};
 use crate::model::mem_env::Rng;
 use crate::model::rope::rope_freqs;
@@ -218,8 +218,14 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         out.push(c);
     }
 
-    // ---- attention core: window + compressed rows, causal and with an indexer selection ----
-    for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
+    // ---- attention core: window + compressed rows, causal and with an indexer selection, and
+    // a later block of queries (positions from q0, kv rows from its window's start) ----
+    for (ratio, use_sel, block) in [
+        (0usize, false, false),
+        (4, false, false),
+        (4, true, false),
+        (4, true, true),
+    ] {
         let (t, h, dh, win) = (70 * s + 3, 3, 96, 16);
         let n_c = t.checked_div(ratio).unwrap_or(0);
         let q = normals(rng, t * h * dh, 1.0);
@@ -236,7 +242,11 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 }
             })
             .collect();
-        let allowed = kern::allowed_rows(t, n_c, ratio, use_sel.then_some((&sel[..], kk)));
+        let lists = kern::selection_lists(&sel, kk, n_c);
+        let keys = CmpKeys {
+            ratio,
+            sel: use_sel.then_some((&lists[..], kk)),
+        };
         let a = AttnDims {
             t,
             h,
@@ -244,16 +254,48 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             n_c,
             win,
             scale: (dh as f64).powf(-0.5) as f32,
+            q0: 0,
+            kv0: 0,
         };
-        let want = kern::attention_core(&q, &kv, &cmp, &allowed, &sink, a);
-        let got = g
-            .attention_core(&dv(&q), &dv(&kv), &dv(&cmp), &allowed, &sink, a)?
-            .map(Data::into_vec)
-            .unwrap_or_default();
-        let name = match (ratio, use_sel) {
-            (0, _) => "attention core (window)",
-            (_, false) => "attention core (window + compressed)",
-            _ => "attention core (window + indexer selection)",
+        let want = kern::attention_core(&q, &kv, &cmp, keys, &sink, a);
+        let (got, want) = if block {
+            // the device on a later block against the host's whole-prompt rows
+            let q0 = t / 2 + 1;
+            let kv0 = (q0 + 1).saturating_sub(win);
+            let b = AttnDims {
+                t: t - q0,
+                q0,
+                kv0,
+                ..a
+            };
+            let bk = CmpKeys {
+                ratio,
+                sel: Some((&lists[q0 * kk..], kk)),
+            };
+            let got = g
+                .attention_core(
+                    &dv(&q[q0 * h * dh..]),
+                    &dv(&kv[kv0 * dh..]),
+                    &dv(&cmp),
+                    bk,
+                    &sink,
+                    b,
+                )?
+                .map(Data::into_vec)
+                .unwrap_or_default();
+            (got, want[q0 * h * dh..].to_vec())
+        } else {
+            let got = g
+                .attention_core(&dv(&q), &dv(&kv), &dv(&cmp), keys, &sink, a)?
+                .map(Data::into_vec)
+                .unwrap_or_default();
+            (got, want)
+        };
+        let name = match (ratio, use_sel, block) {
+            (0, _, _) => "attention core (window)",
+            (_, false, _) => "attention core (window + compressed)",
+            (_, true, false) => "attention core (window + indexer selection)",
+            _ => "attention core (a later query block, selection)",
         };
         out.push(exact(name, &got, &want));
     }
@@ -312,6 +354,26 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
     let want = kern::indexer_scores(&q, &ki, &w, t, hi, di, n_c);
     let got = g.indexer_scores(&q, &ki, &w, t, hi, di, n_c)?;
     out.push(exact("indexer scores", &got, &want));
+    // a block of queries against the compressed rows its last query sees (how the indexer
+    // scores long prompts) equals those rows and columns of the whole
+    let (t0, m) = (t / 2, 6);
+    let got = g.indexer_scores(
+        &q[t0 * hi * di..],
+        &ki[..m * di],
+        &w[t0 * hi..],
+        t - t0,
+        hi,
+        di,
+        m,
+    )?;
+    let want: Vec<f32> = (t0..t)
+        .flat_map(|ti| want[ti * n_c..ti * n_c + m].to_vec())
+        .collect();
+    out.push(exact(
+        "indexer scores (a query block, causal columns)",
+        &got,
+        &want,
+    ));
 
     // ---- router: three scoring functions, ties, a NaN logit ----
     for f in [Scoring::SqrtSoftplus, Scoring::Sigmoid, Scoring::Softmax] {

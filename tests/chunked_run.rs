@@ -1,0 +1,102 @@
+//! `--chunk` / `--mem-gib`: the attention over the prompt in chunks of query tokens gives the
+//! same bits as one call. The built-in model over 300 tokens covers every attention kind (window
+//! only, HCA ratio 128 with two complete blocks, CSA ratio 4 with the indexer really selecting:
+//! 75 compressed rows > index_topk); chunk sizes on and off the ratios' multiples. Every op's
+//! record and every kept output of every path must equal the unchunked run's.
+
+use assert_cmd::Command;
+use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions, RunResult};
+
+fn bin() -> Command {
+    Command::cargo_bin("nvfp4-probe").unwrap()
+}
+
+fn run_with(chunk: Option<usize>) -> RunResult {
+    let ck = nvfp4_probe::synth::builtin(0).expect("built-in model");
+    let cfg = ck.model_config().expect("config").clone();
+    let opts = RunOptions {
+        keep_outputs: true,
+        chunk,
+        ..RunOptions::new((0, 4), synthetic_tokens(300, cfg.vocab_size, 5))
+    };
+    run(&ck, &opts).expect("run")
+}
+
+#[test]
+fn chunked_attention_equals_one_call_in_every_record_and_output() {
+    let whole = run_with(None);
+    let recs = serde_json::to_value(&whole.records).unwrap();
+    let summary = serde_json::to_value(&whole.summary).unwrap();
+    assert!(
+        whole
+            .records
+            .iter()
+            .any(|r| r.id.ends_with(".attn.indexer")),
+        "the run has a CSA layer"
+    );
+    for chunk in [7usize, 64, 129] {
+        let r = run_with(Some(chunk));
+        assert_eq!(
+            serde_json::to_value(&r.summary).unwrap(),
+            summary,
+            "chunk {chunk}: summary"
+        );
+        let got = serde_json::to_value(&r.records).unwrap();
+        for (a, b) in got.as_array().unwrap().iter().zip(recs.as_array().unwrap()) {
+            assert_eq!(a, b, "chunk {chunk}: record of {}", b["id"]);
+        }
+        assert_eq!(
+            got.as_array().unwrap().len(),
+            recs.as_array().unwrap().len()
+        );
+        for (path, outs) in &whole.outputs {
+            let mine = &r.outputs[path];
+            assert_eq!(mine.len(), outs.len());
+            for ((ia, ta), (ib, tb)) in mine.iter().zip(outs) {
+                assert_eq!(ia, ib);
+                assert_eq!(ta.shape, tb.shape, "{path} {ia}");
+                let differ = ta
+                    .data
+                    .iter()
+                    .zip(tb.data.iter())
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "chunk {chunk}: {path} {ia}: {differ} values differ"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_budget_too_small_for_one_chunk_exits_2_naming_the_smallest() {
+    let out = bin()
+        .args(["run", "--quiet", "--seq-len", "300", "--mem-gib", "0.00001"])
+        .assert()
+        .code(2)
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("smallest workable budget is --mem-gib"),
+        "{err}"
+    );
+    let named = err
+        .rsplit("--mem-gib ")
+        .next()
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no budget in: {err}"));
+    // the budget it names runs (one query token per chunk would be slow: a short prompt)
+    bin()
+        .args(["run", "--quiet", "--layers", "0..1", "--seq-len", "300"])
+        .args(["--mem-gib", &format!("{named}")])
+        .assert()
+        .code(0);
+    bin()
+        .args(["run", "--quiet", "--chunk", "0"])
+        .assert()
+        .code(2);
+}
