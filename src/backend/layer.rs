@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::LaunchConfig;
 
-use super::cuda::{Gpu, A};
+use super::cuda::Gpu;
 use crate::device::kern::{AttnDims, CmpKeys, HcParams, Scoring};
 use crate::device::ops::RopeTable;
 use crate::device::{CpuDevice, Device};
@@ -237,24 +237,15 @@ impl Gpu {
 
     fn round_in_place(&self, p: u64, n: usize, round: bool) -> Result<()> {
         if round {
-            self.launch("round_bf16", n as u64, &[A::P(p), A::U(n as u64), A::P(0)])?;
+            self.kern().round_bf16(n as u64, p, n as u64, 0)?;
         }
         Ok(())
     }
 
     /// ρ per row of x [rows, cols] into `r`.
     fn row_rms_dev(&self, x: u64, rows: usize, cols: usize, eps: f32, r: u64) -> Result<()> {
-        self.launch(
-            "row_rms",
-            (rows * 32) as u64,
-            &[
-                A::P(x),
-                A::U(rows as u64),
-                A::U(cols as u64),
-                A::F(eps),
-                A::P(r),
-            ],
-        )
+        self.kern()
+            .row_rms((rows * 32) as u64, x, rows as u64, cols as u64, eps, r)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -268,18 +259,15 @@ impl Gpu {
         round: bool,
         out: u64,
     ) -> Result<()> {
-        self.launch(
-            "rms_apply",
+        self.kern().rms_apply(
             (rows * cols) as u64,
-            &[
-                A::P(x),
-                A::U(rows as u64),
-                A::U(cols as u64),
-                A::P(r),
-                A::P(w),
-                A::I(round as i32),
-                A::P(out),
-            ],
+            x,
+            rows as u64,
+            cols as u64,
+            r,
+            w,
+            round as i32,
+            out,
         )
     }
 
@@ -309,20 +297,17 @@ impl Gpu {
         }
         let c = self.upload(&tab.cos[..rows * tab.half])?;
         let s = self.upload(&tab.sin[..rows * tab.half])?;
-        self.launch(
-            "rope_rows",
+        self.kern().rope_rows(
             (rows * nh * tab.half) as u64,
-            &[
-                A::P(x),
-                A::U(rows as u64),
-                A::U(nh as u64),
-                A::U(dh as u64),
-                A::U(off as u64),
-                A::U(tab.half as u64),
-                A::P(c.ptr),
-                A::P(s.ptr),
-                A::I(inverse as i32),
-            ],
+            x,
+            rows as u64,
+            nh as u64,
+            dh as u64,
+            off as u64,
+            tab.half as u64,
+            c.ptr,
+            s.ptr,
+            inverse as i32,
         )?;
         self.sync()
     }
@@ -458,22 +443,19 @@ impl Gpu {
         let pre = self.out(t * hc * 4)?;
         let post = self.out(t * hc * 4)?;
         let comb = self.out(t * hc * hc * 4)?;
-        self.launch(
-            "hc_coeffs",
+        self.kern().hc_coeffs(
             t as u64,
-            &[
-                A::P(mb.ptr),
-                A::U(t as u64),
-                A::U(mix as u64),
-                A::U(hc as u64),
-                A::P(sb.ptr),
-                A::P(bb.ptr),
-                A::U(p.iters as u64),
-                A::F(p.eps),
-                A::P(pre.ptr),
-                A::P(post.ptr),
-                A::P(comb.ptr),
-            ],
+            mb.ptr,
+            t as u64,
+            mix as u64,
+            hc as u64,
+            sb.ptr,
+            bb.ptr,
+            p.iters as u64,
+            p.eps,
+            pre.ptr,
+            post.ptr,
+            comb.ptr,
         )?;
         let yb = self.out(t * d * 4)?;
         self.hc_wsum_dev(xb.ptr, pre.ptr, t, hc, d, round, yb.ptr)?;
@@ -495,18 +477,15 @@ impl Gpu {
         round: bool,
         y: u64,
     ) -> Result<()> {
-        self.launch(
-            "hc_wsum",
+        self.kern().hc_wsum(
             (t * d) as u64,
-            &[
-                A::P(x),
-                A::P(coef),
-                A::U(t as u64),
-                A::U(hc as u64),
-                A::U(d as u64),
-                A::I(round as i32),
-                A::P(y),
-            ],
+            x,
+            coef,
+            t as u64,
+            hc as u64,
+            d as u64,
+            round as i32,
+            y,
         )
     }
 
@@ -552,20 +531,17 @@ impl Gpu {
             self.input(comb)?,
         );
         let ob = self.out(t * hc * d * 4)?;
-        self.launch(
-            "hc_post",
+        self.kern().hc_post(
             (t * hc * d) as u64,
-            &[
-                A::P(yb.ptr),
-                A::P(xb.ptr),
-                A::P(pb.ptr),
-                A::P(cb.ptr),
-                A::U(t as u64),
-                A::U(hc as u64),
-                A::U(d as u64),
-                A::I(round as i32),
-                A::P(ob.ptr),
-            ],
+            yb.ptr,
+            xb.ptr,
+            pb.ptr,
+            cb.ptr,
+            t as u64,
+            hc as u64,
+            d as u64,
+            round as i32,
+            ob.ptr,
         )?;
         Ok(self.output(ob, t * hc * d, round))
     }
@@ -612,29 +588,26 @@ impl Gpu {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            self.launch_cfg(
-                "attn_core",
+            self.kern().attn_core(
                 cfg,
-                &[
-                    A::P(qb.ptr),
-                    A::P(kb.ptr),
-                    A::P(cb.ptr),
-                    A::P(ab.ptr),
-                    A::U(kk as u64),
-                    A::I(keys.sel.is_some() as i32),
-                    A::U(keys.ratio as u64),
-                    A::P(sb.ptr),
-                    A::U(a.t as u64),
-                    A::U(a.h as u64),
-                    A::U(a.dh as u64),
-                    A::U(a.n_c as u64),
-                    A::U(a.win as u64),
-                    A::U(max_keys as u64),
-                    A::U(a.q0 as u64),
-                    A::U(a.kv0 as u64),
-                    A::F(a.scale),
-                    A::P(ob.ptr),
-                ],
+                qb.ptr,
+                kb.ptr,
+                cb.ptr,
+                ab.ptr,
+                kk as u64,
+                keys.sel.is_some() as i32,
+                keys.ratio as u64,
+                sb.ptr,
+                a.t as u64,
+                a.h as u64,
+                a.dh as u64,
+                a.n_c as u64,
+                a.win as u64,
+                max_keys as u64,
+                a.q0 as u64,
+                a.kv0 as u64,
+                a.scale,
+                ob.ptr,
             )?;
         }
         Ok(Some(self.output(ob, n * a.dh, false)))
@@ -693,18 +666,15 @@ impl Gpu {
         ratio: usize,
         out: u64,
     ) -> Result<()> {
-        self.launch(
-            "compress_pool",
+        self.kern().compress_pool(
             (n_c * dc) as u64,
-            &[
-                A::P(a),
-                A::P(g),
-                A::P(ape),
-                A::U(n_c as u64),
-                A::U(dc as u64),
-                A::U(ratio as u64),
-                A::P(out),
-            ],
+            a,
+            g,
+            ape,
+            n_c as u64,
+            dc as u64,
+            ratio as u64,
+            out,
         )
     }
 
@@ -757,19 +727,16 @@ impl Gpu {
     ) -> Result<Vec<f32>> {
         let (qb, kb, wb) = (self.upload(q)?, self.upload(ki)?, self.upload(w)?);
         let ob = self.out(t * n_c * 4)?;
-        self.launch(
-            "indexer_scores",
+        self.kern().indexer_scores(
             (t * n_c * 32) as u64,
-            &[
-                A::P(qb.ptr),
-                A::P(kb.ptr),
-                A::P(wb.ptr),
-                A::U(t as u64),
-                A::U(hi as u64),
-                A::U(di as u64),
-                A::U(n_c as u64),
-                A::P(ob.ptr),
-            ],
+            qb.ptr,
+            kb.ptr,
+            wb.ptr,
+            t as u64,
+            hi as u64,
+            di as u64,
+            n_c as u64,
+            ob.ptr,
         )?;
         self.download(ob.ptr, t * n_c)
     }
@@ -790,21 +757,18 @@ impl Gpu {
         let (lb, bb) = (self.input(logits)?, self.upload(bias)?);
         let wb = self.out(t * k * 4)?;
         let ib = self.out(t * k * 4)?;
-        self.launch(
-            "route_topk",
+        self.kern().route_topk(
             t as u64,
-            &[
-                A::P(lb.ptr),
-                A::P(bb.ptr),
-                A::U(t as u64),
-                A::U(e as u64),
-                A::U(k as u64),
-                A::I(f as i32),
-                A::I(norm as i32),
-                A::F(rs),
-                A::P(wb.ptr),
-                A::P(ib.ptr),
-            ],
+            lb.ptr,
+            bb.ptr,
+            t as u64,
+            e as u64,
+            k as u64,
+            f as i32,
+            norm as i32,
+            rs,
+            wb.ptr,
+            ib.ptr,
         )?;
         let idx: Vec<f32> = self.download(ib.ptr, t * k)?;
         Ok((
@@ -824,11 +788,8 @@ impl Gpu {
         }
         let (ab, bb) = (self.input(a)?, self.input(b)?);
         let ob = self.out(n * 4)?;
-        self.launch(
-            "add_f32",
-            n as u64,
-            &[A::P(ab.ptr), A::P(bb.ptr), A::U(n as u64), A::P(ob.ptr)],
-        )?;
+        self.kern()
+            .add_f32(n as u64, ab.ptr, bb.ptr, n as u64, ob.ptr)?;
         self.round_in_place(ob.ptr, n, round)?;
         Ok(self.output(ob, n, round))
     }

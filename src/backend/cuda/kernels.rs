@@ -129,7 +129,7 @@ impl Gpu {
     }
 
     /// Launch kernel `name` over `n` work items (grid-stride).
-    pub fn launch(&self, name: &str, n: u64, args: &[A]) -> Result<()> {
+    pub(super) fn launch(&self, name: &str, n: u64, args: &[A]) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -137,7 +137,7 @@ impl Gpu {
     }
 
     /// Launch kernel `name` with an explicit grid, block and dynamic shared memory.
-    pub fn launch_cfg(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
+    pub(super) fn launch_cfg(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
         let _s = crate::profile::span("host: launch");
         let f = self
             .funcs

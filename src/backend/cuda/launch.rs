@@ -128,7 +128,7 @@ kernels! {
     "layer.cu" fn hc_coeffs(m: ptr, t: u64, mix: u64, hc: u64, scale: ptr, base: ptr, iters: u64, eps: f32, pre: ptr, post: ptr, comb: ptr);
     "layer.cu" fn hc_wsum(x: ptr, coef: ptr, t: u64, hc: u64, d: u64, round: i32, y: ptr);
     "layer.cu" fn hc_post(y: ptr, x: ptr, post: ptr, comb: ptr, t: u64, hc: u64, d: u64, round: i32, out: ptr);
-    "layer.cu" fn attn_core(q: ptr, kv: ptr, cmp: ptr, allowed: ptr, sink: ptr, t: u64, h: u64, dh: u64, n_c: u64, win: u64, scale: f32, out: ptr);
+    "layer.cu" fn attn_core(q: ptr, kv: ptr, cmp: ptr, sel: ptr, kk: u64, has_sel: i32, ratio: u64, sink: ptr, t: u64, h: u64, dh: u64, n_c: u64, win: u64, max_keys: u64, q0: u64, kv0: u64, scale: f32, out: ptr);
     "layer.cu" fn compress_pool(a: ptr, g: ptr, ape: ptr, n_c: u64, dc: u64, ratio: u64, out: ptr);
     "layer.cu" fn indexer_scores(q: ptr, ki: ptr, w: ptr, t: u64, hi: u64, di: u64, n_c: u64, out: ptr);
     "layer.cu" fn route_topk(logits: ptr, bias: ptr, t: u64, e: u64, k: u64, f: i32, norm: i32, rs: f32, wts: ptr, idx: ptr);
