@@ -47,15 +47,45 @@ pub struct Estimate {
     pub graph: f64,
     /// Device bytes when `device` (activations, attention and the loader's staging cap).
     pub device: Option<f64>,
+    /// CUDA backend only: host bytes of the pinned staging buffers and the rows read back from
+    /// the device.
+    pub host_rows: f64,
     /// Rough seconds on the CPU backend (f64 GEMMs and f64 attention on every path).
     pub cpu_seconds: f64,
 }
 
+/// The share of the host-side activation formula the CUDA backend holds on the device: its
+/// paths keep fewer f32 copies of an op's operands than the CPU runner. Measured on the H200
+/// (V4-Flash-dimension ModelOpt checkpoint, layers 0..4, BENCHMARKS.md session 20): device peak
+/// 28.2 GB at 4,096 tokens and 68.2 GB at 16,384, a slope of 3.26 MiB per token where the formula
+/// gives 9.7: 0.34, with a 25 % margin.
+const DEVICE_ACTIVATIONS: f64 = 0.42;
+
+/// Host bytes per token of the CUDA backend's runner (rows that host code reads back: routing,
+/// the indexer's top-k, metrics), in residual-stream rows of f32: measured host peak RSS 11.95 GB
+/// at 4,096 tokens, 11.98 GB at 16,384 and 16.2 GB at 65,536 (about 1.3 rows per token of
+/// V4-Flash's 4 × 4096-wide stream); counted as 2.
+const DEVICE_HOST_ROWS: f64 = 2.0;
+
 impl Estimate {
     pub fn host(&self) -> f64 {
+        if self.device.is_some() {
+            // activations and the attention live on the device (counted in `device`); the host
+            // holds the staged weights, the rows host code reads back and the graph
+            return self.host_rows + self.weights + self.kept + self.graph;
+        }
         self.activations + self.attention + self.weights + self.kept + self.graph
     }
     fn parts(&self) -> String {
+        if self.device.is_some() {
+            return format!(
+                "staging and rows read back {}, weights {}, kept outputs {}, op graph {}",
+                gib(self.host_rows),
+                gib(self.weights),
+                gib(self.kept),
+                gib(self.graph)
+            );
+        }
         let mut v = vec![
             format!("activations {}", gib(self.activations)),
             format!("attention {}", gib(self.attention)),
@@ -250,14 +280,21 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         .sum();
     let cpu_seconds = t * gemm_per_token / (4.0e9 * threads);
 
-    let device = plan.device.then(|| {
-        let stage = std::env::var("NVFP4_PROBE_STAGE_GIB")
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .filter(|g| g.is_finite() && *g >= 0.0)
-            .unwrap_or(8.0);
-        activations + attention + stage * GIB
-    });
+    let stage = std::env::var("NVFP4_PROBE_STAGE_GIB")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|g| g.is_finite() && *g >= 0.0)
+        .unwrap_or(8.0)
+        * GIB;
+    let device = plan
+        .device
+        .then_some(DEVICE_ACTIVATIONS * activations + attention + stage);
+    // the CUDA backend's host side: the pinned staging buffers and the rows read back
+    let host_rows = if plan.device {
+        stage + DEVICE_HOST_ROWS * t * resid * 4.0
+    } else {
+        0.0
+    };
 
     Estimate {
         activations,
@@ -266,6 +303,7 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         kept,
         graph,
         device,
+        host_rows,
         cpu_seconds,
     }
 }
@@ -571,6 +609,42 @@ mod tests {
             layer_states: false,
             device: false,
         }
+    }
+
+    /// On the CUDA backend the activations are on the device: the host estimate of a
+    /// V4-Flash-dimension run at 16,384 tokens stays near what the H200 measured (12 GB host
+    /// RSS), the device estimate lies between the measured 68 GB and the 139 GiB card, and
+    /// 65,536 tokens (which ran out of the card's memory there) is beyond it.
+    #[test]
+    fn the_cuda_estimate_follows_the_h200_measurements() {
+        use crate::checkpoint::Naming;
+        use crate::synth::plan::{config_files, Dims, Format, Preset};
+        let d = Dims::new(Preset::FlashLayer, Some(5)).unwrap();
+        let (json, _) = config_files(&d, Format::Bf16, Naming::Official, &[]);
+        let cfg = ModelConfig::from_json(&serde_json::from_str(&json).unwrap()).unwrap();
+        let on = |t| {
+            estimate(
+                &cfg,
+                &Plan {
+                    device: true,
+                    ..plan(t)
+                },
+            )
+        };
+        let e16 = on(16384);
+        assert!(e16.host() < 24.0 * GIB, "host {}", gib(e16.host()));
+        let dev = e16.device.unwrap();
+        assert!((68.2e9..139.0 * GIB).contains(&dev), "device {}", gib(dev));
+        assert!(on(65536).device.unwrap() > 143.0 * GIB);
+        // the CPU backend keeps its activations on the host
+        let cpu = estimate(
+            &cfg,
+            &Plan {
+                with_head: false,
+                ..plan(16384)
+            },
+        );
+        assert!(cpu.host() > 100.0 * GIB);
     }
 
     #[test]
