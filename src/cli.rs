@@ -175,7 +175,7 @@ pub struct SynthArgs {
     /// dimensions, GBs).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
-    /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed or mxfp4.
+    /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed, mxfp4 or mxfp8.
     #[arg(long, default_value = "bf16")]
     pub format: String,
     /// Tensor naming: official (DeepSeek's release) or hf (Hugging Face transformers).
