@@ -4,6 +4,8 @@
 //! trace maps to (`trace::family_names`) must agree to ≤ 1e-4 relative L2; the routers must
 //! choose the same experts with the same weights (to 1e-5) for every token.
 
+mod trace_support;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -12,40 +14,12 @@ use nvfp4_probe::probe::{run, RunOptions};
 use nvfp4_probe::trace::family_names::map_hf;
 use nvfp4_probe::Tensor;
 use safetensors::SafeTensors;
+use trace_support::{f32s, rel_l2};
 
 fn data(family: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/hf-families")
         .join(family)
-}
-
-fn f32s(t: &safetensors::tensor::TensorView) -> Vec<f32> {
-    match t.dtype() {
-        safetensors::Dtype::F32 => t
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        safetensors::Dtype::I64 => t
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
-            .collect(),
-        d => panic!("unexpected dtype {d:?}"),
-    }
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (mut e, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        e += ((x - y) as f64).powi(2);
-        n += (*y as f64).powi(2);
-    }
-    if n == 0.0 {
-        e.sqrt()
-    } else {
-        (e / n).sqrt()
-    }
 }
 
 /// Runs every layer of the family's checkpoint on its tokens and checks each mapped op; returns

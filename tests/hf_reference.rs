@@ -2,6 +2,8 @@
 //! transformers-made checkpoint in tests/data/hf-tiny (hybrid naming, BF16), T = 300 and T = 77.
 //! Every op the capture maps to must agree to ≤ 1e-5 relative L2 (router and indexer: same choices).
 
+mod trace_support;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -10,40 +12,12 @@ use nvfp4_probe::probe::{run, RunOptions};
 use nvfp4_probe::trace::names::map_hf;
 use nvfp4_probe::Tensor;
 use safetensors::SafeTensors;
+use trace_support::{f32s, rel_l2};
 
 fn data(p: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/hf-tiny")
         .join(p)
-}
-
-fn f32s(t: &safetensors::tensor::TensorView) -> Vec<f32> {
-    match t.dtype() {
-        safetensors::Dtype::F32 => t
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        safetensors::Dtype::I64 => t
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
-            .collect(),
-        d => panic!("unexpected dtype {d:?}"),
-    }
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (mut e, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        e += ((x - y) as f64).powi(2);
-        n += (*y as f64).powi(2);
-    }
-    if n == 0.0 {
-        e.sqrt()
-    } else {
-        (e / n).sqrt()
-    }
 }
 
 fn check(t: usize) {
