@@ -809,7 +809,7 @@ impl Gpu {
         Ok(out)
     }
 
-    /// SwiGLU with the clamp on stored gate and up projections (`exec::swiglu_hidden`'s last
+    /// SwiGLU with the clamp on stored gate and up projections (`model::env::swiglu_hidden`'s last
     /// step): a = silu(min(g, L)) · clamp(u, ±L), then the path's rounding.
     pub fn swiglu(&mut self, g: &Data, u: &Data, limit: f32, round: bool) -> Result<Data> {
         let n = g.len();

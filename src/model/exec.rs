@@ -331,31 +331,6 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     ])
 }
 
-/// SwiGLU with the clamp: gt = min(bf(x@w1ᵀ), L), up = clamp(bf(x@w3ᵀ), ±L), a = bf(silu(gt)·up).
-pub(crate) fn swiglu_hidden(
-    env: &mut dyn OpEnv,
-    sub: &str,
-    x: &Tensor,
-    w1: &str,
-    w3: &str,
-    limit: f32,
-) -> Result<Tensor> {
-    let mut gt = env.linear(&format!("{sub}.w1"), x, w1)?;
-    let mut up = env.linear(&format!("{sub}.w3"), x, w3)?;
-    if gt.shape != up.shape || gt.rows() != x.rows() {
-        return Err(bad_weight(
-            w1,
-            format!(
-                "w1 output {:?} and w3 output {:?} disagree",
-                gt.shape, up.shape
-            ),
-        ));
-    }
-    env.store(&mut gt);
-    env.store(&mut up);
-    env.device().swiglu(&gt, &up, limit)
-}
-
 fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
     let layer = layer_of(op)?;
     let (x, wts, idx) = (inputs[0], inputs[1], inputs[2]);

@@ -2,7 +2,7 @@
 //! to their op ids: what `compare --names hf` reads for a Qwen3-MoE trace (as written by
 //! probes/capture/make_hf_families.py: `PATH`, tuple outputs `PATH:i`, inputs `PATH:input`).
 
-use super::names::Mapped;
+use super::mapped::Mapped;
 use crate::model::family::Kind;
 use crate::model::ModelConfig;
 

@@ -4,6 +4,7 @@
 pub mod assemble;
 pub mod compare;
 pub mod family_names;
+pub mod mapped;
 pub mod names;
 pub mod precision;
 pub mod read;

@@ -3,14 +3,7 @@
 //! A trace tensor name is `PATH` or `PATH:aux` (the capture scripts' convention). `map_name` returns the
 //! op id and how the tensor is laid out relative to the op's output.
 
-/// How a trace tensor relates to the op output it maps to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Mapped {
-    pub op: String,
-    /// True when the tensor's rows are token rows (so `rows` metadata selects them); false for
-    /// compressed rows, indexer picks and other non-token layouts, which are kept whole.
-    pub token_rows: bool,
-}
+pub use super::mapped::Mapped;
 
 fn layer_and_rest<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
     let r = name.strip_prefix(prefix)?;

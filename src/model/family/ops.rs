@@ -364,7 +364,7 @@ fn mlp(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Te
     let layer = layer_of(op)?;
     let d = cfg.hidden_size;
     let sub = format!("L{layer}.ffn.mlp");
-    let a = super::super::exec::swiglu_hidden(
+    let a = super::super::env::swiglu_hidden(
         env,
         &sub,
         x,
