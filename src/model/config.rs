@@ -4,7 +4,6 @@
 //! `partial_rotary_factor`, nested `rope_parameters = {main, compress}`).
 
 use serde_json::Value;
-use std::path::Path;
 
 use super::limits::{self, Sign};
 use crate::{Error, Result};
@@ -54,325 +53,302 @@ pub struct ModelConfig {
     pub index_topk: usize,
     /// A family other than V4 (issue 23: Qwen3-MoE, …) and what it adds; `None` for V4.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub family: Option<super::family::Family>,
+    pub family: Option<super::family::kind::Family>,
 }
 
 fn get<'a>(v: &'a Value, keys: &[&str]) -> Option<&'a Value> {
     keys.iter().find_map(|k| v.get(*k).filter(|x| !x.is_null()))
 }
 
-impl ModelConfig {
-    /// Read and parse `DIR/config.json`; errors name the file. Only a regular file is opened (a
-    /// FIFO would block), and a key given twice is refused (JSON readers keep one silently).
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = crate::input::read_text(path, "config", crate::input::SMALL_FILE_MAX)?;
-        let v = crate::input::parse_json(path, &text, "config")?;
-        Self::from_json(&v).map_err(|e| match e {
-            Error::Usage(m) => Error::bad(path, None, m),
+/// Parse a V4 config value ([`ModelConfig::from_json`] picks this parser when the config names
+/// no other family). Errors are `Error::Usage` with the field named (callers attach the file).
+/// Every field is checked against the family's limits ([`limits`]) as it is read, so nothing is
+/// sized from a value outside them (the default attention schedule is built per layer, after
+/// `num_hidden_layers` passed its limit).
+pub(super) fn parse_v4(v: &Value) -> Result<ModelConfig> {
+    let us = |keys: &[&str], default: Option<usize>, lim: &limits::Range| -> Result<usize> {
+        let n = match get(v, keys) {
+            Some(x) => x.as_u64().ok_or_else(|| {
+                Error::usage(format!(
+                    "config field `{}` is not a non-negative integer: {x}",
+                    keys[0]
+                ))
+            })?,
+            None => default
+                .ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0])))?
+                as u64,
+        };
+        lim.check(n).map_err(|e| match e {
+            // name the spelling the file used
+            Error::Usage(m) if get(v, &keys[..1]).is_none() && get(v, keys).is_some() => {
+                let used = keys
+                    .iter()
+                    .find(|k| get(v, &[k]).is_some())
+                    .unwrap_or(&keys[0]);
+                Error::usage(m.replacen(&format!("`{}`", keys[0]), &format!("`{used}`"), 1))
+            }
             other => other,
         })
-    }
-
-    /// Parse a config value. Errors are `Error::Usage` with the field named (callers attach the
-    /// file). Every field is checked against the family's limits ([`limits`]) as it is read, so
-    /// nothing is sized from a value outside them (the default attention schedule is built per
-    /// layer, after `num_hidden_layers` passed its limit).
-    pub fn from_json(v: &Value) -> Result<Self> {
-        if !v.is_object() {
-            return Err(Error::usage("config is not a JSON object"));
-        }
-        if let Some(kind) = super::family::detect(v) {
-            return super::family::config::parse(v, kind);
-        }
-        let us = |keys: &[&str], default: Option<usize>, lim: &limits::Range| -> Result<usize> {
-            let n = match get(v, keys) {
-                Some(x) => x.as_u64().ok_or_else(|| {
-                    Error::usage(format!(
-                        "config field `{}` is not a non-negative integer: {x}",
-                        keys[0]
-                    ))
-                })?,
-                None => default
-                    .ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0])))?
-                    as u64,
-            };
-            lim.check(n).map_err(|e| match e {
-                // name the spelling the file used
-                Error::Usage(m) if get(v, &keys[..1]).is_none() && get(v, keys).is_some() => {
-                    let used = keys
-                        .iter()
-                        .find(|k| get(v, &[k]).is_some())
-                        .unwrap_or(&keys[0]);
-                    Error::usage(m.replacen(&format!("`{}`", keys[0]), &format!("`{used}`"), 1))
-                }
-                other => other,
-            })
+    };
+    let fl = |keys: &[&str], default: Option<f64>, sign: Sign| -> Result<f64> {
+        let x = match get(v, keys) {
+            Some(x) => x.as_f64().ok_or_else(|| {
+                Error::usage(format!("config field `{}` is not a number: {x}", keys[0]))
+            })?,
+            None => default
+                .ok_or_else(|| Error::usage(format!("config field `{}` is missing", keys[0])))?,
         };
-        let fl = |keys: &[&str], default: Option<f64>, sign: Sign| -> Result<f64> {
-            let x = match get(v, keys) {
-                Some(x) => x.as_f64().ok_or_else(|| {
-                    Error::usage(format!("config field `{}` is not a number: {x}", keys[0]))
-                })?,
-                None => default.ok_or_else(|| {
-                    Error::usage(format!("config field `{}` is missing", keys[0]))
-                })?,
-            };
-            limits::check_float(keys[0], x, sign)
-        };
-        let hidden_size = us(&["hidden_size", "dim"], None, &limits::HIDDEN_SIZE)?;
-        let num_hidden_layers = us(
-            &["num_hidden_layers", "n_layers"],
+        limits::check_float(keys[0], x, sign)
+    };
+    let hidden_size = us(&["hidden_size", "dim"], None, &limits::HIDDEN_SIZE)?;
+    let num_hidden_layers = us(
+        &["num_hidden_layers", "n_layers"],
+        None,
+        &limits::NUM_HIDDEN_LAYERS,
+    )?;
+    let head_dim = us(&["head_dim"], Some(512), &limits::HEAD_DIM)?;
+    let qk_rope_head_dim = match get(v, &["qk_rope_head_dim", "rope_head_dim"]) {
+        Some(_) => us(
+            &["qk_rope_head_dim", "rope_head_dim"],
             None,
-            &limits::NUM_HIDDEN_LAYERS,
-        )?;
-        let head_dim = us(&["head_dim"], Some(512), &limits::HEAD_DIM)?;
-        let qk_rope_head_dim = match get(v, &["qk_rope_head_dim", "rope_head_dim"]) {
-            Some(_) => us(
-                &["qk_rope_head_dim", "rope_head_dim"],
-                None,
-                &limits::QK_ROPE_HEAD_DIM,
-            )?,
-            None => match get(v, &["partial_rotary_factor"]) {
-                Some(f) => {
-                    let f = f
-                        .as_f64()
-                        .filter(|f| f.is_finite() && *f > 0.0 && *f <= 1.0);
-                    let f =
-                        f.ok_or_else(|| {
-                            Error::usage(format!(
-                            "config field `partial_rotary_factor` is not a number in (0, 1]: {}",
-                            get(v, &["partial_rotary_factor"]).cloned().unwrap_or_default()
-                        ))
-                        })?;
-                    limits::QK_ROPE_HEAD_DIM.check((head_dim as f64 * f).round() as u64)?
-                }
-                None => 64,
-            },
-        };
-
-        // Attention schedule.
-        let compress_ratios: Vec<usize> = if let Some(arr) = get(v, &["compress_ratios"]) {
-            let arr = arr
-                .as_array()
-                .ok_or_else(|| Error::usage("config field `compress_ratios` is not an array"))?;
-            if arr.len() < num_hidden_layers {
-                return Err(Error::usage(format!(
-                    "config field `compress_ratios` has {} entries for {} layers (`num_hidden_layers`)",
-                    arr.len(),
-                    num_hidden_layers
-                )));
-            }
-            let mut out = Vec::with_capacity(num_hidden_layers);
-            for (i, x) in arr.iter().take(num_hidden_layers).enumerate() {
-                let r = x.as_u64().ok_or_else(|| {
+            &limits::QK_ROPE_HEAD_DIM,
+        )?,
+        None => match get(v, &["partial_rotary_factor"]) {
+            Some(f) => {
+                let f = f
+                    .as_f64()
+                    .filter(|f| f.is_finite() && *f > 0.0 && *f <= 1.0);
+                let f = f.ok_or_else(|| {
                     Error::usage(format!(
-                        "config field `compress_ratios` entry {x} of layer {i} is not an integer"
+                        "config field `partial_rotary_factor` is not a number in (0, 1]: {}",
+                        get(v, &["partial_rotary_factor"])
+                            .cloned()
+                            .unwrap_or_default()
                     ))
                 })?;
-                out.push(limits::check_compress_ratio(i, r)?);
+                limits::QK_ROPE_HEAD_DIM.check((head_dim as f64 * f).round() as u64)?
             }
-            out
-        } else if let Some(lt) = get(v, &["layer_types"]) {
-            let rates = get(v, &["compress_rates"]);
-            // transformers' CSA is this tool's ratio 4 (overlapping windows and the indexer);
-            // an HCA rate of 4 would be read as CSA
-            let rate = |name: &str, d: u64| -> Result<usize> {
-                let r = match rates.and_then(|r| r.get(name)).filter(|x| !x.is_null()) {
-                    Some(x) => x.as_u64().ok_or_else(|| {
-                        Error::usage(format!(
-                            "config field `compress_rates.{name}` is not an integer: {x}"
-                        ))
-                    })?,
-                    None => d,
-                };
-                let csa = name == "compressed_sparse_attention";
-                if (csa && r != 4) || (!csa && (r == 4 || r == 0)) {
-                    return Err(Error::usage(format!(
-                        "config field `compress_rates.{name}` = {r}: this tool reads CSA as ratio 4 and HCA as another power of two"
-                    )));
-                }
-                limits::check_compress_ratio(0, r).map_err(|_| {
+            None => 64,
+        },
+    };
+
+    // Attention schedule.
+    let compress_ratios: Vec<usize> = if let Some(arr) = get(v, &["compress_ratios"]) {
+        let arr = arr
+            .as_array()
+            .ok_or_else(|| Error::usage("config field `compress_ratios` is not an array"))?;
+        if arr.len() < num_hidden_layers {
+            return Err(Error::usage(format!(
+                "config field `compress_ratios` has {} entries for {} layers (`num_hidden_layers`)",
+                arr.len(),
+                num_hidden_layers
+            )));
+        }
+        let mut out = Vec::with_capacity(num_hidden_layers);
+        for (i, x) in arr.iter().take(num_hidden_layers).enumerate() {
+            let r = x.as_u64().ok_or_else(|| {
+                Error::usage(format!(
+                    "config field `compress_ratios` entry {x} of layer {i} is not an integer"
+                ))
+            })?;
+            out.push(limits::check_compress_ratio(i, r)?);
+        }
+        out
+    } else if let Some(lt) = get(v, &["layer_types"]) {
+        let rates = get(v, &["compress_rates"]);
+        // transformers' CSA is this tool's ratio 4 (overlapping windows and the indexer);
+        // an HCA rate of 4 would be read as CSA
+        let rate = |name: &str, d: u64| -> Result<usize> {
+            let r = match rates.and_then(|r| r.get(name)).filter(|x| !x.is_null()) {
+                Some(x) => x.as_u64().ok_or_else(|| {
                     Error::usage(format!(
-                        "config field `compress_rates.{name}` = {r} is not a power of two from 2 to {}",
-                        limits::MAX_COMPRESS_RATIO
+                        "config field `compress_rates.{name}` is not an integer: {x}"
                     ))
-                })
+                })?,
+                None => d,
             };
-            let lt = lt
-                .as_array()
-                .ok_or_else(|| Error::usage("config field `layer_types` is not an array"))?;
-            if lt.len() < num_hidden_layers {
+            let csa = name == "compressed_sparse_attention";
+            if (csa && r != 4) || (!csa && (r == 4 || r == 0)) {
                 return Err(Error::usage(format!(
-                    "config field `layer_types` has {} entries for {} layers (`num_hidden_layers`)",
-                    lt.len(),
-                    num_hidden_layers
+                    "config field `compress_rates.{name}` = {r}: this tool reads CSA as ratio 4 and HCA as another power of two"
                 )));
             }
-            let mut out = Vec::with_capacity(num_hidden_layers);
-            for t in lt.iter().take(num_hidden_layers) {
-                out.push(match t.as_str() {
-                    Some("sliding_attention") => 0,
-                    Some("compressed_sparse_attention") => rate("compressed_sparse_attention", 4)?,
-                    Some("heavily_compressed_attention") => {
-                        rate("heavily_compressed_attention", 128)?
-                    }
-                    _ => {
-                        return Err(Error::usage(format!(
-                            "config field `layer_types` has an unknown layer type {t}"
-                        )))
-                    }
-                });
-            }
-            out
-        } else {
-            // transformers' default schedule: 2× HCA, then CSA/HCA interleaved.
-            (0..num_hidden_layers)
-                .map(|i| {
-                    if i < 2 {
-                        128
-                    } else if i % 2 == 0 {
-                        4
-                    } else {
-                        128
-                    }
-                })
-                .collect()
+            limits::check_compress_ratio(0, r).map_err(|_| {
+                Error::usage(format!(
+                    "config field `compress_rates.{name}` = {r} is not a power of two from 2 to {}",
+                    limits::MAX_COMPRESS_RATIO
+                ))
+            })
         };
+        let lt = lt
+            .as_array()
+            .ok_or_else(|| Error::usage("config field `layer_types` is not an array"))?;
+        if lt.len() < num_hidden_layers {
+            return Err(Error::usage(format!(
+                "config field `layer_types` has {} entries for {} layers (`num_hidden_layers`)",
+                lt.len(),
+                num_hidden_layers
+            )));
+        }
+        let mut out = Vec::with_capacity(num_hidden_layers);
+        for t in lt.iter().take(num_hidden_layers) {
+            out.push(match t.as_str() {
+                Some("sliding_attention") => 0,
+                Some("compressed_sparse_attention") => rate("compressed_sparse_attention", 4)?,
+                Some("heavily_compressed_attention") => rate("heavily_compressed_attention", 128)?,
+                _ => {
+                    return Err(Error::usage(format!(
+                        "config field `layer_types` has an unknown layer type {t}"
+                    )))
+                }
+            });
+        }
+        out
+    } else {
+        // transformers' default schedule: 2× HCA, then CSA/HCA interleaved.
+        (0..num_hidden_layers)
+            .map(|i| {
+                if i < 2 {
+                    128
+                } else if i % 2 == 0 {
+                    4
+                } else {
+                    128
+                }
+            })
+            .collect()
+    };
 
-        let num_hash_layers =
-            if let Some(m) = get(v, &["mlp_layer_types"]).and_then(Value::as_array) {
-                m.iter()
-                    .take_while(|t| t.as_str() == Some("hash_moe"))
-                    .count()
-            } else {
-                // only compared with layer indices: any count is safe, more than the layers means all
-                let n = match get(v, &["num_hash_layers"]) {
-                    Some(x) => x.as_u64().ok_or_else(|| {
-                        Error::usage(format!(
-                            "config field `num_hash_layers` is not a non-negative integer: {x}"
-                        ))
-                    })?,
-                    None => 3,
-                };
-                n.min(num_hidden_layers as u64) as usize
+    let num_hash_layers = if let Some(m) = get(v, &["mlp_layer_types"]).and_then(Value::as_array) {
+        m.iter()
+            .take_while(|t| t.as_str() == Some("hash_moe"))
+            .count()
+    } else {
+        // only compared with layer indices: any count is safe, more than the layers means all
+        let n = match get(v, &["num_hash_layers"]) {
+            Some(x) => x.as_u64().ok_or_else(|| {
+                Error::usage(format!(
+                    "config field `num_hash_layers` is not a non-negative integer: {x}"
+                ))
+            })?,
+            None => 3,
+        };
+        n.min(num_hidden_layers as u64) as usize
+    };
+
+    // RoPE: flat rope_scaling (official) or nested rope_parameters.compress (HF).
+    let nested = |section: &str, key: &str| {
+        get(v, &["rope_parameters"])
+            .and_then(|r| r.get(section))
+            .and_then(|m| m.get(key))
+            .filter(|x| !x.is_null())
+    };
+    let float_at = |field: &str, x: &Value, sign: Sign| -> Result<f64> {
+        let f = x
+            .as_f64()
+            .ok_or_else(|| Error::usage(format!("config field `{field}` is not a number: {x}")))?;
+        limits::check_float(field, f, sign)
+    };
+    let rope_theta = match nested("main", "rope_theta") {
+        Some(x) => float_at("rope_parameters.main.rope_theta", x, Sign::Positive)?,
+        None => fl(&["rope_theta"], Some(10000.0), Sign::Positive)?,
+    };
+    let compress = get(v, &["rope_parameters"]).and_then(|r| r.get("compress"));
+    let compress_rope_theta = match nested("compress", "rope_theta") {
+        Some(x) => float_at("rope_parameters.compress.rope_theta", x, Sign::Positive)?,
+        None => fl(&["compress_rope_theta"], Some(160000.0), Sign::Positive)?,
+    };
+    let is_yarn =
+        |c: &&Value| c.get("rope_type").or(c.get("type")).and_then(Value::as_str) == Some("yarn");
+    let (yarn_src, yarn_field) = match compress.filter(is_yarn) {
+        Some(c) => (Some(c), "rope_parameters.compress"),
+        None => (get(v, &["rope_scaling"]).filter(is_yarn), "rope_scaling"),
+    };
+    let yarn = match yarn_src {
+        None => None,
+        Some(y) => {
+            let f = |k: &str, d: f64| -> Result<f64> {
+                match y.get(k).filter(|x| !x.is_null()) {
+                    Some(x) => float_at(&format!("{yarn_field}.{k}"), x, Sign::Positive),
+                    None => Ok(d),
+                }
             };
+            Some(Yarn {
+                factor: f("factor", 16.0)?,
+                original_max_position_embeddings: f("original_max_position_embeddings", 65536.0)?,
+                beta_fast: f("beta_fast", 32.0)?,
+                beta_slow: f("beta_slow", 1.0)?,
+            })
+        }
+    };
 
-        // RoPE: flat rope_scaling (official) or nested rope_parameters.compress (HF).
-        let nested = |section: &str, key: &str| {
-            get(v, &["rope_parameters"])
-                .and_then(|r| r.get(section))
-                .and_then(|m| m.get(key))
-                .filter(|x| !x.is_null())
-        };
-        let float_at = |field: &str, x: &Value, sign: Sign| -> Result<f64> {
-            let f = x.as_f64().ok_or_else(|| {
-                Error::usage(format!("config field `{field}` is not a number: {x}"))
-            })?;
-            limits::check_float(field, f, sign)
-        };
-        let rope_theta = match nested("main", "rope_theta") {
-            Some(x) => float_at("rope_parameters.main.rope_theta", x, Sign::Positive)?,
-            None => fl(&["rope_theta"], Some(10000.0), Sign::Positive)?,
-        };
-        let compress = get(v, &["rope_parameters"]).and_then(|r| r.get("compress"));
-        let compress_rope_theta = match nested("compress", "rope_theta") {
-            Some(x) => float_at("rope_parameters.compress.rope_theta", x, Sign::Positive)?,
-            None => fl(&["compress_rope_theta"], Some(160000.0), Sign::Positive)?,
-        };
-        let is_yarn = |c: &&Value| {
-            c.get("rope_type").or(c.get("type")).and_then(Value::as_str) == Some("yarn")
-        };
-        let (yarn_src, yarn_field) = match compress.filter(is_yarn) {
-            Some(c) => (Some(c), "rope_parameters.compress"),
-            None => (get(v, &["rope_scaling"]).filter(is_yarn), "rope_scaling"),
-        };
-        let yarn = match yarn_src {
-            None => None,
-            Some(y) => {
-                let f = |k: &str, d: f64| -> Result<f64> {
-                    match y.get(k).filter(|x| !x.is_null()) {
-                        Some(x) => float_at(&format!("{yarn_field}.{k}"), x, Sign::Positive),
-                        None => Ok(d),
-                    }
-                };
-                Some(Yarn {
-                    factor: f("factor", 16.0)?,
-                    original_max_position_embeddings: f(
-                        "original_max_position_embeddings",
-                        65536.0,
-                    )?,
-                    beta_fast: f("beta_fast", 32.0)?,
-                    beta_slow: f("beta_slow", 1.0)?,
-                })
-            }
-        };
+    let cfg = ModelConfig {
+        hidden_size,
+        num_hidden_layers,
+        vocab_size: us(&["vocab_size"], None, &limits::VOCAB_SIZE)?,
+        num_attention_heads: us(
+            &["num_attention_heads", "n_heads"],
+            None,
+            &limits::NUM_ATTENTION_HEADS,
+        )?,
+        head_dim,
+        qk_rope_head_dim,
+        q_lora_rank: us(&["q_lora_rank"], None, &limits::Q_LORA_RANK)?,
+        o_groups: us(&["o_groups"], None, &limits::O_GROUPS)?,
+        o_lora_rank: us(&["o_lora_rank"], None, &limits::O_LORA_RANK)?,
+        sliding_window: us(
+            &["sliding_window", "window_size"],
+            Some(128),
+            &limits::SLIDING_WINDOW,
+        )?,
+        compress_ratios,
+        rope_theta,
+        compress_rope_theta,
+        yarn,
+        rms_norm_eps: fl(&["rms_norm_eps", "norm_eps"], Some(1e-6), Sign::NonNegative)?,
+        hc_mult: us(&["hc_mult"], Some(4), &limits::HC_MULT)?,
+        hc_sinkhorn_iters: us(&["hc_sinkhorn_iters"], Some(20), &limits::HC_SINKHORN_ITERS)?,
+        hc_eps: fl(&["hc_eps"], Some(1e-6), Sign::NonNegative)?,
+        n_routed_experts: us(
+            &["n_routed_experts", "num_local_experts"],
+            None,
+            &limits::N_ROUTED_EXPERTS,
+        )?,
+        num_experts_per_tok: us(
+            &["num_experts_per_tok", "n_activated_experts"],
+            None,
+            &limits::NUM_EXPERTS_PER_TOK,
+        )?,
+        n_shared_experts: us(&["n_shared_experts"], Some(1), &limits::N_SHARED_EXPERTS)?,
+        moe_intermediate_size: us(
+            &["moe_intermediate_size", "moe_inter_dim"],
+            None,
+            &limits::MOE_INTERMEDIATE_SIZE,
+        )?,
+        num_hash_layers,
+        routed_scaling_factor: fl(
+            &["routed_scaling_factor", "route_scale"],
+            Some(1.0),
+            Sign::Any,
+        )?,
+        norm_topk_prob: get(v, &["norm_topk_prob"])
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        scoring_func: get(v, &["scoring_func", "score_func"])
+            .and_then(Value::as_str)
+            .unwrap_or("sqrtsoftplus")
+            .to_string(),
+        swiglu_limit: fl(&["swiglu_limit"], Some(10.0), Sign::Any)?,
+        index_n_heads: us(&["index_n_heads"], Some(64), &limits::INDEX_N_HEADS)?,
+        index_head_dim: us(&["index_head_dim"], Some(128), &limits::INDEX_HEAD_DIM)?,
+        index_topk: us(&["index_topk"], Some(512), &limits::INDEX_TOPK)?,
+        family: None,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
 
-        let cfg = ModelConfig {
-            hidden_size,
-            num_hidden_layers,
-            vocab_size: us(&["vocab_size"], None, &limits::VOCAB_SIZE)?,
-            num_attention_heads: us(
-                &["num_attention_heads", "n_heads"],
-                None,
-                &limits::NUM_ATTENTION_HEADS,
-            )?,
-            head_dim,
-            qk_rope_head_dim,
-            q_lora_rank: us(&["q_lora_rank"], None, &limits::Q_LORA_RANK)?,
-            o_groups: us(&["o_groups"], None, &limits::O_GROUPS)?,
-            o_lora_rank: us(&["o_lora_rank"], None, &limits::O_LORA_RANK)?,
-            sliding_window: us(
-                &["sliding_window", "window_size"],
-                Some(128),
-                &limits::SLIDING_WINDOW,
-            )?,
-            compress_ratios,
-            rope_theta,
-            compress_rope_theta,
-            yarn,
-            rms_norm_eps: fl(&["rms_norm_eps", "norm_eps"], Some(1e-6), Sign::NonNegative)?,
-            hc_mult: us(&["hc_mult"], Some(4), &limits::HC_MULT)?,
-            hc_sinkhorn_iters: us(&["hc_sinkhorn_iters"], Some(20), &limits::HC_SINKHORN_ITERS)?,
-            hc_eps: fl(&["hc_eps"], Some(1e-6), Sign::NonNegative)?,
-            n_routed_experts: us(
-                &["n_routed_experts", "num_local_experts"],
-                None,
-                &limits::N_ROUTED_EXPERTS,
-            )?,
-            num_experts_per_tok: us(
-                &["num_experts_per_tok", "n_activated_experts"],
-                None,
-                &limits::NUM_EXPERTS_PER_TOK,
-            )?,
-            n_shared_experts: us(&["n_shared_experts"], Some(1), &limits::N_SHARED_EXPERTS)?,
-            moe_intermediate_size: us(
-                &["moe_intermediate_size", "moe_inter_dim"],
-                None,
-                &limits::MOE_INTERMEDIATE_SIZE,
-            )?,
-            num_hash_layers,
-            routed_scaling_factor: fl(
-                &["routed_scaling_factor", "route_scale"],
-                Some(1.0),
-                Sign::Any,
-            )?,
-            norm_topk_prob: get(v, &["norm_topk_prob"])
-                .and_then(Value::as_bool)
-                .unwrap_or(true),
-            scoring_func: get(v, &["scoring_func", "score_func"])
-                .and_then(Value::as_str)
-                .unwrap_or("sqrtsoftplus")
-                .to_string(),
-            swiglu_limit: fl(&["swiglu_limit"], Some(10.0), Sign::Any)?,
-            index_n_heads: us(&["index_n_heads"], Some(64), &limits::INDEX_N_HEADS)?,
-            index_head_dim: us(&["index_head_dim"], Some(128), &limits::INDEX_HEAD_DIM)?,
-            index_topk: us(&["index_topk"], Some(512), &limits::INDEX_TOPK)?,
-            family: None,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
+impl ModelConfig {
     /// Constraints between fields that the layer math relies on (each field's own range is
     /// checked as it is read; this re-checks them for configs built in code).
     pub fn validate(&self) -> Result<()> {
@@ -455,9 +431,6 @@ impl ModelConfig {
             ("swiglu_limit", self.swiglu_limit, Sign::Any),
         ] {
             limits::check_float(field, x, sign)?;
-        }
-        if let Some(f) = &self.family {
-            f.validate(self)?;
         }
         Ok(())
     }

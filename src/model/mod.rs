@@ -8,7 +8,9 @@ pub mod family;
 pub mod graph;
 pub mod layers;
 pub mod limits;
+mod load;
 pub mod mem_env;
+pub mod op;
 pub mod rope;
 
 pub use config::ModelConfig;

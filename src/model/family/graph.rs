@@ -17,9 +17,9 @@
 //! `attn.res`; `ffn.norm` → `ffn.mlp` on the leading dense layers, else `ffn.router` (+ `.idx`),
 //! `ffn.experts`, `ffn.shared` → `ffn.out` = experts + shared → `out` = res + ffn.
 
-use super::super::graph::{op, Op, OpClass, OpKind};
+use super::super::op::{op, Op, OpClass, OpKind};
 use super::super::ModelConfig;
-use super::Kind;
+use super::kind::Kind;
 
 /// Ops of layers `0..=last_layer` (clamped), then `final_norm` and `head` when `with_head`.
 pub fn build(cfg: &ModelConfig, last_layer: usize, with_head: bool) -> Vec<Op> {

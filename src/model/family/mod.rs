@@ -13,16 +13,17 @@
 
 pub mod config;
 pub mod graph;
+pub mod kind;
 pub mod ops;
 
-pub use config::{detect, Family, Kind, RopeStyle};
+pub use kind::{detect, Family, Kind, RopeStyle};
 
 use super::ModelConfig;
 
 /// The ops of a family graph the CUDA backend has no device version of, for a clear refusal
 /// (`--backend cuda` on such a model exits 2 naming them). `None` for V4.
 pub fn cuda_unsupported(cfg: &ModelConfig) -> Option<String> {
-    use super::graph::OpKind;
+    use super::op::OpKind;
     let f = cfg.family.as_ref()?;
     let host_only = |k: &OpKind| {
         matches!(
@@ -36,7 +37,7 @@ pub fn cuda_unsupported(cfg: &ModelConfig) -> Option<String> {
         )
     };
     let mut names: Vec<String> = Vec::new();
-    for op in super::graph::build_graph(cfg, cfg.num_hidden_layers.saturating_sub(1), false) {
+    for op in graph::build(cfg, cfg.num_hidden_layers.saturating_sub(1), false) {
         let n = format!("`{:?}`", op.kind);
         if host_only(&op.kind) && !names.contains(&n) {
             names.push(n);

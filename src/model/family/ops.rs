@@ -11,10 +11,10 @@
 use rayon::prelude::*;
 
 use super::super::env::{check_shape, internal, layer_of, param_n, weight, OpEnv};
-use super::super::graph::{Op, OpKind};
+use super::super::op::{Op, OpKind};
 use super::super::rope::rope_freqs;
 use super::super::ModelConfig;
-use super::{Family, RopeStyle};
+use super::kind::{Family, Kind, RopeStyle};
 use crate::device::kern::{dot64, exp64, sum64};
 use crate::device::ops::RopeTable;
 use crate::{Result, Tensor};
@@ -91,7 +91,7 @@ fn head_rope(
 ) -> Result<Tensor> {
     layer_of(op)?;
     // DeepSeek-V3's rope key is the tail of the kv_a row (latent, then rope): one head of it all
-    let shared_key = fam.kind == super::Kind::DeepseekV3 && op.id.ends_with(".attn.k_rope");
+    let shared_key = fam.kind == Kind::DeepseekV3 && op.id.ends_with(".attn.k_rope");
     let (dh, r) = (
         if shared_key { x.cols() } else { cfg.head_dim },
         cfg.qk_rope_head_dim,
