@@ -7,6 +7,7 @@
 
 pub mod cuda;
 pub mod layer;
+pub mod linears;
 pub mod stage;
 
 use std::sync::{Arc, Mutex};
@@ -67,6 +68,51 @@ impl Backend {
         match self {
             Backend::Cpu => None,
             Backend::Cuda(g) => Some(g),
+        }
+    }
+
+    /// The linears of a run on this backend (`served::Linears`).
+    pub fn linears(&self) -> Box<dyn crate::served::Linears> {
+        match self {
+            Backend::Cpu => Box::<crate::served::CpuLinears>::default(),
+            Backend::Cuda(g) => Box::new(linears::CudaLinears(g.clone())),
+        }
+    }
+
+    /// The layer's non-linear ops on this backend (`device::Device`) for one path: `round` says
+    /// whether the path stores activations in BF16, `store` is the path's rounding of a tensor.
+    pub fn device<'a>(
+        &self,
+        round: bool,
+        store: impl Fn(&mut crate::Tensor) + 'a,
+    ) -> Box<dyn crate::device::Device + 'a> {
+        match self {
+            Backend::Cpu => Box::new(crate::device::CpuDevice::new(store)),
+            Backend::Cuda(g) => Box::new(layer::CudaDevice::new(
+                layer::Dev {
+                    gpu: g.clone(),
+                    round,
+                },
+                store,
+            )),
+        }
+    }
+
+    /// Make values resident on the device, attached to `x` so every later use finds them there
+    /// (a parameter read once per op and used by every path); nothing on the CPU.
+    pub fn make_resident(&self, x: &crate::tensor::Data) -> crate::Result<()> {
+        if let (Backend::Cuda(g), None) = (self, x.device()) {
+            linears::lock(g)?.input(x)?;
+        }
+        Ok(())
+    }
+
+    /// Round values held only on the device to BF16 there (no trip through the host); false
+    /// when they are on the host or there is no device, for the caller to round on the host.
+    pub fn round_resident(&self, x: &mut crate::tensor::Data) -> bool {
+        match self {
+            Backend::Cuda(g) if !x.on_host() => g.lock().is_ok_and(|g| g.round_data(x).is_ok()),
+            _ => false,
         }
     }
 }

@@ -85,7 +85,7 @@ impl RunOptions {
         let mut shared = Shared::new(ckpt, cfg, self.tokens.clone(), self.profile);
         shared.faults = self.loader_faults.clone();
         shared.overrides = self.overrides.clone();
-        shared.backend = self.backend.clone();
+        shared.set_backend(self.backend.clone());
         shared
     }
 }

@@ -18,9 +18,11 @@ use crate::numerics::{e2m1, e4m3, fp8_block, swizzle};
 use crate::Result;
 
 pub mod faults;
+pub mod linears;
 pub mod profile;
 
 use faults::{Fault, FaultKind};
+pub use linears::{CpuLinears, FusedExperts, LinearCtx, Linears, Observed};
 pub use profile::{ActQuant, Epilogue, PathKind, Profile, Recipe, WeightOperand};
 
 /// The overrides among (weight base, override) pairs that apply to weight `base`, in order.

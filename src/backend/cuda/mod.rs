@@ -93,14 +93,7 @@ pub enum Ty {
     Bf16,
 }
 
-/// What the served linear needs from the run: checkpoint, profile, loader faults, hypotheses.
-pub struct LinearCtx<'a> {
-    pub ckpt: &'a Checkpoint,
-    pub profile: Profile,
-    pub fuse_pairs: bool,
-    pub faults: &'a [Fault],
-    pub overrides: &'a [(String, Override)],
-}
+pub use crate::served::LinearCtx;
 
 /// Device timing and traffic counters (for benchmarks).
 #[derive(Clone, Debug, Default, serde::Serialize)]

@@ -1,0 +1,87 @@
+//! The CUDA implementation of the linears' interface (`served::Linears`): the served recipe, the
+//! oracles' GEMMs and the fused routed experts on the device (`cuda::Gpu`), bit for bit the
+//! host reference's (`served::CpuLinears`). The run's environment holds it as a `dyn Linears`
+//! and never asks which machine runs its linears.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::cuda::Gpu;
+use crate::served::{FusedExperts, LinearCtx, Linears, Observed, PathKind};
+use crate::tensor::Data;
+use crate::{Result, Tensor};
+
+/// The device's linears; the `Gpu` is shared with the run's `CudaDevice` and statistics.
+pub struct CudaLinears(pub Arc<Mutex<Gpu>>);
+
+/// The device state, or a clear error when an earlier failure poisoned it.
+pub fn lock(g: &Mutex<Gpu>) -> Result<MutexGuard<'_, Gpu>> {
+    g.lock().map_err(|_| {
+        crate::Error::Backend("cuda: the device state was poisoned by an earlier failure".into())
+    })
+}
+
+fn whole(obs: Option<crate::served::LinearObs>) -> Observed {
+    obs.map(|o| (String::new(), o)).into_iter().collect()
+}
+
+impl Linears for CudaLinears {
+    fn linear(
+        &mut self,
+        ctx: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &Data,
+        m: usize,
+    ) -> Result<(Data, usize, Observed)> {
+        let (y, n, obs) = lock(&self.0)?.linear(ctx, kind, base, x, m)?;
+        Ok((y, n, whole(obs)))
+    }
+
+    fn linear_grouped(
+        &mut self,
+        ctx: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &Data,
+        rows: usize,
+        groups: usize,
+    ) -> Result<(Data, usize, Observed)> {
+        let (y, r, obs) = lock(&self.0)?.linear_grouped(ctx, kind, base, x, rows, groups)?;
+        Ok((y, r, whole(obs)))
+    }
+
+    fn experts(
+        &mut self,
+        ctx: &LinearCtx,
+        kind: PathKind,
+        layer: usize,
+        x: &Tensor,
+        per: &[Vec<(usize, f32)>],
+        k: usize,
+        bases: &[&str],
+        limit: f32,
+    ) -> Option<Result<FusedExperts>> {
+        let run = || {
+            let mut g = lock(&self.0)?;
+            let counters = kind == PathKind::Served;
+            let (y, obs, touched, _) =
+                g.experts(ctx, kind, layer, x, per, k, bases, limit, counters)?;
+            Ok((y, obs, touched))
+        };
+        Some(run())
+    }
+
+    fn deferring(&self) -> bool {
+        lock(&self.0).is_ok_and(|g| g.deferring())
+    }
+
+    fn flush_experts(&mut self, ctx: &LinearCtx) -> Result<Vec<Observed>> {
+        lock(&self.0)?.experts_flush(ctx)
+    }
+
+    fn clear(&mut self) {
+        if let Ok(mut g) = self.0.lock() {
+            g.clear_weights();
+        }
+    }
+}
