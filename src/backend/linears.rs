@@ -50,6 +50,36 @@ impl Linears for CudaLinears {
         Ok((y, r, whole(obs)))
     }
 
+    fn linear_rows(
+        &mut self,
+        ctx: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &Data,
+        m: usize,
+        r0: usize,
+        n: usize,
+    ) -> Result<(Data, Observed)> {
+        let (y, _, obs) = lock(&self.0)?.linear_rows(ctx, kind, base, x, m, Some((r0, n)))?;
+        Ok((y, whole(obs)))
+    }
+
+    fn pin_nvfp4(
+        &mut self,
+        ctx: &LinearCtx,
+        base: &str,
+        scales: Option<&[u8]>,
+        swap: bool,
+    ) -> Result<()> {
+        lock(&self.0)?.pin_nvfp4_served(ctx, base, scales, swap)
+    }
+
+    fn unpin(&mut self, base: &str) {
+        if let Ok(mut g) = self.0.lock() {
+            g.forget_served(base);
+        }
+    }
+
     fn experts(
         &mut self,
         ctx: &LinearCtx,
@@ -60,15 +90,12 @@ impl Linears for CudaLinears {
         k: usize,
         bases: &[&str],
         limit: f32,
+        observe: bool,
     ) -> Option<Result<FusedExperts>> {
-        let run = || {
-            let mut g = lock(&self.0)?;
-            let counters = kind == PathKind::Served;
-            let (y, obs, touched, _) =
-                g.experts(ctx, kind, layer, x, per, k, bases, limit, counters)?;
-            Ok((y, obs, touched))
-        };
-        Some(run())
+        Some(
+            lock(&self.0)
+                .and_then(|mut g| g.experts(ctx, kind, layer, x, per, k, bases, limit, observe)),
+        )
     }
 
     fn deferring(&self) -> bool {

@@ -236,8 +236,10 @@ impl OpEnv for PathEnv<'_, '_> {
             let rec = sh.record_observations && kind == PathKind::Served;
             sh.deferred_record.push(rec);
         }
-        let r = sh.with_linears(|l, ctx| l.experts(ctx, kind, layer, x, per, k, bases, limit))?;
-        Some(r.map(|(y, obs, touched)| {
+        let observe = kind == PathKind::Served;
+        let r = sh
+            .with_linears(|l, ctx| l.experts(ctx, kind, layer, x, per, k, bases, limit, observe))?;
+        Some(r.map(|(y, obs, touched, _)| {
             for b in touched {
                 sh.touch(&b);
             }

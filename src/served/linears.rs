@@ -33,8 +33,9 @@ pub struct LinearCtx<'a> {
 pub type Observed = Vec<(String, LinearObs)>;
 
 /// The routed experts of one path run as one fused op: the output [t, d], the served
-/// observations per expert linear, and the weight bases read.
-pub type FusedExperts = (Tensor, Observed, Vec<String>);
+/// observations per expert linear (sub ids as the model names them), the weight bases read, and
+/// per expert that received tokens the amax of the activation its w2 was fed.
+pub type FusedExperts = (Tensor, Observed, Vec<String>, Vec<(usize, f32)>);
 
 /// Where a path's linears run. Observations are returned on the served path only.
 #[allow(clippy::too_many_arguments)]
@@ -59,9 +60,34 @@ pub trait Linears {
         rows: usize,
         groups: usize,
     ) -> Result<(Data, usize, Observed)>;
+    /// Rows `r0..r0+n` of the weight only: x [m, k] → [m, n], observed on their own (one group
+    /// of a grouped projection, as bisect's replay observes it).
+    fn linear_rows(
+        &mut self,
+        ctx: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &Data,
+        m: usize,
+        r0: usize,
+        n: usize,
+    ) -> Result<(Data, Observed)>;
+    /// Pin the served reading of an NVFP4 weight to block-scale bytes in the linear layout
+    /// (`None`: the stored bytes as they are, no loader layout fault) and a nibble order, its
+    /// scalars resolved from `ctx` as the loader would: bisect's repairs no `Override` expresses.
+    fn pin_nvfp4(
+        &mut self,
+        ctx: &LinearCtx,
+        base: &str,
+        scales: Option<&[u8]>,
+        swap: bool,
+    ) -> Result<()>;
+    /// Undo [`Linears::pin_nvfp4`]: the next use reads the weight from its context again.
+    fn unpin(&mut self, base: &str);
     /// The routed experts of a layer as one fused op, where the machine has one: x [t, d],
     /// `per[e]` = (token, routing weight) of expert e, `k` slots per token, `bases[3e..3e+3]` =
-    /// (w1, w3, w2) of expert e, SwiGLU clamp `limit`. `None`: the model runs them expert by
+    /// (w1, w3, w2) of expert e, SwiGLU clamp `limit`; `observe`: read back the observations
+    /// and the w2 amax (else both come back empty). `None`: the model runs them expert by
     /// expert through [`Linears::linear`].
     fn experts(
         &mut self,
@@ -73,6 +99,7 @@ pub trait Linears {
         _k: usize,
         _bases: &[&str],
         _limit: f32,
+        _observe: bool,
     ) -> Option<Result<FusedExperts>> {
         None
     }
@@ -94,7 +121,9 @@ struct Cached {
     qw: QuantWeight,
     f32: Arc<Vec<f32>>,
     bf16: Option<Arc<Vec<f32>>>,
-    served: Option<Arc<ServedWeight>>,
+    /// The served reading and the hypotheses it was made under (bisect's replay changes them
+    /// between evaluations and keeps the decoded weight).
+    served: Option<(Vec<Override>, Arc<ServedWeight>)>,
 }
 
 /// A weight as one path reads it on the host.
@@ -109,6 +138,8 @@ enum Operand {
 /// the op, every path's reading made once from the decoded values.
 pub struct CpuLinears {
     cache: HashMap<String, Cached>,
+    /// Served readings pinned by [`Linears::pin_nvfp4`], kept until unpinned.
+    pinned: HashMap<String, Arc<ServedWeight>>,
     /// Approximate bytes held by `cache`; past `budget` the cache is emptied before the next
     /// read, so an op over hundreds of experts stays bounded (each path re-reads what it needs).
     bytes: usize,
@@ -119,6 +150,7 @@ impl Default for CpuLinears {
     fn default() -> Self {
         CpuLinears {
             cache: HashMap::new(),
+            pinned: HashMap::new(),
             bytes: 0,
             budget: 4 << 30,
         }
@@ -158,6 +190,7 @@ impl CpuLinears {
     ) -> Result<(Operand, usize, usize)> {
         let faults: Vec<&Fault> = super::faults::hitting(ctx.faults, base);
         let overrides = super::overrides_of(ctx.overrides, base);
+        let pinned = self.pinned.get(base).cloned();
         let c = self.load(ctx.ckpt, base)?;
         let (n, k) = (c.qw.out_features, c.qw.in_features);
         let op = match kind {
@@ -175,17 +208,23 @@ impl CpuLinears {
                     .clone(),
             ),
             PathKind::Served => {
-                if c.served.is_none() {
-                    c.served = Some(Arc::new(super::prepare(
-                        ctx.ckpt,
-                        &c.qw,
-                        &c.f32,
-                        ctx.fuse_pairs,
-                        &faults,
-                        &overrides,
-                    )?));
-                }
-                Operand::Served(c.served.clone().expect("set above"), ctx.profile)
+                let sw = match (pinned, &c.served) {
+                    (Some(sw), _) => sw,
+                    (None, Some((ovs, sw))) if *ovs == overrides => sw.clone(),
+                    (None, _) => {
+                        let sw = Arc::new(super::prepare(
+                            ctx.ckpt,
+                            &c.qw,
+                            &c.f32,
+                            ctx.fuse_pairs,
+                            &faults,
+                            &overrides,
+                        )?);
+                        c.served = Some((overrides, sw.clone()));
+                        sw
+                    }
+                };
+                Operand::Served(sw, ctx.profile)
             }
         };
         Ok((op, n, k))
@@ -273,8 +312,126 @@ impl Linears for CpuLinears {
         Ok((y.into(), r, obs))
     }
 
+    fn linear_rows(
+        &mut self,
+        ctx: &LinearCtx,
+        kind: PathKind,
+        base: &str,
+        x: &Data,
+        m: usize,
+        r0: usize,
+        n: usize,
+    ) -> Result<(Data, Observed)> {
+        let (op, n_all, k) = self.operand(ctx, kind, base)?;
+        if x.len() != m * k || r0 + n > n_all {
+            return Err(Error::bad(
+                ctx.ckpt.location(),
+                Some(base),
+                format!(
+                    "rows {r0}..{} of a weight [{n_all}, {k}] for an activation of {} per row",
+                    r0 + n,
+                    x.len() / m.max(1)
+                ),
+            ));
+        }
+        let (y, obs) = op.apply(x, m, k, Some(r0), n);
+        let obs = obs.map(|o| (String::new(), o)).into_iter().collect();
+        Ok((y.into(), obs))
+    }
+
+    fn pin_nvfp4(
+        &mut self,
+        ctx: &LinearCtx,
+        base: &str,
+        scales: Option<&[u8]>,
+        swap: bool,
+    ) -> Result<()> {
+        let sw = pinned_nvfp4(ctx, base, scales, swap)?;
+        self.pinned.insert(base.to_string(), Arc::new(sw));
+        Ok(())
+    }
+
+    fn unpin(&mut self, base: &str) {
+        self.pinned.remove(base);
+    }
+
     fn clear(&mut self) {
         self.cache.clear();
+        self.pinned.clear();
         self.bytes = 0;
     }
+}
+
+/// The served reading of an NVFP4 weight pinned to block-scale bytes (see
+/// [`Linears::pin_nvfp4`]): `e2m1 · e4m3(scale byte)` from the stored codes, the nibble order
+/// given, the loader's scalars with the hypotheses of `ctx` — what the device decodes.
+pub fn pinned_nvfp4(
+    ctx: &LinearCtx,
+    base: &str,
+    scales: Option<&[u8]>,
+    swap: bool,
+) -> Result<ServedWeight> {
+    use crate::numerics::{e2m1, e4m3, nvfp4};
+    let ckpt = ctx.ckpt;
+    let lay = ckpt.weight_layout(base)?;
+    let m = &lay.meta;
+    let conv = nvfp4_convention(m).ok_or_else(|| {
+        Error::usage(format!(
+            "internal: {base} is not an NVFP4 weight (block scales pinned)"
+        ))
+    })?;
+    let faults = super::faults::hitting(ctx.faults, base);
+    let ovs = super::overrides_of(ctx.overrides, base);
+    let p = super::nvfp4_params_of(ckpt, m, conv, ctx.fuse_pairs, &faults, &ovs);
+    let sc = match scales {
+        Some(s) => s,
+        None => {
+            let name = lay.scale.as_deref().ok_or_else(|| {
+                Error::bad(
+                    &m.file,
+                    Some(base),
+                    "NVFP4 weight without a block-scale tensor",
+                )
+            })?;
+            ckpt.canonical_bytes(name)?
+        }
+    };
+    let packed = ckpt.canonical_bytes(&lay.weight)?;
+    let (rows, cols) = (m.out_features, m.in_features);
+    let nb = cols / nvfp4::BLOCK;
+    if sc.len() < rows * nb || packed.len() < rows * cols / 2 {
+        return Err(Error::bad(
+            &m.file,
+            Some(base),
+            "NVFP4 bytes shorter than the weight's shape",
+        ));
+    }
+    let wq = (0..rows * cols)
+        .map(|i| {
+            let (mut lo, mut hi) = e2m1::unpack(packed[i / 2]);
+            if swap {
+                std::mem::swap(&mut lo, &mut hi);
+            }
+            let code = if i % 2 == 0 { lo } else { hi };
+            e2m1::decode(code) * e4m3::decode(sc[(i / cols) * nb + (i % cols) / nvfp4::BLOCK])
+        })
+        .collect();
+    Ok(ServedWeight::Nvfp4 {
+        wq: Arc::new(wq),
+        p,
+    })
+}
+
+/// The NVFP4 convention of a weight when it is read as NVFP4 (what `Checkpoint::weight` would
+/// decode as `WeightFormat::Nvfp4`), from its metadata alone.
+pub fn nvfp4_convention(
+    m: &crate::checkpoint::WeightMeta,
+) -> Option<crate::numerics::nvfp4::Convention> {
+    use crate::checkpoint::Scheme;
+    matches!(
+        m.scheme,
+        Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt
+    )
+    .then_some(m.convention)
+    .flatten()
 }

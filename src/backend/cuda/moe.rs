@@ -7,12 +7,7 @@ use super::*;
 /// The routed-experts op's output, the served observations per expert linear (sub id, what it
 /// saw), the weight bases it read, and per expert that received tokens (in expert order) the
 /// amax of the activation its w2 was fed (whatever the path; NaN-ignoring, as the CPU's fold).
-pub type ExpertsOut = (
-    Tensor,
-    Vec<(String, LinearObs)>,
-    Vec<String>,
-    Vec<(usize, f32)>,
-);
+pub type ExpertsOut = crate::served::FusedExperts;
 
 /// The grouped experts op takes experts of up to this many rows; an op where some expert sees
 /// more tokens runs per expert (cuBLAS DGEMM for its many rows, one weight read per expert).
