@@ -55,9 +55,7 @@ impl FaultKind {
 
     /// Every kind: [`FaultKind::ALL`], then [`FaultKind::CHECKPOINT_ONLY`].
     pub fn every() -> impl Iterator<Item = FaultKind> {
-        FaultKind::ALL
-            .into_iter()
-            .chain(FaultKind::CHECKPOINT_ONLY)
+        FaultKind::ALL.into_iter().chain(FaultKind::CHECKPOINT_ONLY)
     }
 
     /// Whether `--loader-fault` can emulate this kind (else it is a checkpoint fault only).
@@ -316,6 +314,12 @@ pub fn op_of_base(base: &str) -> Option<String> {
             "attn.wo_a" => "attn.wo_a",
             "attn.wo_b" => "attn.wo_b",
             "ffn.gate" | "ffn.gate.weight" | "ffn.gate.bias" => "ffn.router",
+            // norm weights (`reference.param` findings)
+            "attn_norm" => "attn.norm",
+            "ffn_norm" => "ffn.norm",
+            "attn.q_norm" | "attn.q_a_layernorm" => "attn.q_norm",
+            "attn.k_norm" => "attn.k_norm",
+            "attn.kv_norm" => "attn.kv_norm",
             _ => return None,
         }
     };
@@ -367,7 +371,10 @@ mod tests {
             assert!(target_bases_match(op, base), "{op} {base}");
             assert_eq!(op_of_base(base).as_deref(), Some(op), "{base}");
         }
-        assert!(!target_bases_match("L1.attn.q", "layers.1.attn.q_norm.weight"));
+        assert!(!target_bases_match(
+            "L1.attn.q",
+            "layers.1.attn.q_norm.weight"
+        ));
         assert!(!target_bases_match("L1.attn.k", "layers.1.attn.kv_b_proj"));
         assert!(!target_bases_match("L0.ffn.mlp", "layers.0.ffn.gate"));
         assert!(!target_bases_match("L0.ffn.mlp", "layers.1.ffn.up_proj"));

@@ -77,14 +77,8 @@ pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
         InvertedInputScale | InputAmaxX64 | ZeroInputScale | MissingInputScale | NanInputScale
         | InfInputScale | DoubleScale => nv,
         InvertedWeightScale => nv || matches!(scheme, WScheme::Fp8 | WScheme::Fp8F32),
-        MissingCorrectionBias | SwappedQkNorm => {
-            return Err(usage(
-                kind,
-                base,
-                scheme,
-                "it changes a parameter (a norm or a router bias), not a linear weight",
-            ))
-        }
+        // parameter faults (`synth::family::plant_params`) leave every linear alone
+        MissingCorrectionBias | SwappedQkNorm => return Ok(false),
         NanBlockScale | ShiftedScaleRows => scheme != WScheme::Bf16,
         NibbleSwap | SwizzledScales => nv || scheme == WScheme::Mxfp4,
         NonPow2Ue8m0 => scheme == WScheme::Fp8,

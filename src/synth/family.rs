@@ -261,7 +261,12 @@ fn model_block(d: &FamDims) -> Block {
     Block {
         layer: None,
         params: vec![
-            param("embed.weight".into(), vec![v, h], PDtype::Bf16, PKind::Embed),
+            param(
+                "embed.weight".into(),
+                vec![v, h],
+                PDtype::Bf16,
+                PKind::Embed,
+            ),
             param("norm.weight".into(), vec![h], PDtype::Bf16, PKind::Norm),
         ],
         groups: vec![single("head".into(), v, h)],
@@ -379,7 +384,11 @@ fn qwen3_layer(d: &FamDims, n: usize) -> Block {
     let (h, hd) = (d.hidden, d.head_dim);
     let mut b = Block {
         layer: Some(n),
-        params: norms(n, d, &[("attn.q_norm.weight", hd), ("attn.k_norm.weight", hd)]),
+        params: norms(
+            n,
+            d,
+            &[("attn.q_norm.weight", hd), ("attn.k_norm.weight", hd)],
+        ),
         groups: vec![
             Group {
                 members: vec![
@@ -709,7 +718,11 @@ mod tests {
             }
             for c in &names {
                 let raw = s.raw_name(c);
-                assert_eq!(canonical(&raw, Naming::Hf), Canon::Plain(c.clone()), "{raw}");
+                assert_eq!(
+                    canonical(&raw, Naming::Hf),
+                    Canon::Plain(c.clone()),
+                    "{raw}"
+                );
             }
             for f in s.formats {
                 let (cfg, _) = s.config_files(&d, *f, &bl);
@@ -749,12 +762,18 @@ mod tests {
     fn schemes_follow_the_releases() {
         let v = spec(Kind::DeepseekV3).unwrap();
         let s = |f, b| v.scheme(f, b);
-        assert_eq!(s(Format::ModelOptNvfp4, "layers.1.attn.wq_a"), WScheme::Bf16);
+        assert_eq!(
+            s(Format::ModelOptNvfp4, "layers.1.attn.wq_a"),
+            WScheme::Bf16
+        );
         assert_eq!(
             s(Format::ModelOptNvfp4, "layers.0.ffn.down_proj"),
             WScheme::Nvfp4ModelOpt
         );
-        assert_eq!(s(Format::Fp8Block, "layers.1.attn.kv_b_proj"), WScheme::Fp8F32);
+        assert_eq!(
+            s(Format::Fp8Block, "layers.1.attn.kv_b_proj"),
+            WScheme::Fp8F32
+        );
         assert_eq!(s(Format::Fp8Block, "layers.1.ffn.gate"), WScheme::Bf16);
         assert_eq!(s(Format::CtNvfp4, "head"), WScheme::Bf16);
         let q = spec(Kind::Qwen3Moe).unwrap();
