@@ -23,7 +23,8 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
     }
     eprintln!(
         "synth: {}{} {} ({} naming, seed {}) → {}: {} tensors, {:.1} MB in {:.2} s ({:.0} MB/s){}",
-        opts.family.map_or(String::new(), |k| format!("{} ", k.label())),
+        opts.family
+            .map_or(String::new(), |k| format!("{} ", k.label())),
         a.preset,
         opts.format.name(),
         opts.naming.as_str(),

@@ -223,7 +223,10 @@ pub fn role(base: &str) -> Role {
         "attn.indexer.wq_b" => Role::IndexerWqB,
         "ffn.gate" => Role::Router,
         "attn.o_proj" => Role::WoB,
-        "attn.q_proj" | "attn.k_proj" | "attn.v_proj" | "attn.kv_a_proj_with_mqa"
+        "attn.q_proj"
+        | "attn.k_proj"
+        | "attn.v_proj"
+        | "attn.kv_a_proj_with_mqa"
         | "attn.kv_b_proj" => Role::FamilyAttn,
         "ffn.gate_proj" => Role::Shared(1),
         "ffn.up_proj" => Role::Shared(3),
