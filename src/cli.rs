@@ -171,16 +171,23 @@ pub struct InspectArgs {
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SynthArgs {
-    /// Model size: tiny (5 small layers, tens of MB) or flash-layer (1 layer of V4-Flash
-    /// dimensions, GBs).
+    /// A model family other than DeepSeek-V4, in its release's layout and transformers' names:
+    /// qwen3-moe (formats bf16, ct-nvfp4, modelopt-nvfp4) or deepseek-v3 (those and fp8-block,
+    /// DeepSeek's FP8 release). Only --preset tiny.
+    #[arg(long, value_name = "FAMILY")]
+    pub family: Option<String>,
+    /// Model size: tiny (5 small layers, tens of MB; 4 layers for a --family) or flash-layer
+    /// (1 layer of V4-Flash dimensions, GBs).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
-    /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed, mxfp4 or mxfp8.
+    /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed, mxfp4 or mxfp8
+    /// (fp8-block with --family deepseek-v3).
     #[arg(long, default_value = "bf16")]
     pub format: String,
-    /// Tensor naming: official (DeepSeek's release) or hf (Hugging Face transformers).
-    #[arg(long, default_value = "official")]
-    pub naming: String,
+    /// Tensor naming: official (DeepSeek's release) or hf (Hugging Face transformers)
+    /// [default: official; hf with --family, the only naming the families' releases use].
+    #[arg(long)]
+    pub naming: Option<String>,
     /// Seed of the generated weights (same seed, same bytes).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

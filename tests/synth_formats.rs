@@ -175,7 +175,7 @@ fn check(format: Format, naming: Naming) {
         Format::Bf16 => None,
         Format::CtNvfp4 => Some("compressed-tensors"),
         Format::ModelOptNvfp4 => Some("modelopt"),
-        Format::OfficialMixed | Format::Mxfp4 => Some("fp8"),
+        Format::OfficialMixed | Format::Mxfp4 | Format::Fp8Block => Some("fp8"),
     };
     assert_eq!(qm.as_deref(), want_qm, "{tag}");
     if format == Format::OfficialMixed {

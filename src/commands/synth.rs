@@ -1,5 +1,7 @@
-//! `synth`: write a synthetic DeepSeek-V4 checkpoint (see `crate::synth`).
+//! `synth`: write a synthetic DeepSeek-V4 checkpoint, or one of another model family
+//! (`--family`), see `crate::synth`.
 
+use crate::checkpoint::Naming;
 use crate::cli::SynthArgs;
 use crate::served::faults::Fault;
 use crate::synth::{self, plan, Choice, Preset, SynthOptions};
@@ -20,10 +22,12 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
         println!("wrote {}", out.join(f).display());
     }
     eprintln!(
-        "synth: {} {} ({} naming, seed {}) → {}: {} tensors, {:.1} MB in {:.2} s ({:.0} MB/s){}",
+        "synth: {}{} {} ({} naming, seed {}) → {}: {} tensors, {:.1} MB in {:.2} s ({:.0} MB/s){}",
+        opts.family
+            .map_or(String::new(), |k| format!("{} ", k.label())),
         a.preset,
         opts.format.name(),
-        a.naming,
+        opts.naming.as_str(),
         opts.seed,
         out.display(),
         st.tensors,
@@ -48,10 +52,17 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
 
 /// The synth options the command line asks for.
 fn options(a: &SynthArgs) -> Result<SynthOptions> {
+    let family = a.family.as_deref().map(synth::family::parse).transpose()?;
+    let naming = match (&a.naming, family) {
+        (Some(n), _) => plan::parse_naming(n)?,
+        (None, Some(_)) => Naming::Hf,
+        (None, None) => Naming::Official,
+    };
     Ok(SynthOptions {
+        family,
         preset: Preset::parse(&a.preset)?,
         format: Choice::parse(&a.format)?,
-        naming: plan::parse_naming(&a.naming)?,
+        naming,
         seed: a.seed,
         layers: a.layers,
         faults: a

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use super::layout;
 use super::rules::Severity::{self, Error as E, Info as I, Warning as W};
+use super::wiring;
 use super::{Cx, Finding};
 use crate::checkpoint::formats::{AmaxRule, Block};
 use crate::checkpoint::quant::implied_amax;
@@ -688,37 +689,6 @@ fn convention(
     }
 }
 
-/// Canonical norm weight in front of a linear, for the post-RMSNorm amax bounds.
-fn norm_for(base: &str) -> Option<String> {
-    let (prefix, rest) = if let Some(r) = base.strip_prefix("layers.") {
-        let (n, rest) = r.split_once('.')?;
-        (format!("layers.{n}."), rest)
-    } else if let Some(r) = base.strip_prefix("mtp.") {
-        let (n, rest) = r.split_once('.')?;
-        (format!("mtp.{n}."), rest)
-    } else {
-        return None;
-    };
-    let leaf = if rest == "attn.wq_a"
-        || rest == "attn.wkv"
-        || rest.starts_with("attn.compressor.")
-        || rest.starts_with("attn.indexer.compressor.")
-        || rest == "attn.indexer.weights_proj"
-    {
-        "attn_norm.weight"
-    } else if rest == "attn.wq_b" || rest == "attn.indexer.wq_b" {
-        "attn.q_norm.weight"
-    } else if rest == "ffn.gate"
-        || (rest.starts_with("ffn.experts.") || rest.starts_with("ffn.shared_experts."))
-            && (rest.ends_with(".w1") || rest.ends_with(".w3"))
-    {
-        "ffn_norm.weight"
-    } else {
-        return None;
-    };
-    Some(format!("{prefix}{leaf}"))
-}
-
 /// Hard bounds on max|y| for y = x/rms(x) ⊙ γ: at least sqrt(D/Σγ⁻²) (all |yᵢ| equal), at most
 /// sqrt(D)·max|γ| (all mass in one element).
 pub fn norm_bounds(gamma: &[f32]) -> (f64, f64) {
@@ -886,7 +856,10 @@ fn activations(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
         }
         let a = implied_amax(conv, v) as f64;
         let other = other_amax(conv, v);
-        let norm = norm_for(&m.canonical);
+        // the norm in front of the linear, for the post-RMSNorm amax bounds
+        let norm = wiring::input_norms(&m.canonical)
+            .into_iter()
+            .find(|n| cx.ck.canonical_info(n).is_some());
         let bounds = norm.as_ref().and_then(|n| {
             *norms.entry(n.clone()).or_insert_with(|| {
                 cx.ck
@@ -988,40 +961,24 @@ fn activations(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
 /// (the run measures the real activations; `run`/`bisect` classify by what they see).
 const ABSORBED_MIN_FACTOR: f64 = 0.25;
 
-/// The RMSNorm that follows a q_a/kv shard (docs/DSV4-LAYER.md §2.3: `q_norm` after `wq_a`, `kv_norm`
-/// after `wkv`), when a constant factor on the shard's output is absorbed by it.
+/// The RMSNorm that follows a fused shard (`wiring::output_norm_op`: V4's q_a/kv, V3's q_a,
+/// Qwen3's q/k), when a constant factor on the shard's output is absorbed by it.
 fn absorbing_norm(base: &str, factor: f64) -> Option<String> {
     if !(factor.is_finite() && factor >= ABSORBED_MIN_FACTOR) {
         return None;
     }
-    let (stem, norm) = if let Some(s) = base.strip_suffix(".attn.wq_a") {
-        (s, "attn.q_norm")
-    } else if let Some(s) = base.strip_suffix(".attn.wkv") {
-        (s, "attn.kv_norm")
-    } else {
-        return None;
-    };
-    let n = stem.strip_prefix("layers.")?;
-    Some(format!("L{n}.{norm}"))
+    wiring::output_norm_op(base)
 }
 
 fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
     let th = cx.th();
     let by: HashMap<&str, &WeightMeta> = nv.iter().map(|m| (m.canonical.as_str(), *m)).collect();
-    for m in nv {
-        let b = m.canonical.as_str();
-        let partner = if let Some(stem) = b.strip_suffix(".attn.wq_a") {
-            format!("{stem}.attn.wkv")
-        } else if (b.contains(".ffn.experts.") || b.contains(".ffn.shared_experts"))
-            && b.ends_with(".w1")
-        {
-            format!("{}.w3", &b[..b.len() - 3])
-        } else {
-            continue;
-        };
-        let Some(p) = by.get(partner.as_str()) else {
-            continue;
-        };
+    let pairs = nv.iter().flat_map(|m| {
+        wiring::fused_partners(&m.canonical)
+            .into_iter()
+            .filter_map(|p| by.get(p.as_str()).map(|p| (*m, *p)))
+    });
+    for (m, p) in pairs {
         if m.convention != p.convention {
             continue;
         }

@@ -15,6 +15,7 @@ mod output;
 pub mod reference;
 pub mod rules;
 mod sample;
+pub mod wiring;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

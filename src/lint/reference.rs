@@ -11,7 +11,7 @@
 
 use super::rules::Severity::{Error as E, Info as I};
 use super::{Cx, Finding, Rules};
-use crate::checkpoint::{Checkpoint, QuantWeight, Scheme, WeightFormat};
+use crate::checkpoint::{Checkpoint, Dtype, QuantWeight, Scheme, WeightFormat};
 use crate::numerics::nvfp4::Convention;
 use crate::numerics::swizzle;
 use crate::Result;
@@ -335,7 +335,92 @@ pub fn compare(ck: &Checkpoint, reference: &Checkpoint, rules: &Rules) -> Result
             out.extend(cx.finding(rule, E, &tensor, &meta.file, &base, ev, &fix));
         }
     }
+    out.extend(compare_params(&cx, reference));
     Ok(out)
+}
+
+/// Largest relative L2 difference between two stored copies of one parameter: BF16 keeps 8
+/// significant bits, so re-storing a value changes it by at most 2⁻⁹ relative (rel-L2 ≤ 2e-3);
+/// any real difference (another tensor's values, a different init) is far above.
+const PARAM_REL_L2: f64 = 1e-2;
+
+fn rel_l2(a: &[f32], r: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(r) {
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    if den > 0.0 {
+        (num / den).sqrt()
+    } else if num == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Norm weights and biases (1-D `.weight` / `.bias` parameters) of a checkpoint, canonical names.
+fn params_1d(ck: &Checkpoint) -> Vec<(String, usize)> {
+    ck.canonical_names()
+        .into_iter()
+        .filter(|n| n.ends_with(".weight") || n.ends_with(".bias"))
+        .filter_map(|n| {
+            let i = ck.canonical_info(&n)?;
+            let float = matches!(i.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32);
+            (float && i.shape.len() == 1 && i.shape[0] > 1).then_some((n, i.shape[0]))
+        })
+        .collect()
+}
+
+/// Rule `reference.param`: the 1-D parameters (norm weights, router biases) the weight
+/// comparison does not cover, each against the reference's of the same name; one that holds the
+/// values of another parameter of its layer in the reference is named as a swap (the exporter
+/// wrote two tensors under each other's names: the checkpoint's own numbers cannot show it).
+fn compare_params(cx: &Cx, reference: &Checkpoint) -> Vec<Finding> {
+    let ck = cx.ck;
+    let refs = params_1d(reference);
+    let mut out = Vec::new();
+    for (name, len) in params_1d(ck) {
+        let Some((_, rlen)) = refs.iter().find(|(n, _)| *n == name) else {
+            continue;
+        };
+        let (Ok(a), Ok(r)) = (ck.tensor_f32(&name), reference.tensor_f32(&name)) else {
+            continue;
+        };
+        let raw = ck.resolve(&name).unwrap_or_else(|| name.clone());
+        let file = ck.canonical_info(&name).map(|i| i.file).unwrap_or_default();
+        let base = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+        let d = if *rlen == len {
+            rel_l2(&a.data, &r.data)
+        } else {
+            f64::INFINITY
+        };
+        if d <= PARAM_REL_L2 {
+            continue;
+        }
+        let layer = name.split_once(".attn").or_else(|| name.split_once(".ffn"));
+        let swapped = refs.iter().find_map(|(other, olen)| {
+            let same_layer = layer.is_some_and(|(l, _)| other.starts_with(&format!("{l}.")));
+            if *other == name || *olen != len || !same_layer {
+                return None;
+            }
+            let o = reference.tensor_f32(other).ok()?;
+            let e = rel_l2(&a.data, &o.data);
+            (e <= PARAM_REL_L2).then(|| (other.clone(), e))
+        });
+        let (ev, fix) = match swapped {
+            Some((other, e)) => (
+                format!("holds the reference's `{other}` (rel-L2 {} to it, {} to its own `{name}`): the two parameters are stored under each other's names", g(e), g(d)),
+                format!("Store `{name}` and `{other}` under their own names (an export or conversion map that swaps them, e.g. q_norm/k_norm)."),
+            ),
+            None => (
+                format!("differs from the reference's `{name}`: rel-L2 {}{}", g(d), if *rlen == len { String::new() } else { format!(" (length {len} vs {rlen})") }),
+                "Re-export the parameter from the original; norm weights and router biases are not quantized and must match it.".to_string(),
+            ),
+        };
+        out.extend(cx.finding("reference.param", E, &raw, &file, &base, ev, &fix));
+    }
+    out
 }
 
 #[cfg(test)]

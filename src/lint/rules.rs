@@ -76,6 +76,7 @@ pub const RULES: &[RuleInfo] = &[
     r("reference.packing", E, "--reference: right norm, cosine near 0 (nibble order, K order)"),
     r("reference.mismatch", E, "--reference: the tensor differs from the reference and no single cause explains it"),
     r("reference.absent", I, "--reference: the weight has no counterpart in the reference"),
+    r("reference.param", E, "--reference: a norm weight or bias differs from the reference's (or holds another parameter's values: swapped names)"),
 ];
 
 pub fn rule_info(id: &str) -> Option<&'static RuleInfo> {

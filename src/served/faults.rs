@@ -21,6 +21,9 @@ pub enum FaultKind {
     ShiftedScaleRows,
     NonPow2Ue8m0,
     DoubleScale,
+    InfInputScale,
+    MissingCorrectionBias,
+    SwappedQkNorm,
 }
 
 impl FaultKind {
@@ -41,6 +44,25 @@ impl FaultKind {
         FaultKind::DoubleScale,
     ];
 
+    /// Kinds that exist only as planted checkpoint bytes (`synth --fault`): the served path reads
+    /// the checkpoint as stored, so a loader has no separate way to get them wrong. Kept out of
+    /// [`FaultKind::ALL`], the kinds `--loader-fault` can also emulate.
+    pub const CHECKPOINT_ONLY: [FaultKind; 3] = [
+        FaultKind::InfInputScale,
+        FaultKind::MissingCorrectionBias,
+        FaultKind::SwappedQkNorm,
+    ];
+
+    /// Every kind: [`FaultKind::ALL`], then [`FaultKind::CHECKPOINT_ONLY`].
+    pub fn every() -> impl Iterator<Item = FaultKind> {
+        FaultKind::ALL.into_iter().chain(FaultKind::CHECKPOINT_ONLY)
+    }
+
+    /// Whether `--loader-fault` can emulate this kind (else it is a checkpoint fault only).
+    pub fn has_loader_form(self) -> bool {
+        !FaultKind::CHECKPOINT_ONLY.contains(&self)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             FaultKind::InvertedInputScale => "inverted-input-scale",
@@ -57,6 +79,9 @@ impl FaultKind {
             FaultKind::ShiftedScaleRows => "shifted-scale-rows",
             FaultKind::NonPow2Ue8m0 => "non-pow2-ue8m0",
             FaultKind::DoubleScale => "double-scale",
+            FaultKind::InfInputScale => "inf-input-scale",
+            FaultKind::MissingCorrectionBias => "missing-correction-bias",
+            FaultKind::SwappedQkNorm => "swapped-qk-norm",
         }
     }
 
@@ -77,11 +102,14 @@ impl FaultKind {
             FaultKind::ShiftedScaleRows => "block-scale rows shifted by one (wrong offset / TP slice)",
             FaultKind::NonPow2Ue8m0 => "FP8 block scale not a power of two where UE8M0 is required (sglang #25704)",
             FaultKind::DoubleScale => "a scale applied twice (global scale folded into weights and applied again, vLLM #39407)",
+            FaultKind::InfInputScale => "activation scale +Inf: an all-zero calibration of a rarely routed expert (2688/0), the Qwen3-MoE NVFP4 export bug (checkpoint only)",
+            FaultKind::MissingCorrectionBias => "DeepSeek-V3 router's e_score_correction_bias left out of the export: routing without it picks other experts (checkpoint only)",
+            FaultKind::SwappedQkNorm => "Qwen3 per-head q_norm and k_norm weights stored under each other's names (checkpoint only; lint --reference finds it)",
         }
     }
 
     pub fn parse(s: &str) -> Option<FaultKind> {
-        FaultKind::ALL.iter().copied().find(|k| k.name() == s)
+        FaultKind::every().find(|k| k.name() == s)
     }
 }
 
@@ -101,7 +129,10 @@ impl Fault {
         let kind = FaultKind::parse(k).ok_or_else(|| {
             Error::usage(format!(
                 "fault `{spec}`: unknown kind `{k}` (known: {})",
-                FaultKind::ALL.map(|k| k.name()).join(", ")
+                FaultKind::every()
+                    .map(|k| k.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ))
         })?;
         if t.is_empty() {
@@ -135,6 +166,9 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     let Some(s) = Scheme::from_label(scheme) else {
         return false;
     };
+    if !kind.has_loader_form() {
+        return false;
+    }
     match s.spec().served {
         Served::Nvfp4 => kind != FaultKind::NonPow2Ue8m0,
         Served::Fp8Act => {
@@ -155,6 +189,16 @@ pub fn check_loader_faults(
     }
     let bases = ckpt.weight_bases();
     for f in faults {
+        if !f.kind.has_loader_form() {
+            return Err(Error::usage(format!(
+                "loader fault {}@{}: {} exists only in a checkpoint's bytes; plant it with `synth --fault {}@{}`",
+                f.kind.name(),
+                f.target,
+                f.kind.name(),
+                f.kind.name(),
+                f.target
+            )));
+        }
         let hits: Vec<&String> = bases.iter().filter(|b| f.hits(b)).collect();
         if hits.is_empty() {
             return Err(Error::usage(format!(
@@ -181,7 +225,9 @@ pub fn check_loader_faults(
 
 /// Op id → canonical weight base prefix rules: `L1.attn.q_a` ↔ `layers.1.attn.wq_a`,
 /// `L1.ffn.expert.3.w1` ↔ `layers.1.ffn.experts.3.w1`, `L1.ffn.experts` ↔ every routed expert of
-/// layer 1, `L1.ffn.shared` ↔ the shared expert, `L1.attn.wo_a`, `L1.attn.compressor`, …
+/// layer 1, `L1.ffn.shared` ↔ the shared expert, `L1.attn.wo_a`, `L1.attn.compressor`, …; the
+/// families' ops (`model::family::graph`): `L1.attn.q` ↔ `attn.q_proj`, `L1.attn.kv_a` ↔
+/// `attn.kv_a_proj_with_mqa`, `L0.ffn.mlp` ↔ the dense MLP's three projections, …
 pub fn target_bases_match(target: &str, base: &str) -> bool {
     if target == base || base.starts_with(&format!("{target}.")) {
         return true;
@@ -189,8 +235,30 @@ pub fn target_bases_match(target: &str, base: &str) -> bool {
     if let Some(b) = op_target_to_base_prefix(target) {
         return base == b || base.starts_with(&format!("{b}."));
     }
+    // the dense MLP op reads three weights that share no prefix beyond the layer's `ffn.`
+    if let Some(n) = target
+        .strip_prefix('L')
+        .and_then(|r| r.strip_suffix(".ffn.mlp"))
+    {
+        return DENSE_MLP
+            .iter()
+            .any(|p| base == format!("layers.{n}.ffn.{p}"));
+    }
     false
 }
+
+/// The dense MLP's projections (Qwen3-MoE's `mlp_only_layers`, DeepSeek-V3's leading layers).
+const DENSE_MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// The families' single-weight ops: (op id tail, canonical weight tail).
+const FAMILY_OPS: [(&str, &str); 6] = [
+    ("attn.q", "attn.q_proj"),
+    ("attn.k", "attn.k_proj"),
+    ("attn.v", "attn.v_proj"),
+    ("attn.o", "attn.o_proj"),
+    ("attn.kv_a", "attn.kv_a_proj_with_mqa"),
+    ("attn.kv_b", "attn.kv_b_proj"),
+];
 
 fn op_target_to_base_prefix(target: &str) -> Option<String> {
     let rest = target.strip_prefix('L')?;
@@ -208,7 +276,9 @@ fn op_target_to_base_prefix(target: &str) -> Option<String> {
         "ffn.experts" => "ffn.experts".to_string(),
         "ffn.shared" => "ffn.shared_experts".to_string(),
         o => {
-            if let Some(e) = o.strip_prefix("ffn.expert.") {
+            if let Some((_, w)) = FAMILY_OPS.iter().find(|(id, _)| *id == o) {
+                w.to_string()
+            } else if let Some(e) = o.strip_prefix("ffn.expert.") {
                 format!("ffn.experts.{e}")
             } else if let Some(s) = o.strip_prefix("ffn.shared.") {
                 format!("ffn.shared_experts.{s}")
@@ -232,6 +302,10 @@ pub fn op_of_base(base: &str) -> Option<String> {
         "attn.compressor"
     } else if w.starts_with("attn.indexer") {
         "attn.indexer"
+    } else if let Some((id, _)) = FAMILY_OPS.iter().find(|(_, b)| *b == w) {
+        id
+    } else if DENSE_MLP.iter().any(|p| w == format!("ffn.{p}")) {
+        "ffn.mlp"
     } else {
         match w {
             "attn.wq_a" => "attn.q_a",
@@ -239,7 +313,13 @@ pub fn op_of_base(base: &str) -> Option<String> {
             "attn.wq_b" => "attn.q_b",
             "attn.wo_a" => "attn.wo_a",
             "attn.wo_b" => "attn.wo_b",
-            "ffn.gate" | "ffn.gate.weight" => "ffn.router",
+            "ffn.gate" | "ffn.gate.weight" | "ffn.gate.bias" => "ffn.router",
+            // norm weights (`reference.param` findings)
+            "attn_norm" => "attn.norm",
+            "ffn_norm" => "ffn.norm",
+            "attn.q_norm" | "attn.q_a_layernorm" => "attn.q_norm",
+            "attn.k_norm" => "attn.k_norm",
+            "attn.kv_norm" => "attn.kv_norm",
             _ => return None,
         }
     };
@@ -277,9 +357,42 @@ mod tests {
         );
     }
 
+    /// The families' op ids reach their weights and back (`model::family::graph`'s ids).
+    #[test]
+    fn family_ops_map_to_their_weights() {
+        for (op, base) in [
+            ("L1.attn.q", "layers.1.attn.q_proj"),
+            ("L1.attn.o", "layers.1.attn.o_proj"),
+            ("L2.attn.kv_a", "layers.2.attn.kv_a_proj_with_mqa"),
+            ("L2.attn.kv_b", "layers.2.attn.kv_b_proj"),
+            ("L0.ffn.mlp", "layers.0.ffn.up_proj"),
+            ("L3.ffn.router", "layers.3.ffn.gate.bias"),
+        ] {
+            assert!(target_bases_match(op, base), "{op} {base}");
+            assert_eq!(op_of_base(base).as_deref(), Some(op), "{base}");
+        }
+        assert!(!target_bases_match(
+            "L1.attn.q",
+            "layers.1.attn.q_norm.weight"
+        ));
+        assert!(!target_bases_match("L1.attn.k", "layers.1.attn.kv_b_proj"));
+        assert!(!target_bases_match("L0.ffn.mlp", "layers.0.ffn.gate"));
+        assert!(!target_bases_match("L0.ffn.mlp", "layers.1.ffn.up_proj"));
+    }
+
+    #[test]
+    fn checkpoint_only_kinds_have_no_loader_form() {
+        for k in FaultKind::CHECKPOINT_ONLY {
+            assert!(!k.has_loader_form() && !FaultKind::ALL.contains(&k));
+            assert_eq!(FaultKind::parse(k.name()), Some(k));
+            assert!(!loader_fault_applies(k, "nvfp4-ct"));
+        }
+        assert!(loader_fault_applies(FaultKind::NanInputScale, "nvfp4-ct"));
+    }
+
     #[test]
     fn every_kind_round_trips() {
-        for k in FaultKind::ALL {
+        for k in FaultKind::every() {
             assert_eq!(FaultKind::parse(k.name()), Some(k));
             assert!(!k.describe().is_empty());
         }

@@ -75,8 +75,10 @@ pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
             ))
         }
         InvertedInputScale | InputAmaxX64 | ZeroInputScale | MissingInputScale | NanInputScale
-        | DoubleScale => nv,
-        InvertedWeightScale => nv || scheme == WScheme::Fp8,
+        | InfInputScale | DoubleScale => nv,
+        InvertedWeightScale => nv || matches!(scheme, WScheme::Fp8 | WScheme::Fp8F32),
+        // parameter faults (`synth::family::plant_params`) leave every linear alone
+        MissingCorrectionBias | SwappedQkNorm => return Ok(false),
         NanBlockScale | ShiftedScaleRows => scheme != WScheme::Bf16,
         NibbleSwap | SwizzledScales => nv || scheme == WScheme::Mxfp4,
         NonPow2Ue8m0 => scheme == WScheme::Fp8,
@@ -97,7 +99,7 @@ pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
         Ok(true)
     } else {
         let why = match kind {
-            NonPow2Ue8m0 => "needs an FP8 block weight with UE8M0 scales",
+            NonPow2Ue8m0 => "needs an FP8 block weight with UE8M0 scales (DeepSeek-V3's FP8 release stores f32 scales, no UE8M0 claim to break)",
             NibbleSwap | SwizzledScales => "needs a packed FP4 weight (NVFP4 or MXFP4)",
             InvertedWeightScale => "needs an NVFP4 tensor scale or FP8 block scales",
             NanBlockScale | ShiftedScaleRows => "a BF16 weight has no block scales",
@@ -223,6 +225,9 @@ fn encode_one(
             if has(kinds, NanInputScale) {
                 act = f32::NAN;
             }
+            if has(kinds, InfInputScale) {
+                act = f32::INFINITY;
+            }
             let (wl, gl, il, sc_shape) = if ct {
                 (
                     "weight_packed",
@@ -248,9 +253,9 @@ fn encode_one(
             }
             v
         }
-        WScheme::Fp8 => {
+        WScheme::Fp8 | WScheme::Fp8F32 => {
             let (bm, bn) = (128, 128);
-            let fmt = if has(kinds, NonPow2Ue8m0) {
+            let fmt = if scheme == WScheme::Fp8F32 || has(kinds, NonPow2Ue8m0) {
                 Fp8ScaleFmt::F32
             } else {
                 Fp8ScaleFmt::Ue8m0

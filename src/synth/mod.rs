@@ -1,5 +1,7 @@
 //! Synthetic DeepSeek-V4 checkpoints in the real on-disk formats (docs/DSV4-LAYER.md §2, docs/NVFP4.md
-//! §3.3–3.4, §6), with faults of `served::faults` planted into the written bytes.
+//! §3.3–3.4, §6), with faults of `served::faults` planted into the written bytes; and the same for
+//! the other model families (`family`: Qwen3-MoE, DeepSeek-V3), which plan their own tensors and
+//! configs and share everything else.
 //!
 //! Two writers share one plan (`plan`), one generator (`gen`) and one encoder (`encode`):
 //! - `tiny` is generated whole in memory, calibrated by a real FP32 forward (`calib`) and
@@ -10,6 +12,7 @@
 
 pub mod calib;
 pub mod encode;
+pub mod family;
 pub mod gen;
 pub mod plan;
 
@@ -20,12 +23,13 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::checkpoint::{Checkpoint, Dtype, Naming, ShardWriter};
+use crate::model::family::Kind;
 use crate::model::ModelConfig;
 use crate::served::faults::{Fault, FaultKind};
 use crate::{Error, Result, Tensor};
 
 use encode::{bf16_bytes, encode_group, f32_bytes, i64_bytes, LinIn, RawT};
-use plan::{Block, Dims, Group, PDtype, ParamSpec};
+use plan::{Block, Dims, Group, PDtype, ParamSpec, WScheme};
 pub use plan::{Choice, Format, Preset};
 
 /// Calibration tokens of the tiny forward.
@@ -43,6 +47,8 @@ pub struct SynthOptions {
     pub seed: u64,
     pub layers: Option<usize>,
     pub faults: Vec<Fault>,
+    /// A model family other than V4 (`synth --family`); `None` is DeepSeek-V4.
+    pub family: Option<Kind>,
 }
 
 impl SynthOptions {
@@ -59,6 +65,16 @@ impl SynthOptions {
             seed,
             layers: None,
             faults: Vec::new(),
+            family: None,
+        }
+    }
+
+    /// A tiny checkpoint of `family` in `format`, under transformers' names (the only naming the
+    /// families' releases use).
+    pub fn family(family: Kind, format: impl Into<Choice>, seed: u64) -> SynthOptions {
+        SynthOptions {
+            family: Some(family),
+            ..SynthOptions::new(Preset::Tiny, format, Naming::Hf, seed)
         }
     }
 }
@@ -180,8 +196,19 @@ pub fn synth_to_memory(opts: &SynthOptions) -> Result<Checkpoint> {
 /// The generated f32 value of any canonical tensor of a synth run (linear base, or parameter
 /// name), before quantisation: the reference tests compare dequantised weights against.
 pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
-    let dims = Dims::new(opts.preset, opts.layers)?;
-    for b in plan::blocks(&dims) {
+    let (dims, blocks) = match opts.family {
+        Some(k) => {
+            let f = family::spec(k)?;
+            let fd = f.dims(opts.layers)?;
+            (fd.gen_dims(), f.blocks(&fd))
+        }
+        None => {
+            let d = Dims::new(opts.preset, opts.layers)?;
+            let b = plan::blocks(&d);
+            (d, b)
+        }
+    };
+    for b in blocks {
         if let Some(p) = b.params.iter().find(|p| p.name == name) {
             return Ok(Tensor::new(
                 p.shape.clone(),
@@ -209,7 +236,7 @@ pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
 /// Print the fault catalogue (`--list-faults`).
 pub fn fault_catalogue() -> String {
     let mut s = String::new();
-    for k in FaultKind::ALL {
+    for k in FaultKind::every() {
         s.push_str(&format!("{:<22} {}\n", k.name(), k.describe()));
     }
     s
@@ -217,6 +244,8 @@ pub fn fault_catalogue() -> String {
 
 struct Ctx<'a> {
     opts: &'a SynthOptions,
+    /// The family's row (`None`: V4).
+    family: Option<&'static family::Spec>,
     dims: Dims,
     blocks: Vec<Block>,
     config: String,
@@ -230,17 +259,133 @@ impl<'a> Ctx<'a> {
                 "synth writes the official or the hf naming, not the hybrid",
             ));
         }
-        let dims = Dims::new(opts.preset, opts.layers)?;
-        let blocks = plan::blocks(&dims);
-        validate_faults(opts, &blocks)?;
-        let (config, hf_quant) = plan::config_files(&dims, opts.format, opts.naming, &blocks);
-        Ok(Ctx {
+        let Some(kind) = opts.family else {
+            if let Choice::Builtin(f @ Format::Fp8Block) = opts.format {
+                return Err(Error::usage(format!(
+                    "format {} is DeepSeek-V3's FP8 release: use it with --family deepseek-v3",
+                    f.name()
+                )));
+            }
+            let dims = Dims::new(opts.preset, opts.layers)?;
+            let blocks = plan::blocks(&dims);
+            let (config, hf_quant) = plan::config_files(&dims, opts.format, opts.naming, &blocks);
+            let ctx = Ctx {
+                opts,
+                family: None,
+                dims,
+                blocks,
+                config,
+                hf_quant,
+            };
+            ctx.validate_faults()?;
+            return Ok(ctx);
+        };
+        let f = family::spec(kind)?;
+        let format = match opts.format {
+            Choice::Builtin(x) if f.formats.contains(&x) => x,
+            other => {
+                let names: Vec<&str> = f.formats.iter().map(|x| x.name()).collect();
+                return Err(Error::usage(format!(
+                    "synth --family {}: format {} is not one the family ships (known: {})",
+                    kind.label(),
+                    other.name(),
+                    names.join(", ")
+                )));
+            }
+        };
+        if opts.preset != Preset::Tiny {
+            return Err(Error::usage(format!(
+                "synth --family {}: only --preset tiny",
+                kind.label()
+            )));
+        }
+        if opts.naming != Naming::Hf {
+            return Err(Error::usage(format!(
+                "synth --family {}: the family's releases use transformers' names only (--naming hf)",
+                kind.label()
+            )));
+        }
+        let fd = f.dims(opts.layers)?;
+        let blocks = f.blocks(&fd);
+        let (config, hf_quant) = f.config_files(&fd, format, &blocks);
+        let ctx = Ctx {
             opts,
-            dims,
+            family: Some(f),
+            dims: fd.gen_dims(),
             blocks,
             config,
             hf_quant,
-        })
+        };
+        ctx.validate_faults()?;
+        Ok(ctx)
+    }
+
+    /// How linear `base` is stored.
+    fn scheme(&self, base: &str) -> WScheme {
+        match (self.family, self.opts.format) {
+            (Some(f), Choice::Builtin(x)) => f.scheme(x, base),
+            _ => plan::scheme(self.opts.format, base),
+        }
+    }
+
+    /// The checkpoint's name of a canonical tensor.
+    fn raw_name(&self, canonical: &str) -> String {
+        match self.family {
+            Some(f) => f.raw_name(canonical),
+            None => plan::raw_name(canonical, self.opts.naming),
+        }
+    }
+
+    /// Refuse, before anything is written, faults that hit no weight or do not apply to what
+    /// they hit.
+    fn validate_faults(&self) -> Result<()> {
+        let opts = self.opts;
+        let lins = plan::all_linears(&self.blocks);
+        let params: Vec<&ParamSpec> = self.blocks.iter().flat_map(|b| &b.params).collect();
+        let what = match self.family {
+            Some(f) => f.kind.label().to_string(),
+            None => format!(
+                "{} {}",
+                opts.format.name(),
+                match opts.preset {
+                    Preset::Tiny => "tiny",
+                    Preset::FlashLayer => "flash-layer",
+                }
+            ),
+        };
+        for f in &opts.faults {
+            if family::is_param_fault(f.kind) {
+                family::check_param_fault(f, &params, &what)?;
+                continue;
+            }
+            if f.kind == FaultKind::MissingAlpha {
+                encode::applies(f.kind, &f.target, WScheme::Bf16)?;
+            }
+            let mut planted = 0usize;
+            let mut hit_any = false;
+            for l in lins.iter().filter(|l| f.hits(&l.base)) {
+                hit_any = true;
+                if encode::applies(f.kind, &l.base, self.scheme(&l.base))? {
+                    planted += 1;
+                }
+            }
+            if !hit_any {
+                return Err(Error::usage(format!(
+                    "fault {}@{}: the target matches no weight of this {what} checkpoint \
+                     (targets: op ids like L1.attn.q_b, L1.ffn.experts, L2.ffn.expert.3.w2, or bases like layers.1.attn.wq_b)",
+                    f.kind.name(),
+                    f.target,
+                )));
+            }
+            if planted == 0 {
+                return Err(Error::usage(format!(
+                    "fault {}@{}: the target covers no weight the fault changes",
+                    f.kind.name(),
+                    f.target
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn shard_bytes(&self) -> usize {
@@ -276,7 +421,7 @@ impl<'a> Ctx<'a> {
         let name = if t.raw {
             t.name
         } else {
-            plan::raw_name(&t.name, self.opts.naming)
+            self.raw_name(&t.name)
         };
         *n += 1;
         *bytes += t.bytes.len() as u64;
@@ -297,7 +442,7 @@ impl<'a> Ctx<'a> {
                 act_amax: a,
             })
             .collect();
-        let scheme = plan::scheme(self.opts.format, &g.members[0].base);
+        let scheme = self.scheme(&g.members[0].base);
         encode_group(&members, scheme, self.opts.naming, &self.opts.faults)
     }
 
@@ -321,11 +466,12 @@ impl<'a> Ctx<'a> {
             .par_iter()
             .map(|l| gen::linear(seed, &self.dims, &l.base, l.out, l.inp))
             .collect();
-        let ptensors: Vec<RawT> = params
+        let mut ptensors: Vec<Option<RawT>> = params
             .iter()
             .zip(&pvals)
-            .map(|(p, v)| self.param_tensor(p, v))
+            .map(|(p, v)| Some(self.param_tensor(p, v)))
             .collect();
+        family::plant_params(&self.opts.faults, &params, &mut ptensors);
         let mut linears: HashMap<String, Tensor> = lins
             .iter()
             .zip(lvals)
@@ -369,12 +515,17 @@ impl<'a> Ctx<'a> {
         let mut encoded = encoded.into_iter();
         let mut ptensors = ptensors.into_iter();
         let (mut n, mut bytes) = (0usize, 0u64);
-        let fuse =
-            self.opts.format == Choice::Builtin(Format::Bf16) && self.opts.naming == Naming::Hf;
+        // V4's transformers layout fuses BF16 experts; the families' releases store each expert
+        let fuse = self.family.is_none()
+            && self.opts.format == Choice::Builtin(Format::Bf16)
+            && self.opts.naming == Naming::Hf;
         for b in &self.blocks {
             for _ in &b.params {
                 let t = ptensors.next().ok_or_else(|| Error::usage("synth: plan"))?;
-                self.put(w, t, &mut n, &mut bytes)?;
+                // None: a parameter a fault leaves out
+                if let Some(t) = t {
+                    self.put(w, t, &mut n, &mut bytes)?;
+                }
             }
             for _ in &b.groups {
                 for t in encoded.next().into_iter().flatten() {
@@ -568,44 +719,4 @@ pub fn standin_amax(seed: u64, d: &Dims, b: &Block, g: &Group) -> Vec<f32> {
             swiglu_amax(&x, &w1, &w3, l.inp)
         })
         .collect()
-}
-
-/// Refuse, before anything is written, faults that hit no weight or do not apply to what they hit.
-fn validate_faults(opts: &SynthOptions, blocks: &[Block]) -> Result<()> {
-    let lins = plan::all_linears(blocks);
-    for f in &opts.faults {
-        if f.kind == FaultKind::MissingAlpha {
-            encode::applies(f.kind, &f.target, plan::WScheme::Bf16)?;
-        }
-        let mut planted = 0usize;
-        let mut hit_any = false;
-        for l in lins.iter().filter(|l| f.hits(&l.base)) {
-            hit_any = true;
-            let s = plan::scheme(opts.format, &l.base);
-            if encode::applies(f.kind, &l.base, s)? {
-                planted += 1;
-            }
-        }
-        if !hit_any {
-            return Err(Error::usage(format!(
-                "fault {}@{}: the target matches no weight of this {} {} checkpoint \
-                 (targets: op ids like L1.attn.q_b, L1.ffn.experts, L2.ffn.expert.3.w2, or bases like layers.1.attn.wq_b)",
-                f.kind.name(),
-                f.target,
-                opts.format.name(),
-                match opts.preset {
-                    Preset::Tiny => "tiny",
-                    Preset::FlashLayer => "flash-layer",
-                }
-            )));
-        }
-        if planted == 0 {
-            return Err(Error::usage(format!(
-                "fault {}@{}: the target covers no weight the fault changes",
-                f.kind.name(),
-                f.target
-            )));
-        }
-    }
-    Ok(())
 }

@@ -22,6 +22,10 @@ pub enum Format {
     ModelOptNvfp4,
     OfficialMixed,
     Mxfp4,
+    /// DeepSeek's FP8 block release of V3/R1: every linear but the router and the head in
+    /// E4M3 with one f32 scale per 128×128 tile (`weight_scale_inv` = amax/448). A family
+    /// format (`synth --family deepseek-v3`), not one of V4's.
+    Fp8Block,
 }
 
 /// What `synth --format` writes: a built-in [`Format`] (a mixture of schemes by role) or a
@@ -42,7 +46,11 @@ impl From<Format> for Choice {
 impl Choice {
     /// Every format `synth --format` knows: [`Format::ALL`], then the format table's.
     pub fn known() -> Vec<Choice> {
-        let mut v: Vec<Choice> = Format::ALL.iter().map(|&f| Choice::Builtin(f)).collect();
+        let mut v: Vec<Choice> = Format::ALL
+            .iter()
+            .chain(&Format::FAMILY_ONLY)
+            .map(|&f| Choice::Builtin(f))
+            .collect();
         v.extend(
             formats::TABLE
                 .iter()
@@ -101,6 +109,8 @@ impl Format {
         Format::OfficialMixed,
         Format::Mxfp4,
     ];
+    /// Formats only a model family ships (`synth::family`), refused for V4.
+    pub const FAMILY_ONLY: [Format; 1] = [Format::Fp8Block];
     pub fn parse(s: &str) -> Result<Format> {
         Format::ALL
             .into_iter()
@@ -118,6 +128,7 @@ impl Format {
             Format::ModelOptNvfp4 => "modelopt-nvfp4",
             Format::OfficialMixed => "official-mixed",
             Format::Mxfp4 => "mxfp4",
+            Format::Fp8Block => "fp8-block",
         }
     }
     /// Whether any linear of this format carries a static activation scale (needs calibration).
@@ -147,6 +158,9 @@ pub enum WScheme {
     Nvfp4ModelOpt,
     /// Block FP8 128×128 with power-of-two (UE8M0) scales.
     Fp8,
+    /// Block FP8 128×128 with f32 scales amax/448, not rounded to powers of two (DeepSeek-V3's
+    /// release, `weight_scale_inv`).
+    Fp8F32,
     Mxfp4,
     /// A format of the format table, encoded by its spec's encoder.
     Table(Scheme),
@@ -158,7 +172,7 @@ impl WScheme {
             WScheme::Bf16 => "bf16",
             WScheme::Nvfp4Ct => "nvfp4-ct",
             WScheme::Nvfp4ModelOpt => "nvfp4-modelopt",
-            WScheme::Fp8 => "fp8-block",
+            WScheme::Fp8 | WScheme::Fp8F32 => "fp8-block",
             WScheme::Mxfp4 => "mxfp4",
             WScheme::Table(s) => s.spec().label,
         }
@@ -183,6 +197,11 @@ pub enum Role {
     Shared(u8),
     Expert(u8),
     Head,
+    /// An input-side attention projection of a model family (`attn.q_proj`, `k_proj`, `v_proj`,
+    /// `kv_a_proj_with_mqa`, `kv_b_proj`); the families' `o_proj` is [`Role::WoB`] (the block's
+    /// output), their dense MLP (`ffn.gate_proj`/`up_proj`/`down_proj`) [`Role::Shared`] (an
+    /// always-on MLP like the shared expert).
+    FamilyAttn,
 }
 
 pub fn role(base: &str) -> Role {
@@ -203,6 +222,15 @@ pub fn role(base: &str) -> Role {
         "attn.wo_b" => Role::WoB,
         "attn.indexer.wq_b" => Role::IndexerWqB,
         "ffn.gate" => Role::Router,
+        "attn.o_proj" => Role::WoB,
+        "attn.q_proj"
+        | "attn.k_proj"
+        | "attn.v_proj"
+        | "attn.kv_a_proj_with_mqa"
+        | "attn.kv_b_proj" => Role::FamilyAttn,
+        "ffn.gate_proj" => Role::Shared(1),
+        "ffn.up_proj" => Role::Shared(3),
+        "ffn.down_proj" => Role::Shared(2),
         r if r.starts_with("attn.compressor.") => Role::Compressor,
         r if r.starts_with("attn.indexer.") => Role::IndexerOther,
         r if r.starts_with("ffn.shared_experts.") => Role::Shared(proj(r)),
@@ -253,6 +281,8 @@ pub fn scheme(format: impl Into<Choice>, base: &str) -> WScheme {
             Role::Expert(_) => WScheme::Nvfp4ModelOpt,
             _ => WScheme::Bf16,
         },
+        // refused for V4 (`synth::Ctx::new`); the families plan their own schemes
+        Format::Fp8Block => WScheme::Fp8,
     }
 }
 
@@ -430,17 +460,17 @@ pub struct Block {
     pub experts: Vec<[Group; 2]>,
 }
 
-fn lin(base: String, out: usize, inp: usize) -> LinSpec {
+pub(super) fn lin(base: String, out: usize, inp: usize) -> LinSpec {
     LinSpec { base, out, inp }
 }
 
-fn single(base: String, out: usize, inp: usize) -> Group {
+pub(super) fn single(base: String, out: usize, inp: usize) -> Group {
     Group {
         members: vec![lin(base, out, inp)],
     }
 }
 
-fn param(name: String, shape: Vec<usize>, dtype: PDtype, kind: PKind) -> ParamSpec {
+pub(super) fn param(name: String, shape: Vec<usize>, dtype: PDtype, kind: PKind) -> ParamSpec {
     ParamSpec {
         name,
         shape,
@@ -1002,6 +1032,10 @@ pub fn config_files(
         Format::Mxfp4 => {
             m.insert("quantization_config".into(), fp8_qc);
             m.insert("expert_dtype".into(), json!("fp4"));
+        }
+        // refused for V4 (`synth::Ctx::new`)
+        Format::Fp8Block => {
+            m.insert("quantization_config".into(), fp8_qc);
         }
     }
     (pretty(&Value::Object(m)), hq.as_ref().map(pretty))

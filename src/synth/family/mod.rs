@@ -1,0 +1,436 @@
+//! Synthetic checkpoints of the model families beyond DeepSeek-V4 (issue 23): `synth --family
+//! qwen3-moe|deepseek-v3`, in the family's real on-disk layout (transformers' names as the hub
+//! releases store them, one tensor per expert projection) and in each format the family ships.
+//!
+//! A family is one row of [`TABLE`] ([`Spec`]): its tiny dimensions, its canonical tensor list
+//! (the names `checkpoint::naming` maps its transformers names onto, the weights
+//! `model::family::graph` reads), which linears each format quantizes, its `config.json`, and the
+//! few canonical names whose transformers spelling differs from V4's. Everything else is V4's
+//! machinery unchanged: the generator (`gen`: trained-model structure, routers aimed at token
+//! clusters), the calibration (`calib`: the family's own FP32 forward through its op graph), the
+//! encoders and planted faults (`encode`), the writer. gpt-oss becomes one more row (with its
+//! fused `gate_up_proj` MXFP4 tensors as an encoder of their own).
+//!
+//! One file per family (`qwen3_moe.rs`, `deepseek_v3.rs`: its row, dimensions, layer and config);
+//! the faults that change parameters rather than linear weights (a dropped
+//! `e_score_correction_bias`, swapped `q_norm`/`k_norm`) are planted by [`params`].
+
+mod deepseek_v3;
+pub mod params;
+mod qwen3_moe;
+
+use serde_json::{json, Map, Value};
+
+use super::plan::{self, lin, param, single, Block, Dims, Format, Group, PDtype, PKind, Role};
+use super::plan::{ParamSpec, WScheme};
+use crate::checkpoint::Naming;
+use crate::model::family::Kind;
+use crate::{Error, Result};
+
+pub use params::{check_param_fault, is_param_fault, plant_params};
+
+/// One family's synthetic checkpoint, as data.
+pub struct Spec {
+    pub kind: Kind,
+    /// The `--format`s the family's releases ship.
+    pub formats: &'static [Format],
+    /// The tiny preset at `layers` layers.
+    tiny: fn(usize) -> FamDims,
+    /// Layers of the tiny preset without `--layers`.
+    pub tiny_layers: usize,
+    /// One layer's canonical tensors (the model-level block is shared: [`model_block`]).
+    layer: fn(&FamDims, usize) -> Block,
+    /// Whether `format` quantizes a linear of this role (routers and the head never are).
+    quantizes: fn(Format, Role) -> bool,
+    /// `config.json` without `quantization_config`, as the hub release writes it.
+    config: fn(&FamDims) -> Map<String, Value>,
+    /// Canonical layer tails (after `layers.N.`) whose transformers name is not V4's HF spelling.
+    renames: &'static [(&'static str, &'static str)],
+}
+
+/// The families `synth --family` writes; a new family is a new row.
+pub static TABLE: &[&Spec] = &[&qwen3_moe::SPEC, &deepseek_v3::SPEC];
+
+/// The row of a family kind.
+pub fn spec(kind: Kind) -> Result<&'static Spec> {
+    TABLE
+        .iter()
+        .copied()
+        .find(|s| s.kind == kind)
+        .ok_or_else(|| Error::usage(format!("synth: no synthetic {} yet", kind.label())))
+}
+
+/// The family a `--family` name names.
+pub fn parse(s: &str) -> Result<Kind> {
+    TABLE
+        .iter()
+        .map(|f| f.kind)
+        .find(|k| k.label() == s)
+        .ok_or_else(|| {
+            let names: Vec<&str> = TABLE.iter().map(|f| f.kind.label()).collect();
+            Error::usage(format!(
+                "unknown family `{s}` (known: {})",
+                names.join(", ")
+            ))
+        })
+}
+
+/// A family model's dimensions (the fields a family does not have are 0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FamDims {
+    pub hidden: usize,
+    pub layers: usize,
+    pub vocab: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// q/k head width (DeepSeek-V3: nope + rope).
+    pub head_dim: usize,
+    pub rope_dim: usize,
+    pub v_head: usize,
+    pub q_lora: usize,
+    pub kv_lora: usize,
+    pub experts: usize,
+    pub topk: usize,
+    pub inter: usize,
+    pub shared: usize,
+    /// Leading dense layers and their MLP width.
+    pub first_dense: usize,
+    pub dense_inter: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling: f64,
+}
+
+impl FamDims {
+    /// The generator's view (`gen` reads the sizes, experts and top-k; the V4-only fields stay 0).
+    pub fn gen_dims(&self) -> Dims {
+        Dims {
+            hidden: self.hidden,
+            layers: self.layers,
+            vocab: self.vocab,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            rope_dim: self.rope_dim,
+            q_lora: self.q_lora,
+            o_groups: 0,
+            o_lora: 0,
+            window: 0,
+            hca: 0,
+            ratios: vec![0; self.layers],
+            experts: self.experts,
+            topk: self.topk,
+            shared: self.shared,
+            inter: self.inter,
+            hash_layers: 0,
+            index_heads: 0,
+            index_dim: 0,
+            index_topk: 0,
+            routed_scaling: self.routed_scaling,
+            hc: 0,
+            sinkhorn: 0,
+        }
+    }
+}
+
+impl Spec {
+    pub fn dims(&self, layers: Option<usize>) -> Result<FamDims> {
+        let n = layers.unwrap_or(self.tiny_layers);
+        if n == 0 || n > 64 {
+            return Err(Error::usage(format!("--layers {n}: must be in 1..=64")));
+        }
+        Ok((self.tiny)(n))
+    }
+
+    /// The canonical tensor list: the model-level block, then one block per layer.
+    pub fn blocks(&self, d: &FamDims) -> Vec<Block> {
+        let mut v = vec![model_block(d)];
+        v.extend((0..d.layers).map(|n| (self.layer)(d, n)));
+        v
+    }
+
+    /// How linear `base` is stored in `format`.
+    pub fn scheme(&self, format: Format, base: &str) -> WScheme {
+        let r = plan::role(base);
+        if matches!(r, Role::Router | Role::Head) || !(self.quantizes)(format, r) {
+            return WScheme::Bf16;
+        }
+        match format {
+            Format::CtNvfp4 => WScheme::Nvfp4Ct,
+            Format::ModelOptNvfp4 => WScheme::Nvfp4ModelOpt,
+            Format::Fp8Block => WScheme::Fp8F32,
+            _ => WScheme::Bf16,
+        }
+    }
+
+    /// The transformers name of a canonical tensor.
+    pub fn raw_name(&self, canonical: &str) -> String {
+        if let Some((n, tail)) = canonical
+            .strip_prefix("layers.")
+            .and_then(|r| r.split_once('.'))
+        {
+            if let Some((_, to)) = self.renames.iter().find(|(from, _)| *from == tail) {
+                return format!("model.layers.{n}.{to}");
+            }
+        }
+        plan::raw_name(canonical, Naming::Hf)
+    }
+
+    /// `config.json` and (ModelOpt) `hf_quant_config.json`.
+    pub fn config_files(
+        &self,
+        d: &FamDims,
+        format: Format,
+        blocks: &[Block],
+    ) -> (String, Option<String>) {
+        let mut m = (self.config)(d);
+        let bf16_modules = || -> Vec<String> {
+            plan::all_linears(blocks)
+                .iter()
+                .filter(|l| self.scheme(format, &l.base) == WScheme::Bf16)
+                .map(|l| plan::raw_module(&l.base, Naming::Hf))
+                .collect()
+        };
+        let mut hq = None;
+        match format {
+            // llm-compressor's NVFP4 preset, as tests/data/hf-families/*/ct-nvfp4 holds it
+            Format::CtNvfp4 => {
+                let args = |dynamic: Value, observer: bool| {
+                    let mut a = json!({
+                        "num_bits": 4, "type": "float", "symmetric": true, "group_size": 16,
+                        "strategy": "tensor_group", "dynamic": dynamic,
+                        "scale_dtype": "torch.float8_e4m3fn",
+                    });
+                    if observer {
+                        a["observer"] = json!("static_minmax");
+                    }
+                    a
+                };
+                m.insert(
+                    "quantization_config".into(),
+                    json!({
+                        "config_groups": {"group_0": {
+                            "targets": ["Linear"],
+                            "weights": args(json!(false), false),
+                            "input_activations": args(json!("local"), true),
+                            "output_activations": null,
+                            "format": "nvfp4-pack-quantized",
+                        }},
+                        "quant_method": "compressed-tensors",
+                        "kv_cache_scheme": null,
+                        "format": "nvfp4-pack-quantized",
+                        "quantization_status": "compressed",
+                        "global_compression_ratio": null,
+                        "ignore": ["lm_head", "re:.*mlp.gate$"],
+                        "moe_sparsity_config": null,
+                        "version": "0.20.0",
+                    }),
+                );
+            }
+            Format::ModelOptNvfp4 => {
+                let ex = bf16_modules();
+                m.insert(
+                    "quantization_config".into(),
+                    json!({
+                        "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                        "kv_cache_quant_algo": null, "exclude_modules": ex,
+                    }),
+                );
+                hq = Some(json!({
+                    "producer": {"name": "modelopt", "version": "0.47.0"},
+                    "quantization": {
+                        "quant_algo": "NVFP4", "kv_cache_quant_algo": null, "group_size": 16,
+                        "exclude_modules": ex,
+                    },
+                }));
+            }
+            // DeepSeek-V3's own release
+            Format::Fp8Block => {
+                m.insert(
+                    "quantization_config".into(),
+                    json!({
+                        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                        "weight_block_size": [128, 128],
+                    }),
+                );
+            }
+            _ => {}
+        }
+        let pretty = |v: &Value| serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".into());
+        (pretty(&Value::Object(m)), hq.as_ref().map(pretty))
+    }
+}
+
+/// Embedding, final norm and the (untied) head.
+fn model_block(d: &FamDims) -> Block {
+    let (h, v) = (d.hidden, d.vocab);
+    Block {
+        layer: None,
+        params: vec![
+            param(
+                "embed.weight".into(),
+                vec![v, h],
+                PDtype::Bf16,
+                PKind::Embed,
+            ),
+            param("norm.weight".into(), vec![h], PDtype::Bf16, PKind::Norm),
+        ],
+        groups: vec![single("head".into(), v, h)],
+        experts: Vec::new(),
+    }
+}
+
+/// The FFN side every family shares: a dense MLP (gate/up fused, then down), or the router, the
+/// shared expert (gate/up fused) when there is one, and the routed experts.
+fn ffn(d: &FamDims, n: usize, dense: bool, b: &mut Block) {
+    let p = |s: &str| format!("layers.{n}.{s}");
+    let h = d.hidden;
+    if dense {
+        b.groups.push(Group {
+            members: vec![
+                lin(p("ffn.gate_proj"), d.dense_inter, h),
+                lin(p("ffn.up_proj"), d.dense_inter, h),
+            ],
+        });
+        b.groups.push(single(p("ffn.down_proj"), h, d.dense_inter));
+        return;
+    }
+    b.groups.push(single(p("ffn.gate"), d.experts, h));
+    if d.shared > 0 {
+        let si = d.inter * d.shared;
+        b.groups.push(Group {
+            members: vec![
+                lin(p("ffn.shared_experts.w1"), si, h),
+                lin(p("ffn.shared_experts.w3"), si, h),
+            ],
+        });
+        b.groups.push(single(p("ffn.shared_experts.w2"), h, si));
+    }
+    b.experts = (0..d.experts)
+        .map(|e| {
+            let q = |w: &str| p(&format!("ffn.experts.{e}.{w}"));
+            [
+                Group {
+                    members: vec![lin(q("w1"), d.inter, h), lin(q("w3"), d.inter, h)],
+                },
+                single(q("w2"), h, d.inter),
+            ]
+        })
+        .collect();
+}
+
+fn norms(n: usize, d: &FamDims, extra: &[(&str, usize)]) -> Vec<ParamSpec> {
+    let mut v = vec![
+        param(
+            format!("layers.{n}.attn_norm.weight"),
+            vec![d.hidden],
+            PDtype::Bf16,
+            PKind::Norm,
+        ),
+        param(
+            format!("layers.{n}.ffn_norm.weight"),
+            vec![d.hidden],
+            PDtype::Bf16,
+            PKind::Norm,
+        ),
+    ];
+    for (name, w) in extra {
+        v.push(param(
+            format!("layers.{n}.{name}"),
+            vec![*w],
+            PDtype::Bf16,
+            PKind::Norm,
+        ));
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::naming::{canonical, Canon};
+    use crate::model::{build_graph, ModelConfig};
+
+    /// Every canonical tensor's transformers name maps back through the reader's own (separately
+    /// written) HF rules, and the config is the family the parser detects.
+    #[test]
+    fn names_round_trip_and_configs_parse() {
+        for s in TABLE {
+            let d = s.dims(None).unwrap();
+            let bl = s.blocks(&d);
+            let mut names: Vec<String> = bl
+                .iter()
+                .flat_map(|b| b.params.iter().map(|p| p.name.clone()))
+                .collect();
+            for l in plan::all_linears(&bl) {
+                for leaf in ["weight", "weight_packed", "input_scale", "weight_scale_inv"] {
+                    names.push(format!("{}.{leaf}", l.base));
+                }
+            }
+            for c in &names {
+                let raw = s.raw_name(c);
+                assert_eq!(
+                    canonical(&raw, Naming::Hf),
+                    Canon::Plain(c.clone()),
+                    "{raw}"
+                );
+            }
+            for f in s.formats {
+                let (cfg, _) = s.config_files(&d, *f, &bl);
+                let v: Value = serde_json::from_str(&cfg).unwrap();
+                let mc = ModelConfig::from_json(&v).unwrap();
+                assert_eq!(mc.family.as_ref().unwrap().kind, s.kind);
+                // every weight the graph reads is planned
+                let planned: Vec<String> = plan::all_linears(&bl)
+                    .into_iter()
+                    .map(|l| l.base)
+                    .chain(names.iter().cloned())
+                    .collect();
+                for op in build_graph(&mc, d.layers - 1, true) {
+                    for w in op.weights.iter().filter(|w| *w != "embed") {
+                        assert!(planned.contains(w), "{} {w} not planned", s.kind.label());
+                    }
+                }
+            }
+        }
+        let q = spec(Kind::Qwen3Moe).unwrap();
+        assert_eq!(
+            q.raw_name("layers.2.attn.q_norm.weight"),
+            "model.layers.2.self_attn.q_norm.weight"
+        );
+        let v = spec(Kind::DeepseekV3).unwrap();
+        assert_eq!(
+            v.raw_name("layers.1.ffn.gate.bias"),
+            "model.layers.1.mlp.gate.e_score_correction_bias"
+        );
+        assert_eq!(
+            v.raw_name("layers.1.attn.kv_norm.weight"),
+            "model.layers.1.self_attn.kv_a_layernorm.weight"
+        );
+    }
+
+    #[test]
+    fn schemes_follow_the_releases() {
+        let v = spec(Kind::DeepseekV3).unwrap();
+        let s = |f, b| v.scheme(f, b);
+        assert_eq!(
+            s(Format::ModelOptNvfp4, "layers.1.attn.wq_a"),
+            WScheme::Bf16
+        );
+        assert_eq!(
+            s(Format::ModelOptNvfp4, "layers.0.ffn.down_proj"),
+            WScheme::Nvfp4ModelOpt
+        );
+        assert_eq!(
+            s(Format::Fp8Block, "layers.1.attn.kv_b_proj"),
+            WScheme::Fp8F32
+        );
+        assert_eq!(s(Format::Fp8Block, "layers.1.ffn.gate"), WScheme::Bf16);
+        assert_eq!(s(Format::CtNvfp4, "head"), WScheme::Bf16);
+        let q = spec(Kind::Qwen3Moe).unwrap();
+        assert_eq!(
+            q.scheme(Format::CtNvfp4, "layers.0.attn.k_proj"),
+            WScheme::Nvfp4Ct
+        );
+        assert!(parse("gpt-oss").is_err() && parse("qwen3-moe").is_ok());
+    }
+}
