@@ -369,6 +369,9 @@ pub fn expected_shape(cfg: &ModelConfig, base: &str) -> Option<((usize, usize), 
         r if r.starts_with("ffn.experts.") => {
             if r.ends_with(".w1") || r.ends_with(".w3") {
                 ((ii, d), "moe_intermediate_size × hidden_size")
+            } else if r.ends_with(".w13") {
+                // gpt-oss: gate and up rows interleaved in one weight
+                ((2 * ii, d), "2·intermediate_size × hidden_size")
             } else if r.ends_with(".w2") {
                 ((d, ii), "hidden_size × moe_intermediate_size")
             } else {
@@ -729,12 +732,17 @@ impl Checkpoint {
 
     /// A linear weight with all its bytes and scales, ready to dequantise.
     pub fn weight(&self, base: &str) -> Result<QuantWeight> {
+        let transposed = self.stored_transposed(&format!("{base}.weight"));
         let RawWeight { meta: m, format } = self.weight_raw(base)?;
         let format = match format {
-            RawFormat::Dense { dtype, bytes } => WeightFormat::Dense {
-                dtype,
-                values: convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?,
-            },
+            RawFormat::Dense { dtype, bytes } => {
+                let mut values = convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?;
+                if transposed {
+                    // stored [in, out] (gpt-oss's fused experts)
+                    values = super::experts::transpose(&values, m.in_features, m.out_features);
+                }
+                WeightFormat::Dense { dtype, values }
+            }
             RawFormat::Fp8Block {
                 bytes,
                 scales,
@@ -810,7 +818,9 @@ impl Checkpoint {
     }
 
     /// A weight's stored bytes borrowed from the mmap (no copy), for backends that upload them
-    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small).
+    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small). A dense
+    /// weight stored transposed ([`Checkpoint::stored_transposed`]) comes in its stored
+    /// [in, out] order; [`Checkpoint::weight`] gives it [out, in].
     pub fn weight_raw(&self, base: &str) -> Result<RawWeight<'_>> {
         let WeightLayout {
             meta: m,
