@@ -60,8 +60,8 @@ pub fn map_hf(name: &str, cfg: &ModelConfig) -> Option<Mapped> {
         (Kind::GptOss, "mlp.router:1") => "ffn.router",
         (Kind::GptOss, "mlp.router:2") => "ffn.router.idx",
         // the router's (logits, weights, ids): weights and ids are the op's two outputs
-        (_, "mlp.gate:1") if !dense => "ffn.router",
-        (_, "mlp.gate:2") if !dense => "ffn.router.idx",
+        (Kind::Qwen3Moe | Kind::DeepseekV3, "mlp.gate:1") if !dense => "ffn.router",
+        (Kind::Qwen3Moe | Kind::DeepseekV3, "mlp.gate:2") if !dense => "ffn.router.idx",
         (_, "mlp.experts") if !dense => "ffn.experts",
         (_, "mlp") if dense => "ffn.mlp",
         _ => return None,
@@ -128,6 +128,7 @@ mod tests {
             "model.layers.0.mlp:1",
             "model.layers.0.self_attn",
             "model.layers.0.self_attn.q_norm",
+            "model.layers.0.mlp.gate:1",
         ] {
             assert!(op(n).is_none(), "{n}");
         }
