@@ -132,7 +132,10 @@ fn interleaved(tail: &str) -> Option<(String, FusedPart)> {
             if rest == f.data_suffix {
                 Some((s.tensors.weight_leaf.to_string(), FusedPart::Whole))
             } else if rest == f.scale_suffix {
-                Some((s.tensors.scale_leaves.first()?.to_string(), FusedPart::Whole))
+                Some((
+                    s.tensors.scale_leaves.first()?.to_string(),
+                    FusedPart::Whole,
+                ))
             } else {
                 None
             }

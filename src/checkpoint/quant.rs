@@ -805,11 +805,7 @@ impl Checkpoint {
         } else {
             format!("{base}.weight")
         };
-        let scale = meta
-            .tensors
-            .block_scale
-            .as_ref()
-            .and_then(|r| self.canonical_of(r).map(str::to_string));
+        let scale = self.scale_canonical(&meta);
         Ok(WeightLayout {
             meta,
             weight,
@@ -904,6 +900,31 @@ impl Checkpoint {
         out
     }
 
+    /// Canonical name of a weight's block-scale tensor: the one its raw name maps to, or, for an
+    /// expert's slice of a fused tensor (which has no single canonical name), the weight's
+    /// sibling under a scale leaf that is stored in that tensor.
+    fn scale_canonical(&self, meta: &WeightMeta) -> Option<String> {
+        let r = meta.tensors.block_scale.as_ref()?;
+        if let Some(c) = self.canonical_of(r) {
+            return Some(c.to_string());
+        }
+        super::formats::TABLE
+            .iter()
+            .flat_map(|s| s.tensors.scale_leaves.iter())
+            .chain(["weight_scale_inv"].iter())
+            .map(|l| format!("{}.{l}", meta.canonical))
+            .find(|c| self.resolve(c).as_ref() == Some(r))
+    }
+
+    /// The stored bytes of a weight's block scales (this weight's own: an expert's slice of a
+    /// fused scale tensor); None without block scales.
+    pub fn block_scale_bytes(&self, meta: &WeightMeta) -> Result<Option<&[u8]>> {
+        match self.scale_canonical(meta) {
+            Some(c) => Ok(Some(self.canonical_bytes(&c)?)),
+            None => Ok(None),
+        }
+    }
+
     /// Summarise a weight's block scales by reading only the scale tensor.
     pub fn scale_summary(&self, meta: &WeightMeta) -> Result<Option<ScaleSummary>> {
         let Some(sraw) = &meta.tensors.block_scale else {
@@ -912,7 +933,9 @@ impl Checkpoint {
         let Some(dtype) = meta.block_scale_dtype else {
             return Ok(None);
         };
-        let b = self.bytes(sraw)?;
+        let Some(b) = self.block_scale_bytes(meta)? else {
+            return Ok(None);
+        };
         let file = self.info(sraw).map(|i| i.file).unwrap_or_default();
         let count;
         let (mut zero, mut x7e, mut nan, mut xff) = (0usize, 0usize, 0usize, 0usize);

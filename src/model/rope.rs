@@ -117,16 +117,29 @@ mod tests {
             truncate: false,
         };
         let (lo, hi) = ramp_bounds(64, 150000.0, &y);
-        let corr = |r: f64| 64.0 * (4096.0 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 150000f64.ln());
+        let corr = |r: f64| {
+            64.0 * (4096.0 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 150000f64.ln())
+        };
         assert_eq!((lo, hi), (corr(32.0), corr(1.0)));
         assert!(lo.fract() != 0.0 && hi.fract() != 0.0);
         let plain = rope_freqs(64, 150000.0, None);
         let f = rope_freqs(64, 150000.0, Some(&y));
-        let t = rope_freqs(64, 150000.0, Some(&Yarn { truncate: true, ..y.clone() }));
+        let t = rope_freqs(
+            64,
+            150000.0,
+            Some(&Yarn {
+                truncate: true,
+                ..y.clone()
+            }),
+        );
         // dim 12 lies inside both ramps but at different places of them
         let ramp = ((12.0 - lo) / (hi - lo)) as f32;
         let want = plain[12] / 32.0 * ramp + plain[12] * (1.0 - ramp);
-        assert!((f[12] - want).abs() <= 2e-7 * plain[12], "{} vs {want}", f[12]);
+        assert!(
+            (f[12] - want).abs() <= 2e-7 * plain[12],
+            "{} vs {want}",
+            f[12]
+        );
         assert!((f[12] - t[12]).abs() > 1e-3 * plain[12]);
         assert_eq!(f[0], plain[0]);
         assert_eq!(f[31], plain[31] / 32.0);

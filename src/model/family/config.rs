@@ -9,6 +9,9 @@ use super::super::limits::{self, Range, Sign};
 use super::kind::{Family, Kind, RopeStyle};
 use crate::{Error, Result};
 
+mod gpt_oss;
+use gpt_oss::gpt_oss;
+
 /// Limits of the fields only the families have.
 const NUM_KEY_VALUE_HEADS: Range = Range {
     field: "num_key_value_heads",
@@ -128,7 +131,13 @@ pub fn parse(v: &Value, kind: Kind) -> Result<ModelConfig> {
 
 /// The fields every family shares, and the V4-only ones neutral.
 fn shared(r: &Reader, head_dim: usize, rope_dim: usize, rope_theta: f64) -> Result<ModelConfig> {
-    shared_with(r, head_dim, rope_dim, rope_theta, &["moe_intermediate_size"])
+    shared_with(
+        r,
+        head_dim,
+        rope_dim,
+        rope_theta,
+        &["moe_intermediate_size"],
+    )
 }
 
 /// [`shared`] with the spellings of the routed experts' width (`intermediate_size` on gpt-oss).
@@ -419,128 +428,13 @@ fn rope_param(p: &Value, k: &str, d: f64) -> Result<f64> {
     match p.get(k).filter(|x| !x.is_null()) {
         Some(x) => {
             let field = format!("rope_parameters.{k}");
-            let f = x
-                .as_f64()
-                .ok_or_else(|| Error::usage(format!("config field `{field}` is not a number: {x}")))?;
+            let f = x.as_f64().ok_or_else(|| {
+                Error::usage(format!("config field `{field}` is not a number: {x}"))
+            })?;
             limits::check_float(&field, f, Sign::Positive)
         }
         None => Ok(d),
     }
-}
-
-/// gpt-oss (`GptOssConfig`, the openai/gpt-oss-* releases): GQA with biases and sinks,
-/// `layer_types` alternating sliding and full attention, YaRN with `truncate` read, routed experts
-/// only (`num_local_experts` of `intermediate_size`), the clamped GLU's limit (transformers fixes
-/// it at 7; the releases' `swiglu_limit` says the same).
-fn gpt_oss(v: &Value) -> Result<ModelConfig> {
-    let r = Reader { v };
-    let hidden = r.usize(&["hidden_size"], None, &limits::HIDDEN_SIZE)?;
-    let heads = r.usize(&["num_attention_heads"], None, &limits::NUM_ATTENTION_HEADS)?;
-    let head_dim = r.usize(&["head_dim"], Some(hidden / heads), &limits::HEAD_DIM)?;
-    if !head_dim.is_multiple_of(2) {
-        return Err(Error::usage(format!(
-            "config field `head_dim` = {head_dim} must be even (the rope rotates pairs)"
-        )));
-    }
-    let (theta, ty) = rope_theta(&r, 150000.0)?;
-    let params = r.get("rope_parameters").or_else(|| r.get("rope_scaling"));
-    let (yarn, rope_factor) = match ty.as_deref() {
-        None | Some("default") => (None, 1.0),
-        Some("yarn") => {
-            let p = params.unwrap_or(&Value::Null);
-            let truncate = match p.get("truncate").filter(|x| !x.is_null()) {
-                None => true,
-                Some(x) => x.as_bool().ok_or_else(|| {
-                    Error::usage(format!(
-                        "config field `rope_parameters.truncate` is not a boolean: {x}"
-                    ))
-                })?,
-            };
-            let y = super::super::config::Yarn {
-                factor: rope_param(p, "factor", 1.0)?,
-                original_max_position_embeddings: rope_param(
-                    p,
-                    "original_max_position_embeddings",
-                    4096.0,
-                )?,
-                beta_fast: rope_param(p, "beta_fast", 32.0)?,
-                beta_slow: rope_param(p, "beta_slow", 1.0)?,
-                truncate,
-            };
-            // transformers: `attention_factor` if given, else 0.1·ln(factor) + 1 (factor > 1)
-            let a = match p.get("attention_factor").filter(|x| !x.is_null()) {
-                Some(_) => rope_param(p, "attention_factor", 1.0)?,
-                None if y.factor > 1.0 => 0.1 * y.factor.ln() + 1.0,
-                None => 1.0,
-            };
-            (Some(y), a)
-        }
-        Some(t) => {
-            return Err(Error::usage(format!(
-                "config field `rope_parameters.rope_type` = `{t}`: this tool reads gpt-oss with the default or YaRN rope"
-            )))
-        }
-    };
-    let mut cfg = shared_with(&r, head_dim, head_dim, theta, &["intermediate_size"])?;
-    cfg.yarn = yarn;
-    cfg.rms_norm_eps = r.float("rms_norm_eps", 1e-5, Sign::NonNegative)?;
-    cfg.norm_topk_prob = true;
-    cfg.swiglu_limit = r.float("swiglu_limit", 7.0, Sign::Positive)?;
-    let n = cfg.num_hidden_layers;
-    let sliding: Vec<bool> = match r.get("layer_types") {
-        // GptOssConfig's default: even layers slide
-        None => (0..n).map(|i| i % 2 == 0).collect(),
-        Some(x) => {
-            let arr = x
-                .as_array()
-                .ok_or_else(|| Error::usage("config field `layer_types` is not an array"))?;
-            if arr.len() != n {
-                return Err(Error::usage(format!(
-                    "config field `layer_types` has {} entries for {n} layers (`num_hidden_layers`)",
-                    arr.len()
-                )));
-            }
-            arr.iter()
-                .enumerate()
-                .map(|(i, t)| match t.as_str() {
-                    Some("sliding_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    _ => Err(Error::usage(format!(
-                        "config field `layer_types` entry {i} is {t}, not \"sliding_attention\" or \"full_attention\""
-                    ))),
-                })
-                .collect::<Result<_>>()?
-        }
-    };
-    if sliding.iter().any(|&s| s) {
-        cfg.sliding_window = r.usize(&["sliding_window"], None, &limits::SLIDING_WINDOW)?;
-    }
-    cfg.family = Some(Family {
-        kind: Kind::GptOss,
-        num_key_value_heads: r.usize(
-            &["num_key_value_heads"],
-            Some(heads),
-            &NUM_KEY_VALUE_HEADS,
-        )?,
-        v_head_dim: head_dim,
-        rope_style: RopeStyle::HalfSplit,
-        rope_attention_factor: rope_factor,
-        dense: vec![false; n],
-        intermediate_size: 0,
-        separate_head: !r.bool("tie_word_embeddings", false)?,
-        attn_scale: (head_dim as f64).powf(-0.5),
-        q_lora_rank: None,
-        kv_lora_rank: 0,
-        n_group: 1,
-        topk_group: 1,
-        // the router is an nn.Linear run in the activation dtype
-        router_logits_stored: true,
-        sliding,
-        attention_bias: r.bool("attention_bias", true)?,
-        sinks: true,
-        router_logit_bias: true,
-    });
-    Ok(cfg)
 }
 
 impl Family {

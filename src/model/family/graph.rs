@@ -138,7 +138,14 @@ fn sink_attention(cfg: &ModelConfig, n: usize, x: &str, ops: &mut Vec<Op>) {
     ));
     for s in ["q", "k", "v"] {
         let weight = format!("attn.{s}_proj");
-        linear_b(n, &format!("attn.{s}"), id(n, "attn.norm"), &weight, bias, ops);
+        linear_b(
+            n,
+            &format!("attn.{s}"),
+            id(n, "attn.norm"),
+            &weight,
+            bias,
+            ops,
+        );
     }
     for s in ["q", "k"] {
         ops.push(op(

@@ -97,13 +97,7 @@ pub fn experts(
         }
         let mut h = Tensor::new(vec![toks.len(), i], h);
         env.store(&mut h);
-        let y = super::super::super::env::linear_checked(
-            env,
-            &format!("{sub}.w2"),
-            &h,
-            w(2)?,
-            d,
-        )?;
+        let y = super::super::super::env::linear_checked(env, &format!("{sub}.w2"), &h, w(2)?, d)?;
         let y = add_bias(env, &y, w(3)?)?;
         // routing weight applied after w2 (transformers' and the engines' order), f32 sum
         for (r, &(ti, wt)) in toks.iter().enumerate() {
