@@ -12,6 +12,21 @@ use super::shard::RawEntry;
 use super::{Dtype, Source};
 use crate::{Error, Result};
 
+/// The experts a fused tensor holds (its first dimension), at most what a config may declare:
+/// a header claiming a million experts of zero bytes each would otherwise name a million tensors.
+fn experts_of(name: &str, e: &RawEntry, file: &Path) -> Result<usize> {
+    let n = e.shape.first().copied().unwrap_or(0);
+    let max = crate::model::limits::N_ROUTED_EXPERTS.max as usize;
+    if n > max {
+        return Err(Error::bad(
+            file,
+            Some(name),
+            format!("fused expert tensor of {n} experts, more than the {max} a config may declare (`n_routed_experts`)"),
+        ));
+    }
+    Ok(n)
+}
+
 /// The canonical pieces of a stacked fused tensor (Qwen3-MoE, DeepSeek-V3 in transformers 5):
 /// `gate_up_proj` [E, 2I, D] → w1 (rows 0..I) and w3 (rows I..2I) per expert, `down_proj`
 /// [E, D, I] → w2.
@@ -44,8 +59,9 @@ pub(super) fn stacked(
     } else {
         &[("w2", FusedPart::Down)]
     };
-    let mut out = Vec::with_capacity(e.shape[0] * parts.len());
-    for ex in 0..e.shape[0] {
+    let n = experts_of(name, e, file)?;
+    let mut out = Vec::with_capacity(n * parts.len());
+    for ex in 0..n {
         for (w, part) in parts {
             out.push((
                 format!("{prefix}.ffn.experts.{ex}.{w}.weight"),
@@ -92,7 +108,7 @@ pub(super) fn per_expert(
             ),
         ));
     }
-    Ok((0..e.shape[0])
+    Ok((0..experts_of(name, e, file)?)
         .map(|ex| {
             (
                 format!("{prefix}.ffn.experts.{ex}.{leaf}"),
@@ -175,6 +191,55 @@ mod tests {
         assert_eq!(
             label("x.down_proj", &s, 2, FusedPart::Transposed),
             "x.down_proj[2]ᵀ"
+        );
+    }
+
+    /// A header claiming more experts than any config may have is refused before a name is made.
+    #[test]
+    fn a_million_empty_experts_are_refused() {
+        let e = RawEntry {
+            shard: 0,
+            dtype: Dtype::BF16,
+            shape: vec![1 << 20, 0],
+            start: 0,
+            end: 0,
+        };
+        let f = Path::new("m.safetensors");
+        let m = per_expert(
+            "x.gate_up_proj_bias",
+            &e,
+            f,
+            "layers.0",
+            "w13.bias",
+            FusedPart::Whole,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            m.contains("m.safetensors") && m.contains("1048576 experts"),
+            "{m}"
+        );
+        let e3 = RawEntry {
+            shape: vec![1 << 20, 0, 4],
+            ..e
+        };
+        assert!(stacked("x.down_proj", &e3, f, "layers.0", false).is_err());
+        let ok = RawEntry {
+            shape: vec![8, 4],
+            ..e3
+        };
+        assert_eq!(
+            per_expert(
+                "x.down_proj_bias",
+                &ok,
+                f,
+                "layers.0",
+                "w2.bias",
+                FusedPart::Whole
+            )
+            .unwrap()
+            .len(),
+            8
         );
     }
 
