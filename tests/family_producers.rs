@@ -3,7 +3,9 @@
 //! transformers-made Qwen3-MoE and DeepSeek-V3, see that folder's README): every weight whose
 //! producer dequantization is kept beside the checkpoint (`dequant-layer1.safetensors`, keyed by
 //! the BF16 name) resolves to a canonical NVFP4 weight of the producer's convention whose
-//! dequantization equals the producer's own, value by value; and `lint` finds no error.
+//! dequantization equals the producer's own, value by value; and `lint` finds no error. The same
+//! for gpt-oss in the released MXFP4 layout (`gpt_oss/mxfp4`), against transformers' own
+//! `convert_moe_packed_tensors`.
 
 use std::path::{Path, PathBuf};
 
@@ -16,6 +18,26 @@ fn dir(family: &str, kind: &str) -> PathBuf {
         .join("tests/data/hf-families")
         .join(family)
         .join(kind)
+}
+
+/// F32 little-endian values of a safetensors tensor.
+fn f32s(t: &safetensors::tensor::TensorView) -> Vec<f32> {
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// No finding of error severity from `lint` on the directory.
+fn lint_clean(d: &Path, what: &str) {
+    let r = lint_dir(d, None, &Rules::default()).unwrap();
+    let errors: Vec<_> = r
+        .findings
+        .iter()
+        .filter(|f| f.severity >= Severity::Error)
+        .map(|f| format!("{} {}", f.rule, f.evidence))
+        .collect();
+    assert!(errors.is_empty(), "{what}: {errors:?}");
 }
 
 fn check(family: &str, kind: &str, scheme: &str, min: usize) {
@@ -35,11 +57,7 @@ fn check(family: &str, kind: &str, scheme: &str, min: usize) {
         let w = ck.weight(&canon).unwrap();
         assert_eq!(w.scheme(), scheme, "{family}/{kind} {module}");
         let got = w.dequantize().unwrap();
-        let want: Vec<f32> = t
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let want = f32s(&t);
         assert_eq!(got.data.len(), want.len(), "{family}/{kind} {module}");
         let bad = got.data.iter().zip(&want).filter(|(a, b)| a != b).count();
         assert_eq!(
@@ -49,14 +67,7 @@ fn check(family: &str, kind: &str, scheme: &str, min: usize) {
         n += 1;
     }
     assert!(n >= min, "{family}/{kind}: {n} weights checked");
-    let r = lint_dir(&d, None, &Rules::default()).unwrap();
-    let errors: Vec<_> = r
-        .findings
-        .iter()
-        .filter(|f| f.severity >= Severity::Error)
-        .map(|f| format!("{} {}", f.rule, f.evidence))
-        .collect();
-    assert!(errors.is_empty(), "{family}/{kind}: {errors:?}");
+    lint_clean(&d, &format!("{family}/{kind}"));
 }
 
 #[test]
@@ -77,4 +88,94 @@ fn deepseek_v3_compressed_tensors() {
 #[test]
 fn deepseek_v3_modelopt() {
     check("deepseek_v3", "modelopt-nvfp4", "nvfp4-modelopt", 9);
+}
+
+/// gpt-oss as released: `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32] per fused
+/// projection. Experts 0 and 1 of layer 1 resolve to per-expert MXFP4 weights (`w13`, its rows
+/// gate/up interleaved as stored; `w2`) whose dequantization equals transformers'
+/// `convert_moe_packed_tensors` (kept [E, in, out]), value by value.
+#[test]
+fn gpt_oss_mxfp4_as_released() {
+    let d = dir("gpt_oss", "mxfp4");
+    let ck = Checkpoint::open(&d).unwrap();
+    let bytes = std::fs::read(d.join("dequant-layer1.safetensors")).unwrap();
+    let deq = SafeTensors::deserialize(&bytes).unwrap();
+    let mut n = 0;
+    for (fused, proj) in [("gate_up_proj", "w13"), ("down_proj", "w2")] {
+        let t = deq
+            .tensor(&format!("model.layers.1.mlp.experts.{fused}"))
+            .unwrap();
+        let (experts, inf, outf) = (t.shape()[0], t.shape()[1], t.shape()[2]);
+        let theirs = f32s(&t);
+        for e in 0..experts {
+            let w = ck
+                .weight(&format!("layers.1.ffn.experts.{e}.{proj}"))
+                .unwrap();
+            assert_eq!(w.scheme(), "mxfp4", "{proj} of expert {e}");
+            assert_eq!((w.out_features, w.in_features), (outf, inf));
+            assert_eq!(
+                w.tensors.weight,
+                format!("model.layers.1.mlp.experts.{fused}_blocks[{e}]")
+            );
+            let got = w.dequantize().unwrap();
+            let mut bad = 0;
+            for o in 0..outf {
+                for i in 0..inf {
+                    if got.data[o * inf + i] != theirs[(e * inf + i) * outf + o] {
+                        bad += 1;
+                    }
+                }
+            }
+            assert_eq!(
+                bad, 0,
+                "{proj} of expert {e}: values differ from transformers'"
+            );
+            n += 1;
+        }
+    }
+    assert_eq!(n, 4);
+    // the rest is BF16 as released: attention, router, embedding, head
+    assert_eq!(ck.weight("layers.1.attn.q_proj").unwrap().scheme(), "bf16");
+    assert_eq!(ck.weight("layers.1.ffn.gate").unwrap().scheme(), "bf16");
+    lint_clean(&d, "gpt_oss/mxfp4");
+}
+
+/// The command line runs the released-layout checkpoint on the CPU: exit 0, every layer, the
+/// routed experts of each read as MXFP4 (the attention BF16), no op diverging and no finding.
+#[test]
+fn gpt_oss_mxfp4_runs_from_the_command_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("run.json");
+    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
+        .unwrap()
+        .args(["run", "--backend", "cpu", "--quiet", "--model"])
+        .arg(dir("gpt_oss", "mxfp4"))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["layers"], serde_json::json!([0, 3]));
+    let ops = v["ops"].as_array().unwrap();
+    let op = |id: &str| {
+        ops.iter()
+            .find(|o| o["id"] == id)
+            .unwrap_or_else(|| panic!("{id} not run"))
+    };
+    for n in 0..4 {
+        let w = op(&format!("L{n}.ffn.experts"))["weights"]
+            .as_array()
+            .unwrap();
+        assert_eq!(w.len(), 16, "L{n}: w13 and w2 of 8 experts");
+        assert!(w.iter().all(|p| p[1] == "mxfp4"), "L{n}: {w:?}");
+        assert_eq!(op(&format!("L{n}.attn.q"))["weights"][0][1], "bf16");
+    }
+    let s = &v["summary"];
+    assert_eq!(s["divergent_ops"], 0, "{s}");
+    assert_eq!(s["non_finite_ops"], 0, "{s}");
+    assert_eq!(s["findings"], serde_json::json!([]), "{s}");
+    assert!(op("head")["stats"]["served"]["nan"] == 0);
 }

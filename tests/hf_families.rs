@@ -73,13 +73,15 @@ fn check(family: &str) -> Vec<(String, f64)> {
     }
     // routing: the same experts with the same weights for every token
     for n in 0..cfg.num_hidden_layers {
+        // the router module is `mlp.gate` (Qwen3-MoE, DeepSeek-V3) or `mlp.router` (gpt-oss)
+        let outs = || {
+            ["gate", "router"]
+                .into_iter()
+                .flat_map(move |m| (0..3).map(move |i| format!("model.layers.{n}.mlp.{m}:{i}")))
+        };
         let (Some(w_name), Some(i_name)) = (
-            (0..3)
-                .map(|i| format!("model.layers.{n}.mlp.gate:{i}"))
-                .find(|s| map_hf(s, &cfg).is_some_and(|m| m.op.ends_with(".ffn.router"))),
-            (0..3)
-                .map(|i| format!("model.layers.{n}.mlp.gate:{i}"))
-                .find(|s| map_hf(s, &cfg).is_some_and(|m| m.op.ends_with(".router.idx"))),
+            outs().find(|s| map_hf(s, &cfg).is_some_and(|m| m.op.ends_with(".ffn.router"))),
+            outs().find(|s| map_hf(s, &cfg).is_some_and(|m| m.op.ends_with(".router.idx"))),
         ) else {
             continue;
         };
@@ -221,6 +223,38 @@ fn deepseek_v3_fp32_oracle_matches_transformers() {
 #[test]
 fn deepseek_v3_bf16_trace_compares_clean() {
     compare_bf16_clean("deepseek_v3", 11 + 2 * 15 + 3);
+}
+
+#[test]
+fn gpt_oss_fp32_oracle_matches_transformers() {
+    let checked = check("gpt_oss");
+    // every layer's 11 mapped ops (norms, q/k/v, core, o, router, experts, out, and the routing
+    // pairs), the embedding, final norm and head
+    assert!(
+        checked.len() >= 4 * 10 + 3,
+        "only {} ops compared",
+        checked.len()
+    );
+    // sliding layers (0, 2) and full ones (1, 3); layer 1's experts pass the GLU clamp
+    for want in [
+        "L0.attn.core",
+        "L1.attn.core",
+        "L2.attn.core",
+        "L1.ffn.experts",
+        "L3.ffn.router",
+        "L3.out",
+        "head",
+    ] {
+        assert!(
+            checked.iter().any(|(op, _)| op == want),
+            "{want} not compared"
+        );
+    }
+}
+
+#[test]
+fn gpt_oss_bf16_trace_compares_clean() {
+    compare_bf16_clean("gpt_oss", 4 * 10 + 3);
 }
 
 /// A family config outside its limits is refused up front, naming config.json and the field,

@@ -8,6 +8,7 @@
 mod access;
 mod complete;
 pub mod convert;
+mod experts;
 pub mod formats;
 pub mod guard;
 pub mod naming;
@@ -75,7 +76,8 @@ pub struct TensorInfo {
 #[derive(Clone, Debug)]
 enum Source {
     Whole(String),
-    /// One expert's part of an HF fused expert tensor: a contiguous byte range of `raw`.
+    /// One expert's part of an HF fused expert tensor: a contiguous byte range of `raw`
+    /// (`checkpoint::experts`).
     Slice {
         raw: String,
         expert: usize,
@@ -321,6 +323,11 @@ impl Checkpoint {
             }
         }
         let naming = naming::detect(raw.keys().map(String::as_str));
+        // the family decides how its fused expert tensors are laid out (same names, other layouts)
+        let layout = match crate::model::family::detect(&config) {
+            Some(k) if k.interleaved_experts() => naming::FusedLayout::Interleaved,
+            _ => naming::FusedLayout::Stacked,
+        };
         let mut canon: HashMap<String, Source> = HashMap::new();
         let mut raw_to_canon = HashMap::new();
         let mut names: Vec<&String> = raw.keys().collect();
@@ -342,50 +349,19 @@ impl Checkpoint {
         for name in names {
             let e = &raw[name];
             let file = &shards[e.shard].path;
-            match naming::canonical(name, naming) {
+            match naming::canonical_in(name, naming, layout) {
                 Canon::Plain(c) => {
                     raw_to_canon.insert(name.clone(), c.clone());
                     insert(c, Source::Whole(name.clone()), name, file)?;
                 }
                 Canon::Fused { prefix, gate_up } => {
-                    if e.shape.len() != 3
-                        || !matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
-                    {
-                        return Err(Error::bad(
-                            file,
-                            Some(name),
-                            format!(
-                                "fused expert tensor must be a 3-D BF16/F16/F32 [E, out, in], found {:?} {:?}",
-                                e.dtype, e.shape
-                            ),
-                        ));
+                    for (c, src) in experts::stacked(name, e, file, &prefix, gate_up)? {
+                        insert(c, src, name, file)?;
                     }
-                    if gate_up && !e.shape[1].is_multiple_of(2) {
-                        return Err(Error::bad(
-                            file,
-                            Some(name),
-                            format!("gate_up_proj rows {} are odd", e.shape[1]),
-                        ));
-                    }
-                    for ex in 0..e.shape[0] {
-                        let parts: &[(&str, FusedPart)] = if gate_up {
-                            &[("w1", FusedPart::Gate), ("w3", FusedPart::Up)]
-                        } else {
-                            &[("w2", FusedPart::Down)]
-                        };
-                        for (w, part) in parts {
-                            let src = Source::Slice {
-                                raw: name.clone(),
-                                expert: ex,
-                                part: *part,
-                            };
-                            insert(
-                                format!("{prefix}.ffn.experts.{ex}.{w}.weight"),
-                                src,
-                                name,
-                                file,
-                            )?;
-                        }
+                }
+                Canon::PerExpert { prefix, leaf, part } => {
+                    for (c, src) in experts::per_expert(name, e, file, &prefix, &leaf, part)? {
+                        insert(c, src, name, file)?;
                     }
                 }
             }
@@ -468,8 +444,7 @@ impl Checkpoint {
             Source::Whole(r) => self.info(r),
             Source::Slice { raw, part, .. } => {
                 let mut i = self.info(raw)?;
-                let (rows, cols) = slice_dims(&i.shape, *part);
-                i.shape = vec![rows, cols];
+                i.shape = experts::shape(&i.shape, *part);
                 Some(i)
             }
         }
@@ -507,14 +482,7 @@ impl Checkpoint {
         match self.canon.get(canonical)? {
             Source::Whole(r) => Some(r.clone()),
             Source::Slice { raw, expert, part } => {
-                let e = &self.raw[raw];
-                let h = e.shape[1] / if *part == FusedPart::Down { 1 } else { 2 };
-                let (a, b) = match part {
-                    FusedPart::Gate => (0, h),
-                    FusedPart::Up => (h, 2 * h),
-                    FusedPart::Down => (0, h),
-                };
-                Some(format!("{raw}[{expert}, {a}..{b}]"))
+                Some(experts::label(raw, &self.raw[raw].shape, *expert, *part))
             }
         }
     }
@@ -534,7 +502,21 @@ impl Checkpoint {
         Ok(b)
     }
 
-    /// Bytes of a canonical tensor; a fused-expert slice touches only that expert's rows.
+    /// Whether a canonical tensor is stored as its transpose (gpt-oss's BF16 fused experts,
+    /// [in, out]): its bytes ([`Checkpoint::canonical_bytes`]) are in that stored order, while
+    /// [`Checkpoint::canonical_info`], [`Checkpoint::tensor_f32`] and `weight` give [out, in].
+    pub fn stored_transposed(&self, canonical: &str) -> bool {
+        matches!(
+            self.canon.get(canonical),
+            Some(Source::Slice {
+                part: FusedPart::Transposed,
+                ..
+            })
+        )
+    }
+
+    /// Bytes of a canonical tensor as stored; a fused-expert slice touches only that expert's
+    /// rows.
     pub fn canonical_bytes(&self, canonical: &str) -> Result<&[u8]> {
         let (shard_i, start, len) = self.locate(canonical)?;
         let shard = &self.shards[shard_i];
@@ -559,17 +541,8 @@ impl Checkpoint {
             Source::Slice { raw, expert, part } => {
                 let e = &self.raw[raw];
                 let es = convert::elem_size(e.dtype).unwrap_or(1);
-                let (rows, cols) = slice_dims(&e.shape, *part);
-                let per_expert = e.shape[1] * e.shape[2] * es;
-                let off = match part {
-                    FusedPart::Up => rows * cols * es,
-                    _ => 0,
-                };
-                (
-                    e.shard,
-                    e.start + expert * per_expert + off,
-                    rows * cols * es,
-                )
+                let (off, len) = experts::bytes(&e.shape, es, *expert, *part);
+                (e.shard, e.start + off, len)
             }
         };
         let shard = &self.shards[shard_i];
@@ -630,12 +603,15 @@ impl Checkpoint {
                 format!("dtype {:?} cannot be read as numbers", info.dtype),
             ));
         }
-        let data = convert::to_f32(
+        let mut data = convert::to_f32(
             self.canonical_bytes(canonical)?,
             info.dtype,
             &info.file,
             &raw,
         )?;
+        if self.stored_transposed(canonical) {
+            data = experts::transpose(&data, info.shape[1], info.shape[0]);
+        }
         Ok(Tensor::new(info.shape, data))
     }
 
@@ -664,13 +640,5 @@ impl Checkpoint {
                     .and_then(|h| h.get("quantization"))
                     .filter(|v| v.is_object())
             })
-    }
-}
-
-/// (rows, cols) of one expert's part of a fused tensor [E, R, C].
-fn slice_dims(shape: &[usize], part: FusedPart) -> (usize, usize) {
-    match part {
-        FusedPart::Gate | FusedPart::Up => (shape[1] / 2, shape[2]),
-        FusedPart::Down => (shape[1], shape[2]),
     }
 }

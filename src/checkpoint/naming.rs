@@ -62,6 +62,25 @@ pub enum FusedPart {
     Up,
     /// `down_proj` [E, D, I] = w2.
     Down,
+    /// Expert E's whole slice as stored, its trailing dims flattened into one (gpt-oss's biases
+    /// [E, n] → [n], MXFP4 blocks [E, out, in/32, 16] → [out, in/2], scales [E, out, in/32]).
+    Whole,
+    /// Expert E's whole slice of a tensor stored [E, in, out] (gpt-oss's BF16 `gate_up_proj`,
+    /// `down_proj`): the canonical weight is its transpose, [out, in].
+    Transposed,
+}
+
+/// How a family's transformers class fuses its routed experts (`model::family::Kind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedLayout {
+    /// Qwen3-MoE, DeepSeek-V3 in transformers 5: `gate_up_proj` [E, 2I, D] (gate rows, then up
+    /// rows) → per-expert w1 and w3, `down_proj` [E, D, I] → w2.
+    Stacked,
+    /// gpt-oss: `gate_up_proj` [E, D, 2I] with gate and up interleaved → per-expert `w13`
+    /// (its rows interleaved: 2i gate, 2i + 1 up), `down_proj` [E, I, D] → `w2`, their biases
+    /// `*_bias` [E, n] → `w13.bias`, `w2.bias`; a format's fused tensors (MXFP4 `*_blocks`,
+    /// `*_scales`, [E, out, …]) → the per-expert data and block scale.
+    Interleaved,
 }
 
 /// What a raw name stands for in canonical terms.
@@ -72,15 +91,57 @@ pub enum Canon {
     /// An HF fused expert tensor of layer prefix `prefix` (e.g. `layers.3`): `gate_up_proj` when
     /// `gate_up`, else `down_proj`. Expands to one canonical tensor per expert.
     Fused { prefix: String, gate_up: bool },
+    /// An interleaved-layout fused tensor: expert e's `part` of it is the canonical
+    /// `{prefix}.ffn.experts.{e}.{leaf}` (e.g. `w13.weight`, `w2.bias`, `w13.weight_scale`).
+    PerExpert {
+        prefix: String,
+        leaf: String,
+        part: FusedPart,
+    },
 }
 
-/// Canonical name of a raw tensor name in the given naming.
+/// Canonical name of a raw tensor name in the given naming, fused experts stacked.
 pub fn canonical(raw: &str, naming: Naming) -> Canon {
+    canonical_in(raw, naming, FusedLayout::Stacked)
+}
+
+/// Canonical name of a raw tensor name in the given naming and fused-expert layout.
+pub fn canonical_in(raw: &str, naming: Naming, layout: FusedLayout) -> Canon {
     match naming {
         Naming::Official => Canon::Plain(raw.to_string()),
         Naming::HfHybrid => Canon::Plain(hybrid(raw)),
-        Naming::Hf => hf(raw),
+        Naming::Hf => hf(raw, layout),
     }
+}
+
+/// An interleaved-layout fused expert tensor (the tail after `mlp.experts.`): the per-expert leaf
+/// and part, through the format table for a format's own fused tensors.
+fn interleaved(tail: &str) -> Option<(String, FusedPart)> {
+    let (proj, rest) = if let Some(r) = tail.strip_prefix("gate_up_proj") {
+        ("w13", r)
+    } else if let Some(r) = tail.strip_prefix("down_proj") {
+        ("w2", r)
+    } else {
+        return None;
+    };
+    let (leaf, part) = match rest {
+        "" => ("weight".to_string(), FusedPart::Transposed),
+        "_bias" => ("bias".to_string(), FusedPart::Whole),
+        _ => super::formats::TABLE.iter().find_map(|s| {
+            let f = s.tensors.fused_experts.as_ref()?;
+            if rest == f.data_suffix {
+                Some((s.tensors.weight_leaf.to_string(), FusedPart::Whole))
+            } else if rest == f.scale_suffix {
+                Some((
+                    s.tensors.scale_leaves.first()?.to_string(),
+                    FusedPart::Whole,
+                ))
+            } else {
+                None
+            }
+        })?,
+    };
+    Some((format!("{proj}.{leaf}"), part))
 }
 
 fn model_level(s: &str) -> Option<String> {
@@ -164,7 +225,7 @@ const INDEXER: &[(&str, &str)] = &[
 ];
 const MLP: &[(&str, &str)] = &[("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")];
 
-fn hf(raw: &str) -> Canon {
+fn hf(raw: &str, layout: FusedLayout) -> Canon {
     if let Some(rest) = raw.strip_prefix("lm_head.") {
         return Canon::Plain(format!("head.{rest}"));
     }
@@ -178,6 +239,15 @@ fn hf(raw: &str) -> Canon {
         return Canon::Plain(s.to_string());
     };
     let plain = |t: String| Canon::Plain(format!("{head}.{t}"));
+    if layout == FusedLayout::Interleaved {
+        if let Some((leaf, part)) = tail.strip_prefix("mlp.experts.").and_then(interleaved) {
+            return Canon::PerExpert {
+                prefix: head.to_string(),
+                leaf,
+                part,
+            };
+        }
+    }
     match tail {
         "input_layernorm.weight" => return plain("attn_norm.weight".into()),
         "post_attention_layernorm.weight" => return plain("ffn_norm.weight".into()),
@@ -219,6 +289,10 @@ fn hf(raw: &str) -> Canon {
         return plain(format!("attn.{r}"));
     }
     if let Some(m) = tail.strip_prefix("mlp.") {
+        // gpt-oss's router (`mlp.router`, an nn.Linear with bias) is the gate
+        if let Some(g) = m.strip_prefix("router.") {
+            return plain(format!("ffn.gate.{g}"));
+        }
         if let Some(g) = m.strip_prefix("gate.") {
             let g = if g == "e_score_correction_bias" {
                 "bias"
@@ -388,6 +462,61 @@ mod tests {
             canonical("model.layers.4.mlp.experts.gate_up_proj", h),
             Canon::Fused {
                 prefix: "layers.4".into(),
+                gate_up: true
+            }
+        );
+    }
+
+    /// gpt-oss's fused experts per expert, in its BF16 save_pretrained layout and in the released
+    /// MXFP4 one; the stacked layout of the same names stays as it was.
+    #[test]
+    fn gpt_oss_experts_map_per_expert() {
+        let i = |raw: &str| canonical_in(raw, Naming::Hf, FusedLayout::Interleaved);
+        let pe = |leaf: &str, part| Canon::PerExpert {
+            prefix: "layers.1".into(),
+            leaf: leaf.into(),
+            part,
+        };
+        assert_eq!(
+            i("model.layers.1.mlp.experts.gate_up_proj"),
+            pe("w13.weight", FusedPart::Transposed)
+        );
+        assert_eq!(
+            i("model.layers.1.mlp.experts.down_proj"),
+            pe("w2.weight", FusedPart::Transposed)
+        );
+        assert_eq!(
+            i("model.layers.1.mlp.experts.gate_up_proj_bias"),
+            pe("w13.bias", FusedPart::Whole)
+        );
+        assert_eq!(
+            i("model.layers.1.mlp.experts.down_proj_blocks"),
+            pe("w2.weight", FusedPart::Whole)
+        );
+        assert_eq!(
+            i("model.layers.1.mlp.experts.gate_up_proj_scales"),
+            pe("w13.weight_scale", FusedPart::Whole)
+        );
+        let p = |c: Canon| match c {
+            Canon::Plain(s) => s,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            p(i("model.layers.1.mlp.router.bias")),
+            "layers.1.ffn.gate.bias"
+        );
+        assert_eq!(
+            p(i("model.layers.1.self_attn.q_proj.bias")),
+            "layers.1.attn.q_proj.bias"
+        );
+        assert_eq!(
+            p(i("model.layers.1.self_attn.sinks")),
+            "layers.1.attn.attn_sink"
+        );
+        assert_eq!(
+            canonical("model.layers.1.mlp.experts.gate_up_proj", Naming::Hf),
+            Canon::Fused {
+                prefix: "layers.1".into(),
                 gate_up: true
             }
         );

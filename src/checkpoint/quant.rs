@@ -369,6 +369,9 @@ pub fn expected_shape(cfg: &ModelConfig, base: &str) -> Option<((usize, usize), 
         r if r.starts_with("ffn.experts.") => {
             if r.ends_with(".w1") || r.ends_with(".w3") {
                 ((ii, d), "moe_intermediate_size × hidden_size")
+            } else if r.ends_with(".w13") {
+                // gpt-oss: gate and up rows interleaved in one weight
+                ((2 * ii, d), "2·intermediate_size × hidden_size")
             } else if r.ends_with(".w2") {
                 ((d, ii), "hidden_size × moe_intermediate_size")
             } else {
@@ -729,12 +732,17 @@ impl Checkpoint {
 
     /// A linear weight with all its bytes and scales, ready to dequantise.
     pub fn weight(&self, base: &str) -> Result<QuantWeight> {
+        let transposed = self.stored_transposed(&format!("{base}.weight"));
         let RawWeight { meta: m, format } = self.weight_raw(base)?;
         let format = match format {
-            RawFormat::Dense { dtype, bytes } => WeightFormat::Dense {
-                dtype,
-                values: convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?,
-            },
+            RawFormat::Dense { dtype, bytes } => {
+                let mut values = convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?;
+                if transposed {
+                    // stored [in, out] (gpt-oss's fused experts)
+                    values = super::experts::transpose(&values, m.in_features, m.out_features);
+                }
+                WeightFormat::Dense { dtype, values }
+            }
             RawFormat::Fp8Block {
                 bytes,
                 scales,
@@ -797,11 +805,7 @@ impl Checkpoint {
         } else {
             format!("{base}.weight")
         };
-        let scale = meta
-            .tensors
-            .block_scale
-            .as_ref()
-            .and_then(|r| self.canonical_of(r).map(str::to_string));
+        let scale = self.scale_canonical(&meta);
         Ok(WeightLayout {
             meta,
             weight,
@@ -810,7 +814,9 @@ impl Checkpoint {
     }
 
     /// A weight's stored bytes borrowed from the mmap (no copy), for backends that upload them
-    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small).
+    /// as they are. Dense weights and FP8 scale multipliers are widened to f32 (small). A dense
+    /// weight stored transposed ([`Checkpoint::stored_transposed`]) comes in its stored
+    /// [in, out] order; [`Checkpoint::weight`] gives it [out, in].
     pub fn weight_raw(&self, base: &str) -> Result<RawWeight<'_>> {
         let WeightLayout {
             meta: m,
@@ -894,6 +900,31 @@ impl Checkpoint {
         out
     }
 
+    /// Canonical name of a weight's block-scale tensor: the one its raw name maps to, or, for an
+    /// expert's slice of a fused tensor (which has no single canonical name), the weight's
+    /// sibling under a scale leaf that is stored in that tensor.
+    fn scale_canonical(&self, meta: &WeightMeta) -> Option<String> {
+        let r = meta.tensors.block_scale.as_ref()?;
+        if let Some(c) = self.canonical_of(r) {
+            return Some(c.to_string());
+        }
+        super::formats::TABLE
+            .iter()
+            .flat_map(|s| s.tensors.scale_leaves.iter())
+            .chain(["weight_scale_inv"].iter())
+            .map(|l| format!("{}.{l}", meta.canonical))
+            .find(|c| self.resolve(c).as_ref() == Some(r))
+    }
+
+    /// The stored bytes of a weight's block scales (this weight's own: an expert's slice of a
+    /// fused scale tensor); None without block scales.
+    pub fn block_scale_bytes(&self, meta: &WeightMeta) -> Result<Option<&[u8]>> {
+        match self.scale_canonical(meta) {
+            Some(c) => Ok(Some(self.canonical_bytes(&c)?)),
+            None => Ok(None),
+        }
+    }
+
     /// Summarise a weight's block scales by reading only the scale tensor.
     pub fn scale_summary(&self, meta: &WeightMeta) -> Result<Option<ScaleSummary>> {
         let Some(sraw) = &meta.tensors.block_scale else {
@@ -902,7 +933,9 @@ impl Checkpoint {
         let Some(dtype) = meta.block_scale_dtype else {
             return Ok(None);
         };
-        let b = self.bytes(sraw)?;
+        let Some(b) = self.block_scale_bytes(meta)? else {
+            return Ok(None);
+        };
         let file = self.info(sraw).map(|i| i.file).unwrap_or_default();
         let count;
         let (mut zero, mut x7e, mut nan, mut xff) = (0usize, 0usize, 0usize, 0usize);

@@ -291,7 +291,8 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
     let bytes: Option<&[u8]> = if kind == "F32" {
         None
     } else {
-        Some(cx.ck.bytes(sraw)?)
+        // this weight's own scales (an expert's slice of a fused scale tensor)
+        cx.ck.block_scale_bytes(meta)?
     };
     let len_err = |got: usize| {
         Error::bad(
@@ -494,16 +495,33 @@ fn zero_row_findings(
         Block::Grid => meta.block.unwrap_or([128, 128])[0],
         Block::Row(_) => 1,
     };
-    let wraw = cx
-        .ck
-        .resolve(&format!("{base}.weight_packed"))
-        .or_else(|| cx.ck.resolve(&format!("{base}.weight")))
+    let wc = [format!("{base}.weight_packed"), format!("{base}.weight")]
+        .into_iter()
+        .find(|c| cx.ck.canonical_info(c).is_some())
         .unwrap_or_default();
+    let wraw = cx.ck.resolve(&wc).unwrap_or_default();
+    // an expert's slice of a fused tensor (no canonical name of its own): its rows are read from
+    // the slice, not from the fused tensor's start
+    let sliced = !wraw.is_empty() && cx.ck.canonical_of(&wraw).is_none();
     let mut live = Vec::new();
     for &r in zero_rows.iter().take(4) {
-        let b = cx
-            .sampler
-            .row(cx.ck, &wraw, &meta.file, r * step, row_bytes)?;
+        let b = if sliced {
+            let (lo, hi) = (r * step * row_bytes, (r * step + 1) * row_bytes);
+            cx.ck
+                .canonical_bytes(&wc)?
+                .get(lo..hi)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| {
+                    Error::bad(
+                        &meta.file,
+                        Some(&wraw),
+                        format!("row {r} is past the slice's end"),
+                    )
+                })?
+        } else {
+            cx.sampler
+                .row(cx.ck, &wraw, &meta.file, r * step, row_bytes)?
+        };
         let nz: usize = b.iter().map(|&x| d.elem.nonzero_in(x)).sum();
         let total = row_bytes * d.elem.per_byte();
         live.push((r, nz, total));

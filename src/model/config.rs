@@ -15,6 +15,14 @@ pub struct Yarn {
     pub original_max_position_embeddings: f64,
     pub beta_fast: f64,
     pub beta_slow: f64,
+    /// Whether the correction range is rounded out to whole dims (floor/ceil, DeepSeek and
+    /// transformers' default); gpt-oss's `truncate: false` keeps the fractional bounds.
+    #[serde(skip_serializing_if = "is_true")]
+    pub truncate: bool,
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -278,6 +286,7 @@ pub(super) fn parse_v4(v: &Value) -> Result<ModelConfig> {
                 original_max_position_embeddings: f("original_max_position_embeddings", 65536.0)?,
                 beta_fast: f("beta_fast", 32.0)?,
                 beta_slow: f("beta_slow", 1.0)?,
+                truncate: true,
             })
         }
     };

@@ -214,6 +214,16 @@ pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
     }
 }
 
+/// y + b with the bias parameter `name` [y.cols()] on every row, on the path's device, rounded
+/// once as the path stores (a biased projection's output: the engines add the bias in the GEMM's
+/// epilogue).
+pub(crate) fn add_bias(env: &mut dyn OpEnv, y: &Tensor, name: &str) -> Result<Tensor> {
+    let n = y.cols();
+    let b = param_n(env, name, n)?;
+    let rows: Vec<f32> = b.data.iter().copied().cycle().take(y.numel()).collect();
+    env.device().add(y, &Tensor::new(y.shape.clone(), rows))
+}
+
 /// SwiGLU with the clamp: gt = min(bf(x@w1ᵀ), L), up = clamp(bf(x@w3ᵀ), ±L), a = bf(silu(gt)·up).
 pub(crate) fn swiglu_hidden(
     env: &mut dyn OpEnv,

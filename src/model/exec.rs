@@ -77,8 +77,11 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             shape.pop();
             shape.push(y.cols());
             y.shape = shape;
-            // Logits stay fp32 (REF computes the head in fp32); everything else is a stored activation.
-            if op.class != OpClass::Head {
+            if let Some(b) = op.weights.get(1) {
+                // a family's biased projection (gpt-oss): x @ Wᵀ + b, stored once
+                y = add_bias(env, &y, b)?;
+            } else if op.class != OpClass::Head {
+                // Logits stay fp32 (REF computes the head in fp32); everything else is a stored activation.
                 env.store(&mut y);
             }
             vec![y]
@@ -155,7 +158,8 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
         | OpKind::GqaAttention
         | OpKind::Mlp
         | OpKind::LatentNorm
-        | OpKind::MlaAttention => {
+        | OpKind::MlaAttention
+        | OpKind::GptOssExperts => {
             vec![super::family::ops::exec(op, inputs, env, &cfg)?]
         }
     };
@@ -266,7 +270,11 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let t = x.rows();
     let gate = weight(op, 0)?;
     let mut logits = linear_checked(env, &op.id, x, gate, e)?;
-    if cfg.family.as_ref().is_some_and(|f| f.router_logits_stored) {
+    let logit_bias = cfg.family.as_ref().is_some_and(|f| f.router_logit_bias);
+    if logit_bias {
+        // gpt-oss: the gate is a biased linear, its logits stored once with the bias
+        logits = add_bias(env, &logits, weight(op, 1)?)?;
+    } else if cfg.family.as_ref().is_some_and(|f| f.router_logits_stored) {
         // engines and transformers that run the gate in the activation dtype round its logits
         env.store(&mut logits);
     }
@@ -315,8 +323,9 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         let idx = super::family::ops::select_grouped(&scores, &bias.data, t, e, k, fam);
         (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
     } else {
-        // a router without a selection bias (Qwen3-MoE) selects on the scores alone
-        let bias = match op.weights.get(1) {
+        // a router without a selection bias (Qwen3-MoE, gpt-oss) selects on the scores alone;
+        // gpt-oss's softmax over the k chosen logits is the full softmax renormalized over them
+        let bias = match op.weights.get(1).filter(|_| !logit_bias) {
             Some(name) => param_n(env, name, e)?.data.to_vec(),
             None => vec![0.0; e],
         };

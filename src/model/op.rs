@@ -24,14 +24,21 @@
 /// - `HcHead`: inputs [X]; weights [hc_head_fn, hc_head_base, hc_head_scale].
 ///
 /// Ops of the other families (`model::family`):
+/// - `Linear` of a family with biases (gpt-oss): weights [linear base, bias param]: x @ Wᵀ + b,
+///   stored once.
 /// - `HeadNorm`: inputs [x [T, n·Dh]]; weights [norm weight [Dh]]: RMSNorm of each head.
 /// - `HeadRope`: inputs [x [T, n·Dh]]: RoPE on each head's last rotary dims (the family's style).
-/// - `GqaAttention`: inputs [q, k, v]; weights [] or [sinks]: causal grouped-query attention.
+/// - `GqaAttention`: inputs [q, k, v]; weights [] or [sinks]: causal grouped-query attention
+///   (over the sliding window on a family's sliding layers).
 /// - `Mlp`: inputs [x]; weights [gate, up, down] bases: a dense SwiGLU MLP.
 /// - `LatentNorm`: inputs [x [T, r + more]]; weights [norm weight [r]]: RMSNorm of the leading r
 ///   dims (MLA's KV latent) → [T, r].
 /// - `MlaAttention`: inputs [q [T, H·(nope+rope)] roped, kv_b [T, H·(nope+v)], kv_a [T, r+rope]
 ///   roped]: causal MLA, the rope key shared by the heads.
+/// - `Router` of gpt-oss: weights [gate base, gate.bias]: the bias joins the logits; top-k of the
+///   logits, softmax over the k.
+/// - `GptOssExperts`: inputs as `Experts`; weights [w13, w13.bias, w2, w2.bias] per expert (w13's
+///   rows gate and up interleaved): (up + 1) · gate · σ(α · gate) with gate ≤ L, |up| ≤ L.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum OpKind {
     Embed,
@@ -57,6 +64,7 @@ pub enum OpKind {
     Mlp,
     LatentNorm,
     MlaAttention,
+    GptOssExperts,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

@@ -16,6 +16,23 @@ pub fn yarn_range(dim: usize, base: f64, y: &Yarn) -> (usize, usize) {
     (lo.min(dim - 1), hi.min(dim - 1))
 }
 
+/// The correction range as the ramp uses it: [`yarn_range`] when `truncate` (the default), else
+/// transformers' unrounded bounds (`truncate: false`, gpt-oss): max(lo, 0), min(hi, dim − 1).
+fn ramp_bounds(dim: usize, base: f64, y: &Yarn) -> (f64, f64) {
+    if y.truncate {
+        let (lo, hi) = yarn_range(dim, base, y);
+        return (lo as f64, hi as f64);
+    }
+    let corr = |rot: f64| {
+        dim as f64 * (y.original_max_position_embeddings / (rot * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * base.ln())
+    };
+    (
+        corr(y.beta_fast).max(0.0),
+        corr(y.beta_slow).min((dim - 1) as f64),
+    )
+}
+
 /// Inverse frequencies of an interleaved rope of `dim` dims, computed in f32 like DeepSeek's
 /// `precompute_freqs_cis` (f_i = 1 / base^(2i/dim)), with YaRN blending when given.
 pub fn rope_freqs(dim: usize, base: f64, yarn: Option<&Yarn>) -> Vec<f32> {
@@ -24,14 +41,15 @@ pub fn rope_freqs(dim: usize, base: f64, yarn: Option<&Yarn>) -> Vec<f32> {
         .map(|i| 1.0f32 / (base as f32).powf((2 * i) as f32 / dim as f32))
         .collect();
     if let Some(y) = yarn {
-        let (lo, hi) = yarn_range(dim, base, y);
-        let (lo, mut hi) = (lo as f32, hi as f32);
+        let (lo, mut hi) = ramp_bounds(dim, base, y);
         if lo == hi {
             hi += 0.001;
         }
+        // as torch: the bounds enter the f32 ramp as f32 scalars, their span taken in f64
+        let (lo32, span) = (lo as f32, (hi - lo) as f32);
         let factor = y.factor as f32;
         for (i, fi) in f.iter_mut().enumerate() {
-            let ramp = ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
+            let ramp = ((i as f32 - lo32) / span).clamp(0.0, 1.0);
             let smooth = 1.0 - ramp;
             *fi = *fi / factor * (1.0 - smooth) + *fi * smooth;
         }
@@ -62,6 +80,7 @@ mod tests {
             original_max_position_embeddings: 65536.0,
             beta_fast: 32.0,
             beta_slow: 1.0,
+            truncate: true,
         }
     }
 
@@ -83,6 +102,47 @@ mod tests {
         // ramp at i = 20 is 0.5.
         let mid = plain[20] * 0.5 + plain[20] / 16.0 * 0.5;
         assert!((y[20] - mid).abs() < 1e-6 * plain[20]);
+    }
+
+    /// gpt-oss's rope (head 64, base 150000, ×32 from 4096, `truncate: false`): the ramp runs
+    /// between the unrounded bounds, which transformers 5.17's `_compute_yarn_parameters` gives as
+    /// 8.0928… and 17.3980… (the formula restated here).
+    #[test]
+    fn untruncated_yarn_ramps_between_fractional_bounds() {
+        let y = Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: false,
+        };
+        let (lo, hi) = ramp_bounds(64, 150000.0, &y);
+        let corr = |r: f64| {
+            64.0 * (4096.0 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 150000f64.ln())
+        };
+        assert_eq!((lo, hi), (corr(32.0), corr(1.0)));
+        assert!(lo.fract() != 0.0 && hi.fract() != 0.0);
+        let plain = rope_freqs(64, 150000.0, None);
+        let f = rope_freqs(64, 150000.0, Some(&y));
+        let t = rope_freqs(
+            64,
+            150000.0,
+            Some(&Yarn {
+                truncate: true,
+                ..y.clone()
+            }),
+        );
+        // dim 12 lies inside both ramps but at different places of them
+        let ramp = ((12.0 - lo) / (hi - lo)) as f32;
+        let want = plain[12] / 32.0 * ramp + plain[12] * (1.0 - ramp);
+        assert!(
+            (f[12] - want).abs() <= 2e-7 * plain[12],
+            "{} vs {want}",
+            f[12]
+        );
+        assert!((f[12] - t[12]).abs() > 1e-3 * plain[12]);
+        assert_eq!(f[0], plain[0]);
+        assert_eq!(f[31], plain[31] / 32.0);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! transformers' module paths of the model families beyond DeepSeek-V4 (`model::family`), mapped
-//! to their op ids: what `compare --names hf` reads for a Qwen3-MoE trace (as written by
-//! probes/capture/make_hf_families.py: `PATH`, tuple outputs `PATH:i`, inputs `PATH:input`).
+//! to their op ids: what `compare --names hf` reads for a Qwen3-MoE, DeepSeek-V3 or gpt-oss trace
+//! (as written by probes/capture/make_hf_families.py: `PATH`, tuple outputs `PATH:i`, inputs
+//! `PATH:input`).
 
 use super::mapped::Mapped;
 use crate::model::family::Kind;
@@ -39,9 +40,9 @@ pub fn map_hf(name: &str, cfg: &ModelConfig) -> Option<Mapped> {
         (_, "") => "out",
         (_, "input_layernorm") => "attn.norm",
         (_, "post_attention_layernorm") => "ffn.norm",
-        (Kind::Qwen3Moe, "self_attn.q_proj") => "attn.q",
-        (Kind::Qwen3Moe, "self_attn.k_proj") => "attn.k",
-        (Kind::Qwen3Moe, "self_attn.v_proj") => "attn.v",
+        (Kind::Qwen3Moe | Kind::GptOss, "self_attn.q_proj") => "attn.q",
+        (Kind::Qwen3Moe | Kind::GptOss, "self_attn.k_proj") => "attn.k",
+        (Kind::Qwen3Moe | Kind::GptOss, "self_attn.v_proj") => "attn.v",
         (Kind::Qwen3Moe, "self_attn.q_norm") => "attn.q_norm",
         (Kind::Qwen3Moe, "self_attn.k_norm") => "attn.k_norm",
         (Kind::DeepseekV3, "self_attn.q_a_proj") => "attn.q_a",
@@ -55,9 +56,12 @@ pub fn map_hf(name: &str, cfg: &ModelConfig) -> Option<Mapped> {
         (Kind::DeepseekV3, "mlp") if !dense => "ffn.out",
         (_, "self_attn.o_proj:input") => "attn.core",
         (_, "self_attn.o_proj") => "attn.o",
+        // gpt-oss's `mlp.router` returns (logits, weights, ids) as the gate below
+        (Kind::GptOss, "mlp.router:1") => "ffn.router",
+        (Kind::GptOss, "mlp.router:2") => "ffn.router.idx",
         // the router's (logits, weights, ids): weights and ids are the op's two outputs
-        (_, "mlp.gate:1") if !dense => "ffn.router",
-        (_, "mlp.gate:2") if !dense => "ffn.router.idx",
+        (Kind::Qwen3Moe | Kind::DeepseekV3, "mlp.gate:1") if !dense => "ffn.router",
+        (Kind::Qwen3Moe | Kind::DeepseekV3, "mlp.gate:2") if !dense => "ffn.router.idx",
         (_, "mlp.experts") if !dense => "ffn.experts",
         (_, "mlp") if dense => "ffn.mlp",
         _ => return None,
@@ -97,5 +101,36 @@ mod tests {
         assert!(op("model.layers.0.mlp").is_none() && op("model.layers.1.mlp.experts").is_none());
         assert!(op("model.layers.0.mlp.gate:0").is_none() && op("model.rotary_emb").is_none());
         assert_eq!(op("lm_head").unwrap(), "head");
+    }
+
+    #[test]
+    fn gpt_oss_paths() {
+        let cfg = ModelConfig::from_json(&serde_json::json!({
+            "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2,
+            "vocab_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "intermediate_size": 32, "sliding_window": 8
+        }))
+        .unwrap();
+        let op = |n: &str| map_hf(n, &cfg).map(|m| m.op);
+        assert_eq!(op("model.layers.1.self_attn.v_proj").unwrap(), "L1.attn.v");
+        assert_eq!(op("model.layers.1.mlp.router:1").unwrap(), "L1.ffn.router");
+        assert_eq!(
+            op("model.layers.1.mlp.router:2").unwrap(),
+            "L1.ffn.router.idx"
+        );
+        assert_eq!(op("model.layers.0.mlp.experts").unwrap(), "L0.ffn.experts");
+        // the logits, the mlp's tuple and the attention's output are no op's outputs of their own
+        for n in [
+            "model.layers.0.mlp.router:0",
+            "model.layers.0.mlp.router",
+            "model.layers.0.mlp",
+            "model.layers.0.mlp:1",
+            "model.layers.0.self_attn",
+            "model.layers.0.self_attn.q_norm",
+            "model.layers.0.mlp.gate:1",
+        ] {
+            assert!(op(n).is_none(), "{n}");
+        }
     }
 }

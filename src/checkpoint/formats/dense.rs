@@ -16,6 +16,7 @@ pub static SPEC: FormatSpec = FormatSpec {
         global_leaf: None,
         input_leaf: None,
         generic: false,
+        fused_experts: None,
     },
     decode: None,
     served: Served::Dense,

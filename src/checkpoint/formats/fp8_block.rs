@@ -19,6 +19,7 @@ pub static SPEC: FormatSpec = FormatSpec {
         global_leaf: None,
         input_leaf: None,
         generic: false,
+        fused_experts: None,
     },
     // UE8M0 scale bytes are widened to f32 multipliers on the host.
     decode: Some(Decode {

@@ -116,6 +116,18 @@ pub struct Tensors {
     /// Read entirely through this table (`WeightFormat::Blocked`); false: `quant.rs` has the
     /// format's own reader.
     pub generic: bool,
+    /// How a release stores the format's routed experts fused, one tensor per projection for all
+    /// experts (`checkpoint::naming` maps them to per-expert weights); None: only per weight.
+    pub fused_experts: Option<FusedExperts>,
+}
+
+/// The suffixes of a format's fused expert tensors (gpt-oss's MXFP4: `gate_up_proj_blocks`
+/// [E, out, in/32, 16] and `gate_up_proj_scales` [E, out, in/32]): expert e's slice of the first
+/// is its weight's data tensor (`weight_leaf`, the trailing dims flattened), of the second its
+/// block scale (the first of `scale_leaves`).
+pub struct FusedExperts {
+    pub data_suffix: &'static str,
+    pub scale_suffix: &'static str,
 }
 
 /// Element code of a block-scaled format.

@@ -1,5 +1,6 @@
 //! MXFP4 (OCP MX): packed E2M1 elements, one UE8M0 scale per 32 elements of a row; `.scale`
-//! with I8 codes (official V4) or `weight_scale` with U8 codes (compressed-tensors). Read by
+//! with I8 codes (official V4), `weight_scale` with U8 codes (compressed-tensors), or gpt-oss's
+//! fused experts `*_blocks` / `*_scales` (U8, one slice per expert). Read by
 //! `quant.rs`; dequantization `numerics::mxfp4`; encoder in `synth::encode`.
 
 use super::*;
@@ -18,6 +19,11 @@ pub static SPEC: FormatSpec = FormatSpec {
         global_leaf: None,
         input_leaf: None,
         generic: false,
+        // the gpt-oss releases (openai/gpt-oss-20b, -120b)
+        fused_experts: Some(FusedExperts {
+            data_suffix: "_blocks",
+            scale_suffix: "_scales",
+        }),
     },
     decode: Some(Decode {
         elem: Elem::E2m1Packed,

@@ -31,6 +31,7 @@ pub static SPEC: FormatSpec = FormatSpec {
         global_leaf: None,
         input_leaf: None,
         generic: true,
+        fused_experts: None,
     },
     decode: Some(Decode {
         elem: Elem::E4m3,

@@ -27,6 +27,7 @@ pub static CT: FormatSpec = FormatSpec {
         global_leaf: Some("weight_global_scale"),
         input_leaf: Some("input_global_scale"),
         generic: false,
+        fused_experts: None,
     },
     decode: Some(DECODE_CT),
     served: Served::Nvfp4,
@@ -55,6 +56,7 @@ pub static MODELOPT: FormatSpec = FormatSpec {
         global_leaf: Some("weight_scale_2"),
         input_leaf: Some("input_scale"),
         generic: false,
+        fused_experts: None,
     },
     decode: Some(Decode {
         global: Global::Multiply,

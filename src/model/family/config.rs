@@ -9,6 +9,9 @@ use super::super::limits::{self, Range, Sign};
 use super::kind::{Family, Kind, RopeStyle};
 use crate::{Error, Result};
 
+mod gpt_oss;
+use gpt_oss::gpt_oss;
+
 /// Limits of the fields only the families have.
 const NUM_KEY_VALUE_HEADS: Range = Range {
     field: "num_key_value_heads",
@@ -117,6 +120,7 @@ pub fn parse(v: &Value, kind: Kind) -> Result<ModelConfig> {
     let cfg = match kind {
         Kind::Qwen3Moe => qwen3_moe(v)?,
         Kind::DeepseekV3 => deepseek_v3(v)?,
+        Kind::GptOss => gpt_oss(v)?,
     };
     cfg.validate()?;
     if let Some(f) = &cfg.family {
@@ -127,6 +131,23 @@ pub fn parse(v: &Value, kind: Kind) -> Result<ModelConfig> {
 
 /// The fields every family shares, and the V4-only ones neutral.
 fn shared(r: &Reader, head_dim: usize, rope_dim: usize, rope_theta: f64) -> Result<ModelConfig> {
+    shared_with(
+        r,
+        head_dim,
+        rope_dim,
+        rope_theta,
+        &["moe_intermediate_size"],
+    )
+}
+
+/// [`shared`] with the spellings of the routed experts' width (`intermediate_size` on gpt-oss).
+fn shared_with(
+    r: &Reader,
+    head_dim: usize,
+    rope_dim: usize,
+    rope_theta: f64,
+    moe_keys: &[&'static str],
+) -> Result<ModelConfig> {
     let hidden_size = r.usize(&["hidden_size"], None, &limits::HIDDEN_SIZE)?;
     let num_hidden_layers = r.usize(&["num_hidden_layers"], None, &limits::NUM_HIDDEN_LAYERS)?;
     Ok(ModelConfig {
@@ -163,11 +184,7 @@ fn shared(r: &Reader, head_dim: usize, rope_dim: usize, rope_theta: f64) -> Resu
             &limits::NUM_EXPERTS_PER_TOK,
         )?,
         n_shared_experts: 0,
-        moe_intermediate_size: r.usize(
-            &["moe_intermediate_size"],
-            None,
-            &limits::MOE_INTERMEDIATE_SIZE,
-        )?,
+        moe_intermediate_size: r.usize(moe_keys, None, &limits::MOE_INTERMEDIATE_SIZE)?,
         num_hash_layers: 0,
         routed_scaling_factor: 1.0,
         norm_topk_prob: false,
@@ -238,6 +255,10 @@ fn qwen3_moe(v: &Value) -> Result<ModelConfig> {
         n_group: 1,
         topk_group: 1,
         router_logits_stored: true,
+        sliding: Vec::new(),
+        attention_bias: false,
+        sinks: false,
+        router_logit_bias: false,
     });
     Ok(cfg)
 }
@@ -274,23 +295,13 @@ fn deepseek_v3(v: &Value) -> Result<ModelConfig> {
         None | Some("default") => None,
         Some("yarn") => {
             let p = params.unwrap_or(&Value::Null);
-            let f = |k: &str, d: f64| -> Result<f64> {
-                match p.get(k).filter(|x| !x.is_null()) {
-                    Some(x) => {
-                        let field = format!("rope_parameters.{k}");
-                        let f = x.as_f64().ok_or_else(|| {
-                            Error::usage(format!("config field `{field}` is not a number: {x}"))
-                        })?;
-                        limits::check_float(&field, f, Sign::Positive)
-                    }
-                    None => Ok(d),
-                }
-            };
+            let f = |k: &str, d: f64| rope_param(p, k, d);
             let y = super::super::config::Yarn {
                 factor: f("factor", 1.0)?,
                 original_max_position_embeddings: f("original_max_position_embeddings", 4096.0)?,
                 beta_fast: f("beta_fast", 32.0)?,
                 beta_slow: f("beta_slow", 1.0)?,
+                truncate: true,
             };
             // DeepseekV3Attention: softmax scale × mscale(factor, mscale_all_dim)²
             let all_dim = match p.get("mscale_all_dim").filter(|x| !x.is_null()) {
@@ -404,8 +415,26 @@ fn deepseek_v3(v: &Value) -> Result<ModelConfig> {
         // transformers casts the gate to FP32, but under autocast and in vLLM/SGLang the gate
         // runs in the activation dtype: the BF16 paths round the logits as served
         router_logits_stored: true,
+        sliding: Vec::new(),
+        attention_bias: false,
+        sinks: false,
+        router_logit_bias: false,
     });
     Ok(cfg)
+}
+
+/// A positive number of the rope's parameters, `d` when absent; errors name the field.
+fn rope_param(p: &Value, k: &str, d: f64) -> Result<f64> {
+    match p.get(k).filter(|x| !x.is_null()) {
+        Some(x) => {
+            let field = format!("rope_parameters.{k}");
+            let f = x.as_f64().ok_or_else(|| {
+                Error::usage(format!("config field `{field}` is not a number: {x}"))
+            })?;
+            limits::check_float(&field, f, Sign::Positive)
+        }
+        None => Ok(d),
+    }
 }
 
 impl Family {
@@ -429,6 +458,13 @@ impl Family {
         }
         if self.dense.iter().any(|&d| d) {
             INTERMEDIATE_SIZE.check(self.intermediate_size as u64)?;
+        }
+        if !self.sliding.is_empty() && self.sliding.len() != cfg.num_hidden_layers {
+            return Err(Error::usage(format!(
+                "config: {} sliding/full entries for {} layers",
+                self.sliding.len(),
+                cfg.num_hidden_layers
+            )));
         }
         Ok(())
     }

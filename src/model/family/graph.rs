@@ -16,6 +16,12 @@
 //! `attn.k_rope` (the shared rope key, the latent passed through) → `attn.core` (MLA) → `attn.o` →
 //! `attn.res`; `ffn.norm` → `ffn.mlp` on the leading dense layers, else `ffn.router` (+ `.idx`),
 //! `ffn.experts`, `ffn.shared` → `ffn.out` = experts + shared → `out` = res + ffn.
+//!
+//! gpt-oss, layer n: `attn.norm` → `attn.q`, `attn.k`, `attn.v` (with their biases) →
+//! `attn.q_rope`, `attn.k_rope` → `attn.core` (GQA with the per-head sinks, over the sliding
+//! window on sliding layers) → `attn.o` → `attn.res`; `ffn.norm` → `ffn.router` (+ `.idx`: the
+//! biased gate's top-k, softmax over the k) → `ffn.experts` (`GptOssExperts`: per expert `w13`,
+//! its bias, `w2`, its bias) → `out` = res + experts.
 
 use super::super::op::{op, Op, OpClass, OpKind};
 use super::super::ModelConfig;
@@ -82,6 +88,10 @@ fn layer_ops(cfg: &ModelConfig, n: usize, x: &str, ops: &mut Vec<Op>) {
             mla_attention(cfg, n, x, ops);
             ffn(cfg, n, ops);
         }
+        Kind::GptOss => {
+            sink_attention(cfg, n, x, ops);
+            gpt_oss_ffn(cfg, n, ops);
+        }
     }
 }
 
@@ -101,6 +111,117 @@ fn linear(n: usize, name: &str, input: String, weight: &str, ops: &mut Vec<Op>) 
         Some(n),
         vec![input],
         vec![w(n, weight)],
+    ));
+}
+
+/// A linear whose op also reads its bias (`{weight}.bias`) when `bias`.
+fn linear_b(n: usize, name: &str, input: String, weight: &str, bias: bool, ops: &mut Vec<Op>) {
+    linear(n, name, input, weight, ops);
+    if bias {
+        let b = w(n, &format!("{weight}.bias"));
+        ops.last_mut().expect("pushed above").weights.push(b);
+    }
+}
+
+/// gpt-oss's attention side: q/k/v projections (with biases), RoPE, GQA with the sinks (and the
+/// window on sliding layers), o_proj, residual.
+fn sink_attention(cfg: &ModelConfig, n: usize, x: &str, ops: &mut Vec<Op>) {
+    let l = Some(n);
+    let bias = cfg.family.as_ref().is_some_and(|f| f.attention_bias);
+    ops.push(op(
+        id(n, "attn.norm"),
+        OpKind::RmsNorm,
+        OpClass::Norm,
+        l,
+        vec![x.to_string()],
+        vec![w(n, "attn_norm.weight")],
+    ));
+    for s in ["q", "k", "v"] {
+        let weight = format!("attn.{s}_proj");
+        linear_b(
+            n,
+            &format!("attn.{s}"),
+            id(n, "attn.norm"),
+            &weight,
+            bias,
+            ops,
+        );
+    }
+    for s in ["q", "k"] {
+        ops.push(op(
+            id(n, &format!("attn.{s}_rope")),
+            OpKind::HeadRope,
+            OpClass::Rope,
+            l,
+            vec![id(n, &format!("attn.{s}"))],
+            vec![],
+        ));
+    }
+    ops.push(op(
+        id(n, "attn.core"),
+        OpKind::GqaAttention,
+        OpClass::Attention,
+        l,
+        vec![id(n, "attn.q_rope"), id(n, "attn.k_rope"), id(n, "attn.v")],
+        vec![w(n, "attn.attn_sink")],
+    ));
+    linear_b(n, "attn.o", id(n, "attn.core"), "attn.o_proj", bias, ops);
+    ops.push(op(
+        id(n, "attn.res"),
+        OpKind::Sum,
+        OpClass::Elementwise,
+        l,
+        vec![x.to_string(), id(n, "attn.o")],
+        vec![],
+    ));
+}
+
+/// gpt-oss's FFN side: norm, the biased router, the routed experts, the residual sum.
+fn gpt_oss_ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
+    let l = Some(n);
+    ops.push(op(
+        id(n, "ffn.norm"),
+        OpKind::RmsNorm,
+        OpClass::Norm,
+        l,
+        vec![id(n, "attn.res")],
+        vec![w(n, "ffn_norm.weight")],
+    ));
+    let mut router = op(
+        id(n, "ffn.router"),
+        OpKind::Router,
+        OpClass::Router,
+        l,
+        vec![id(n, "ffn.norm")],
+        vec![w(n, "ffn.gate"), w(n, "ffn.gate.bias")],
+    );
+    router.outputs.push(id(n, "ffn.router.idx"));
+    ops.push(router);
+    let mut experts = Vec::with_capacity(4 * cfg.n_routed_experts);
+    for e in 0..cfg.n_routed_experts {
+        for p in ["w13", "w13.bias", "w2", "w2.bias"] {
+            experts.push(w(n, &format!("ffn.experts.{e}.{p}")));
+        }
+    }
+    ops.push(op(
+        id(n, "ffn.experts"),
+        OpKind::GptOssExperts,
+        OpClass::Moe,
+        l,
+        vec![
+            id(n, "ffn.norm"),
+            id(n, "ffn.router"),
+            id(n, "ffn.router.idx"),
+        ],
+        experts,
+    ));
+    ops.push(op(
+        id(n, "out"),
+        OpKind::Sum,
+        OpClass::Elementwise,
+        l,
+        vec![id(n, "attn.res"), id(n, "ffn.experts")],
+        vec![],
     ));
 }
 
@@ -469,6 +590,79 @@ mod tests {
         );
         let kv = ops.iter().find(|o| o.id == "L1.attn.kv_norm").unwrap();
         assert_eq!(kv.weights, ["layers.1.attn.kv_norm.weight"]);
+    }
+
+    #[test]
+    fn gpt_oss_layers_in_order_with_biases_and_sinks() {
+        let cfg = ModelConfig::from_json(&serde_json::json!({
+            "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2,
+            "vocab_size": 10, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_local_experts": 3, "num_experts_per_tok": 2, "intermediate_size": 32,
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]
+        }))
+        .unwrap();
+        let ops = build(&cfg, 1, true);
+        let l1: Vec<String> = ops
+            .iter()
+            .filter(|o| o.layer == Some(1))
+            .flat_map(|o| o.outputs.clone())
+            .map(|s| s[3..].to_string())
+            .collect();
+        let want = [
+            "attn.norm",
+            "attn.q",
+            "attn.k",
+            "attn.v",
+            "attn.q_rope",
+            "attn.k_rope",
+            "attn.core",
+            "attn.o",
+            "attn.res",
+            "ffn.norm",
+            "ffn.router",
+            "ffn.router.idx",
+            "ffn.experts",
+            "out",
+        ];
+        assert_eq!(l1, want);
+        let get = |id: &str| ops.iter().find(|o| o.id == id).unwrap();
+        assert_eq!(
+            get("L1.attn.k").weights,
+            ["layers.1.attn.k_proj", "layers.1.attn.k_proj.bias"]
+        );
+        assert_eq!(get("L0.attn.core").weights, ["layers.0.attn.attn_sink"]);
+        assert_eq!(get("L0.attn.q_rope").inputs, ["L0.attn.q"]);
+        assert_eq!(
+            get("L1.ffn.router").weights,
+            ["layers.1.ffn.gate", "layers.1.ffn.gate.bias"]
+        );
+        let ex = get("L1.ffn.experts");
+        assert_eq!(ex.kind, OpKind::GptOssExperts);
+        assert_eq!(ex.weights.len(), 12);
+        assert_eq!(
+            ex.weights[4..8],
+            [
+                "layers.1.ffn.experts.1.w13",
+                "layers.1.ffn.experts.1.w13.bias",
+                "layers.1.ffn.experts.1.w2",
+                "layers.1.ffn.experts.1.w2.bias"
+            ]
+        );
+        assert_eq!(get("L1.out").inputs, ["L1.attn.res", "L1.ffn.experts"]);
+        // without attention_bias the projections read no bias
+        let mut v = serde_json::json!({
+            "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 1,
+            "vocab_size": 10, "num_attention_heads": 4, "head_dim": 16,
+            "num_local_experts": 3, "num_experts_per_tok": 2, "intermediate_size": 32,
+            "sliding_window": 8, "attention_bias": false
+        });
+        let ops = build(&ModelConfig::from_json(&v).unwrap(), 0, false);
+        let o = ops.iter().find(|o| o.id == "L0.attn.o").unwrap();
+        assert_eq!(o.weights, ["layers.0.attn.o_proj"]);
+        v["attention_bias"] = serde_json::json!(true);
+        let ops = build(&ModelConfig::from_json(&v).unwrap(), 0, false);
+        let o = ops.iter().find(|o| o.id == "L0.attn.o").unwrap();
+        assert_eq!(o.weights.len(), 2);
     }
 
     #[test]

@@ -13,6 +13,10 @@ pub enum Kind {
     /// `DeepseekV3ForCausalLM` (V3, R1): MLA, leading dense layers, sigmoid router with the
     /// correction bias and group-limited top-k, a shared expert.
     DeepseekV3,
+    /// `GptOssForCausalLM`: GQA with biases and per-head sinks, sliding and full layers, a biased
+    /// router (top-k of the logits, softmax over the k), experts with fused interleaved gate/up,
+    /// biases and the clamped GLU.
+    GptOss,
 }
 
 impl Kind {
@@ -21,7 +25,17 @@ impl Kind {
         match self {
             Kind::Qwen3Moe => "qwen3-moe",
             Kind::DeepseekV3 => "deepseek-v3",
+            Kind::GptOss => "gpt-oss",
         }
+    }
+
+    /// Whether the family's transformers class stores its routed experts fused the gpt-oss way
+    /// (`gate_up_proj` [E, in, 2I] with gate and up interleaved, `down_proj` [E, I, out], biases
+    /// beside them; MXFP4 `*_blocks`/`*_scales` [E, out, …]) rather than stacked (Qwen3-MoE,
+    /// DeepSeek-V3: `gate_up_proj` [E, 2I, in], gate rows then up rows). The same tensor name
+    /// means either, so the checkpoint reader asks the config.
+    pub fn interleaved_experts(self) -> bool {
+        self == Kind::GptOss
     }
 }
 
@@ -62,6 +76,29 @@ pub struct Family {
     /// Whether the router's logits are stored activations (the gate runs in the activation
     /// dtype, so BF16 paths round them before the scores), or kept in FP32.
     pub router_logits_stored: bool,
+    /// Per layer: attention over the last `ModelConfig::sliding_window` keys only (gpt-oss's
+    /// `sliding_attention` layers); false: every earlier key.
+    pub sliding: Vec<bool>,
+    /// Whether the attention projections (q/k/v/o) have biases (gpt-oss's `attention_bias`).
+    pub attention_bias: bool,
+    /// Whether the attention has a learned per-head sink logit in its softmax (gpt-oss).
+    pub sinks: bool,
+    /// Whether the router's second parameter (`ffn.gate.bias`) is its linear's bias, added to the
+    /// logits (gpt-oss), rather than a selection bias on the scores (DeepSeek-V3's
+    /// `e_score_correction_bias`).
+    pub router_logit_bias: bool,
+}
+
+impl Family {
+    /// Keys per query of layer `layer`'s attention, itself included: `cfg.sliding_window` on a
+    /// sliding layer, `None` (every earlier key) otherwise.
+    pub fn window(&self, sliding_window: usize, layer: usize) -> Option<usize> {
+        self.sliding
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+            .then_some(sliding_window)
+    }
 }
 
 /// The family a config names, if it is not V4: `model_type` first, then `architectures`.
@@ -77,6 +114,9 @@ pub fn detect(v: &Value) -> Option<Kind> {
     }
     if mt == Some("deepseek_v3") || (mt.is_none() && arch("DeepseekV3ForCausalLM")) {
         return Some(Kind::DeepseekV3);
+    }
+    if mt == Some("gpt_oss") || (mt.is_none() && arch("GptOssForCausalLM")) {
+        return Some(Kind::GptOss);
     }
     None
 }

@@ -9,7 +9,8 @@
 //! (hidden size, heads, experts, norm eps) it fills so that what sizes a run reads them as for V4.
 //! The op graph of each family is built here ([`graph`]), and the ops V4 does not have
 //! (per-head norms, half-split RoPE, GQA attention with sinks and windows, dense MLPs, the
-//! families' routers) are computed in [`ops`] against `OpEnv` and the path's `Device`.
+//! families' routers, gpt-oss's experts) are computed in [`ops`] against `OpEnv` and the path's
+//! `Device`.
 
 pub mod config;
 pub mod graph;
@@ -34,6 +35,7 @@ pub fn cuda_unsupported(cfg: &ModelConfig) -> Option<String> {
                 | OpKind::LatentNorm
                 | OpKind::MlaAttention
                 | OpKind::Mlp
+                | OpKind::GptOssExperts
         )
     };
     let mut names: Vec<String> = Vec::new();
@@ -73,5 +75,11 @@ mod tests {
         let v = cuda_unsupported(&cfg("deepseek_v3")).unwrap();
         assert!(v.contains("`MlaAttention`") && v.contains("`LatentNorm`") && v.contains("`Mlp`"));
         assert!(!v.contains("Gqa"), "{v}");
+        let g = cuda_unsupported(&cfg("gpt_oss")).unwrap();
+        assert!(
+            g.contains("gpt-oss") && g.contains("`GqaAttention`") && g.contains("`GptOssExperts`"),
+            "{g}"
+        );
+        assert!(!g.contains("HeadNorm") && !g.contains("Mla"), "{g}");
     }
 }

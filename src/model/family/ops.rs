@@ -1,5 +1,6 @@
 //! The math of the families' own ops ([`OpKind::HeadNorm`], [`OpKind::HeadRope`],
-//! [`OpKind::GqaAttention`], [`OpKind::Mlp`]) against `OpEnv` and the path's `Device`.
+//! [`OpKind::GqaAttention`], [`OpKind::Mlp`], MLA's, and gpt-oss's experts in [`gpt_oss`])
+//! against `OpEnv` and the path's `Device`.
 //!
 //! The per-head norm and RoPE are the device's RMSNorm and RoPE over one row per head (the
 //! half-split pairing of transformers' `rotate_half` is a fixed permutation of the rotary dims
@@ -7,6 +8,8 @@
 //! they run wherever the device does. The grouped-query attention is host math in the
 //! reference's manner (products summed exactly in f64, exponentials in f64, one rounding) and has
 //! no CUDA version yet (`family::cuda_unsupported`).
+
+mod gpt_oss;
 
 use rayon::prelude::*;
 
@@ -32,6 +35,7 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig)
         OpKind::Mlp => mlp(op, inputs[0], env, cfg),
         OpKind::LatentNorm => latent_norm(op, inputs[0], env, cfg, fam),
         OpKind::MlaAttention => mla(op, inputs, env, cfg, fam),
+        OpKind::GptOssExperts => gpt_oss::experts(op, inputs, env, cfg),
         _ => Err(internal(op, "not a family op")),
     }
 }
@@ -165,6 +169,10 @@ fn gqa(
     check_shape(op, "q", q, &[t, h * dq])?;
     check_shape(op, "k", k, &[t, kvh * dq])?;
     check_shape(op, "v", v, &[t, kvh * dv])?;
+    let sinks = match op.weights.first() {
+        Some(name) => Some(param_n(env, name, h)?),
+        None => None,
+    };
     let dims = Gqa {
         t,
         h,
@@ -172,11 +180,12 @@ fn gqa(
         dq,
         dv,
         scale: fam.attn_scale as f32,
-        window: None,
+        window: fam.window(cfg.sliding_window, layer_of(op)?),
     };
+    let sinks = sinks.as_ref().map(|s| &s.data[..]);
     let mut y = Tensor::new(
         vec![t, h * dv],
-        gqa_core(&q.data, &k.data, &v.data, None, dims),
+        gqa_core(&q.data, &k.data, &v.data, sinks, dims),
     );
     env.store(&mut y);
     Ok(y)
