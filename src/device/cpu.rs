@@ -5,10 +5,10 @@
 use rayon::prelude::*;
 
 use super::gemm::matmul_nt;
-use super::kern::{self, AttnDims, CmpKeys, HcParams, Scoring};
+use super::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Scoring};
 use super::ops::{rmsnorm_rows, silu, RopeTable};
-use super::Device;
-use crate::{Result, Tensor};
+use super::{CmpRows, Device};
+use crate::{Error, Result, Tensor};
 
 /// The host device of one path: `store` rounds what the path stores.
 pub struct CpuDevice<S: Fn(&mut Tensor)> {
@@ -51,9 +51,17 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
     }
 
     fn rope(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor> {
+        let cols = x.cols();
+        if dh == 0 || !cols.is_multiple_of(dh) {
+            return Err(Error::usage(format!(
+                "rope: rows of {cols} values are not heads of {dh}"
+            )));
+        }
         let mut y = x.clone();
-        for (p, row) in y.data.chunks_mut(dh).enumerate() {
-            tab.apply(&mut row[nope..], p, false);
+        for (p, row) in y.data.chunks_mut(cols).enumerate() {
+            for head in row.chunks_mut(dh) {
+                tab.apply(&mut head[nope..], p, false);
+            }
         }
         (self.store)(&mut y);
         Ok(y)
@@ -146,24 +154,66 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        keys: CmpKeys,
+        keys: CmpRows,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
         tab: &RopeTable,
+        chunk: usize,
     ) -> Result<Tensor> {
         let (t, dh) = (dims.t, dims.dh);
         let hd = dims.h * dh;
-        let out = kern::attention_core(&q.data, &kv.data, &cmp.data, keys, sink, dims);
-        let mut out = Tensor::new(vec![t, hd], out);
-        (self.store)(&mut out);
-        for (pos, row) in out.data.chunks_mut(hd).enumerate() {
-            for head in row.chunks_mut(dh) {
-                tab.apply(&mut head[nope..], pos, true);
-            }
+        if dims.q0 != 0 || dims.kv0 != 0 {
+            return Err(Error::usage(
+                "attention: the device takes the whole prompt (q0 = kv0 = 0)",
+            ));
         }
-        (self.store)(&mut out);
-        Ok(out)
+        let kk = keys.sel.map_or(0, |s| s.cols());
+        let lists = match keys.sel {
+            Some(s) => {
+                if let Some(v) = kern::selection_error(&s.data, dims.n_c) {
+                    return Err(Error::usage(kern::selection_error_msg(v, dims.n_c)));
+                }
+                Some(kern::selection_lists(&s.data, kk, dims.n_c))
+            }
+            None => None,
+        };
+        // Chunks of queries [q0, q1): each sees the kv rows from its first query's window on and
+        // every compressed row (the causal count and the lists stay per query), so each query's
+        // keys, their order and the result are those of one call over the prompt.
+        let mut parts = Vec::new();
+        for (q0, q1) in kern::chunks(t, chunk) {
+            let part = dims.chunk(q0, q1);
+            let ck = CmpKeys {
+                ratio: keys.ratio,
+                sel: lists.as_deref().map(|l| (&l[q0 * kk..q1 * kk], kk)),
+            };
+            let y = kern::attention_core(
+                &q.data[q0 * hd..q1 * hd],
+                &kv.data[part.kv0 * dh..q1 * dh],
+                &cmp.data,
+                ck,
+                sink,
+                part,
+            );
+            let mut y = Tensor::new(vec![q1 - q0, hd], y);
+            (self.store)(&mut y);
+            for (i, row) in y.data.chunks_mut(hd).enumerate() {
+                for head in row.chunks_mut(dh) {
+                    tab.apply(&mut head[nope..], q0 + i, true);
+                }
+            }
+            (self.store)(&mut y);
+            parts.push(y);
+        }
+        if parts.len() == 1 {
+            return Ok(parts.remove(0));
+        }
+        let mut out = Vec::with_capacity(t * hd);
+        for y in parts {
+            out.extend_from_slice(&y.data);
+        }
+        Ok(Tensor::new(vec![t, hd], out))
     }
 
     fn compress_tail(
@@ -194,17 +244,27 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         Ok(ck)
     }
 
-    fn indexer_scores(
+    fn indexer_topk(
         &self,
-        q: &[f32],
-        ki: &[f32],
-        w: &[f32],
-        t: usize,
-        hi: usize,
-        di: usize,
-        n_c: usize,
-    ) -> Result<Vec<f32>> {
-        Ok(kern::indexer_scores(q, ki, w, t, hi, di, n_c))
+        q: &Tensor,
+        ki: &Tensor,
+        w: &Tensor,
+        w_scale: f32,
+        d: IndexerDims,
+    ) -> Result<Tensor> {
+        let IndexerDims { t, hi, di, n_c, .. } = d;
+        if q.numel() != t * hi * di || ki.numel() < n_c * di || w.numel() != t * hi {
+            return Err(Error::usage(format!(
+                "indexer top-k: q of {} values, keys of {}, weights of {} for {d:?}",
+                q.numel(),
+                ki.numel(),
+                w.numel()
+            )));
+        }
+        let w: Vec<f32> = w.data.iter().map(|v| v * w_scale).collect();
+        let rows = kern::score_block_rows(n_c);
+        let sel = kern::indexer_topk(&q.data, &ki.data, &w, d, rows);
+        Ok(Tensor::new(vec![t, d.kk], sel))
     }
 
     fn route(
