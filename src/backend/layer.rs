@@ -159,16 +159,7 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         let sel = keys.sel.map(|s| (&s.data, s.cols()));
         let y = dev.with(|g| {
             g.attention(
-                &q.data,
-                &kv.data,
-                &cmp.data,
-                keys.ratio,
-                sel,
-                sink,
-                dims,
-                nope,
-                tab,
-                chunk,
+                &q.data, &kv.data, &cmp.data, keys.ratio, sel, sink, dims, nope, tab, chunk,
                 dev.round,
             )
         })?;

@@ -7,6 +7,7 @@
 
 pub mod cuda;
 pub mod layer;
+pub mod oom;
 pub mod stage;
 
 use std::sync::{Arc, Mutex};

@@ -180,9 +180,9 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         };
         // Chunks of queries [q0, q1): each sees the kv rows from its first query's window on and
         // every compressed row (the causal count and the lists stay per query), so each query's
-        // keys, their order and the result are those of one call over the prompt.
-        let mut parts = Vec::new();
-        for (q0, q1) in kern::chunks(t, chunk) {
+        // keys, their order and the result are those of one call over the prompt. One chunk's
+        // result is held at a time besides the op's output.
+        let one = |q0: usize, q1: usize| -> Tensor {
             let part = dims.chunk(q0, q1);
             let ck = CmpKeys {
                 ratio: keys.ratio,
@@ -204,14 +204,14 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
                 }
             }
             (self.store)(&mut y);
-            parts.push(y);
-        }
-        if parts.len() == 1 {
-            return Ok(parts.remove(0));
+            y
+        };
+        if chunk >= t {
+            return Ok(one(0, t));
         }
         let mut out = Vec::with_capacity(t * hd);
-        for y in parts {
-            out.extend_from_slice(&y.data);
+        for (q0, q1) in kern::chunks(t, chunk) {
+            out.extend_from_slice(&one(q0, q1).data);
         }
         Ok(Tensor::new(vec![t, hd], out))
     }
@@ -306,5 +306,101 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         }
         (self.store)(&mut a);
         Ok(a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::ops::RopeTable;
+
+    fn vals(seed: u32, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                (((i as u32 ^ seed).wrapping_mul(2654435761) >> 8) % 2000) as f32 / 1000.0 - 0.999
+            })
+            .collect()
+    }
+
+    fn dev() -> CpuDevice<impl Fn(&mut Tensor)> {
+        CpuDevice::new(|t: &mut Tensor| t.round_bf16())
+    }
+
+    /// A row of three heads is rotated head by head at the row's position, as three rows of one
+    /// head each would be with the position repeated.
+    #[test]
+    fn rope_rotates_every_head_of_a_row() {
+        let (t, k, dh, nope) = (5usize, 3usize, 8usize, 4usize);
+        let x = vals(3, t * k * dh);
+        let tab = RopeTable::new(&[0.5, 0.01], 0..t);
+        let got = dev()
+            .rope(&Tensor::new(vec![t, k * dh], x.clone()), dh, nope, &tab)
+            .unwrap();
+        let rep = RopeTable::new(&[0.5, 0.01], (0..t).flat_map(|p| [p; 3]));
+        let want = dev()
+            .rope(&Tensor::new(vec![t * k, dh], x.clone()), dh, nope, &rep)
+            .unwrap();
+        assert_eq!(got.data, want.data);
+        assert_ne!(
+            got.data,
+            Tensor::new(vec![t, k * dh], x).rounded_bf16().data
+        );
+        let bad = dev().rope(&Tensor::new(vec![2, 12], vals(1, 24)), 8, 4, &tab);
+        assert_eq!(bad.unwrap_err().exit_code(), 2);
+    }
+
+    /// The op in chunks of any size gives one call's bits; a raw selection (unsorted, repeats)
+    /// reads as its sorted lists; a bad entry and a block of a prompt are refused.
+    #[test]
+    fn attention_in_chunks_is_one_call_and_checks_its_selection() {
+        let (t, h, dh, win, nope, kk, ratio) =
+            (29usize, 2usize, 8usize, 5usize, 4usize, 3usize, 4usize);
+        let n_c = t / ratio;
+        let q = Tensor::new(vec![t, h * dh], vals(1, t * h * dh));
+        let kv = Tensor::new(vec![t, dh], vals(2, t * dh));
+        let cmp = Tensor::new(vec![n_c, dh], vals(3, n_c * dh));
+        let raw: Vec<f32> = (0..t * kk)
+            .map(|i| [5.0, -1.0, 2.0, 5.0, 0.0, 6.0][i % 6])
+            .collect();
+        let sorted = kern::selection_lists(&raw, kk, n_c);
+        let sorted: Vec<f32> = sorted.iter().map(|&v| v as f32).collect();
+        let dims = AttnDims {
+            t,
+            h,
+            dh,
+            n_c,
+            win,
+            scale: 0.3,
+            q0: 0,
+            kv0: 0,
+        };
+        let tab = RopeTable::new(&[0.5, 0.01], 0..t);
+        let sink = [0.2f32, -0.1];
+        let run = |sel: &[f32], chunk: usize, d: AttnDims| {
+            let s = Tensor::new(vec![t, kk], sel.to_vec());
+            let keys = CmpRows {
+                ratio,
+                sel: Some(&s),
+            };
+            dev().attention(&q, &kv, &cmp, keys, &sink, d, nope, &tab, chunk)
+        };
+        let whole = run(&sorted, t, dims).unwrap();
+        for chunk in [1usize, 4, 7, t + 3] {
+            assert_eq!(
+                run(&raw, chunk, dims).unwrap().data,
+                whole.data,
+                "chunk {chunk}"
+            );
+        }
+        let mut bad = raw.clone();
+        bad[10] = 2.5;
+        let e = run(&bad, 7, dims).unwrap_err().to_string();
+        assert!(e.contains("indexer entry 2.5"), "{e}");
+        let block = AttnDims {
+            q0: 4,
+            kv0: 0,
+            ..dims
+        };
+        assert!(run(&raw, 7, block).is_err());
     }
 }

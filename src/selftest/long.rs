@@ -64,7 +64,12 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
 /// The top-k kernel on scores drawn half from a pool of ties (±0, NaN, ±inf, repeated values)
 /// and half random, over query blocks whose causal counts run below kk, past one CUDA block of
 /// threads (256) and past several; plus a row of NaN only and a row of signed zeros only.
-fn topk_of_planted_scores(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
+fn topk_of_planted_scores(
+    g: &mut Gpu,
+    rng: &mut Rng,
+    s: usize,
+    out: &mut Vec<Check>,
+) -> Result<()> {
     let pool = [
         0.5f32,
         -0.0,
@@ -107,7 +112,9 @@ fn topk_of_planted_scores(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Ch
             kern::topk_rows(&sc[i * ld..(i + 1) * ld], m, o);
         }
         out.push(exact(
-            &format!("indexer top-k of planted scores (ties, ±0, NaN, ±inf; kk {kk}, up to {ld} rows)"),
+            &format!(
+                "indexer top-k of planted scores (ties, ±0, NaN, ±inf; kk {kk}, up to {ld} rows)"
+            ),
             &got,
             &want,
         ));
@@ -156,7 +163,7 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
         let mut w = normals(rng, t * hi, 0.3);
         w[100 * hi + 2] = f32::NAN;
         w[200 * hi..201 * hi].iter_mut().for_each(|v| *v = 0.0);
-        let sc = 0.0441941738f32;
+        let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
         let ws: Vec<f32> = w.iter().map(|v| v * sc).collect();
         let (qd, kd, wd) = (dev_only(g, &q)?, dev_only(g, &ki)?, dev_only(g, &w)?);
         for rows in [7usize, kern::score_block_rows(n_c)] {
