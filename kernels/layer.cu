@@ -1,9 +1,11 @@
 // nvfp4-probe device code, part 4: the layer's non-linear ops (RMSNorm, RoPE, mHC with Sinkhorn,
-// attention with sink and compressed rows, the compressor's pooling, the indexer's scores, the
-// router's top-k). Each kernel computes what src/model/kern.rs computes on the host, bit for bit:
-// reductions accumulate exact f32 products in f64 and round once, transcendentals are evaluated
-// in f64 and rounded once, the short f32 chains run in the host's order. fmad=false, so every f32
-// operation rounds where the host's does; the explicit __f*_rn intrinsics say so where it matters.
+// attention with sink and compressed rows, the compressor's pooling, the indexer's scores and
+// top-k, the attention's key lists, the router's top-k). Each kernel computes what
+// src/device/kern.rs computes on the host, bit for bit: reductions accumulate exact f32 products
+// in f64 and round once, transcendentals are evaluated in f64 and rounded once, the short f32
+// chains run in the host's order, selections follow the host's total order. fmad=false, so every
+// f32 operation rounds where the host's does; the explicit __f*_rn intrinsics say so where it
+// matters.
 
 #define INFINITY __uint_as_float(0x7F800000u)
 
@@ -349,6 +351,122 @@ extern "C" __global__ void indexer_scores(const float* q, const float* ki, const
         }
         if (lane == 0) out[item] = acc;
     }
+}
+
+// The attention's per-query key lists from the indexer's selection (kern::selection_lists and the op's check),
+// one thread per query row: the entries of sel[row, 0..kk) that are rows below n_c (truncated like Rust's `as`),
+// ascending without repeats (an insertion that costs O(1) per entry on the indexer's ascending lists), then -1.
+// The lowest flat index of an entry that is neither -1 nor an integral row below n_c goes to *bad (atomicMin; the
+// caller sets it to all ones first).
+extern "C" __global__ void sel_lists(const float* sel, u64 t, u64 kk, u64 n_c, int* lists, u64* bad) {
+    GRID_STRIDE(row, t) {
+        const float* s = sel + row * kk;
+        int* o = lists + row * kk;
+        u64 n = 0;
+        for (u64 e = 0; e < kk; e++) {
+            float x = s[e];
+            bool row_ok = x >= 0.0f && (double)x < (double)n_c;
+            if (!(x == -1.0f || (row_ok && truncf(x) == x))) atomicMin(bad, row * kk + e);
+            if (!row_ok) continue;
+            int v = (int)x;
+            u64 j = n;
+            while (j > 0 && o[j - 1] > v) j--;
+            if (j > 0 && o[j - 1] == v) continue;
+            for (u64 k = n; k > j; k--) o[k] = o[k - 1];
+            o[j] = v;
+            n++;
+        }
+        for (u64 e = n; e < kk; e++) o[e] = -1;
+    }
+}
+
+// The order key of an indexer score for the top-k (ops::topk_order): NaN as -inf, -0 as +0, then the f32 bits mapped
+// so that unsigned order is numeric order.
+__device__ __forceinline__ u32 topk_key(float v) {
+    if (isnan(v)) v = -INFINITY;
+    if (v == 0.0f) v = 0.0f;
+    u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+#define TOPK_THREADS 256
+
+// The indexer's top-k of one block of queries (kern::topk_rows of each), one CUDA block of TOPK_THREADS per query:
+// query i of the block sits at position p = t0 + i and sees m = min((p + 1) / ratio, n_c) compressed rows, whose
+// scores are sc[i * ld ..][0, m). m <= kk: the rows 0..m. Else the kk first by (larger key, lower row on equal keys):
+// a radix select over the keys, 8 bits at a time from the top, finds the kk-th largest key K and how many rows of key
+// K are kept (rem, the lowest rows), then one pass in row order writes every row of key > K and the first rem rows of
+// key K, so the rows come out ascending. Writes row p of out [t, kk]: row indices as f32, -1 after the last.
+extern "C" __global__ void indexer_topk(const float* sc, u64 rows, u64 ld, u64 t0, u64 ratio, u64 n_c, u64 kk,
+                                        float* out) {
+    __shared__ u32 hist[256];
+    __shared__ u32 weq[TOPK_THREADS / 32], wsel[TOPK_THREADS / 32];
+    __shared__ u32 sh_prefix;
+    __shared__ u64 sh_rem;
+    u64 i = blockIdx.x;
+    if (i >= rows) return;
+    u64 p = t0 + i;
+    u64 m = ratio > 0 ? (p + 1) / ratio : 0;
+    if (m > n_c) m = n_c;
+    float* o = out + p * kk;
+    if (m <= kk) {
+        for (u64 e = threadIdx.x; e < kk; e += blockDim.x) o[e] = e < m ? (float)e : -1.0f;
+        return;
+    }
+    const float* s = sc + i * ld;
+    u32 prefix = 0, mask = 0;
+    u64 rem = kk;  // the target's rank (from 1, largest first) among the keys that match prefix under mask
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (u32 b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (u64 j = threadIdx.x; j < m; j += blockDim.x) {
+            u32 k = topk_key(s[j]);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 cum = 0;
+            for (int b = 255; b >= 0; b--) {
+                if (cum + hist[b] >= rem) {
+                    sh_prefix = prefix | ((u32)b << shift);
+                    sh_rem = rem - cum;
+                    break;
+                }
+                cum += hist[b];
+            }
+        }
+        __syncthreads();
+        prefix = sh_prefix;
+        rem = sh_rem;
+        mask |= 255u << shift;
+    }
+    // prefix is K: keep every key > K and the first rem keys == K in row order
+    u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u32 below = (1u << lane) - 1u;
+    u64 eq_seen = 0, written = 0;
+    for (u64 base = 0; base < m; base += blockDim.x) {
+        u64 j = base + threadIdx.x;
+        u32 k = j < m ? topk_key(s[j]) : 0u;
+        bool gt = j < m && k > prefix, eq = j < m && k == prefix;
+        u32 beq = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) weq[wid] = __popc(beq);
+        __syncthreads();
+        u64 eq_before = eq_seen + __popc(beq & below);
+        for (u32 w = 0; w < wid; w++) eq_before += weq[w];
+        bool take = gt || (eq && eq_before < rem);
+        u32 bsel = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) wsel[wid] = __popc(bsel);
+        __syncthreads();
+        u64 pos = written + __popc(bsel & below);
+        for (u32 w = 0; w < wid; w++) pos += wsel[w];
+        if (take && pos < kk) o[pos] = (float)j;
+        for (u32 w = 0; w < nw; w++) {
+            eq_seen += weq[w];
+            written += wsel[w];
+        }
+        __syncthreads();
+    }
+    for (u64 e = written + threadIdx.x; e < kk; e += blockDim.x) o[e] = -1.0f;
 }
 
 // ---- router ------------------------------------------------------------------------------------

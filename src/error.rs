@@ -33,6 +33,10 @@ pub enum Error {
     /// The requested backend cannot run here.
     #[error("backend unavailable: {0}")]
     Backend(String),
+    /// The device ran out of memory during a run (`backend::oom`): the message names where, the
+    /// bytes asked and free, and what makes the run smaller. The backend works; the run is too big.
+    #[error("{0}")]
+    DeviceMemory(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::LaunchConfig;
 
 use super::cuda::Gpu;
-use crate::device::kern::{AttnDims, CmpKeys, HcParams, Scoring};
+use crate::device::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Scoring};
 use crate::device::ops::RopeTable;
-use crate::device::{CpuDevice, Device};
+use crate::device::{CmpRows, CpuDevice, Device};
 use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
@@ -65,7 +65,13 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
 
     fn rope(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor> {
         let dev = &self.dev;
-        let y = dev.with(|g| g.rope(&x.data, 1, dh, nope, tab, false, dev.round))?;
+        let cols = x.cols();
+        if dh == 0 || !cols.is_multiple_of(dh) {
+            return Err(Error::usage(format!(
+                "rope: rows of {cols} values are not heads of {dh}"
+            )));
+        }
+        let y = dev.with(|g| g.rope(&x.data, cols / dh, dh, nope, tab, false, dev.round))?;
         Ok(Tensor::new(x.shape.clone(), y))
     }
 
@@ -142,21 +148,26 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        keys: CmpKeys,
+        keys: CmpRows,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
         tab: &RopeTable,
+        chunk: usize,
     ) -> Result<Tensor> {
         let dev = &self.dev;
+        let sel = keys.sel.map(|s| (&s.data, s.cols()));
         let y = dev.with(|g| {
             g.attention(
-                &q.data, &kv.data, &cmp.data, keys, sink, dims, nope, tab, dev.round,
+                &q.data, &kv.data, &cmp.data, keys.ratio, sel, sink, dims, nope, tab, chunk,
+                dev.round,
             )
         })?;
         match y {
             Some(y) => Ok(Tensor::new(vec![dims.t, dims.h * dims.dh], y)),
-            None => self.host.attention(q, kv, cmp, keys, sink, dims, nope, tab),
+            None => self
+                .host
+                .attention(q, kv, cmp, keys, sink, dims, nope, tab, chunk),
         }
     }
 
@@ -181,18 +192,19 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         Ok(Tensor::new(vec![n_c, dc], ck))
     }
 
-    fn indexer_scores(
+    fn indexer_topk(
         &self,
-        q: &[f32],
-        ki: &[f32],
-        w: &[f32],
-        t: usize,
-        hi: usize,
-        di: usize,
-        n_c: usize,
-    ) -> Result<Vec<f32>> {
-        self.dev
-            .with(|g| g.indexer_scores(q, ki, w, t, hi, di, n_c))
+        q: &Tensor,
+        ki: &Tensor,
+        w: &Tensor,
+        w_scale: f32,
+        d: IndexerDims,
+    ) -> Result<Tensor> {
+        let rows = kern::score_block_rows(d.n_c);
+        let sel = self
+            .dev
+            .with(|g| g.indexer_topk(&q.data, &ki.data, &w.data, w_scale, d, rows))?;
+        Ok(Tensor::new(vec![d.t, d.kk], sel))
     }
 
     fn route(
@@ -225,6 +237,37 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
 
 /// Largest dynamic shared memory the attention kernel asks for without opting in.
 const SMEM_DEFAULT: usize = 48 << 10;
+
+/// Threads of one `indexer_topk` block (`TOPK_THREADS` in kernels/layer.cu).
+const TOPK_THREADS: u32 = 256;
+
+/// The dynamic shared memory of `attn_core` for queries of up to `max_keys` keys (32 doubles,
+/// then a score and a key row per key), None when it exceeds [`SMEM_DEFAULT`].
+fn attn_smem(max_keys: usize) -> Option<usize> {
+    let smem = 32 * 8 + max_keys * 8;
+    (smem <= SMEM_DEFAULT).then_some(smem)
+}
+
+/// Device address of row `row` of a row-major f32/i32 matrix of `width` columns at `base`.
+fn row_at(base: u64, row: usize, width: usize) -> u64 {
+    base + (row * width * 4) as u64
+}
+
+/// What one `attn_core` launch reads and writes: device addresses (q, kv, the key lists and the
+/// output at the launch's first query and kv row) and the keys' description.
+struct AttnLaunch {
+    q: u64,
+    kv: u64,
+    cmp: u64,
+    sel: u64,
+    kk: usize,
+    has_sel: bool,
+    ratio: usize,
+    sink: u64,
+    out: u64,
+    max_keys: usize,
+    smem: usize,
+}
 
 impl Gpu {
     /// An output buffer filled with 0xFF (NaN as f32) before the kernel writes it, so an element
@@ -546,9 +589,45 @@ impl Gpu {
         Ok(self.output(ob, t * hc * d, round))
     }
 
-    /// The attention core (`kern::attention_core`), None when a query's keys do not fit the
-    /// kernel's shared memory (the caller computes it on the host). The compressed rows travel
-    /// as the per-query description (causal count, selection lists [t, kk]), never as a mask.
+    /// One `attn_core` launch over the queries of `a` (a chunk: its q0 and kv0 say where the
+    /// launch's addresses start in the prompt).
+    fn attn_core_launch(&self, l: &AttnLaunch, a: AttnDims) -> Result<()> {
+        let n = a.t * a.h;
+        if n == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: l.smem as u32,
+        };
+        self.kern().attn_core(
+            cfg,
+            l.q,
+            l.kv,
+            l.cmp,
+            l.sel,
+            l.kk as u64,
+            l.has_sel as i32,
+            l.ratio as u64,
+            l.sink,
+            a.t as u64,
+            a.h as u64,
+            a.dh as u64,
+            a.n_c as u64,
+            a.win as u64,
+            l.max_keys as u64,
+            a.q0 as u64,
+            a.kv0 as u64,
+            a.scale,
+            l.out,
+        )
+    }
+
+    /// The attention core (`kern::attention_core`) of one block of queries, None when a query's
+    /// keys do not fit the kernel's shared memory (the caller computes it on the host). The
+    /// compressed rows travel as the per-query description (causal count, selection lists
+    /// [t, kk]), never as a mask.
     pub fn attention_core(
         &mut self,
         q: &Data,
@@ -559,10 +638,9 @@ impl Gpu {
         a: AttnDims,
     ) -> Result<Option<Data>> {
         let max_keys = a.win + keys.max_rows(a.n_c);
-        let smem = 32 * 8 + max_keys * 8;
-        if smem > SMEM_DEFAULT {
+        let Some(smem) = attn_smem(max_keys) else {
             return Ok(None);
-        }
+        };
         if a.win > 0 && a.kv0 > (a.q0 + 1).saturating_sub(a.win) {
             return Err(Error::Backend(format!(
                 "cuda: attention kv rows from {} miss the window of the query at {}",
@@ -582,60 +660,160 @@ impl Gpu {
             self.upload(sink)?,
         );
         let ob = self.out(n * a.dh * 4)?;
-        if n > 0 {
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            self.kern().attn_core(
-                cfg,
-                qb.ptr,
-                kb.ptr,
-                cb.ptr,
-                ab.ptr,
-                kk as u64,
-                keys.sel.is_some() as i32,
-                keys.ratio as u64,
-                sb.ptr,
-                a.t as u64,
-                a.h as u64,
-                a.dh as u64,
-                a.n_c as u64,
-                a.win as u64,
-                max_keys as u64,
-                a.q0 as u64,
-                a.kv0 as u64,
-                a.scale,
-                ob.ptr,
-            )?;
-        }
+        let l = AttnLaunch {
+            q: qb.ptr,
+            kv: kb.ptr,
+            cmp: cb.ptr,
+            sel: ab.ptr,
+            kk,
+            has_sel: keys.sel.is_some(),
+            ratio: keys.ratio,
+            sink: sb.ptr,
+            out: ob.ptr,
+            max_keys,
+            smem,
+        };
+        self.attn_core_launch(&l, a)?;
         Ok(Some(self.output(ob, n * a.dh, false)))
     }
 
-    /// The whole attention op after its inputs: core, rounding, inverse RoPE on each head's dims
-    /// [nope, dh) at position = row, rounding.
+    /// The attention op over a whole prompt (`Device::attention`): the selection's per-query
+    /// lists made on the device (`sel_lists`, which also finds an entry that is neither −1 nor a
+    /// row < n_c), then per chunk of `chunk` queries the core, rounding, inverse RoPE and
+    /// rounding, in place in the op's one output [t, h·dh]. Inputs already on the device are
+    /// read there; nothing comes back to the host but the selection check's word, once per op.
+    /// None when a query's keys do not fit the kernel's shared memory (the caller computes the op
+    /// on the host).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &mut self,
         q: &Data,
         kv: &Data,
         cmp: &Data,
-        keys: CmpKeys,
+        ratio: usize,
+        sel: Option<(&Data, usize)>,
         sink: &[f32],
         a: AttnDims,
         nope: usize,
         tab: &RopeTable,
+        chunk: usize,
         round: bool,
     ) -> Result<Option<Data>> {
-        let Some(o) = self.attention_core(q, kv, cmp, keys, sink, a)? else {
+        let cmp_keys = match sel {
+            _ if ratio == 0 => 0,
+            Some((_, kk)) => kk.min(a.n_c),
+            None => a.n_c,
+        };
+        let max_keys = a.win + cmp_keys;
+        let Some(smem) = attn_smem(max_keys) else {
             return Ok(None);
         };
-        let n = o.len();
-        let ob = self.input_copy(&o)?;
-        self.round_in_place(ob.ptr, n, round)?;
-        self.rope_dev(ob.ptr, a.t, a.h, a.dh, nope, tab, true)?;
-        self.round_in_place(ob.ptr, n, round)?;
+        let (t, h, dh) = (a.t, a.h, a.dh);
+        let (hd, half) = (h * dh, tab.half);
+        if a.q0 != 0 || a.kv0 != 0 {
+            return Err(Error::usage(
+                "attention: the device takes the whole prompt (q0 = kv0 = 0)",
+            ));
+        }
+        if q.len() != t * hd
+            || kv.len() != t * dh
+            || cmp.len() < a.n_c * dh
+            || sink.len() < h
+            || sel.is_some_and(|(s, kk)| s.len() != t * kk)
+            || (half > 0 && (tab.cos.len() < t * half || nope + 2 * half > dh))
+        {
+            return Err(Error::Backend(format!(
+                "cuda: attention of q {}, kv {}, compressed {}, sink {}, selection {:?}, rope table {} rows × {half} for {a:?}",
+                q.len(),
+                kv.len(),
+                cmp.len(),
+                sink.len(),
+                sel.map(|(s, kk)| (s.len(), kk)),
+                tab.cos.len() / half.max(1),
+            )));
+        }
+        let n = t * hd;
+        let ob = self.out(n * 4)?;
+        if n == 0 {
+            return Ok(Some(self.output(ob, 0, round)));
+        }
+        let (qb, kb, cb, sb) = (
+            self.input(q)?,
+            self.input(kv)?,
+            self.input(cmp)?,
+            self.upload(sink)?,
+        );
+        // the per-query lists [t, kk] (i32) and the first bad entry's index (all ones: none)
+        let kk = sel.map_or(0, |(_, kk)| kk);
+        let (lists, check) = match sel {
+            Some((s, kk)) if kk > 0 => {
+                let sp = self.input(s)?;
+                let lb = self.alloc(t * kk * 4)?;
+                let bad = self.alloc(8)?;
+                self.memset(bad.ptr, 0xFF, 8)?;
+                self.kern().sel_lists(
+                    t as u64,
+                    sp.ptr,
+                    t as u64,
+                    kk as u64,
+                    a.n_c as u64,
+                    lb.ptr,
+                    bad.ptr,
+                )?;
+                (lb, Some((bad, sp)))
+            }
+            _ => (self.upload(&[-1i32])?, None),
+        };
+        // the table's rows of every query, uploaded once; each chunk reads its own rows
+        let (cs, sn) = (
+            self.upload(&tab.cos[..t * half])?,
+            self.upload(&tab.sin[..t * half])?,
+        );
+        for (q0, q1) in kern::chunks(t, chunk) {
+            let part = a.chunk(q0, q1);
+            let l = AttnLaunch {
+                q: row_at(qb.ptr, q0, hd),
+                kv: row_at(kb.ptr, part.kv0, dh),
+                cmp: cb.ptr,
+                sel: if kk > 0 {
+                    row_at(lists.ptr, q0, kk)
+                } else {
+                    lists.ptr
+                },
+                kk,
+                has_sel: sel.is_some(),
+                ratio,
+                sink: sb.ptr,
+                out: row_at(ob.ptr, q0, hd),
+                max_keys,
+                smem,
+            };
+            self.attn_core_launch(&l, part)?;
+            let rows = q1 - q0;
+            self.round_in_place(l.out, rows * hd, round)?;
+            if half > 0 {
+                self.kern().rope_rows(
+                    (rows * h * half) as u64,
+                    l.out,
+                    rows as u64,
+                    h as u64,
+                    dh as u64,
+                    nope as u64,
+                    half as u64,
+                    row_at(cs.ptr, q0, half),
+                    row_at(sn.ptr, q0, half),
+                    1,
+                )?;
+            }
+            self.round_in_place(l.out, rows * hd, round)?;
+        }
+        if let Some((bad, sp)) = check {
+            let first: Vec<u64> = self.download(bad.ptr, 1)?;
+            if first[0] != u64::MAX {
+                let v: Vec<f32> = self.download(sp.ptr + first[0] * 4, 1)?;
+                return Err(Error::usage(kern::selection_error_msg(v[0], a.n_c)));
+            }
+        }
         Ok(Some(self.output(ob, n, round)))
     }
 
@@ -739,6 +917,126 @@ impl Gpu {
             ob.ptr,
         )?;
         self.download(ob.ptr, t * n_c)
+    }
+
+    /// The indexer's selection on the device (`kern::indexer_topk`): w · w_scale, then per block
+    /// of `rows` queries their scores against the rows the block's last query sees
+    /// (`indexer_scores`, into one scratch of at most rows × n_c) and each query's top kk
+    /// (`indexer_topk`, one CUDA block per query) into the output [t, kk]. The scores never
+    /// leave the device; nothing is read back.
+    pub fn indexer_topk(
+        &mut self,
+        q: &Data,
+        ki: &Data,
+        w: &Data,
+        w_scale: f32,
+        d: IndexerDims,
+        rows: usize,
+    ) -> Result<Data> {
+        let IndexerDims {
+            t,
+            hi,
+            di,
+            n_c,
+            ratio,
+            kk,
+        } = d;
+        if q.len() != t * hi * di || ki.len() < n_c * di || w.len() != t * hi {
+            return Err(Error::Backend(format!(
+                "cuda: indexer top-k of q {}, keys {}, weights {} for {d:?}",
+                q.len(),
+                ki.len(),
+                w.len()
+            )));
+        }
+        let ob = self.out(t * kk * 4)?;
+        if t == 0 || kk == 0 {
+            return Ok(self.output(ob, t * kk, false));
+        }
+        let rows = rows.clamp(1, t);
+        let (qb, kb) = (self.input(q)?, self.input(ki)?);
+        let wb = self.input_copy(w)?;
+        self.kern()
+            .scale_round((t * hi) as u64, wb.ptr, (t * hi) as u64, w_scale, 0)?;
+        let m_max = d.causal(t - 1);
+        let sb = self.alloc(if m_max > kk { rows * m_max * 4 } else { 0 })?;
+        for (t0, t1) in kern::chunks(t, rows) {
+            let (nq, m_b) = (t1 - t0, d.causal(t1 - 1));
+            if m_b > kk {
+                self.kern().indexer_scores(
+                    (nq * m_b * 32) as u64,
+                    row_at(qb.ptr, t0, hi * di),
+                    kb.ptr,
+                    row_at(wb.ptr, t0, hi),
+                    nq as u64,
+                    hi as u64,
+                    di as u64,
+                    m_b as u64,
+                    sb.ptr,
+                )?;
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (nq as u32, 1, 1),
+                block_dim: (TOPK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.kern().indexer_topk(
+                cfg,
+                sb.ptr,
+                nq as u64,
+                m_b as u64,
+                t0 as u64,
+                ratio as u64,
+                n_c as u64,
+                kk as u64,
+                ob.ptr,
+            )?;
+        }
+        Ok(self.output(ob, t * kk, false))
+    }
+
+    /// The `indexer_topk` kernel alone on given scores (for the self-test): query i of `rows`
+    /// at position t0 + i selects from its causal rows of scores [rows, ld]; returns the rows
+    /// t0.. of the selection [t0 + rows, kk] (`kern::topk_rows` of each).
+    #[allow(clippy::too_many_arguments)]
+    pub fn indexer_topk_of_scores(
+        &mut self,
+        scores: &[f32],
+        rows: usize,
+        ld: usize,
+        t0: usize,
+        ratio: usize,
+        n_c: usize,
+        kk: usize,
+    ) -> Result<Vec<f32>> {
+        if scores.len() < rows * ld || n_c > ld {
+            return Err(Error::Backend(format!(
+                "cuda: {} scores for {rows} rows × {ld} (n_c {n_c})",
+                scores.len()
+            )));
+        }
+        let sb = self.upload(scores)?;
+        let ob = self.out((t0 + rows) * kk * 4)?;
+        if rows > 0 && kk > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (TOPK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.kern().indexer_topk(
+                cfg,
+                sb.ptr,
+                rows as u64,
+                ld as u64,
+                t0 as u64,
+                ratio as u64,
+                n_c as u64,
+                kk as u64,
+                ob.ptr,
+            )?;
+        }
+        let all: Vec<f32> = self.download(ob.ptr, (t0 + rows) * kk)?;
+        Ok(all[t0 * kk..].to_vec())
     }
 
     /// `kern::route` on the device: (weights [t, k], expert ids [t, k]).

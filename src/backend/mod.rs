@@ -8,6 +8,7 @@
 pub mod cuda;
 pub mod layer;
 pub mod linears;
+pub mod oom;
 pub mod stage;
 
 use std::sync::{Arc, Mutex};

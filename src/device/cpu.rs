@@ -5,10 +5,10 @@
 use rayon::prelude::*;
 
 use super::gemm::matmul_nt;
-use super::kern::{self, AttnDims, CmpKeys, HcParams, Scoring};
+use super::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Scoring};
 use super::ops::{rmsnorm_rows, silu, RopeTable};
-use super::Device;
-use crate::{Result, Tensor};
+use super::{CmpRows, Device};
+use crate::{Error, Result, Tensor};
 
 /// The host device of one path: `store` rounds what the path stores.
 pub struct CpuDevice<S: Fn(&mut Tensor)> {
@@ -51,9 +51,17 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
     }
 
     fn rope(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor> {
+        let cols = x.cols();
+        if dh == 0 || !cols.is_multiple_of(dh) {
+            return Err(Error::usage(format!(
+                "rope: rows of {cols} values are not heads of {dh}"
+            )));
+        }
         let mut y = x.clone();
-        for (p, row) in y.data.chunks_mut(dh).enumerate() {
-            tab.apply(&mut row[nope..], p, false);
+        for (p, row) in y.data.chunks_mut(cols).enumerate() {
+            for head in row.chunks_mut(dh) {
+                tab.apply(&mut head[nope..], p, false);
+            }
         }
         (self.store)(&mut y);
         Ok(y)
@@ -146,24 +154,66 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        keys: CmpKeys,
+        keys: CmpRows,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
         tab: &RopeTable,
+        chunk: usize,
     ) -> Result<Tensor> {
         let (t, dh) = (dims.t, dims.dh);
         let hd = dims.h * dh;
-        let out = kern::attention_core(&q.data, &kv.data, &cmp.data, keys, sink, dims);
-        let mut out = Tensor::new(vec![t, hd], out);
-        (self.store)(&mut out);
-        for (pos, row) in out.data.chunks_mut(hd).enumerate() {
-            for head in row.chunks_mut(dh) {
-                tab.apply(&mut head[nope..], pos, true);
-            }
+        if dims.q0 != 0 || dims.kv0 != 0 {
+            return Err(Error::usage(
+                "attention: the device takes the whole prompt (q0 = kv0 = 0)",
+            ));
         }
-        (self.store)(&mut out);
-        Ok(out)
+        let kk = keys.sel.map_or(0, |s| s.cols());
+        let lists = match keys.sel {
+            Some(s) => {
+                if let Some(v) = kern::selection_error(&s.data, dims.n_c) {
+                    return Err(Error::usage(kern::selection_error_msg(v, dims.n_c)));
+                }
+                Some(kern::selection_lists(&s.data, kk, dims.n_c))
+            }
+            None => None,
+        };
+        // Chunks of queries [q0, q1): each sees the kv rows from its first query's window on and
+        // every compressed row (the causal count and the lists stay per query), so each query's
+        // keys, their order and the result are those of one call over the prompt. One chunk's
+        // result is held at a time besides the op's output.
+        let one = |q0: usize, q1: usize| -> Tensor {
+            let part = dims.chunk(q0, q1);
+            let ck = CmpKeys {
+                ratio: keys.ratio,
+                sel: lists.as_deref().map(|l| (&l[q0 * kk..q1 * kk], kk)),
+            };
+            let y = kern::attention_core(
+                &q.data[q0 * hd..q1 * hd],
+                &kv.data[part.kv0 * dh..q1 * dh],
+                &cmp.data,
+                ck,
+                sink,
+                part,
+            );
+            let mut y = Tensor::new(vec![q1 - q0, hd], y);
+            (self.store)(&mut y);
+            for (i, row) in y.data.chunks_mut(hd).enumerate() {
+                for head in row.chunks_mut(dh) {
+                    tab.apply(&mut head[nope..], q0 + i, true);
+                }
+            }
+            (self.store)(&mut y);
+            y
+        };
+        if chunk >= t {
+            return Ok(one(0, t));
+        }
+        let mut out = Vec::with_capacity(t * hd);
+        for (q0, q1) in kern::chunks(t, chunk) {
+            out.extend_from_slice(&one(q0, q1).data);
+        }
+        Ok(Tensor::new(vec![t, hd], out))
     }
 
     fn compress_tail(
@@ -194,17 +244,27 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         Ok(ck)
     }
 
-    fn indexer_scores(
+    fn indexer_topk(
         &self,
-        q: &[f32],
-        ki: &[f32],
-        w: &[f32],
-        t: usize,
-        hi: usize,
-        di: usize,
-        n_c: usize,
-    ) -> Result<Vec<f32>> {
-        Ok(kern::indexer_scores(q, ki, w, t, hi, di, n_c))
+        q: &Tensor,
+        ki: &Tensor,
+        w: &Tensor,
+        w_scale: f32,
+        d: IndexerDims,
+    ) -> Result<Tensor> {
+        let IndexerDims { t, hi, di, n_c, .. } = d;
+        if q.numel() != t * hi * di || ki.numel() < n_c * di || w.numel() != t * hi {
+            return Err(Error::usage(format!(
+                "indexer top-k: q of {} values, keys of {}, weights of {} for {d:?}",
+                q.numel(),
+                ki.numel(),
+                w.numel()
+            )));
+        }
+        let w: Vec<f32> = w.data.iter().map(|v| v * w_scale).collect();
+        let rows = kern::score_block_rows(n_c);
+        let sel = kern::indexer_topk(&q.data, &ki.data, &w, d, rows);
+        Ok(Tensor::new(vec![t, d.kk], sel))
     }
 
     fn route(
@@ -246,5 +306,101 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         }
         (self.store)(&mut a);
         Ok(a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::ops::RopeTable;
+
+    fn vals(seed: u32, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                (((i as u32 ^ seed).wrapping_mul(2654435761) >> 8) % 2000) as f32 / 1000.0 - 0.999
+            })
+            .collect()
+    }
+
+    fn dev() -> CpuDevice<impl Fn(&mut Tensor)> {
+        CpuDevice::new(|t: &mut Tensor| t.round_bf16())
+    }
+
+    /// A row of three heads is rotated head by head at the row's position, as three rows of one
+    /// head each would be with the position repeated.
+    #[test]
+    fn rope_rotates_every_head_of_a_row() {
+        let (t, k, dh, nope) = (5usize, 3usize, 8usize, 4usize);
+        let x = vals(3, t * k * dh);
+        let tab = RopeTable::new(&[0.5, 0.01], 0..t);
+        let got = dev()
+            .rope(&Tensor::new(vec![t, k * dh], x.clone()), dh, nope, &tab)
+            .unwrap();
+        let rep = RopeTable::new(&[0.5, 0.01], (0..t).flat_map(|p| [p; 3]));
+        let want = dev()
+            .rope(&Tensor::new(vec![t * k, dh], x.clone()), dh, nope, &rep)
+            .unwrap();
+        assert_eq!(got.data, want.data);
+        assert_ne!(
+            got.data,
+            Tensor::new(vec![t, k * dh], x).rounded_bf16().data
+        );
+        let bad = dev().rope(&Tensor::new(vec![2, 12], vals(1, 24)), 8, 4, &tab);
+        assert_eq!(bad.unwrap_err().exit_code(), 2);
+    }
+
+    /// The op in chunks of any size gives one call's bits; a raw selection (unsorted, repeats)
+    /// reads as its sorted lists; a bad entry and a block of a prompt are refused.
+    #[test]
+    fn attention_in_chunks_is_one_call_and_checks_its_selection() {
+        let (t, h, dh, win, nope, kk, ratio) =
+            (29usize, 2usize, 8usize, 5usize, 4usize, 3usize, 4usize);
+        let n_c = t / ratio;
+        let q = Tensor::new(vec![t, h * dh], vals(1, t * h * dh));
+        let kv = Tensor::new(vec![t, dh], vals(2, t * dh));
+        let cmp = Tensor::new(vec![n_c, dh], vals(3, n_c * dh));
+        let raw: Vec<f32> = (0..t * kk)
+            .map(|i| [5.0, -1.0, 2.0, 5.0, 0.0, 6.0][i % 6])
+            .collect();
+        let sorted = kern::selection_lists(&raw, kk, n_c);
+        let sorted: Vec<f32> = sorted.iter().map(|&v| v as f32).collect();
+        let dims = AttnDims {
+            t,
+            h,
+            dh,
+            n_c,
+            win,
+            scale: 0.3,
+            q0: 0,
+            kv0: 0,
+        };
+        let tab = RopeTable::new(&[0.5, 0.01], 0..t);
+        let sink = [0.2f32, -0.1];
+        let run = |sel: &[f32], chunk: usize, d: AttnDims| {
+            let s = Tensor::new(vec![t, kk], sel.to_vec());
+            let keys = CmpRows {
+                ratio,
+                sel: Some(&s),
+            };
+            dev().attention(&q, &kv, &cmp, keys, &sink, d, nope, &tab, chunk)
+        };
+        let whole = run(&sorted, t, dims).unwrap();
+        for chunk in [1usize, 4, 7, t + 3] {
+            assert_eq!(
+                run(&raw, chunk, dims).unwrap().data,
+                whole.data,
+                "chunk {chunk}"
+            );
+        }
+        let mut bad = raw.clone();
+        bad[10] = 2.5;
+        let e = run(&bad, 7, dims).unwrap_err().to_string();
+        assert!(e.contains("indexer entry 2.5"), "{e}");
+        let block = AttnDims {
+            q0: 4,
+            kv0: 0,
+            ..dims
+        };
+        assert!(run(&raw, 7, block).is_err());
     }
 }

@@ -214,6 +214,18 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
+    /// The dims of the chunk of queries [q0, q1) of a whole prompt's dims (q0 = kv0 = 0): its
+    /// kv rows start at its first query's window (every later query's window starts no earlier),
+    /// so the chunk's keys, their order and its results are those of the same queries in one call.
+    pub fn chunk(&self, q0: usize, q1: usize) -> AttnDims {
+        AttnDims {
+            t: q1 - q0,
+            q0,
+            kv0: (q0 + 1).saturating_sub(self.win).min(q0),
+            ..*self
+        }
+    }
+
     /// The window of the query at position p: kv positions [lo, p] (empty when win = 0).
     #[inline]
     pub fn window(&self, p: usize) -> std::ops::Range<usize> {
@@ -274,6 +286,25 @@ impl CmpKeys<'_> {
             None => n_c,
         }
     }
+}
+
+/// The first entry of the indexer's selection that is neither −1 nor a compressed row index
+/// (an integer in [0, n_c)): the attention refuses such a selection on every device.
+pub fn selection_error(sel: &[f32], n_c: usize) -> Option<f32> {
+    sel.iter()
+        .copied()
+        .find(|&v| v != -1.0 && !(v >= 0.0 && v.fract() == 0.0 && (v as usize) < n_c))
+}
+
+/// The message of a [`selection_error`] (the same on every device).
+pub fn selection_error_msg(v: f32, n_c: usize) -> String {
+    format!("indexer entry {v} is neither −1 nor a row < {n_c}")
+}
+
+/// The query chunks [q0, q1) of t queries, `chunk` at a time (at least one).
+pub fn chunks(t: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let c = chunk.max(1);
+    (0..t.div_ceil(c)).map(move |i| (i * c, ((i + 1) * c).min(t)))
 }
 
 /// The indexer's selection [t, kk] (f32, −1 = none) as the attention's per-query lists: each
@@ -430,6 +461,95 @@ pub fn indexer_scores(
     out
 }
 
+/// Shapes of the indexer's top-k: t queries of hi heads of width di against n_c compressed rows
+/// (the layer's ratio sets each query's causal count), kk rows kept per query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerDims {
+    pub t: usize,
+    pub hi: usize,
+    pub di: usize,
+    pub n_c: usize,
+    pub ratio: usize,
+    pub kk: usize,
+}
+
+impl IndexerDims {
+    /// The compressed rows the query at position p may see: min((p + 1) / ratio, n_c).
+    #[inline]
+    pub fn causal(&self, p: usize) -> usize {
+        if self.ratio == 0 {
+            return 0;
+        }
+        ((p + 1) / self.ratio).min(self.n_c)
+    }
+}
+
+/// One query's selection from its scores over its m causal rows into `o` [kk]: all m rows when
+/// m ≤ kk, else the kk first in top-k order (larger score first, exact ties toward the lower
+/// row, NaN lowest: `ops::topk_order`), as ascending row indices (f32), −1 after the last.
+pub fn topk_rows(score: &[f32], m: usize, o: &mut [f32]) {
+    let kk = o.len();
+    o.iter_mut().for_each(|v| *v = -1.0);
+    if m <= kk {
+        (0..m).for_each(|s| o[s] = s as f32);
+        return;
+    }
+    if kk == 0 {
+        return;
+    }
+    let score = &score[..m];
+    let mut order: Vec<usize> = (0..m).collect();
+    // A total order, so the kk first are the same set as after a full sort.
+    order.select_nth_unstable_by(kk - 1, |&a, &b| {
+        super::ops::topk_order(score[a], a, score[b], b)
+    });
+    let mut pick = order[..kk].to_vec();
+    pick.sort_unstable();
+    for (slot, p) in o.iter_mut().zip(pick) {
+        *slot = p as f32;
+    }
+}
+
+/// The indexer's selection [t, kk] (f32 row indices, ascending, −1 after the last) of the
+/// queries q [t, hi·di] over the compressed keys ki [n_c, di] with the head weights w [t, hi]
+/// (already scaled): each query keeps [`topk_rows`] of its [`indexer_scores`] over its causal
+/// rows. The queries are scored `rows` at a time against the rows the block's last query may
+/// see (no score beyond a causal count is needed; a block whose queries all keep every causal
+/// row is not scored), so at most rows × n_c scores exist at once ([`score_block_rows`]).
+pub fn indexer_topk(q: &[f32], ki: &[f32], w: &[f32], d: IndexerDims, rows: usize) -> Vec<f32> {
+    let IndexerDims { t, hi, di, kk, .. } = d;
+    let mut out = vec![-1.0f32; t * kk];
+    if kk == 0 {
+        return out;
+    }
+    let rows = rows.max(1);
+    for (t0, t1) in chunks(t, rows) {
+        let m_b = d.causal(t1 - 1);
+        let scores = if m_b > kk {
+            indexer_scores(
+                &q[t0 * hi * di..t1 * hi * di],
+                &ki[..m_b * di],
+                &w[t0 * hi..t1 * hi],
+                t1 - t0,
+                hi,
+                di,
+                m_b,
+            )
+        } else {
+            Vec::new()
+        };
+        out[t0 * kk..t1 * kk]
+            .par_chunks_mut(kk)
+            .enumerate()
+            .for_each(|(i, o)| {
+                let m = d.causal(t0 + i);
+                let s = if m > kk { &scores[i * m_b..] } else { &[][..] };
+                topk_rows(s, m, o);
+            });
+    }
+    out
+}
+
 /// Indices of the `k` largest keys in top-k order (larger first, exact ties toward the lower
 /// index, NaN as −inf), by repeated selection: the same rule as `ops::topk_order`, in a form a
 /// device thread runs unchanged.
@@ -543,6 +663,128 @@ pub fn route_weights(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::ops::topk_order;
+
+    /// Uniform values in [−1, 1) from a fixed LCG (never exactly zero is not needed here).
+    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The selection of one query by an independent full sort of its causal scores.
+    fn by_full_sort(s: &[f32], m: usize, kk: usize) -> Vec<f32> {
+        let mut order: Vec<usize> = (0..m).collect();
+        order.sort_by(|&x, &y| topk_order(s[x], x, s[y], y));
+        let mut pick = order[..m.min(kk)].to_vec();
+        pick.sort_unstable();
+        let mut o = vec![-1.0f32; kk];
+        for (j, p) in pick.into_iter().enumerate() {
+            o[j] = p as f32;
+        }
+        o
+    }
+
+    /// Ties (exact, ±0), NaN and ±inf scores select what a full sort in top-k order selects.
+    #[test]
+    fn topk_rows_follows_the_full_sort_on_ties_nan_and_signed_zeros() {
+        let s = [
+            0.5f32,
+            -0.0,
+            f32::NAN,
+            0.5,
+            0.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            0.5,
+            -1.0,
+            f32::NAN,
+            0.0,
+        ];
+        for m in [0usize, 3, s.len()] {
+            for kk in [0usize, 1, 2, 4, 5, 7, 9, 10, 11, 12] {
+                let mut o = vec![7.0f32; kk];
+                topk_rows(&s, m, &mut o);
+                assert_eq!(o, by_full_sort(&s, m, kk), "m {m} kk {kk}");
+            }
+        }
+        // −0 and +0 tie: the lower row wins whichever sign it has
+        let mut o = vec![0.0f32; 1];
+        topk_rows(&[-1.0, -0.0, 0.0], 3, &mut o);
+        assert_eq!(o, vec![1.0]);
+    }
+
+    /// Scoring and selecting in query blocks of any size picks, for every query, the top kk of
+    /// its causal rows by an independent full sort of the whole [t, n_c] scores.
+    #[test]
+    fn blocks_of_any_size_select_what_a_full_sort_selects() {
+        let (t, hi, di, n_c, ratio, kk) = (57usize, 3usize, 8usize, 14usize, 4usize, 3usize);
+        let q = lcg(9, t * hi * di);
+        let mut ki = lcg(10, n_c * di);
+        // two equal rows: exact ties go to the lower index
+        let (a, b) = (ki[2 * di..3 * di].to_vec(), 5 * di);
+        ki[b..b + di].copy_from_slice(&a);
+        let w: Vec<f32> = lcg(11, t * hi).iter().map(|v| v * 0.3).collect();
+        let scores = indexer_scores(&q, &ki, &w, t, hi, di, n_c);
+        let d = IndexerDims {
+            t,
+            hi,
+            di,
+            n_c,
+            ratio,
+            kk,
+        };
+        let mut want = Vec::new();
+        for ti in 0..t {
+            want.extend(by_full_sort(&scores[ti * n_c..], d.causal(ti), kk));
+        }
+        for rows in [1usize, 5, 16, t, 10 * t] {
+            assert_eq!(
+                indexer_topk(&q, &ki, &w, d, rows),
+                want,
+                "blocks of {rows} rows"
+            );
+        }
+        assert_eq!(
+            indexer_topk(&q, &ki, &w, IndexerDims { kk: 0, ..d }, 4),
+            Vec::<f32>::new()
+        );
+    }
+
+    #[test]
+    fn chunks_cover_the_prompt_once_and_a_bad_selection_is_named() {
+        let c: Vec<_> = chunks(10, 4).collect();
+        assert_eq!(c, vec![(0, 4), (4, 8), (8, 10)]);
+        assert_eq!(chunks(3, 0).count(), 3);
+        assert_eq!(chunks(0, 5).count(), 0);
+        assert_eq!(chunks(5, 9).collect::<Vec<_>>(), vec![(0, 5)]);
+        assert_eq!(selection_error(&[-1.0, 0.0, 4.0], 5), None);
+        for bad in [5.0f32, 2.5, -2.0, f32::NAN, f32::INFINITY, -0.5] {
+            let got = selection_error(&[-1.0, 1.0, bad, 7.5], 5);
+            assert_eq!(got.map(f32::to_bits), Some(bad.to_bits()), "{bad}");
+        }
+        assert!(selection_error_msg(2.5, 5).contains("2.5"));
+        let a = AttnDims {
+            t: 20,
+            h: 1,
+            dh: 1,
+            n_c: 0,
+            win: 4,
+            scale: 1.0,
+            q0: 0,
+            kv0: 0,
+        };
+        let b = a.chunk(10, 15);
+        assert_eq!((b.t, b.q0, b.kv0), (5, 10, 7));
+        assert_eq!(a.chunk(2, 9).kv0, 0);
+        assert_eq!(AttnDims { win: 0, ..a }.chunk(6, 8).kv0, 6);
+    }
 
     #[test]
     fn topk_select_matches_the_sort_order() {

@@ -17,8 +17,19 @@ pub mod ops;
 pub use cpu::CpuDevice;
 
 use crate::{Result, Tensor};
-use kern::{AttnDims, CmpKeys, HcParams, Scoring};
+use kern::{AttnDims, HcParams, IndexerDims, Scoring};
 use ops::RopeTable;
+
+/// The compressed rows of an attention op as a [`Device`] takes them: the layer's ratio (each
+/// query's causal count, `kern::CmpKeys::causal`) and the indexer's selection [t, kk] as the op
+/// received it (entries −1 or a row index; any order, repeats allowed): each device checks it
+/// (`kern::selection_error`) and makes the per-query lists (`kern::selection_lists`) itself, so
+/// a selection left on the device by the indexer is read there.
+#[derive(Clone, Copy, Debug)]
+pub struct CmpRows<'a> {
+    pub ratio: usize,
+    pub sel: Option<&'a Tensor>,
+}
 
 /// The layer's non-linear ops on one numerics path. Every method returns its output rounded the
 /// way the path stores activations (BF16 on the BF16 and served paths, none on the FP32 oracle),
@@ -29,7 +40,8 @@ pub trait Device {
     fn repeat_rows(&self, x: &Tensor, d: usize, hc: usize) -> Result<Tensor>;
     /// RMSNorm of each row of x [.., cols] with weight `w`.
     fn rmsnorm(&self, x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor>;
-    /// RoPE of dims [nope, dh) of each row of x [t, dh] at position = row.
+    /// RoPE of dims [nope, dh) of each head of width dh of each row of x [t, k·dh] (k ≥ 1
+    /// heads) at position = row.
     fn rope(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor>;
     /// Per-head RMSNorm without weight, then RoPE on dims [nope, dh) of each head; q [t, h·dh].
     fn q_rope(
@@ -75,19 +87,24 @@ pub trait Device {
         rms_eps: f32,
         coef: &dyn Fn(&[f32]) -> Vec<f32>,
     ) -> Result<Tensor>;
-    /// The attention core of the queries q [t, h·dh] at positions q0.. over their windows in kv
-    /// (rows from position kv0) and the compressed rows `keys` describes per query, then inverse
-    /// RoPE on dims [nope, dh) with the table's row i for query i: [t, h·dh].
+    /// The attention op over a whole prompt: the core (`kern::attention_core`) of every query
+    /// of q [t, h·dh] (position = row; dims.q0 = dims.kv0 = 0) over its window in kv [t, dh] and
+    /// the compressed rows of cmp [n_c, dh] that `keys` gives it, rounded, inverse RoPE on dims
+    /// [nope, dh) with the table's row p for the query at p, rounded: [t, h·dh]. The queries run
+    /// `chunk` at a time (`--chunk`: what one pass holds), with the same bits for any chunk. A
+    /// selection entry that is neither −1 nor a row < n_c is a usage error
+    /// (`kern::selection_error_msg`).
     fn attention(
         &self,
         q: &Tensor,
         kv: &Tensor,
         cmp: &Tensor,
-        keys: CmpKeys,
+        keys: CmpRows,
         sink: &[f32],
         dims: AttnDims,
         nope: usize,
         tab: &RopeTable,
+        chunk: usize,
     ) -> Result<Tensor>;
     /// The compressor's tail: gated softmax pooling of a/g [n_c·ratio, w] with `ape`, RMSNorm with
     /// `norm`, RoPE on the last dims at position b·ratio, each step rounded: [n_c, dc].
@@ -103,18 +120,18 @@ pub trait Device {
         eps: f32,
         tab: &RopeTable,
     ) -> Result<Tensor>;
-    /// The indexer's scores [t, n_c] (not rounded) of a block of t queries; callers keep t small
-    /// enough that t·n_c stays bounded (`model::attn::indexer` scores query blocks).
-    fn indexer_scores(
+    /// The indexer's selection (`kern::indexer_topk`): q [t, hi·di] against ki [n_c, di] with
+    /// the head weights w [t, hi] times `w_scale` (an f32 product) → [t, kk] row indices as f32,
+    /// ascending, −1 after the last. The scores exist only a block of queries at a time
+    /// (`kern::score_block_rows`) and stay where the device computes them.
+    fn indexer_topk(
         &self,
-        q: &[f32],
-        ki: &[f32],
-        w: &[f32],
-        t: usize,
-        hi: usize,
-        di: usize,
-        n_c: usize,
-    ) -> Result<Vec<f32>>;
+        q: &Tensor,
+        ki: &Tensor,
+        w: &Tensor,
+        w_scale: f32,
+        d: IndexerDims,
+    ) -> Result<Tensor>;
     /// The router's top-k from the logits [t, e] with the selection bias: (weights [t, k],
     /// expert ids [t, k]).
     fn route(

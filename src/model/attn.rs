@@ -4,16 +4,14 @@
 //! `backend::layer` on the GPU), which agree bit for bit: scores and weighted sums accumulate in
 //! f64, softmax exponentials are evaluated in f64.
 
-use rayon::prelude::*;
-
 use super::env::{
     check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
 };
 use super::graph::Op;
 use super::ModelConfig;
-use crate::device::kern::{self, AttnDims, CmpKeys};
-use crate::device::ops::{topk_order, RopeTable};
-use crate::device::Device;
+use crate::device::kern::{AttnDims, IndexerDims};
+use crate::device::ops::RopeTable;
+use crate::device::CmpRows;
 use crate::{Error, Result, Tensor};
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
@@ -74,13 +72,9 @@ pub(crate) fn indexer(
 
     let mut q = linear_checked(env, &format!("{}.wq_b", op.id), qr, weight(op, 0)?, hi * di)?;
     env.store(&mut q);
+    // RoPE on the last rd dims of each head, at position = row (the device rounds as it stores)
     let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
-    for (p, row) in q.data.chunks_mut(hi * di).enumerate() {
-        for head in row.chunks_mut(di) {
-            tab.apply(&mut head[di - rd..], p, false);
-        }
-    }
-    env.store(&mut q);
+    let mut q = env.device().rope(&q, di, di - rd, &tab)?;
     env.cache_store(&format!("L{layer}.attn.indexer.q"), &mut q);
 
     let mut w = linear_checked(
@@ -92,83 +86,16 @@ pub(crate) fn indexer(
     )?;
     env.store(&mut w);
     let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
-    w.data.iter_mut().for_each(|v| *v *= sc);
-
-    let rows = kern::score_block_rows(n_c);
-    let dims = (t, hi, di, n_c);
-    select_blocks(
-        &*env.device(),
-        &q.data,
-        &ki.data,
-        &w.data,
-        dims,
+    let d = IndexerDims {
+        t,
+        hi,
+        di,
+        n_c,
         ratio,
         kk,
-        rows,
-        &mut out,
-    )?;
-    Ok(Tensor::new(vec![t, kk], out))
-}
-
-/// Scores and top-k of the queries in blocks (q [t, hi·di], ki [n_c, di], w [t, hi]): each
-/// block is scored against the compressed rows its last query may see (no score beyond the
-/// causal count is ever needed), then each query keeps its top kk of its causal rows, sorted
-/// ascending, into `out` [t, kk]. A query with no more causal rows than kk keeps them all.
-#[allow(clippy::too_many_arguments)]
-fn select_blocks(
-    dev: &dyn Device,
-    q: &[f32],
-    ki: &[f32],
-    w: &[f32],
-    (t, hi, di, n_c): (usize, usize, usize, usize),
-    ratio: usize,
-    kk: usize,
-    rows: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    let causal = |ti: usize| ((ti + 1) / ratio).min(n_c);
-    let rows = rows.max(1);
-    let mut t0 = 0;
-    while t0 < t {
-        let t1 = (t0 + rows).min(t);
-        // every query of the block keeps all its causal rows: nothing to score
-        let m_b = causal(t1 - 1);
-        let scores = if m_b > kk {
-            dev.indexer_scores(
-                &q[t0 * hi * di..t1 * hi * di],
-                &ki[..m_b * di],
-                &w[t0 * hi..t1 * hi],
-                t1 - t0,
-                hi,
-                di,
-                m_b,
-            )?
-        } else {
-            Vec::new()
-        };
-        out[t0 * kk..t1 * kk]
-            .par_chunks_mut(kk)
-            .enumerate()
-            .for_each(|(i, o)| {
-                let m = causal(t0 + i);
-                if m <= kk {
-                    (0..m).for_each(|s| o[s] = s as f32);
-                    return;
-                }
-                let score = &scores[i * m_b..i * m_b + m];
-                let mut order: Vec<usize> = (0..m).collect();
-                // Descending score, exact ties toward the lower index; NaN never wins. A total
-                // order, so the kk first are the same set as after a full sort.
-                order.select_nth_unstable_by(kk - 1, |&a, &b| topk_order(score[a], a, score[b], b));
-                let mut pick = order[..kk].to_vec();
-                pick.sort_unstable();
-                for (slot, p) in o.iter_mut().zip(pick) {
-                    *slot = p as f32;
-                }
-            });
-        t0 = t1;
-    }
-    Ok(())
+    };
+    // scores and top-k where the path's device runs (on the GPU nothing comes back to the host)
+    env.device().indexer_topk(&q, &ki, &w, sc, d)
 }
 
 /// MQA over one latent row per key (K = V), sliding window + causal compressed rows (or the
@@ -204,17 +131,8 @@ pub(crate) fn attention(
         None
     };
     if let Some(s) = sel {
+        // its entries are checked by the device, where the indexer left them
         check_shape(op, "indexer selection", s, &[t, cfg.index_topk])?;
-        if let Some(v) = s
-            .data
-            .iter()
-            .find(|&&v| v != -1.0 && !(v >= 0.0 && v.fract() == 0.0 && (v as usize) < n_c))
-        {
-            return Err(internal(
-                op,
-                format!("indexer entry {v} is neither −1 nor a row < {n_c}"),
-            ));
-        }
     }
     let sink = param_n(env, weight(op, 0)?, h)?;
     let dims = AttnDims {
@@ -227,59 +145,27 @@ pub(crate) fn attention(
         q0: 0,
         kv0: 0,
     };
-    let kk = cfg.index_topk;
-    let lists = sel.map(|s| kern::selection_lists(&s.data, kk, n_c));
-    let keys = CmpKeys {
-        ratio,
-        sel: lists.as_deref().map(|l| (l, kk)),
-    };
     let freqs = layer_rope_freqs(cfg, layer);
     let nope = cfg.nope_dim();
     let chunk = env.chunk_rows().unwrap_or(t).max(1);
-    if chunk >= t {
-        let tab = RopeTable::new(&freqs, 0..t);
-        return env
-            .device()
-            .attention(q, kv, cmp, keys, &sink.data, dims, nope, &tab);
-    }
-    // Chunks of queries [q0, q1): each sees the kv rows from its first query's window on and
-    // every compressed row (the causal count and the selection lists stay per query), so each
-    // query's keys, their order and the result are those of one call over the prompt.
-    let rows = |x: &Tensor, a: usize, b: usize| {
-        let c = x.cols();
-        Tensor::new(vec![b - a, c], x.data[a * c..b * c].to_vec())
-    };
-    let mut out = Vec::with_capacity(t * hd);
-    let mut q0 = 0;
-    while q0 < t {
-        let q1 = (q0 + chunk).min(t);
-        let kv0 = (q0 + 1).saturating_sub(dims.win).min(q0);
-        let part = AttnDims {
-            t: q1 - q0,
-            q0,
-            kv0,
-            ..dims
-        };
-        let part_keys = CmpKeys {
-            ratio,
-            sel: lists.as_deref().map(|l| (&l[q0 * kk..q1 * kk], kk)),
-        };
-        let tab = RopeTable::new(&freqs, q0..q1);
-        let y = env.device().attention(
-            &rows(q, q0, q1),
-            &rows(kv, kv0, q1),
+    let tab = RopeTable::new(&freqs, 0..t);
+    // one call: the device runs the query chunks itself, so chunked outputs never leave it
+    env.device()
+        .attention(
+            q,
+            kv,
             cmp,
-            part_keys,
+            CmpRows { ratio, sel },
             &sink.data,
-            part,
+            dims,
             nope,
             &tab,
-        )?;
-        out.extend_from_slice(&y.data[..]);
-        q0 = q1;
-    }
-    // each chunk was stored (rounded) by the path's device already
-    Ok(Tensor::new(vec![t, hd], out))
+            chunk,
+        )
+        .map_err(|e| match e {
+            Error::Usage(m) => internal(op, m),
+            e => e,
+        })
 }
 
 /// Compressed KV rows of a compressor (docs/DSV4-LAYER.md §3.5.1): gated softmax pooling over `ratio`
@@ -327,45 +213,4 @@ pub(crate) fn compress(
     let eps = cfg.rms_norm_eps as f32;
     env.device()
         .compress_tail(&a, &g, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::device::CpuDevice;
-    use crate::model::mem_env::Rng;
-
-    /// Scoring and selecting in query blocks of any size picks, for every query, the top kk of
-    /// its causal rows by an independent full sort of the whole [t, n_c] scores.
-    #[test]
-    fn blocks_of_any_size_select_what_a_full_sort_selects() {
-        let (t, hi, di, n_c, ratio, kk) = (57usize, 3usize, 8usize, 14usize, 4usize, 3usize);
-        let mut rng = Rng::new(9);
-        let q = rng.normals(t * hi * di, 0.0, 1.0);
-        let mut ki = rng.normals(n_c * di, 0.0, 1.0);
-        // two equal rows: exact ties go to the lower index
-        let (a, b) = (ki[2 * di..3 * di].to_vec(), 5 * di);
-        ki[b..b + di].copy_from_slice(&a);
-        let w = rng.normals(t * hi, 0.0, 0.3);
-        let scores = kern::indexer_scores(&q, &ki, &w, t, hi, di, n_c);
-        let mut want = vec![-1.0f32; t * kk];
-        for ti in 0..t {
-            let m = ((ti + 1) / ratio).min(n_c);
-            let mut order: Vec<usize> = (0..m).collect();
-            let s = &scores[ti * n_c..(ti + 1) * n_c];
-            order.sort_by(|&x, &y| topk_order(s[x], x, s[y], y));
-            let mut pick = order[..m.min(kk)].to_vec();
-            pick.sort_unstable();
-            for (j, p) in pick.into_iter().enumerate() {
-                want[ti * kk + j] = p as f32;
-            }
-        }
-        let dev = CpuDevice::new(|_: &mut Tensor| {});
-        for rows in [1usize, 5, 16, t] {
-            let mut out = vec![-1.0f32; t * kk];
-            let dims = (t, hi, di, n_c);
-            select_blocks(&dev, &q, &ki, &w, dims, ratio, kk, rows, &mut out).unwrap();
-            assert_eq!(out, want, "blocks of {rows} rows");
-        }
-    }
 }

@@ -298,7 +298,9 @@ pub fn run_capturing(
                 let t_op = Instant::now();
                 crate::profile::set_step(step);
                 pb.set_message(op.id.clone());
-                st.step(step, op)?;
+                // a device allocation that fails says so, not "backend unavailable"
+                st.step(step, op)
+                    .map_err(|e| crate::backend::oom::explain(e, &op.id, opts.backend.gpu()))?;
                 pb.inc(1);
                 crate::profile::interval("op", step, t_op);
                 *st.prof.entry(format!("{:?}", op.kind)).or_default() +=
@@ -309,7 +311,9 @@ pub fn run_capturing(
             }
             crate::profile::mark("runner: last op done");
             if let Some(q) = st.queued.take() {
-                st.finish(q)?;
+                let id = q.record.op.id.clone();
+                st.finish(q)
+                    .map_err(|e| crate::backend::oom::explain(e, &id, opts.backend.gpu()))?;
             }
             Ok(())
         })();

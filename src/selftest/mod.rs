@@ -14,6 +14,7 @@ use crate::probe::RunResult;
 use crate::Result;
 
 mod layer;
+mod long;
 mod moe;
 
 /// One line of the self-test table.
@@ -849,6 +850,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     ));
     drop(o);
     layer::checks(t.g, &mut rng, s, &mut out)?;
+    long::checks(t.g, &mut rng, s, &mut out)?;
     moe::checks(t.g, &mut rng, s, &mut out)?;
     Ok(out)
 }

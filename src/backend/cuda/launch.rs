@@ -131,6 +131,9 @@ kernels! {
     "layer.cu" fn attn_core(q: ptr, kv: ptr, cmp: ptr, sel: ptr, kk: u64, has_sel: i32, ratio: u64, sink: ptr, t: u64, h: u64, dh: u64, n_c: u64, win: u64, max_keys: u64, q0: u64, kv0: u64, scale: f32, out: ptr);
     "layer.cu" fn compress_pool(a: ptr, g: ptr, ape: ptr, n_c: u64, dc: u64, ratio: u64, out: ptr);
     "layer.cu" fn indexer_scores(q: ptr, ki: ptr, w: ptr, t: u64, hi: u64, di: u64, n_c: u64, out: ptr);
+    /// One CUDA block of 256 threads per query of the block (`Grid::Cfg`).
+    "layer.cu" fn indexer_topk(sc: ptr, rows: u64, ld: u64, t0: u64, ratio: u64, n_c: u64, kk: u64, out: ptr);
+    "layer.cu" fn sel_lists(sel: ptr, t: u64, kk: u64, n_c: u64, lists: ptr, bad: ptr);
     "layer.cu" fn route_topk(logits: ptr, bias: ptr, t: u64, e: u64, k: u64, f: i32, norm: i32, rs: f32, wts: ptr, idx: ptr);
     "layer.cu" fn add_f32(a: ptr, b: ptr, n: u64, out: ptr);
 }

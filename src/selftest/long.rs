@@ -1,0 +1,335 @@
+//! Self-test of the long-prompt path on the device against the host reference, bit for bit: the
+//! indexer's top-k (`indexer_topk` in kernels/layer.cu) on planted scores and as the whole
+//! selection (scores and top-k, in query blocks), and the attention op over the whole prompt in
+//! query chunks with its selection read from device memory (`sel_lists`, `Gpu::attention`). The
+//! data are random (never zeros where a zero would hide a fault) with ties planted: equal scores,
+//! ±0, NaN and ±inf, equal compressed rows, a NaN and an all-zero weight row.
+
+use super::{exact, Check};
+use crate::backend::cuda::Gpu;
+use crate::device::kern::{self, AttnDims, IndexerDims};
+use crate::device::ops::RopeTable;
+use crate::device::{CmpRows, CpuDevice, Device};
+use crate::model::mem_env::Rng;
+use crate::model::rope::rope_freqs;
+use crate::tensor::Data;
+use crate::{Result, Tensor};
+
+fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let v = (rng.normal() * std) as f32;
+            if v == 0.0 {
+                1e-3
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// Values that exist only on the device (copied there, never on the host until read back).
+fn dev_only(g: &mut Gpu, v: &[f32]) -> Result<Data> {
+    let b = g.input_copy(&Data::from(v.to_vec()))?;
+    Ok(g.output(b, v.len(), false))
+}
+
+/// A check that fails with `note` when `ok` is false (and passes with `cases` otherwise).
+fn holds(name: &str, cases: usize, ok: bool, note: String) -> Check {
+    let mut c = exact(name, &[], &[]);
+    c.cases = cases;
+    if !ok {
+        c.mismatches = 1;
+        c.note = note;
+    }
+    c
+}
+
+/// The host reference's storage rounding of a path.
+fn store(round: bool) -> impl Fn(&mut Tensor) {
+    move |t: &mut Tensor| {
+        if round {
+            t.round_bf16()
+        }
+    }
+}
+
+pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
+    topk_of_planted_scores(g, rng, s, out)?;
+    indexer_selection(g, rng, s, out)?;
+    attention_op(g, rng, s, out)?;
+    Ok(())
+}
+
+/// The top-k kernel on scores drawn half from a pool of ties (±0, NaN, ±inf, repeated values)
+/// and half random, over query blocks whose causal counts run below kk, past one CUDA block of
+/// threads (256) and past several; plus a row of NaN only and a row of signed zeros only.
+fn topk_of_planted_scores(
+    g: &mut Gpu,
+    rng: &mut Rng,
+    s: usize,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let pool = [
+        0.5f32,
+        -0.0,
+        0.0,
+        f32::NAN,
+        f32::NEG_INFINITY,
+        f32::INFINITY,
+        -1.25,
+        3.0,
+        0.5,
+    ];
+    // (ratio, kk, t0, rows, ld): query t0 + i sees min((t0 + i + 1) / ratio, ld) rows
+    for (ratio, kk, t0, rows, ld) in [
+        (1usize, 37usize, 0usize, 300 * s, 300 * s),
+        (1, 37, 1000, 200, 1200),
+        (4, 300, 4000, 50, 1100),
+    ] {
+        let mut sc: Vec<f32> = (0..rows * ld)
+            .map(|_| {
+                if rng.below(2) == 0 {
+                    pool[rng.below(pool.len())]
+                } else {
+                    (rng.normal() * 2.0) as f32
+                }
+            })
+            .collect();
+        let last = (rows - 1) * ld;
+        sc[last..].iter_mut().for_each(|v| *v = f32::NAN);
+        if rows > 1 {
+            let prev = (rows - 2) * ld;
+            for (j, v) in sc[prev..last].iter_mut().enumerate() {
+                *v = if j % 3 == 0 { -0.0 } else { 0.0 };
+            }
+        }
+        let n_c = ld;
+        let got = g.indexer_topk_of_scores(&sc, rows, ld, t0, ratio, n_c, kk)?;
+        let mut want = vec![0f32; rows * kk];
+        for (i, o) in want.chunks_mut(kk).enumerate() {
+            let m = ((t0 + i + 1) / ratio).min(n_c);
+            kern::topk_rows(&sc[i * ld..(i + 1) * ld], m, o);
+        }
+        out.push(exact(
+            &format!(
+                "indexer top-k of planted scores (ties, ±0, NaN, ±inf; kk {kk}, up to {ld} rows)"
+            ),
+            &got,
+            &want,
+        ));
+    }
+    Ok(())
+}
+
+/// The whole selection on the device (scaled weights, scores and top-k per query block) against
+/// `kern::indexer_topk`, with compressed keys that repeat (exact score ties), a NaN weight, an
+/// all-zero weight row and an infinite query value; in blocks of 7 queries and of the default
+/// size. The selection stays on the device.
+fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
+    let (t, hi, di, ratio, kk) = (1200 * s + 3, 4, 64, 4, 37);
+    let n_c = t / ratio;
+    let d = IndexerDims {
+        t,
+        hi,
+        di,
+        n_c,
+        ratio,
+        kk,
+    };
+    for pooled in [true, false] {
+        let q = {
+            let mut q = normals(rng, t * hi * di, 1.0);
+            q[300 * hi * di + 5] = f32::INFINITY;
+            q
+        };
+        let ki = if pooled {
+            // 11 distinct rows: every query's scores take at most 11 values
+            let base = normals(rng, 11 * di, 1.0);
+            (0..n_c)
+                .flat_map(|_| {
+                    let r = rng.below(11);
+                    base[r * di..(r + 1) * di].to_vec()
+                })
+                .collect()
+        } else {
+            let mut ki = normals(rng, n_c * di, 1.0);
+            for (a, b) in [(2usize, 40usize), (100, 101), (7, n_c - 1)] {
+                let row = ki[a * di..(a + 1) * di].to_vec();
+                ki[b * di..(b + 1) * di].copy_from_slice(&row);
+            }
+            ki
+        };
+        let mut w = normals(rng, t * hi, 0.3);
+        w[100 * hi + 2] = f32::NAN;
+        w[200 * hi..201 * hi].iter_mut().for_each(|v| *v = 0.0);
+        let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
+        let ws: Vec<f32> = w.iter().map(|v| v * sc).collect();
+        let (qd, kd, wd) = (dev_only(g, &q)?, dev_only(g, &ki)?, dev_only(g, &w)?);
+        for rows in [7usize, kern::score_block_rows(n_c)] {
+            let want = kern::indexer_topk(&q, &ki, &ws, d, rows);
+            let got = g.indexer_topk(&qd, &kd, &wd, sc, d, rows)?;
+            let stayed = !got.on_host() && !qd.on_host() && !kd.on_host() && !wd.on_host();
+            let mut c = exact(
+                &format!(
+                    "indexer selection on the device ({} keys, blocks of {rows} queries)",
+                    if pooled { "11 distinct" } else { "repeated" }
+                ),
+                &got.into_vec(),
+                &want,
+            );
+            if !stayed {
+                c.mismatches += 1;
+                c.note = "a tensor was read to the host during the selection".into();
+            }
+            out.push(c);
+        }
+    }
+    Ok(())
+}
+
+/// The attention op over a whole prompt on the device, its inputs and its raw selection (an
+/// unsorted list per query with repeats and −1 holes) only in device memory, in chunks of 1, 7,
+/// 64 queries and all at once, against the host op in one call; window-only, causal compressed
+/// rows and a selection, with and without the BF16 store. A bad selection entry is refused
+/// with the host's message.
+fn attention_op(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
+    let (t, h, dh, win, nope, kk) = (70 * s + 3, 3, 96, 16, 64, 5);
+    let tab = RopeTable::new(&rope_freqs(dh - nope, 10000.0, None), 0..t);
+    let sink = normals(rng, h, 1.0);
+    for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
+        for round in [false, true] {
+            let n_c = t.checked_div(ratio).unwrap_or(0);
+            let q = normals(rng, t * h * dh, 1.0);
+            let kv = normals(rng, t * dh, 1.0);
+            let cmp = normals(rng, n_c * dh, 1.0);
+            let sel: Vec<f32> = (0..t * kk)
+                .map(|_| {
+                    if rng.below(5) == 0 {
+                        -1.0
+                    } else {
+                        rng.below(n_c.max(1)) as f32
+                    }
+                })
+                .collect();
+            let dims = AttnDims {
+                t,
+                h,
+                dh,
+                n_c,
+                win,
+                scale: (dh as f64).powf(-0.5) as f32,
+                q0: 0,
+                kv0: 0,
+            };
+            let host = CpuDevice::new(store(round));
+            let sel_t = Tensor::new(vec![t, kk], sel.clone());
+            let keys = CmpRows {
+                ratio,
+                sel: use_sel.then_some(&sel_t),
+            };
+            let (qt, kvt, ct) = (
+                Tensor::new(vec![t, h * dh], q.clone()),
+                Tensor::new(vec![t, dh], kv.clone()),
+                Tensor::new(vec![n_c, dh], cmp.clone()),
+            );
+            let want = host.attention(&qt, &kvt, &ct, keys, &sink, dims, nope, &tab, t)?;
+            let (qd, kvd, cd, sd) = (
+                dev_only(g, &q)?,
+                dev_only(g, &kv)?,
+                dev_only(g, &cmp)?,
+                dev_only(g, &sel)?,
+            );
+            for chunk in [1usize, 7, 64, t] {
+                let sel_d = use_sel.then_some((&sd, kk));
+                let got = g.attention(
+                    &qd, &kvd, &cd, ratio, sel_d, &sink, dims, nope, &tab, chunk, round,
+                )?;
+                let Some(got) = got else {
+                    out.push(holds(
+                        "attention op on the device",
+                        1,
+                        false,
+                        "declined (shared memory)".into(),
+                    ));
+                    continue;
+                };
+                let stayed = !got.on_host() && !sd.on_host() && !qd.on_host();
+                let name = format!(
+                    "attention op, device-resident {} in chunks of {chunk}{}",
+                    match (ratio, use_sel) {
+                        (0, _) => "window",
+                        (_, false) => "window + compressed",
+                        _ => "window + raw selection",
+                    },
+                    if round { " (bf16 store)" } else { "" }
+                );
+                let mut c = exact(&name, &got.into_vec(), &want.data);
+                if !stayed {
+                    c.mismatches += 1;
+                    c.note = "a tensor was read to the host during the op".into();
+                }
+                out.push(c);
+            }
+        }
+    }
+    // a selection entry that is neither −1 nor a row: refused on both, with one message
+    let n_c = t / 4;
+    let mut sel: Vec<f32> = (0..t * kk).map(|i| (i % n_c) as f32).collect();
+    sel[3 * kk + 1] = 2.5;
+    sel[9 * kk] = n_c as f32;
+    let dims = AttnDims {
+        t,
+        h,
+        dh,
+        n_c,
+        win,
+        scale: 0.1,
+        q0: 0,
+        kv0: 0,
+    };
+    let q = normals(rng, t * h * dh, 1.0);
+    let kv = normals(rng, t * dh, 1.0);
+    let cmp = normals(rng, n_c * dh, 1.0);
+    let sel_t = Tensor::new(vec![t, kk], sel.clone());
+    let host = CpuDevice::new(store(false)).attention(
+        &Tensor::new(vec![t, h * dh], q.clone()),
+        &Tensor::new(vec![t, dh], kv.clone()),
+        &Tensor::new(vec![n_c, dh], cmp.clone()),
+        CmpRows {
+            ratio: 4,
+            sel: Some(&sel_t),
+        },
+        &sink,
+        dims,
+        nope,
+        &tab,
+        7,
+    );
+    let sd = dev_only(g, &sel)?;
+    let dev = g.attention(
+        &Data::from(q),
+        &Data::from(kv),
+        &Data::from(cmp),
+        4,
+        Some((&sd, kk)),
+        &sink,
+        dims,
+        nope,
+        &tab,
+        7,
+        false,
+    );
+    let (h_msg, d_msg) = (
+        host.err().map(|e| e.to_string()),
+        dev.err().map(|e| e.to_string()),
+    );
+    let ok = h_msg.is_some() && h_msg == d_msg;
+    out.push(holds(
+        "attention op refuses a bad selection entry as the host does",
+        1,
+        ok,
+        format!("host {h_msg:?}, device {d_msg:?}"),
+    ));
+    Ok(())
+}
