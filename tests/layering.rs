@@ -262,7 +262,12 @@ fn module_of(src: &Path, f: &Path) -> Vec<String> {
     let rel = f.strip_prefix(src).expect("under src");
     let mut v: Vec<String> = rel
         .components()
-        .map(|c| c.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string())
+        .map(|c| {
+            c.as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_string()
+        })
         .collect();
     if v.last().is_some_and(|l| l == "mod" || l == "lib") {
         v.pop();
@@ -318,14 +323,8 @@ fn module_paths(code: &str, me: &[String]) -> Vec<Vec<String>> {
         }
         let mut done = false;
         loop {
-            let w: String = code[j..].chars().take_while(|&c| ident(c)).collect();
-            if w.is_empty() {
-                break;
-            }
-            j += w.len();
-            segs.push(w);
-            if code[j..].starts_with("::{") {
-                j += 3;
+            if code[j..].starts_with('{') {
+                j += 1;
                 let end = code[j..].find('}').map_or(code.len(), |e| j + e);
                 for item in code[j..end].split(',') {
                     let mut s = segs.clone();
@@ -341,13 +340,21 @@ fn module_paths(code: &str, me: &[String]) -> Vec<Vec<String>> {
                 done = true;
                 break;
             }
+            let w: String = code[j..].chars().take_while(|&c| ident(c)).collect();
+            if w.is_empty() {
+                break;
+            }
+            j += w.len();
+            segs.push(w);
             if code[j..].starts_with("::") {
                 j += 2;
             } else {
                 break;
             }
         }
-        if !done {
+        // a glob (`use super::*`) is a child's view of its parent's names, not an import of one
+        // of them: the names it uses are the parent's own or imported there
+        if !done && !code[j..].starts_with('*') {
             out.push(segs.clone());
         }
         i = j.max(i + 1);
@@ -360,7 +367,10 @@ fn reexports(code: &str) -> BTreeMap<String, String> {
     let mut m = BTreeMap::new();
     for stmt in code.split(';') {
         let s = stmt.trim();
-        let Some(rest) = s.strip_prefix("pub use ").or_else(|| s.strip_prefix("pub(crate) use ")) else {
+        let Some(rest) = s
+            .strip_prefix("pub use ")
+            .or_else(|| s.strip_prefix("pub(crate) use "))
+        else {
             continue;
         };
         let rest = rest.trim_start_matches("self::");
@@ -369,7 +379,13 @@ fn reexports(code: &str) -> BTreeMap<String, String> {
         };
         let names = names.trim().trim_start_matches('{').trim_end_matches('}');
         for n in names.split(',') {
-            let last = n.trim().rsplit("::").next().unwrap_or("").trim().to_string();
+            let last = n
+                .trim()
+                .rsplit("::")
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string();
             if !last.is_empty() {
                 m.insert(last, sub.trim().to_string());
             }
@@ -380,6 +396,7 @@ fn reexports(code: &str) -> BTreeMap<String, String> {
 
 /// File → the files of `src/` it imports, each path resolved to the file that defines what it
 /// names (through a `mod.rs`'s re-exports, which are not imports of their own: a folder's face).
+/// Not counted: a file's unit tests, globs, and uses of its own ancestor modules (its namespace).
 fn file_imports(src: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
@@ -395,6 +412,11 @@ fn file_imports(src: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
         }
         let is_mod = name == "mod.rs";
         let me = module_of(src, f);
+        // a file's unit tests are a module one level down (their `super` is the file): left out
+        let text = match text.find("#[cfg(test)]\nmod ") {
+            Some(i) => &text[..i],
+            None => &text[..],
+        };
         // a folder's face: the names a mod.rs hands on (`pub use`) are not imports of its own
         let text: String = if is_mod {
             text.split_inclusive(';')
@@ -404,7 +426,7 @@ fn file_imports(src: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
                 })
                 .collect()
         } else {
-            text.clone()
+            text.to_string()
         };
         let e = out.entry(f.clone()).or_default();
         for path in module_paths(&text, &me) {
@@ -413,7 +435,10 @@ fn file_imports(src: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
             for n in (0..=path.len()).rev() {
                 if let Some(mut t) = module_file(src, &path[..n]) {
                     if t.ends_with("mod.rs") {
-                        if let Some(sub) = path.get(n).and_then(|next| reexports(&texts[&t]).remove(next)) {
+                        if let Some(sub) = path
+                            .get(n)
+                            .and_then(|next| reexports(&texts[&t]).remove(next))
+                        {
                             let mut p2 = path[..n].to_vec();
                             p2.push(sub);
                             if let Some(t2) = module_file(src, &p2) {
@@ -427,6 +452,17 @@ fn file_imports(src: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
             }
             let Some(t) = target else { continue };
             if &t == f || t.ends_with("lib.rs") {
+                continue;
+            }
+            // a module's own ancestors (the mod.rs of a folder holding it) are the namespace it
+            // lives in, the Rust habit of a child using its parent's types: not counted, as
+            // farm-studio does not count them either
+            let ancestor_dir = if t.ends_with("mod.rs") {
+                t.parent().expect("a folder").to_path_buf()
+            } else {
+                t.with_extension("") // `a.rs` holding the modules of folder `a/`
+            };
+            if f.starts_with(&ancestor_dir) {
                 continue;
             }
             e.insert(t);
@@ -490,7 +526,10 @@ fn the_file_reader_resolves_super_and_reexports() {
         &me,
     );
     assert!(p.contains(&s(&["model", "config", "ModelConfig"])), "{p:?}");
-    assert!(p.contains(&s(&["a", "b"])) && p.contains(&s(&["c"])), "{p:?}");
+    assert!(
+        p.contains(&s(&["a", "b"])) && p.contains(&s(&["c"])),
+        "{p:?}"
+    );
     assert!(p.contains(&s(&["model", "graph", "op", "build"])), "{p:?}");
     let rx = reexports("pub use exec::{exec, run_graph, OpEnv};\npub use config::ModelConfig;");
     assert_eq!(rx.get("OpEnv").map(String::as_str), Some("exec"));
@@ -499,5 +538,8 @@ fn the_file_reader_resolves_super_and_reexports() {
     let g = file_imports(&src());
     let graph = &g[&src().join("model/graph.rs")];
     assert!(graph.contains(&src().join("model/op.rs")), "{graph:?}");
-    assert!(graph.contains(&src().join("model/family/graph.rs")), "{graph:?}");
+    assert!(
+        graph.contains(&src().join("model/family/graph.rs")),
+        "{graph:?}"
+    );
 }

@@ -486,7 +486,7 @@ impl IndexerDims {
 
 /// One query's selection from its scores over its m causal rows into `o` [kk]: all m rows when
 /// m ≤ kk, else the kk first in top-k order (larger score first, exact ties toward the lower
-/// row, NaN lowest: `ops::topk_order`), as ascending row indices (f32), −1 after the last.
+/// row, NaN lowest: [`topk_order`]), as ascending row indices (f32), −1 after the last.
 pub fn topk_rows(score: &[f32], m: usize, o: &mut [f32]) {
     let kk = o.len();
     o.iter_mut().for_each(|v| *v = -1.0);
@@ -500,9 +500,7 @@ pub fn topk_rows(score: &[f32], m: usize, o: &mut [f32]) {
     let score = &score[..m];
     let mut order: Vec<usize> = (0..m).collect();
     // A total order, so the kk first are the same set as after a full sort.
-    order.select_nth_unstable_by(kk - 1, |&a, &b| {
-        super::ops::topk_order(score[a], a, score[b], b)
-    });
+    order.select_nth_unstable_by(kk - 1, |&a, &b| topk_order(score[a], a, score[b], b));
     let mut pick = order[..kk].to_vec();
     pick.sort_unstable();
     for (slot, p) in o.iter_mut().zip(pick) {
@@ -551,7 +549,7 @@ pub fn indexer_topk(q: &[f32], ki: &[f32], w: &[f32], d: IndexerDims, rows: usiz
 }
 
 /// Indices of the `k` largest keys in top-k order (larger first, exact ties toward the lower
-/// index, NaN as −inf), by repeated selection: the same rule as `ops::topk_order`, in a form a
+/// index, NaN as −inf), by repeated selection: the same rule as [`topk_order`], in a form a
 /// device thread runs unchanged.
 pub fn topk_select(keys: &[f32], k: usize, out: &mut [usize]) {
     let kv = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
@@ -660,10 +658,19 @@ pub fn route_weights(
     wts
 }
 
+/// Order for top-k: larger score first, exact ties toward the lower index, NaN treated as −inf
+/// (never chosen over a number). A total order, so sorting cannot panic on odd data; −0 equals +0.
+pub fn topk_order(sa: f32, a: usize, sb: f32, b: usize) -> std::cmp::Ordering {
+    let k = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+    k(sb)
+        .partial_cmp(&k(sa))
+        .unwrap_or(std::cmp::Ordering::Equal)
+        .then(a.cmp(&b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::ops::topk_order;
 
     /// Uniform values in [−1, 1) from a fixed LCG (never exactly zero is not needed here).
     fn lcg(seed: u64, n: usize) -> Vec<f32> {
@@ -790,7 +797,7 @@ mod tests {
     fn topk_select_matches_the_sort_order() {
         let s = [0.5f32, 2.0, f32::NAN, 2.0, -0.0, 0.0, f32::NEG_INFINITY];
         let mut idx: Vec<usize> = (0..s.len()).collect();
-        idx.sort_by(|&a, &b| crate::device::ops::topk_order(s[a], a, s[b], b));
+        idx.sort_by(|&a, &b| topk_order(s[a], a, s[b], b));
         for k in 0..=s.len() {
             let mut out = vec![0usize; k];
             topk_select(&s, k, &mut out);
@@ -910,5 +917,12 @@ mod tests {
                 "block {q0}..{q1}"
             );
         }
+    }
+    #[test]
+    fn topk_order_prefers_larger_then_lower_index() {
+        let s = [0.5f32, 2.0, f32::NAN, 2.0, -0.0, 0.0];
+        let mut idx: Vec<usize> = (0..6).collect();
+        idx.sort_by(|&a, &b| topk_order(s[a], a, s[b], b));
+        assert_eq!(idx, vec![1, 3, 0, 4, 5, 2]);
     }
 }

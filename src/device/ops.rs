@@ -140,16 +140,6 @@ impl RopeTable {
     }
 }
 
-/// Order for top-k: larger score first, exact ties toward the lower index, NaN treated as −inf
-/// (never chosen over a number). A total order, so sorting cannot panic on odd data; −0 equals +0.
-pub fn topk_order(sa: f32, a: usize, sb: f32, b: usize) -> std::cmp::Ordering {
-    let k = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
-    k(sb)
-        .partial_cmp(&k(sa))
-        .unwrap_or(std::cmp::Ordering::Equal)
-        .then(a.cmp(&b))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,12 +222,5 @@ mod tests {
             assert!((col - 1.0).abs() < 1e-5, "col {j} sums to {col}");
         }
         assert!(c.iter().all(|v| *v > 0.0));
-    }
-    #[test]
-    fn topk_order_prefers_larger_then_lower_index() {
-        let s = [0.5f32, 2.0, f32::NAN, 2.0, -0.0, 0.0];
-        let mut idx: Vec<usize> = (0..6).collect();
-        idx.sort_by(|&a, &b| topk_order(s[a], a, s[b], b));
-        assert_eq!(idx, vec![1, 3, 0, 4, 5, 2]);
     }
 }
