@@ -5,6 +5,7 @@
 //! [`layer::CudaDevice`], under the same `OpEnv` and `Device` interfaces, so both backends share
 //! one definition of every op and one runner.
 
+mod attn;
 pub mod cuda;
 pub mod layer;
 pub mod linears;

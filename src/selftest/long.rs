@@ -124,8 +124,9 @@ fn topk_of_planted_scores(
 
 /// The whole selection on the device (scaled weights, scores and top-k per query block) against
 /// `kern::indexer_topk`, with compressed keys that repeat (exact score ties), a NaN weight, an
-/// all-zero weight row and an infinite query value; in blocks of 7 queries and of the default
-/// size. The selection stays on the device.
+/// all-zero weight row and an infinite query value (at queries with 225, 250 and 275 causal rows,
+/// past kk = 37); in blocks of 7 queries and of the default size. The selection stays on the
+/// device.
 fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
     let (t, hi, di, ratio, kk) = (1200 * s + 3, 4, 64, 4, 37);
     let n_c = t / ratio;
@@ -140,7 +141,7 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
     for pooled in [true, false] {
         let q = {
             let mut q = normals(rng, t * hi * di, 1.0);
-            q[300 * hi * di + 5] = f32::INFINITY;
+            q[1100 * hi * di + 5] = f32::INFINITY;
             q
         };
         let ki = if pooled {
@@ -161,8 +162,8 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
             ki
         };
         let mut w = normals(rng, t * hi, 0.3);
-        w[100 * hi + 2] = f32::NAN;
-        w[200 * hi..201 * hi].iter_mut().for_each(|v| *v = 0.0);
+        w[900 * hi + 2] = f32::NAN;
+        w[1000 * hi..1001 * hi].iter_mut().for_each(|v| *v = 0.0);
         let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
         let ws: Vec<f32> = w.iter().map(|v| v * sc).collect();
         let (qd, kd, wd) = (dev_only(g, &q)?, dev_only(g, &ki)?, dev_only(g, &w)?);
