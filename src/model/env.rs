@@ -217,6 +217,27 @@ pub fn layer_rope_freqs(cfg: &ModelConfig, layer: usize) -> Vec<f32> {
 /// y + b with the bias parameter `name` [y.cols()] on every row, on the path's device, rounded
 /// once as the path stores (a biased projection's output: the engines add the bias in the GEMM's
 /// epilogue).
+/// The rows of x [t, d] routed to one expert, `toks` = (token, routing weight): [n, d].
+pub(crate) fn expert_rows(x: &Tensor, toks: &[(usize, f32)], d: usize) -> Tensor {
+    let mut xs = Vec::with_capacity(toks.len() * d);
+    for &(ti, _) in toks {
+        xs.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
+    }
+    Tensor::new(vec![toks.len(), d], xs)
+}
+
+/// Add one expert's output y [n, d], each row times its routing weight, into its tokens' rows of
+/// acc [t, d]: the weight applied after w2 (transformers' and the engines' order), summed in f32.
+pub(crate) fn add_routed(acc: &mut [f32], y: &Tensor, toks: &[(usize, f32)], d: usize) {
+    for (r, &(ti, w)) in toks.iter().enumerate() {
+        let yr = &y.data[r * d..(r + 1) * d];
+        acc[ti * d..(ti + 1) * d]
+            .iter_mut()
+            .zip(yr)
+            .for_each(|(o, v)| *o += w * v);
+    }
+}
+
 pub(crate) fn add_bias(env: &mut dyn OpEnv, y: &Tensor, name: &str) -> Result<Tensor> {
     let n = y.cols();
     let b = param_n(env, name, n)?;

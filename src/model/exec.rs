@@ -371,11 +371,7 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
         if toks.is_empty() {
             continue;
         }
-        let mut xs = Vec::with_capacity(toks.len() * d);
-        for &(ti, _) in toks {
-            xs.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
-        }
-        let xs = Tensor::new(vec![toks.len(), d], xs);
+        let xs = expert_rows(x, toks, d);
         let sub = format!("L{layer}.ffn.expert.{ex}");
         let a = swiglu_hidden(
             env,
@@ -387,14 +383,7 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
         )?;
         let w2 = weight(op, 3 * ex + 2)?;
         let y = linear_checked(env, &format!("{sub}.w2"), &a, w2, d)?;
-        // Routing weight applied after w2 (vLLM/HF order), accumulated in f32.
-        for (i, &(ti, w)) in toks.iter().enumerate() {
-            let yr = &y.data[i * d..(i + 1) * d];
-            acc[ti * d..(ti + 1) * d]
-                .iter_mut()
-                .zip(yr)
-                .for_each(|(o, v)| *o += w * v);
-        }
+        add_routed(&mut acc, &y, toks, d);
     }
     Ok(Tensor::new(vec![t, d], acc))
 }

@@ -13,7 +13,9 @@
 //! device and stored once with them; the GLU is host math in the reference's manner (f64, one
 //! rounding, then stored), so the op has no CUDA version yet (`family::cuda_unsupported`).
 
-use super::super::super::env::{add_bias, check_shape, internal, layer_of, weight, OpEnv};
+use super::super::super::env::{
+    add_bias, add_routed, check_shape, expert_rows, internal, layer_of, weight, OpEnv,
+};
 use super::super::super::op::Op;
 use super::super::super::ModelConfig;
 use crate::{Result, Tensor};
@@ -76,11 +78,7 @@ pub fn experts(
         if toks.is_empty() {
             continue;
         }
-        let mut xs = Vec::with_capacity(toks.len() * d);
-        for &(ti, _) in toks {
-            xs.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
-        }
-        let xs = Tensor::new(vec![toks.len(), d], xs);
+        let xs = expert_rows(x, toks, d);
         let sub = format!("L{layer}.ffn.expert.{ex}");
         let w = |j: usize| weight(op, 4 * ex + j);
         let gu = super::super::super::env::linear_checked(
@@ -99,14 +97,7 @@ pub fn experts(
         env.store(&mut h);
         let y = super::super::super::env::linear_checked(env, &format!("{sub}.w2"), &h, w(2)?, d)?;
         let y = add_bias(env, &y, w(3)?)?;
-        // routing weight applied after w2 (transformers' and the engines' order), f32 sum
-        for (r, &(ti, wt)) in toks.iter().enumerate() {
-            let yr = &y.data[r * d..(r + 1) * d];
-            acc[ti * d..(ti + 1) * d]
-                .iter_mut()
-                .zip(yr)
-                .for_each(|(o, v)| *o += wt * v);
-        }
+        add_routed(&mut acc, &y, toks, d);
     }
     Ok(Tensor::new(vec![t, d], acc))
 }
