@@ -306,9 +306,7 @@ fn module_paths(code: &str, me: &[String]) -> Vec<Vec<String>> {
             (Some(Vec::new()), i + "crate::".len())
         } else if rest.starts_with("self::") {
             (Some(me.to_vec()), i + "self::".len())
-        } else if rest.starts_with("super::") {
-            (Some(me.to_vec()), i)
-        } else if child.is_some() {
+        } else if rest.starts_with("super::") || child.is_some() {
             (Some(me.to_vec()), i)
         } else {
             (None, i)
