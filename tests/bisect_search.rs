@@ -368,8 +368,8 @@ fn bisect_run_capture_equals_the_capture_pass() {
 /// nothing.
 #[test]
 fn early_read_skips_routed_experts() {
+    use nvfp4_probe::backend::readahead::start_early_read;
     use nvfp4_probe::checkpoint::Span;
-    use nvfp4_probe::probe::start_early_read;
     let dir = tempfile::tempdir().unwrap();
     let so = SynthOptions::new(Preset::Tiny, Format::ModelOptNvfp4, Naming::Official, 3);
     synth::synth_to_dir(&so, dir.path()).unwrap();

@@ -98,6 +98,29 @@ impl Linears for CudaLinears {
         )
     }
 
+    fn begin_op(&mut self, ctx: &LinearCtx, op: &crate::model::graph::Op) -> Result<bool> {
+        use crate::model::graph::OpKind;
+        match op.kind {
+            // an op made of linears: its weights in one parallel read and one copy per batch
+            OpKind::Linear | OpKind::GroupedLinear | OpKind::SharedExpert => {
+                let bases: Vec<&str> = op.weights.iter().map(String::as_str).collect();
+                lock(&self.0)?.preload(ctx.ckpt, &bases)?;
+                Ok(false)
+            }
+            // every path's routed experts (and the isolated and FP32-on-BF16 ones) only begin;
+            // the flush runs them interleaved, chunk by chunk of experts as the loader brings
+            // them (`cuda::experts`); routed experts load themselves once routed
+            OpKind::Experts => Ok(lock(&self.0)?.defer_experts()),
+            _ => Ok(false),
+        }
+    }
+
+    fn cancel_op(&mut self) {
+        if let Ok(mut g) = self.0.lock() {
+            g.cancel_deferred();
+        }
+    }
+
     fn deferring(&self) -> bool {
         lock(&self.0).is_ok_and(|g| g.deferring())
     }

@@ -10,6 +10,8 @@ pub mod cuda;
 pub mod layer;
 pub mod linears;
 pub mod oom;
+pub mod readahead;
+pub mod run;
 pub mod stage;
 
 use std::sync::{Arc, Mutex};
@@ -66,6 +68,19 @@ impl Backend {
             Backend::Cuda(_) => "cuda",
         }
     }
+    /// Whether the run's numerics run on a device (not the host).
+    pub fn on_device(&self) -> bool {
+        matches!(self, Backend::Cuda(_))
+    }
+
+    /// The device's (free, total) memory in bytes now; None on the CPU or when the driver does
+    /// not say.
+    pub fn device_memory(&self) -> Option<(u64, u64)> {
+        let g = self.gpu()?.lock().ok()?;
+        let (free, total) = g.ctx.mem_get_info().ok()?;
+        Some((free as u64, total as u64))
+    }
+
     pub fn gpu(&self) -> Option<&Arc<Mutex<cuda::Gpu>>> {
         match self {
             Backend::Cpu => None,
@@ -117,4 +132,66 @@ impl Backend {
             _ => false,
         }
     }
+
+    /// Run `body` (the runner) as a run on this backend: the hooks it gets follow the run
+    /// (`run::RunHooks`); what the backend started for the run has ended when this returns.
+    pub fn run_with<R>(
+        &self,
+        plan: &run::RunPlan,
+        body: impl FnOnce(&dyn run::RunHooks) -> crate::Result<R>,
+    ) -> crate::Result<R> {
+        match self {
+            Backend::Cpu => body(&run::NoHooks),
+            Backend::Cuda(g) => run::run_cuda(g, plan, body),
+        }
+    }
+
+    /// Queue the statistics of `tensors` and the comparisons of `pairs` ((x, reference): the
+    /// statistics of x and, with a reference, x against it): on the device one fused pass per
+    /// pair, waiting for nothing; on the host computed now. Tensors of unequal lengths are
+    /// measured on the host one by one.
+    pub fn stats_launch(
+        &self,
+        tensors: &[&crate::tensor::Data],
+        pairs: &[(usize, Option<usize>)],
+    ) -> crate::Result<PendingStats> {
+        use crate::metrics::{Compare, Stats};
+        let same = tensors.iter().all(|x| x.len() == tensors[0].len());
+        Ok(match self {
+            Backend::Cuda(g) if same => {
+                PendingStats::Device(linears::lock(g)?.metrics_launch(tensors, pairs)?)
+            }
+            _ => {
+                let t: Vec<&[f32]> = tensors.iter().map(|d| &d[..]).collect();
+                PendingStats::Done(if same {
+                    crate::metrics::stats_and_compares(&t, pairs)
+                } else {
+                    pairs
+                        .iter()
+                        .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
+                        .collect()
+                })
+            }
+        })
+    }
+
+    /// The values of [`Backend::stats_launch`]'s statistics, in the order of its pairs.
+    pub fn stats_collect(
+        &self,
+        p: PendingStats,
+    ) -> crate::Result<Vec<(crate::metrics::Stats, Option<crate::metrics::Compare>)>> {
+        match (p, self) {
+            (PendingStats::Done(r), _) => Ok(r),
+            (PendingStats::Device(p), Backend::Cuda(g)) => linears::lock(g)?.metrics_collect(p),
+            (PendingStats::Device(_), Backend::Cpu) => Err(crate::Error::Backend(
+                "statistics queued on a device, collected without one".into(),
+            )),
+        }
+    }
+}
+
+/// Statistics computed ([`Backend::stats_launch`] on the host), or queued on the device.
+pub enum PendingStats {
+    Done(Vec<(crate::metrics::Stats, Option<crate::metrics::Compare>)>),
+    Device(cuda::PendingMetrics),
 }

@@ -6,9 +6,6 @@
 //! [`Error::DeviceMemory`] (exit 2, like every error) naming the op, the bytes asked, the
 //! device's free and total memory, and the options that make the run smaller.
 
-use std::sync::{Arc, Mutex};
-
-use super::cuda::Gpu;
 use crate::Error;
 
 /// The driver's name of the error, as cudarc's `DriverError` prints it.
@@ -56,19 +53,17 @@ pub fn describe(op: &str, asked: Option<u64>, mem: Option<(u64, u64)>) -> Error 
 /// `e` as the run reports it: a failed device allocation becomes [`Error::DeviceMemory`] with
 /// the device's free and total memory now (the failed op's buffers are back in the run's pool,
 /// which the driver still counts as used); any other error is returned unchanged.
-pub fn explain(e: Error, op: &str, gpu: Option<&Arc<Mutex<Gpu>>>) -> Error {
+pub fn explain(e: Error, op: &str, backend: &super::Backend) -> Error {
     let Some(asked) = failed_alloc(&e) else {
         return e;
     };
-    let mem = gpu
-        .and_then(|g| g.lock().ok())
-        .and_then(|g| g.ctx.mem_get_info().ok())
-        .map(|(f, t)| (f as u64, t as u64));
-    describe(op, asked, mem)
+    describe(op, asked, backend.device_memory())
 }
 
 #[cfg(test)]
 mod tests {
+    /// No device: the estimate and the explanation without device memory.
+    const CPU: crate::backend::Backend = crate::backend::Backend::Cpu;
     use super::*;
 
     /// The backend's message of a failed allocation (`Gpu::alloc`: "cuda: {what}: {driver
@@ -81,7 +76,7 @@ mod tests {
 
     #[test]
     fn an_allocation_failure_names_the_op_the_bytes_and_what_to_try() {
-        let e = explain(alloc_failure(68_719_476_736), "L3.attn", None);
+        let e = explain(alloc_failure(68_719_476_736), "L3.attn", &CPU);
         assert!(matches!(e, Error::DeviceMemory(_)), "{e:?}");
         assert_eq!(e.exit_code(), 2);
         let m = e.to_string();
@@ -109,14 +104,14 @@ mod tests {
             "cuda: launch attn_core: DriverError(CUDA_ERROR_LAUNCH_FAILED, \"x\")".into(),
         );
         let m = other.to_string();
-        assert_eq!(explain(other, "op", None).to_string(), m);
+        assert_eq!(explain(other, "op", &CPU).to_string(), m);
         let u = Error::usage("--chunk 0");
-        assert!(matches!(explain(u, "op", None), Error::Usage(_)));
+        assert!(matches!(explain(u, "op", &CPU), Error::Usage(_)));
         let e = Error::Backend(
             "cuda: staging: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
         );
         assert_eq!(failed_alloc(&e), Some(None));
-        assert!(explain(e, "op", None)
+        assert!(explain(e, "op", &CPU)
             .to_string()
             .contains("an allocation failed"));
         assert_eq!(failed_alloc(&alloc_failure(17)), Some(Some(17)));

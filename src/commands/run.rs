@@ -143,9 +143,9 @@ pub fn prepare(
     crate::profile::mark("checkpoint opened");
     let cfg = ckpt.model_config()?.clone();
     // a model family whose ops have no CUDA version yet: `auto` runs it on the CPU, `cuda` refuses
-    if let (Some(why), Some(_)) = (
+    if let (Some(why), true) = (
         crate::model::family::cuda_unsupported(&cfg),
-        backend_sel.gpu(),
+        backend_sel.on_device(),
     ) {
         if choice == BackendChoice::Cuda {
             return Err(Error::usage(format!("--backend cuda: {why}")));
@@ -159,9 +159,13 @@ pub fn prepare(
         .or(spec_layers)
         .unwrap_or(LayerRange::default_for(cfg.num_hidden_layers))
         .check(cfg.num_hidden_layers)?;
-    if backend_sel.gpu().is_some() {
+    if backend_sel.on_device() {
         // the disk starts on the first layer's weights while the rest of the command sets up
-        let n = probe::start_early_read(&ckpt, b, probe::EARLY_READ_BYTES);
+        let n = crate::backend::readahead::start_early_read(
+            &ckpt,
+            b,
+            crate::backend::readahead::EARLY_READ_BYTES,
+        );
         crate::profile::mark(&format!("early read of {:.1} MB started", n as f64 / 1e6));
     }
     let profile = Profile::parse(
@@ -178,7 +182,7 @@ pub fn prepare(
     // the run's memory estimate is checked as soon as the token count is known, before the
     // tokens (or anything else of the run's size) are made; a long CPU run is announced
     let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
-    let on_device = backend_sel.gpu().is_some();
+    let on_device = backend_sel.on_device();
     let fits = |n: u64, what: &str| -> Result<()> {
         let plan = crate::probe::budget::Plan {
             layers: (a, b),
@@ -188,7 +192,7 @@ pub fn prepare(
             layer_states: false,
             device: on_device,
         };
-        let est = crate::probe::budget::check(&cfg, &plan, max_mem, backend_sel.gpu(), what)?;
+        let est = crate::probe::budget::check(&cfg, &plan, max_mem, &backend_sel, what)?;
         if crate::profile::enabled() {
             eprintln!(
                 "profile: {what}: estimated host {} ({:?}), CPU {:.1} s",

@@ -329,6 +329,49 @@ fn layer_ops(cfg: &ModelConfig, n: usize, x_prev: &str, ops: &mut Vec<Op>) {
     ));
 }
 
+/// The weights `op` reads whole from the checkpoint: all of them but the embedding's, of which a
+/// run reads only the prompt's rows (`Checkpoint::embedding_rows`). What the backends' readers
+/// read ahead of the runner.
+pub fn whole_weights(op: &Op) -> &[String] {
+    if op.kind == OpKind::Embed {
+        &[]
+    } else {
+        &op.weights
+    }
+}
+
+/// Whether at `t` tokens `op` reads no weight at all: an indexer that selects every compressed
+/// row without scoring, a compressor with nothing to compress.
+pub fn reads_nothing(cfg: &ModelConfig, op: &Op, t: usize) -> bool {
+    indexer_reads_nothing(cfg, op, t) || compressor_reads_nothing(cfg, op, t)
+}
+
+/// An indexer whose every causal compressed row fits its top-k budget selects them all without
+/// scoring (`model::attn::indexer`), so it reads none of its weights.
+pub fn indexer_reads_nothing(cfg: &ModelConfig, op: &Op, t: usize) -> bool {
+    op.kind == OpKind::Indexer
+        && op.layer.is_some_and(|l| {
+            let ratio = cfg.ratio(l);
+            ratio > 0 && (cfg.index_topk == 0 || t / ratio <= cfg.index_topk)
+        })
+}
+
+/// A compressor whose ratio exceeds the prompt's length compresses no row and reads no weight.
+pub fn compressor_reads_nothing(cfg: &ModelConfig, op: &Op, t: usize) -> bool {
+    op.kind == OpKind::Compressor
+        && op.layer.is_some_and(|l| {
+            let ratio = cfg.ratio(l);
+            ratio > 0 && t / ratio == 0
+        })
+}
+
+/// The experts op that consumes the expert ids (output 1) of the router at `step`.
+pub fn experts_fed_by(ops: &[Op], step: usize) -> Option<usize> {
+    let idx_id = ops[step].outputs.get(1)?;
+    (step + 1..ops.len())
+        .find(|&i| ops[i].kind == OpKind::Experts && ops[i].inputs.iter().any(|x| x == idx_id))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

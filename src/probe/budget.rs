@@ -471,11 +471,8 @@ pub fn host_limit() -> Limit {
 /// The backend GPU's total memory. Not its free memory: the device state keeps pools of
 /// buffers from earlier runs in the same process (bisect's re-runs, selftest), which it reuses
 /// but the driver counts as used, so "free" would refuse runs that fit.
-pub fn device_limit(
-    gpu: &std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>,
-) -> Option<Limit> {
-    let g = gpu.lock().ok()?;
-    let (free, total) = g.ctx.mem_get_info().ok()?;
+pub fn device_limit(backend: &crate::backend::Backend) -> Option<Limit> {
+    let (free, total) = backend.device_memory()?;
     Some(Limit {
         bytes: total as f64,
         source: format!("device memory ({} free now)", gib(free as f64)),
@@ -489,7 +486,7 @@ pub fn check(
     cfg: &ModelConfig,
     plan: &Plan,
     max_mem: Option<f64>,
-    gpu: Option<&std::sync::Arc<std::sync::Mutex<crate::backend::cuda::Gpu>>>,
+    backend: &crate::backend::Backend,
     what: &str,
 ) -> Result<Estimate> {
     let est = estimate(cfg, plan);
@@ -508,10 +505,10 @@ pub fn check(
             host.source
         )));
     }
-    if let (Some(need), Some(gpu)) = (est.device, gpu) {
+    if let (Some(need), true) = (est.device, backend.on_device()) {
         let dev = match max_mem {
             Some(g) => Some(max_mem_limit(g)?),
-            None => device_limit(gpu),
+            None => device_limit(backend),
         };
         if let Some(dev) = dev.filter(|d| need > d.bytes) {
             return Err(Error::usage(format!(
@@ -590,6 +587,8 @@ pub fn chunk_rows(
 
 #[cfg(test)]
 mod tests {
+    /// No device: the estimate and the explanation without device memory.
+    const CPU: crate::backend::Backend = crate::backend::Backend::Cpu;
     use super::*;
 
     fn tiny() -> ModelConfig {
@@ -738,7 +737,7 @@ mod tests {
     #[test]
     fn refusal_names_what_asked_the_estimate_and_the_limit() {
         let cfg = tiny();
-        let e = check(&cfg, &plan(64), Some(1e-6), None, "--seq-len 64")
+        let e = check(&cfg, &plan(64), Some(1e-6), &CPU, "--seq-len 64")
             .unwrap_err()
             .to_string();
         for want in [
@@ -750,9 +749,9 @@ mod tests {
         ] {
             assert!(e.contains(want), "`{want}` missing: {e}");
         }
-        assert!(check(&cfg, &plan(64), Some(8.0), None, "x").is_ok());
-        assert!(check(&cfg, &plan(64), Some(0.0), None, "x").is_err());
-        assert!(check(&cfg, &plan(64), Some(f64::NAN), None, "x").is_err());
+        assert!(check(&cfg, &plan(64), Some(8.0), &CPU, "x").is_ok());
+        assert!(check(&cfg, &plan(64), Some(0.0), &CPU, "x").is_err());
+        assert!(check(&cfg, &plan(64), Some(f64::NAN), &CPU, "x").is_err());
     }
 
     #[test]

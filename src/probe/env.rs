@@ -278,6 +278,20 @@ pub fn format_name(f: &WeightFormat) -> &'static str {
     f.scheme().spec().family
 }
 
+/// The per-op hooks of the run's linears (`served::Linears::begin_op`, `cancel_op`).
+impl Shared<'_> {
+    /// Op `op` is about to run on every path: its weights preloaded where the machine batches
+    /// them, a routed-experts op deferred (true) until [`Shared::flush_experts`].
+    pub fn begin_op(&mut self, op: &crate::model::graph::Op) -> Result<bool> {
+        self.with_linears(|l, ctx| l.begin_op(ctx, op))
+    }
+
+    /// The op failed midway: drop what it left deferred, so the state can run again.
+    pub fn cancel_op(&mut self) {
+        self.linears.cancel_op();
+    }
+}
+
 #[cfg(test)]
 mod param_cache_tests {
     use super::*;

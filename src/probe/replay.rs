@@ -174,7 +174,7 @@ impl<'a> Replayer<'a> {
 
     /// True when the replay evaluates on the CUDA device.
     pub fn on_device(&self) -> bool {
-        self.backend.gpu().is_some()
+        self.backend.on_device()
     }
 
     /// A base's metadata: tensor names, scheme, shape, stored scalar scales (headers and scalars

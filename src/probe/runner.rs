@@ -1,21 +1,21 @@
 //! The runner's stages, in the order `run_capturing` calls them: [`plan`] (the request checked
-//! against the model and the memory budget, the op graph), [`start_loader`] (the device loader
-//! and its plan), [`Stepper::step`] for every op (the three paths, the isolated and noise
-//! executions, the record, what consumers make of a divergent op's error), [`stop_loader`],
-//! and [`print_profile`] (`NVFP4_PROBE_PROFILE=1`).
+//! against the model and the memory budget, the op graph), then, inside the backend's run
+//! (`Backend::run_with`, whose hooks are told where the runner is), [`Stepper::step`] for every
+//! op (the three paths, the isolated and noise executions, the record, what consumers make of a
+//! divergent op's error), and the profile (`NVFP4_PROBE_PROFILE=1`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use super::env::{PathEnv, Shared};
 use super::{
-    budget, consequence, op_record_begin, op_record_finish, plan_of, publish_routing,
-    reads_nothing, replay, stage_groups, CancelDeferred, OpRecord, Queued, RunOptions,
+    budget, consequence, op_record_begin, op_record_finish, replay, OpRecord, Queued, RunOptions,
     MAX_CAPTURES,
 };
+use crate::backend::run::RunHooks;
 use crate::checkpoint::Checkpoint;
 use crate::model::exec::exec;
-use crate::model::graph::{build_graph, Op, OpKind};
+use crate::model::graph::{build_graph, Op};
 use crate::model::layers::LayerRange;
 use crate::model::ModelConfig;
 use crate::served::PathKind;
@@ -34,9 +34,9 @@ pub(super) struct Plan {
 /// allocated, then builds the op graph.
 pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     let cfg = ckpt.model_config()?.clone();
-    if let (Some(why), Some(_)) = (
+    if let (Some(why), true) = (
         crate::model::family::cuda_unsupported(&cfg),
-        opts.backend.gpu(),
+        opts.backend.on_device(),
     ) {
         return Err(Error::usage(format!("cuda backend: {why}")));
     }
@@ -52,10 +52,10 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
             keep_outputs: opts.keep_outputs,
             with_head,
             layer_states: false,
-            device: opts.backend.gpu().is_some(),
+            device: opts.backend.on_device(),
         },
         opts.max_mem,
-        opts.backend.gpu(),
+        &opts.backend,
         "this run",
     )?;
     let chunk = budget::chunk_rows(&cfg, opts.tokens.len(), opts.chunk, opts.mem_gib)?;
@@ -69,75 +69,15 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     })
 }
 
-/// The device loader (CUDA only; `NVFP4_PROBE_STAGE=0` switches it off) and its plan: the
-/// weights each op stages, made here (in parallel: a few ms) so that it starts reading at once.
-pub(super) struct Loader {
-    pub stager: Option<std::sync::Arc<crate::backend::stage::Stager>>,
-    pub plan: Vec<Vec<crate::backend::stage::StageGroup>>,
-}
-
-pub(super) fn start_loader(ckpt: &Checkpoint, opts: &RunOptions, p: &Plan) -> Result<Loader> {
-    let stager = match opts.backend.gpu() {
-        Some(g) if crate::backend::stage::Stager::enabled() => {
-            let mut g = g
-                .lock()
-                .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?;
-            // the loader reads through the device state's large pinned buffers (pinning new
-            // ones would stall this thread's driver calls at the start of the run)
-            let lent = g.lend_pinned()?;
-            let s = crate::backend::stage::Stager::new(g.ctx.clone(), g.stream.clone(), lent);
-            g.stager = Some(s.clone());
-            Some(s)
-        }
-        _ => None,
-    };
-    let t_len = opts.tokens.len();
-    let plan = match &stager {
-        Some(_) => plan_of(&p.ops, |op| {
-            if reads_nothing(&p.cfg, op, t_len) {
-                Vec::new()
-            } else {
-                stage_groups(ckpt, op)
-            }
-        }),
-        None => Vec::new(),
-    };
-    crate::profile::mark("runner: loader set up");
-    Ok(Loader { stager, plan })
-}
-
-/// Ends the loader (its thread has been joined) and gives the device back its pinned buffers.
-pub(super) fn stop_loader(
-    opts: &RunOptions,
-    stager: Option<std::sync::Arc<crate::backend::stage::Stager>>,
-) -> Option<crate::backend::stage::StageStats> {
-    stager.map(|st| {
-        if let Some(g) = opts.backend.gpu() {
-            if let Ok(mut g) = g.lock() {
-                g.stager = None;
-                // the loader thread has ended (the scope joined it) and synchronized its copies
-                let _ = g.unlend_pinned();
-            }
-        }
-        st.shutdown();
-        st.stats()
-    })
-}
-
 /// The state of a run between ops: the three paths' live tensors, the records, the captures for
 /// bisect and the consequence tracker.
 pub(super) struct Stepper<'a> {
     pub ckpt: &'a Checkpoint,
     pub opts: &'a RunOptions,
-    pub ops: &'a [Op],
     /// The first reported layer (earlier layers run unreported).
     pub a: usize,
     /// Keep the BF16 oracle's view of divergent ops (bisect).
     pub capture: bool,
-    /// The page-cache prefetcher follows the routing (CUDA).
-    pub reads_ahead: bool,
-    /// Experts op step → the experts any path routed to (published after the router's step).
-    pub routed: &'a std::sync::Mutex<HashMap<usize, Vec<bool>>>,
     /// The last step at which each tensor id is consumed, so tensors can be dropped after it.
     pub last_use: HashMap<&'a str, usize>,
     pub shared: Shared<'a>,
@@ -159,7 +99,6 @@ impl<'a> Stepper<'a> {
         opts: &'a RunOptions,
         p: &'a Plan,
         capture: bool,
-        routed: &'a std::sync::Mutex<HashMap<usize, Vec<bool>>>,
     ) -> Stepper<'a> {
         let mut shared = opts.shared(ckpt, p.cfg.clone());
         shared.chunk = p.chunk;
@@ -172,11 +111,8 @@ impl<'a> Stepper<'a> {
         Stepper {
             ckpt,
             opts,
-            ops: &p.ops,
             a: p.first,
             capture,
-            reads_ahead: opts.backend.gpu().is_some(),
-            routed,
             last_use,
             shared,
             maps: Default::default(),
@@ -206,35 +142,24 @@ impl<'a> Stepper<'a> {
         Ok(())
     }
 
-    /// Runs op `step` on every path, records it when reported, and drops what no later op reads.
-    pub fn step(&mut self, step: usize, op: &'a Op) -> Result<()> {
+    /// Runs op `step` on every path, records it when reported, and drops what no later op reads;
+    /// `hooks` hear what the routers chose.
+    pub fn step(&mut self, step: usize, op: &'a Op, hooks: &dyn RunHooks) -> Result<()> {
+        let r = self.step_paths(step, op, hooks);
+        if r.is_err() {
+            // what a failed op left deferred is dropped, so the device state can run again
+            self.shared.cancel_op();
+        }
+        r
+    }
+
+    fn step_paths(&mut self, step: usize, op: &'a Op, hooks: &dyn RunHooks) -> Result<()> {
         let opts = self.opts;
         let report = op.layer.is_none_or(|l| l >= self.a) && opts.spec.selects(&op.id);
-        // an op made of linears: its weights in one parallel read and one copy per batch
-        // (routed experts load themselves once routed)
-        if matches!(
-            op.kind,
-            OpKind::Linear | OpKind::GroupedLinear | OpKind::SharedExpert
-        ) {
-            if let Some(g) = opts.backend.gpu() {
-                let bases: Vec<&str> = op.weights.iter().map(String::as_str).collect();
-                g.lock()
-                    .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
-                    .preload(self.ckpt, &bases)?;
-            }
-        }
-        // a routed-experts op on the device: every path's op (and the isolated and
-        // FP32-on-BF16 ones) only begins here; the flush below runs them interleaved,
-        // chunk by chunk of experts as the loader brings them (`cuda::experts`)
-        let deferred = op.kind == OpKind::Experts
-            && match opts.backend.gpu() {
-                Some(g) => g
-                    .lock()
-                    .map_err(|_| Error::Backend("cuda: device state poisoned".into()))?
-                    .defer_experts(),
-                None => false,
-            };
-        let _cancel = deferred.then(|| CancelDeferred(opts.backend.gpu()));
+        // the linears' hook: an op's weights preloaded in one batch, or a routed-experts op
+        // deferred (every path's op, the isolated and FP32-on-BF16 ones included, only begins
+        // here; the flush below runs them)
+        let deferred = self.shared.begin_op(op)?;
         let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
         for (pi, kind) in PathKind::ALL.iter().enumerate() {
             let inputs: Vec<&Tensor> = op
@@ -259,9 +184,7 @@ impl<'a> Stepper<'a> {
             outs.push(exec(op, &inputs, &mut env)?);
         }
         self.shared.record_observations = false;
-        if self.reads_ahead && op.kind == OpKind::Router {
-            publish_routing(self.ops, step, &outs, self.routed);
-        }
+        hooks.routed(step, &outs);
         let touched = self.shared.touched.clone();
         let mut observed = std::mem::take(&mut self.shared.observed);
         if report {

@@ -196,10 +196,10 @@ impl LayerGraph {
                 keep_outputs: false,
                 with_head: false,
                 layer_states: true,
-                device: opts.backend.gpu().is_some(),
+                device: opts.backend.on_device(),
             },
             opts.max_mem,
-            opts.backend.gpu(),
+            &opts.backend,
             "this layer search",
         )?;
         let ops = build_graph(cfg, b, false);

@@ -103,6 +103,14 @@ pub trait Linears {
     ) -> Option<Result<FusedExperts>> {
         None
     }
+    /// Op `op` is about to run on every path (its hook): a machine that reads an op's weights in
+    /// one batch reads them now; a routed-experts op may be deferred, its experts run for every
+    /// path at [`Linears::flush_experts`] (true: deferred).
+    fn begin_op(&mut self, _ctx: &LinearCtx, _op: &crate::model::graph::Op) -> Result<bool> {
+        Ok(false)
+    }
+    /// The op failed midway: drop what it left deferred, so the linears can run again.
+    fn cancel_op(&mut self) {}
     /// Whether fused expert ops only begin now and finish at [`Linears::flush_experts`].
     fn deferring(&self) -> bool {
         false
