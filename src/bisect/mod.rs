@@ -951,7 +951,7 @@ fn winfo(rp: &mut Replayer, base: &str) -> Result<Option<WInfo>> {
         return Ok(None);
     };
     let resolve = |fuse: bool| {
-        crate::served::resolve_nvfp4_named(rp.ckpt, &meta.canonical, conv, sw, si, fuse, &[])
+        crate::served::resolve_nvfp4_named(rp.ckpt(), &meta.canonical, conv, sw, si, fuse, &[])
     };
     let (fused, own) = (resolve(true), resolve(false));
     let ne = |a: f32, b: f32| a.to_bits() != b.to_bits();
@@ -984,7 +984,7 @@ fn hypotheses(
         if let Some(w) = winfo(rp, b)? {
             if let Some(s) = sibling(b) {
                 if rp
-                    .ckpt
+                    .ckpt()
                     .weight_scheme(&s)
                     .is_some_and(|x| x.starts_with("nvfp4"))
                 {

@@ -1,8 +1,10 @@
-//! The three numerics paths as `OpEnv`s over one checkpoint. Weights are read from the checkpoint
-//! when an op first needs them and dropped when the op is done (`WeightCache::clear`), so memory is
-//! bounded by one op's weights plus the activations still to be consumed.
+//! The numerics paths as `OpEnv`s over one checkpoint: the runner's three paths, and bisect's
+//! replay of one op under a hypothesis (`probe::replay`), which is the served path with a
+//! [`ReplayTrace`] set on [`Shared::replay`]. Weights are read from the checkpoint when an op
+//! first needs them and dropped when the op is done ([`Shared::clear`]), so memory is bounded by
+//! one op's weights plus the activations still to be consumed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, WeightFormat};
@@ -44,6 +46,93 @@ pub struct Shared<'a> {
     /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
     /// path of the op reads the same values, so they come from the checkpoint once per op.
     params: HashMap<String, Tensor>,
+    /// Set while bisect replays an op under a hypothesis: the served path then runs per weight
+    /// and records for the hypothesis instead of for the run (see [`ReplayTrace`]).
+    pub replay: Option<ReplayTrace>,
+}
+
+/// What differs when the environment evaluates bisect's replay of one op (`probe::replay`)
+/// instead of a runner path, and what that evaluation records:
+/// - the path is chosen per weight: the BF16 oracle's numerics for an `oracle`-patched or
+///   unquantized weight (a BF16 GEMM), the served numerics for the rest;
+/// - every served linear's observation is kept with its weight base (`obs`), and the amax of the
+///   activation each base was fed (`act_amax`, the oracle's when the base runs in its numerics);
+/// - a grouped projection runs group by group ([`Linears::linear_rows`]), each group observed on
+///   its own as `{sub_id}.g{g}`; the routed experts run fused only when every used expert's
+///   weights share one path (else expert by expert); stores round on the host.
+///
+/// These are the numbers bisect has always ranked its hypotheses by, kept as they were.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayTrace {
+    /// Weights evaluated in the BF16 oracle's numerics.
+    pub oracle: HashSet<String>,
+    /// (sub id, weight base, observation) of every served linear, in call order.
+    pub obs: Vec<(String, String, LinearObs)>,
+    /// Per weight base, the amax of the activation it was fed (max over calls).
+    pub act_amax: HashMap<String, f32>,
+}
+
+impl ReplayTrace {
+    /// A trace for one evaluation with `oracle` in the BF16 oracle's numerics.
+    pub fn new(oracle: HashSet<String>) -> Self {
+        ReplayTrace {
+            oracle,
+            ..Default::default()
+        }
+    }
+
+    fn note_amax(&mut self, base: &str, a: f32) {
+        let e = self.act_amax.entry(base.to_string()).or_insert(0.0);
+        *e = e.max(a);
+    }
+
+    /// Keep a served linear's observation (the first of the call's) under its sub id and base.
+    fn observe(&mut self, kind: PathKind, sub_id: String, base: &str, obs: Observed) {
+        if kind == PathKind::Served {
+            let o = obs.into_iter().next().map(|(_, o)| o).unwrap_or_default();
+            self.obs.push((sub_id, base.to_string(), o));
+        }
+    }
+
+    /// The notes of a fused routed-experts call: w1/w3 are fed each used expert's token rows of
+    /// `x`, w2 the amaxes the call read back; observations come per used expert as (w1, w3, w2).
+    fn note_experts(
+        &mut self,
+        kind: PathKind,
+        x: &Tensor,
+        per: &[Vec<(usize, f32)>],
+        bases: &[&str],
+        obs: Observed,
+        w2_amax: Vec<(usize, f32)>,
+    ) {
+        let used = used_experts(per);
+        let d = x.cols();
+        for &e in &used {
+            let a = per[e].iter().fold(0f32, |a, &(ti, _)| {
+                a.max(amax(&x.data[ti * d..(ti + 1) * d]))
+            });
+            self.note_amax(bases[3 * e], a);
+            self.note_amax(bases[3 * e + 1], a);
+        }
+        for (e, a) in w2_amax {
+            self.note_amax(bases[3 * e + 2], a);
+        }
+        if kind == PathKind::Served {
+            for (i, (id, o)) in obs.into_iter().enumerate() {
+                let e = used[i / 3];
+                self.obs.push((id, bases[3 * e + i % 3].to_string(), o));
+            }
+        }
+    }
+}
+
+fn amax(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |a, v| a.max(v.abs()))
+}
+
+/// The experts that received tokens.
+fn used_experts(per: &[Vec<(usize, f32)>]) -> Vec<usize> {
+    (0..per.len()).filter(|&e| !per[e].is_empty()).collect()
 }
 
 impl<'a> Shared<'a> {
@@ -65,6 +154,7 @@ impl<'a> Shared<'a> {
             deferred_record: Vec::new(),
             backend: Backend::Cpu,
             chunk: None,
+            replay: None,
         }
     }
 
@@ -72,6 +162,11 @@ impl<'a> Shared<'a> {
     pub fn set_backend(&mut self, backend: Backend) {
         self.linears = backend.linears();
         self.backend = backend;
+    }
+
+    /// Where the paths run.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
     }
 
     /// Call the linears with the run's checkpoint, profile, faults and hypotheses.
@@ -116,6 +211,17 @@ impl<'a> Shared<'a> {
         Ok(())
     }
 
+    /// Pin the served reading of an NVFP4 weight to block-scale bytes and a nibble order under
+    /// the current overrides (bisect's repairs no `Override` expresses; [`Linears::pin_nvfp4`]).
+    pub fn pin_nvfp4(&mut self, base: &str, scales: Option<&[u8]>, swap: bool) -> Result<()> {
+        self.with_linears(|l, ctx| l.pin_nvfp4(ctx, base, scales, swap))
+    }
+
+    /// Undo [`Shared::pin_nvfp4`].
+    pub fn unpin(&mut self, base: &str) {
+        self.linears.unpin(base);
+    }
+
     /// Drop every cached weight (called between ops).
     pub fn clear(&mut self) {
         self.linears.clear();
@@ -134,10 +240,76 @@ impl<'a> Shared<'a> {
     }
 }
 
-/// One path's environment for `model::exec`.
+/// One path's environment for `model::exec` (bisect's replay: the served path with
+/// [`Shared::replay`] set).
 pub struct PathEnv<'s, 'a> {
     pub kind: PathKind,
     pub shared: &'s mut Shared<'a>,
+}
+
+impl PathEnv<'_, '_> {
+    /// The path weight `base` is read in: the env's own, except in a replay, where an
+    /// oracle-patched or unquantized weight runs in the BF16 oracle's numerics.
+    fn kind_of(&self, base: &str) -> PathKind {
+        match &self.shared.replay {
+            Some(tr) if tr.oracle.contains(base) || !self.shared.is_quantized(base) => {
+                PathKind::OracleBf16
+            }
+            _ => self.kind,
+        }
+    }
+
+    /// The replay's grouped projection: group by group through [`Linears::linear_rows`], each
+    /// group's activation amax noted and its observation kept as `{sub_id}.g{g}`.
+    fn replay_grouped(
+        &mut self,
+        sub_id: &str,
+        x: &Tensor,
+        base: &str,
+        groups: usize,
+    ) -> Result<Tensor> {
+        let k = x.cols();
+        let rows = x.numel() / (groups * k).max(1);
+        let n = self.shared.ckpt.weight_meta(base)?.out_features;
+        if groups == 0 || n % groups != 0 {
+            return Err(crate::Error::bad(
+                self.shared.ckpt.location(),
+                Some(base),
+                format!("grouped projection: {n} outputs do not split into {groups} groups"),
+            ));
+        }
+        let r = n / groups;
+        let kind = self.kind_of(base);
+        let sh = &mut *self.shared;
+        sh.touch(base);
+        let out = crate::served::grouped(&x.data, rows, groups, k, r, |g, xg| {
+            let xd = crate::tensor::Data::from(xg.to_vec());
+            let (y, o) =
+                sh.with_linears(|l, c| l.linear_rows(c, kind, base, &xd, rows, g * r, r))?;
+            if let Some(tr) = &mut sh.replay {
+                tr.note_amax(base, amax(xg));
+                tr.observe(kind, format!("{sub_id}.g{g}"), base, o);
+            }
+            Ok(y.into_vec())
+        })?;
+        Ok(Tensor::new(vec![rows, groups, r], out))
+    }
+
+    /// Whether the replay runs the routed experts fused, and in which path: only when some
+    /// expert received tokens and every used expert's weights share one path (one fused call
+    /// computes every expert in one numerics).
+    fn replay_experts_kind(&self, per: &[Vec<(usize, f32)>], bases: &[&str]) -> Option<PathKind> {
+        let used = used_experts(per);
+        if used.is_empty() || bases.len() < 3 * per.len() {
+            return None;
+        }
+        let mut kinds = used
+            .iter()
+            .flat_map(|&e| (0..3).map(move |j| bases[3 * e + j]))
+            .map(|b| self.kind_of(b));
+        let kind = kinds.next()?;
+        kinds.all(|k| k == kind).then_some(kind)
+    }
 }
 
 impl OpEnv for PathEnv<'_, '_> {
@@ -184,12 +356,18 @@ impl OpEnv for PathEnv<'_, '_> {
         self.shared.ckpt.embedding_rows(ids)
     }
     fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
-        let (kind, m) = (self.kind, x.rows());
+        let (kind, m) = (self.kind_of(base), x.rows());
         let (y, n, obs) = self
             .shared
             .with_linears(|l, ctx| l.linear(ctx, kind, base, &x.data, m))?;
         self.shared.touch(base);
-        self.shared.observe(sub_id, obs);
+        match &mut self.shared.replay {
+            Some(tr) => {
+                tr.note_amax(base, amax(&x.data));
+                tr.observe(kind, sub_id.to_string(), base, obs);
+            }
+            None => self.shared.observe(sub_id, obs),
+        }
         Ok(x.with_last_dim(n, y))
     }
     fn linear_grouped(
@@ -199,6 +377,9 @@ impl OpEnv for PathEnv<'_, '_> {
         base: &str,
         groups: usize,
     ) -> Result<Tensor> {
+        if self.shared.replay.is_some() {
+            return self.replay_grouped(sub_id, x, base, groups);
+        }
         // x [rows, G, K]; weight [G·R, K]: group g uses rows g·R..(g+1)·R
         let rows = x.numel() / (groups * x.cols()).max(1);
         let kind = self.kind;
@@ -210,6 +391,11 @@ impl OpEnv for PathEnv<'_, '_> {
         Ok(Tensor::new(vec![rows, groups, r], y))
     }
     fn store(&self, t: &mut Tensor) {
+        if self.shared.replay.is_some() {
+            // the replay has always rounded its stores on the host
+            t.round_bf16();
+            return;
+        }
         if self.kind == PathKind::OracleFp32 || t.data.known_bf16_exact() == Some(true) {
             return;
         }
@@ -229,22 +415,29 @@ impl OpEnv for PathEnv<'_, '_> {
         bases: &[&str],
         limit: f32,
     ) -> Option<Result<Tensor>> {
-        let kind = self.kind;
+        let replay = self.shared.replay.is_some();
+        let kind = match replay {
+            true => self.replay_experts_kind(per, bases)?,
+            false => self.kind,
+        };
         let sh = &mut *self.shared;
         if sh.linears.deferring() {
             // its observations come with the flush
             let rec = sh.record_observations && kind == PathKind::Served;
             sh.deferred_record.push(rec);
         }
-        let observe = kind == PathKind::Served;
+        // the replay reads back the w2 amaxes on either path
+        let observe = replay || kind == PathKind::Served;
         let r = sh
             .with_linears(|l, ctx| l.experts(ctx, kind, layer, x, per, k, bases, limit, observe))?;
-        Some(r.map(|(y, obs, touched, _)| {
+        Some(r.map(|(y, obs, touched, w2_amax)| {
             for b in touched {
                 sh.touch(&b);
             }
-            if sh.record_observations {
-                sh.observed.extend(obs);
+            match &mut sh.replay {
+                Some(tr) => tr.note_experts(kind, x, per, bases, obs, w2_amax),
+                None if sh.record_observations => sh.observed.extend(obs),
+                None => {}
             }
             y
         }))

@@ -2,12 +2,13 @@
 //! prefix, keeping only the tensors the op consumes), then evaluate the op's served numerics on
 //! those inputs under any number of hypotheses. Each hypothesis costs one op, not one run.
 //!
-//! The replay has its own `OpEnv` instead of `probe::env::PathEnv` because a hypothesis chooses,
-//! per weight, how the served path reads it: in the BF16 oracle's numerics (to localise the
-//! culprit weight of a fused op), under scalar or layout [`Override`]s, or pinned to block scales
-//! re-read from the checkpoint bytes (repairs no `Override` expresses). Its linears are the run's
-//! backend's `served::Linears` (the host reference or the device's), kept across hypotheses, so
-//! one environment serves both backends:
+//! The evaluation runs in the runner's environment (`probe::env::PathEnv` on the served path)
+//! with a [`ReplayTrace`] set: a hypothesis chooses, per weight, how the served path reads it: in
+//! the BF16 oracle's numerics (to localise the culprit weight of a fused op), under scalar or
+//! layout [`Override`]s, or pinned to block scales re-read from the checkpoint bytes (repairs no
+//! `Override` expresses). Its linears are the run's backend's `served::Linears` (the host
+//! reference or the device's), held by the replayer's [`Shared`] and kept across hypotheses, so
+//! one environment serves both backends and both callers:
 //! - each hypothesis re-resolves only the served reading of the bases it patches (scalar
 //!   overrides and the nibble order from the overrides; layout repairs and re-read stored block
 //!   scales as rearranged scale bytes computed on the host from the scale tensor alone, then
@@ -21,19 +22,14 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, WeightMeta};
 use crate::metrics::Compare;
-use crate::model::exec::{exec, OpEnv};
+use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op};
-use crate::model::ModelConfig;
 use crate::numerics::{e4m3, nvfp4};
-use crate::probe::env::PathEnv;
+use crate::probe::env::{PathEnv, ReplayTrace, Shared};
 use crate::probe::RunOptions;
-use crate::served::faults::Fault;
-use crate::served::{
-    self, LinearCtx, LinearObs, Linears, Nvfp4Params, Override, PathKind, Profile,
-};
+use crate::served::{self, LinearObs, Nvfp4Params, Override, PathKind};
 use crate::{Error, Result, Tensor};
 
 pub use crate::served::linears::nvfp4_convention;
@@ -134,15 +130,11 @@ pub struct Eval {
 
 /// Re-evaluates one captured op's served numerics under patches, reusing the weights read.
 pub struct Replayer<'a> {
-    pub ckpt: &'a Checkpoint,
-    pub cfg: ModelConfig,
-    pub tokens: Vec<u32>,
-    pub profile: Profile,
-    pub faults: Vec<Fault>,
     pub cap: Capture,
-    backend: Backend,
-    /// The backend's linears, holding the op's weights across hypotheses.
-    linears: Box<dyn Linears>,
+    /// The environment of the evaluations: the run's checkpoint, tokens, profile, loader faults
+    /// and backend; its linears hold the op's weights across hypotheses, its overrides are the
+    /// current hypothesis's.
+    shared: Shared<'a>,
     /// Bases whose served reading the last evaluation pinned (stored block scales, layout repairs).
     pinned: Vec<String>,
     /// Per base, the stored block scales with non-finite bytes re-derived (None: all finite).
@@ -152,35 +144,39 @@ pub struct Replayer<'a> {
 impl Drop for Replayer<'_> {
     fn drop(&mut self) {
         // the op's weights stayed resident across the hypotheses
-        self.linears.clear();
+        self.shared.clear();
     }
 }
 
 impl<'a> Replayer<'a> {
     pub fn new(ckpt: &'a Checkpoint, opts: &RunOptions, cap: Capture) -> Result<Self> {
+        let cfg = ckpt.model_config()?.clone();
+        // the run's overrides are not the replay's: each evaluation sets its hypothesis's
+        let mut shared = Shared::new(ckpt, cfg, opts.tokens.clone(), opts.profile);
+        shared.faults = opts.loader_faults.clone();
+        shared.set_backend(opts.backend.clone());
         Ok(Replayer {
-            ckpt,
-            cfg: ckpt.model_config()?.clone(),
-            tokens: opts.tokens.clone(),
-            profile: opts.profile,
-            faults: opts.loader_faults.clone(),
             cap,
-            linears: opts.backend.linears(),
-            backend: opts.backend.clone(),
+            shared,
             pinned: Vec::new(),
             stored_scales: HashMap::new(),
         })
     }
 
+    /// The checkpoint replayed.
+    pub fn ckpt(&self) -> &'a Checkpoint {
+        self.shared.ckpt
+    }
+
     /// True when the replay evaluates on the CUDA device.
     pub fn on_device(&self) -> bool {
-        self.backend.on_device()
+        self.shared.backend().on_device()
     }
 
     /// A base's metadata: tensor names, scheme, shape, stored scalar scales (headers and scalars
     /// only, nothing decoded).
     pub fn meta(&self, base: &str) -> Result<WeightMeta> {
-        self.ckpt.weight_meta(base)
+        self.shared.ckpt.weight_meta(base)
     }
 
     /// The loader's NVFP4 parameters of a base (faults applied, fused pairs merged), if it is
@@ -191,9 +187,9 @@ impl<'a> Replayer<'a> {
         let Some(conv) = nvfp4_convention(&m) else {
             return Ok(None);
         };
-        let faults = crate::served::faults::hitting(&self.faults, base);
+        let faults = crate::served::faults::hitting(&self.shared.faults, base);
         Ok(Some(served::resolve_nvfp4_named(
-            self.ckpt,
+            self.shared.ckpt,
             &m.canonical,
             conv,
             m.weight_global.unwrap_or(f32::NAN),
@@ -237,9 +233,7 @@ pub fn repaired_scale_bytes(scales: &[u8], rows: usize, nb: usize) -> Option<Vec
 
 impl Replayer<'_> {
     fn quantized(&self, base: &str) -> bool {
-        self.ckpt
-            .weight_scheme(base)
-            .is_some_and(|s| s != "bf16" && s != "f16" && s != "f32")
+        self.shared.is_quantized(base)
     }
 
     /// The repaired stored block scales of NVFP4 bases (cached per base; computed in parallel
@@ -251,7 +245,7 @@ impl Replayer<'_> {
             .copied()
             .filter(|b| !self.stored_scales.contains_key(*b))
             .collect();
-        let ckpt = self.ckpt;
+        let ckpt = self.shared.ckpt;
         let got: Vec<(String, Option<Arc<Vec<u8>>>)> = todo
             .par_iter()
             .map(|&b| {
@@ -346,7 +340,7 @@ impl Replayer<'_> {
         overrides: &[(String, Override)],
     ) -> Result<Vec<(Vec<u8>, bool)>> {
         use rayon::prelude::*;
-        let (ckpt, all_faults) = (self.ckpt, &self.faults);
+        let (ckpt, all_faults) = (self.shared.ckpt, &self.shared.faults);
         bases
             .par_iter()
             .map(|b| {
@@ -398,47 +392,37 @@ impl Replayer<'_> {
             .collect();
         let stored_refs: Vec<&str> = stored.iter().map(String::as_str).collect();
         self.stored_scales_of(&stored_refs)?;
-        {
-            let lc = LinearCtx {
-                ckpt: self.ckpt,
-                profile: self.profile,
-                fuse_pairs: true,
-                faults: &self.faults,
-                overrides: &overrides,
-            };
-            let l = &mut *self.linears;
-            for b in self.pinned.drain(..) {
-                l.unpin(&b);
-            }
-            for (b, &swap) in stored.iter().zip(&plan_swap) {
-                // the stored bytes as they are (no loader layout fault); a nibble-swap repair on top
-                let sc = self.stored_scales.get(b).cloned().flatten();
-                l.pin_nvfp4(&lc, b, sc.as_deref().map(|v| v.as_slice()), swap)?;
-                self.pinned.push(b.clone());
-            }
-            for (b, (sc, swap)) in layout.iter().zip(rearranged) {
-                // the reading the linears would resolve one by one, prepared here in parallel
-                l.pin_nvfp4(&lc, b, Some(&sc), swap)?;
-                self.pinned.push(b.clone());
-            }
+        self.shared.overrides = overrides;
+        for b in self.pinned.drain(..) {
+            self.shared.unpin(&b);
         }
-        let cap = self.cap.clone();
-        let mut env = ReplayEnv {
-            r: self,
-            overrides,
-            oracle,
-            obs: Vec::new(),
-            act_amax: HashMap::new(),
+        for (b, &swap) in stored.iter().zip(&plan_swap) {
+            // the stored bytes as they are (no loader layout fault); a nibble-swap repair on top
+            let sc = self.stored_scales.get(b).cloned().flatten();
+            self.shared
+                .pin_nvfp4(b, sc.as_deref().map(|v| v.as_slice()), swap)?;
+            self.pinned.push(b.clone());
+        }
+        for (b, (sc, swap)) in layout.iter().zip(rearranged) {
+            // the reading the linears would resolve one by one, prepared here in parallel
+            self.shared.pin_nvfp4(b, Some(&sc), swap)?;
+            self.pinned.push(b.clone());
+        }
+        self.shared.replay = Some(ReplayTrace::new(oracle));
+        let refs: Vec<&Tensor> = self.cap.inputs.iter().collect();
+        let mut env = PathEnv {
+            kind: PathKind::Served,
+            shared: &mut self.shared,
         };
-        let refs: Vec<&Tensor> = cap.inputs.iter().collect();
-        let outputs = exec(&cap.op, &refs, &mut env)?;
-        let (obs, act_amax) = (env.obs, env.act_amax);
-        let vs_bf16 = Compare::of(&outputs[0].data, &cap.oracle_bf16[0].data);
+        let outputs = exec(&self.cap.op, &refs, &mut env);
+        let trace = self.shared.replay.take().unwrap_or_default();
+        let outputs = outputs?;
+        let vs_bf16 = Compare::of(&outputs[0].data, &self.cap.oracle_bf16[0].data);
         Ok(Eval {
             outputs,
             vs_bf16,
-            obs,
-            act_amax,
+            obs: trace.obs,
+            act_amax: trace.act_amax,
         })
     }
 }
@@ -454,171 +438,6 @@ struct DevicePlan {
     /// Other NVFP4 weights with a layout repair (unswizzle, unshift rows): pinned to their
     /// rearranged scale bytes.
     layout: Vec<String>,
-}
-
-/// The replay's `OpEnv`: the captured op under one patch set, its linears on the run's backend
-/// (see the module docs).
-struct ReplayEnv<'r, 'a> {
-    r: &'r mut Replayer<'a>,
-    overrides: Vec<(String, Override)>,
-    oracle: HashSet<String>,
-    obs: Vec<(String, String, LinearObs)>,
-    act_amax: HashMap<String, f32>,
-}
-
-fn note_amax(act_amax: &mut HashMap<String, f32>, base: &str, a: f32) {
-    let e = act_amax.entry(base.to_string()).or_insert(0.0);
-    *e = e.max(a);
-}
-
-fn amax(x: &[f32]) -> f32 {
-    x.iter().fold(0f32, |a, v| a.max(v.abs()))
-}
-
-impl ReplayEnv<'_, '_> {
-    /// The path a weight is evaluated in: the BF16 oracle's numerics when patched to the oracle
-    /// or unquantized (a BF16 GEMM), else the served numerics.
-    fn kind(&self, base: &str) -> PathKind {
-        if self.oracle.contains(base) || !self.r.quantized(base) {
-            PathKind::OracleBf16
-        } else {
-            PathKind::Served
-        }
-    }
-
-    /// Call the linears with the checkpoint, profile, loader faults and this patch set's overrides.
-    fn with_linears<R>(&mut self, f: impl FnOnce(&mut dyn Linears, &LinearCtx) -> R) -> R {
-        let r = &mut *self.r;
-        let lc = LinearCtx {
-            ckpt: r.ckpt,
-            profile: r.profile,
-            fuse_pairs: true,
-            faults: &r.faults,
-            overrides: &self.overrides,
-        };
-        f(&mut *r.linears, &lc)
-    }
-
-    /// Keep a served linear's observation under its sub id and weight base.
-    fn observe(&mut self, kind: PathKind, sub_id: String, base: &str, obs: served::Observed) {
-        if kind == PathKind::Served {
-            let o = obs.into_iter().next().map(|(_, o)| o).unwrap_or_default();
-            self.obs.push((sub_id, base.to_string(), o));
-        }
-    }
-}
-
-impl OpEnv for ReplayEnv<'_, '_> {
-    fn cfg(&self) -> &ModelConfig {
-        &self.r.cfg
-    }
-    fn weight_file(&self, name: &str) -> Option<std::path::PathBuf> {
-        Some(self.r.ckpt.file_of(name))
-    }
-    fn token_ids(&self) -> &[u32] {
-        &self.r.tokens
-    }
-    fn param(&mut self, canonical: &str) -> Result<Tensor> {
-        self.r.ckpt.tensor_f32(canonical)
-    }
-    fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
-        self.r.ckpt.embedding_rows(ids)
-    }
-    fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
-        let (kind, m) = (self.kind(base), x.rows());
-        let (y, n, obs) = self.with_linears(|l, c| l.linear(c, kind, base, &x.data, m))?;
-        note_amax(&mut self.act_amax, base, amax(&x.data));
-        self.observe(kind, sub_id.to_string(), base, obs);
-        Ok(x.with_last_dim(n, y))
-    }
-    fn linear_grouped(
-        &mut self,
-        sub_id: &str,
-        x: &Tensor,
-        base: &str,
-        groups: usize,
-    ) -> Result<Tensor> {
-        let k = x.cols();
-        let rows = x.numel() / (groups * k).max(1);
-        let n = self.r.meta(base)?.out_features;
-        if groups == 0 || n % groups != 0 {
-            return Err(Error::bad(
-                self.r.ckpt.location(),
-                Some(base),
-                format!("grouped projection: {n} outputs do not split into {groups} groups"),
-            ));
-        }
-        let r = n / groups;
-        let kind = self.kind(base);
-        // group by group, each observed on its own
-        let out = served::grouped(&x.data, rows, groups, k, r, |g, xg| {
-            let xd = crate::tensor::Data::from(xg.to_vec());
-            let (y, o) =
-                self.with_linears(|l, c| l.linear_rows(c, kind, base, &xd, rows, g * r, r))?;
-            note_amax(&mut self.act_amax, base, amax(xg));
-            self.observe(kind, format!("{sub_id}.g{g}"), base, o);
-            Ok(y.into_vec())
-        })?;
-        Ok(Tensor::new(vec![rows, groups, r], out))
-    }
-    fn store(&self, t: &mut Tensor) {
-        t.round_bf16();
-    }
-    fn device(&self) -> Box<dyn crate::device::Device + '_> {
-        self.r
-            .backend
-            .device(true, move |t: &mut Tensor| self.store(t))
-    }
-    fn experts_fused(
-        &mut self,
-        layer: usize,
-        x: &Tensor,
-        per: &[Vec<(usize, f32)>],
-        k: usize,
-        bases: &[&str],
-        limit: f32,
-    ) -> Option<Result<Tensor>> {
-        let used: Vec<usize> = (0..per.len()).filter(|&e| !per[e].is_empty()).collect();
-        if used.is_empty() || bases.len() < 3 * per.len() {
-            return None;
-        }
-        // one fused call computes every expert in one numerics; a mixed set (some experts
-        // oracle-patched) goes linear by linear
-        let kinds: Vec<PathKind> = used
-            .iter()
-            .flat_map(|&e| (0..3).map(move |j| bases[3 * e + j]))
-            .map(|b| self.kind(b))
-            .collect();
-        let kind = kinds[0];
-        if kinds.iter().any(|&k| k != kind) {
-            return None;
-        }
-        let r =
-            self.with_linears(|l, c| l.experts(c, kind, layer, x, per, k, bases, limit, true))?;
-        let (y, obs, _, w2_amax) = match r {
-            Ok(v) => v,
-            Err(e) => return Some(Err(e)),
-        };
-        let d = x.cols();
-        for &e in &used {
-            // w1 and w3 are fed the expert's gathered token rows
-            let a = per[e].iter().fold(0f32, |a, &(ti, _)| {
-                a.max(amax(&x.data[ti * d..(ti + 1) * d]))
-            });
-            note_amax(&mut self.act_amax, bases[3 * e], a);
-            note_amax(&mut self.act_amax, bases[3 * e + 1], a);
-        }
-        for (e, a) in w2_amax {
-            note_amax(&mut self.act_amax, bases[3 * e + 2], a);
-        }
-        if kind == PathKind::Served {
-            for (i, (id, o)) in obs.into_iter().enumerate() {
-                let e = used[i / 3];
-                self.obs.push((id, bases[3 * e + i % 3].to_string(), o));
-            }
-        }
-        Some(Ok(y))
-    }
 }
 
 #[cfg(test)]
@@ -637,13 +456,13 @@ impl Replayer<'_> {
         if plan.oracle.contains(base) || !self.quantized(base) {
             return Ok(None);
         }
-        let ckpt = self.ckpt;
+        let ckpt = self.shared.ckpt;
         let m = self.meta(base)?;
         let conv = nvfp4_convention(&m).expect("an NVFP4 weight");
         if plan.stored.iter().any(|b| b == base) {
             self.stored_scales_of(&[base])?;
         }
-        let faults = crate::served::faults::hitting(&self.faults, base);
+        let faults = crate::served::faults::hitting(&self.shared.faults, base);
         let ovs = served::overrides_of(&plan.overrides, base);
         let lay = ckpt.weight_layout(base)?;
         let stored = || -> Result<Vec<u8>> {
@@ -670,11 +489,11 @@ impl Replayer<'_> {
             Some(v) => v,
             None => stored()?,
         };
-        let lc = LinearCtx {
+        let lc = served::LinearCtx {
             ckpt,
-            profile: self.profile,
+            profile: self.shared.profile,
             fuse_pairs: true,
-            faults: &self.faults,
+            faults: &self.shared.faults,
             overrides: &plan.overrides,
         };
         let wq = match served::linears::pinned_nvfp4(&lc, base, Some(&sc), swap)? {
@@ -691,6 +510,7 @@ mod tests {
     use crate::checkpoint::{QuantWeight, WeightFormat};
     use crate::numerics::e2m1;
     use crate::numerics::nvfp4::Convention;
+    use crate::served::faults::Fault;
     use crate::served::ServedWeight;
 
     /// The replay's former host evaluator, kept as the independent reference of the served
@@ -710,8 +530,8 @@ mod tests {
     impl<'a> Decoding<'a> {
         fn new(rp: &Replayer<'a>) -> Self {
             Decoding {
-                ckpt: rp.ckpt,
-                faults: rp.faults.clone(),
+                ckpt: rp.shared.ckpt,
+                faults: rp.shared.faults.clone(),
                 cache: HashMap::new(),
             }
         }
@@ -1092,5 +912,97 @@ mod tests {
         // the NaN-byte checkpoints exercised the repaired-bytes path
         assert!(repaired > 0);
         assert!(cases > 1000, "{cases}");
+    }
+
+    /// What the replay records, through the runner's environment, against values computed here
+    /// from the captured inputs (the built-in model: FP8 `wo_a`, quantized experts): a grouped
+    /// projection is observed group by group as `{op}.g{g}`, a linear under its op id, the
+    /// routed experts per used expert as w1, w3, w2; each base's activation amax is the amax of
+    /// what the op fed it; with every weight patched to the oracle nothing is observed, the
+    /// amaxes stay, and the op replays the captured BF16 oracle bit for bit.
+    #[test]
+    fn replay_records_observation_ids_and_activation_amax() {
+        let ck = synth::builtin(0).unwrap();
+        let cfg = ck.model_config().unwrap().clone();
+        let opts = RunOptions::new(
+            (0, 1),
+            crate::probe::synthetic_tokens(16, cfg.vocab_size, 2),
+        );
+        let amax = |x: &[f32]| x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let ids = |ev: &Eval| -> Vec<(String, String)> {
+            ev.obs
+                .iter()
+                .map(|(s, b, _)| (s.clone(), b.clone()))
+                .collect()
+        };
+        let bits = |ts: &[Tensor]| -> Vec<Vec<u32>> {
+            ts.iter()
+                .map(|t| t.data.iter().map(|v| v.to_bits()).collect())
+                .collect()
+        };
+        // (sub id, base) in call order; per base, the amax it was fed (None: not checked)
+        type Expected = (Vec<(String, String)>, Vec<(String, Option<f32>)>);
+        for op_id in ["L1.attn.wo_a", "L1.attn.q_a", "L1.ffn.experts"] {
+            let cap = capture(&ck, &opts, op_id).unwrap();
+            let x = &cap.inputs[0];
+            let d = x.cols();
+            let bases = cap.op.weights.clone();
+            let (want_ids, want_amax): Expected = match op_id {
+                "L1.attn.wo_a" => (
+                    (0..cfg.o_groups)
+                        .map(|g| (format!("{op_id}.g{g}"), bases[0].clone()))
+                        .collect(),
+                    vec![(bases[0].clone(), Some(amax(&x.data)))],
+                ),
+                "L1.attn.q_a" => (
+                    vec![(op_id.to_string(), bases[0].clone())],
+                    vec![(bases[0].clone(), Some(amax(&x.data)))],
+                ),
+                _ => {
+                    let (idx, k) = (&cap.inputs[2], cfg.num_experts_per_tok);
+                    let mut rows: Vec<Vec<usize>> = vec![Vec::new(); cfg.n_routed_experts];
+                    for (i, &e) in idx.data.iter().enumerate() {
+                        rows[e as usize].push(i / k);
+                    }
+                    let (mut ids, mut am) = (Vec::new(), Vec::new());
+                    for (e, r) in rows.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+                        let fed = r
+                            .iter()
+                            .map(|&t| amax(&x.data[t * d..(t + 1) * d]))
+                            .fold(0f32, f32::max);
+                        for (j, w) in ["w1", "w3", "w2"].iter().enumerate() {
+                            let b = bases[3 * e + j].clone();
+                            ids.push((format!("L1.ffn.expert.{e}.{w}"), b.clone()));
+                            am.push((b, (j < 2).then_some(fed)));
+                        }
+                    }
+                    (ids, am)
+                }
+            };
+            assert!(want_amax
+                .iter()
+                .all(|(b, _)| ck.weight_scheme(b).is_some_and(|s| s != "bf16")));
+            let mut rp = Replayer::new(&ck, &opts, cap.clone()).unwrap();
+            let all_oracle: Vec<(String, Patch)> = want_amax
+                .iter()
+                .map(|(b, _)| (b.clone(), Patch::Oracle))
+                .collect();
+            let served = rp.eval(&[]).unwrap();
+            let oracle = rp.eval(&all_oracle).unwrap();
+            assert_eq!(ids(&served), want_ids, "{op_id}");
+            assert!(oracle.obs.is_empty(), "{op_id}");
+            for ev in [&served, &oracle] {
+                assert_eq!(ev.act_amax.len(), want_amax.len(), "{op_id}");
+                for (b, a) in &want_amax {
+                    let got = ev.act_amax[b];
+                    match a {
+                        Some(a) => assert_eq!(got.to_bits(), a.to_bits(), "{op_id} {b}"),
+                        None => assert!(got.is_finite() && got > 0.0, "{op_id} {b}: {got}"),
+                    }
+                }
+            }
+            assert_eq!(bits(&oracle.outputs), bits(&cap.oracle_bf16), "{op_id}");
+            assert_ne!(bits(&served.outputs), bits(&cap.oracle_bf16), "{op_id}");
+        }
     }
 }
