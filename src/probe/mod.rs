@@ -7,6 +7,7 @@ pub mod consequence;
 pub mod env;
 
 pub mod findings;
+pub mod progress;
 pub mod replay;
 mod runner;
 pub mod scan;
@@ -243,16 +244,7 @@ pub fn run_capturing(
     let bytes0 = ckpt.bytes_read();
     let plan = runner::plan(ckpt, opts)?;
     let (ops, cfg) = (&plan.ops, &plan.cfg);
-    let pb = if opts.progress {
-        let pb = indicatif::ProgressBar::new(ops.len() as u64);
-        pb.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} {pos}/{len} ops {wide_bar} {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        pb
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let mut pb = progress::Progress::new(ops, opts.tokens.len(), opts.progress);
     let mut st = runner::Stepper::new(ckpt, opts, &plan, capture);
     let run_plan = crate::backend::run::RunPlan {
         ckpt,
@@ -269,11 +261,11 @@ pub fn run_capturing(
             hooks.before_op(step);
             let t_op = Instant::now();
             crate::profile::set_step(step);
-            pb.set_message(op.id.clone());
+            pb.start(op);
             // a device allocation that fails says so, not "backend unavailable"
             st.step(step, op, hooks)
                 .map_err(|e| crate::backend::oom::explain(e, &op.id, &opts.backend))?;
-            pb.inc(1);
+            pb.done();
             crate::profile::interval("op", step, t_op);
             *st.prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
             if opts.stop_after.as_deref() == Some(op.id.as_str()) {
@@ -288,7 +280,7 @@ pub fn run_capturing(
         }
         Ok(())
     })?;
-    pb.finish_and_clear();
+    pb.finish();
     if crate::profile::enabled() {
         print_profile(std::mem::take(&mut st.prof));
     }
