@@ -124,6 +124,10 @@ pub struct RunArgs {
     /// Write each path's op outputs as F32 safetensors under DIR (created if absent).
     #[arg(long, value_name = "DIR")]
     pub dump: Option<PathBuf>,
+    /// With --dump: keep only these token rows (0-based, inclusive ranges: `0,17,4090..4095`),
+    /// so a long prompt's dump holds what you look at; the run keeps no other row in memory.
+    #[arg(long, value_name = "ROWS", requires = "dump")]
+    pub dump_rows: Option<TokenRows>,
     /// Write the three plots STEM-amax, STEM-cos and STEM-heatmap next to FILE (STEM.png or
     /// STEM.svg: the extension picks the format).
     #[arg(long, value_name = "FILE")]
@@ -378,6 +382,54 @@ pub struct SelftestArgs {
     /// mantissa of [1, 2), 2^23 bytes) to FILE.
     #[arg(long, value_name = "FILE")]
     pub rcp_table: Option<PathBuf>,
+}
+
+/// Token rows named on the command line: indices and inclusive ranges, `0,17,4090..4095`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenRows(pub Vec<(usize, usize)>);
+
+impl TokenRows {
+    /// The rows of a prompt of `t` tokens, ascending and each once; a row past the prompt is a
+    /// usage error naming it and the prompt's length.
+    pub fn resolve(&self, t: usize) -> crate::Result<Vec<usize>> {
+        let mut rows = Vec::new();
+        for &(a, b) in &self.0 {
+            if b >= t {
+                return Err(crate::Error::usage(format!(
+                    "--dump-rows: row {b} is past the prompt's {t} tokens (rows 0..{})",
+                    t.saturating_sub(1)
+                )));
+            }
+            rows.extend(a..=b);
+        }
+        rows.sort_unstable();
+        rows.dedup();
+        Ok(rows)
+    }
+}
+
+impl std::str::FromStr for TokenRows {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let mut v = Vec::new();
+        for part in s.split(',') {
+            let part = part.trim();
+            let num = |x: &str| -> std::result::Result<usize, String> {
+                x.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("`{x}` in `{s}` is not a token row (0, 1, 2, ...)"))
+            };
+            let (a, b) = match part.split_once("..") {
+                Some((a, b)) => (num(a)?, num(b)?),
+                None => (num(part)?, num(part)?),
+            };
+            if a > b {
+                return Err(format!("`{part}`: a range runs upward (`{b}..{a}`)"));
+            }
+            v.push((a, b));
+        }
+        Ok(TokenRows(v))
+    }
 }
 
 #[cfg(test)]

@@ -56,10 +56,12 @@ static ALLOC: Counting = Counting;
 fn runs_allocate_no_more_than_their_estimate() {
     let ck = nvfp4_probe::synth::builtin(0).unwrap();
     let cfg = ck.model_config().unwrap().clone();
-    for (layers, t, keep) in [
-        ((0, 4), 256, false),
-        ((0, 4), 96, true),
-        ((2, 3), 384, false),
+    // (layers, tokens, keep outputs, --dump-rows: that many rows kept)
+    for (layers, t, keep, rows) in [
+        ((0, 4), 256, false, None),
+        ((0, 4), 96, true, None),
+        ((2, 3), 384, false, None),
+        ((0, 4), 384, true, Some(8usize)),
     ] {
         let tokens = synthetic_tokens(t, cfg.vocab_size, 1);
         let with_head = layers.1 + 1 == cfg.num_hidden_layers;
@@ -67,6 +69,7 @@ fn runs_allocate_no_more_than_their_estimate() {
             layers,
             tokens: t as u64,
             keep_outputs: keep,
+            kept_rows: rows.map(|r| r as u64),
             with_head,
             layer_states: false,
             device: false,
@@ -74,6 +77,7 @@ fn runs_allocate_no_more_than_their_estimate() {
         let est = estimate(&cfg, &plan);
         let opts = RunOptions {
             keep_outputs: keep,
+            keep_rows: rows.map(|r| (0..r).map(|i| i * (t / r)).collect()),
             ..RunOptions::new(layers, tokens)
         };
         let base = CURRENT.load(Ordering::Relaxed);
@@ -82,7 +86,7 @@ fn runs_allocate_no_more_than_their_estimate() {
         let peak = (PEAK.load(Ordering::Relaxed) - base) as f64;
         drop(res);
         eprintln!(
-            "layers {layers:?}, {t} tokens, keep {keep}: heap peak {} vs estimate {} ({est:?})",
+            "layers {layers:?}, {t} tokens, keep {keep} rows {rows:?}: heap peak {} vs estimate {} ({est:?})",
             gib(peak),
             gib(est.host())
         );

@@ -516,6 +516,7 @@ fn exercise_config(cfg: &ModelConfig, tokens: u64) {
                 layers: (0, last),
                 tokens,
                 keep_outputs: tokens.is_multiple_of(2),
+                kept_rows: None,
                 with_head: true,
                 layer_states: tokens.is_multiple_of(3),
                 device,

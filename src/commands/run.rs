@@ -188,6 +188,7 @@ pub fn prepare(
             layers: (a, b),
             tokens: n,
             keep_outputs: false,
+            kept_rows: None,
             with_head,
             layer_states: false,
             device: on_device,
@@ -301,6 +302,9 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     check_outputs(args, &outs)?;
     p.opts.keep_outputs = args.dump.is_some();
+    if let Some(r) = &args.dump_rows {
+        p.opts.keep_rows = Some(r.resolve(p.opts.tokens.len())?);
+    }
     crate::profile::mark("prepared");
     let mut res: RunResult = probe::run(&p.ckpt, &p.opts)?;
     crate::profile::mark("runner done");

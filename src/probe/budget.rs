@@ -29,6 +29,8 @@ pub struct Plan {
     pub tokens: u64,
     /// Every reported op's outputs kept on every path (`--dump`, `compare`).
     pub keep_outputs: bool,
+    /// Of the kept outputs, this many token rows (`--dump-rows`); None: all of them.
+    pub kept_rows: Option<u64>,
     /// The runner includes the LM head (last layer requested and the checkpoint has one).
     pub with_head: bool,
     /// The state at every layer input kept for two paths (bisect's layer search).
@@ -238,7 +240,8 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         } else {
             0.0
         };
-        4.0 * 4.0 * t * (per_layer * reported as f64 + head)
+        let rows = plan.kept_rows.map_or(t, |r| (r as f64).min(t));
+        4.0 * 4.0 * rows * (per_layer * reported as f64 + head)
     } else {
         0.0
     } + if plan.layer_states {
@@ -604,6 +607,7 @@ mod tests {
             layers: (0, 4),
             tokens,
             keep_outputs: false,
+            kept_rows: None,
             with_head: true,
             layer_states: false,
             device: false,
@@ -728,6 +732,7 @@ mod tests {
             &cfg,
             &Plan {
                 keep_outputs: true,
+                kept_rows: None,
                 ..plan(512)
             },
         );

@@ -43,6 +43,9 @@ pub struct RunOptions {
     pub spec: ProbeSpec,
     /// Keep each reported op's outputs for `--dump`.
     pub keep_outputs: bool,
+    /// `--dump-rows`: of the kept outputs, only these token rows (ascending; see
+    /// `runner::kept_rows`).
+    pub keep_rows: Option<Vec<usize>>,
     /// Show a progress bar on stderr (hidden when stderr is not a terminal).
     pub progress: bool,
     /// Bisect's hypothesis: (weight base, override), applied to the served path.
@@ -72,6 +75,7 @@ impl RunOptions {
             loader_faults: Vec::new(),
             spec: ProbeSpec::builtin(),
             keep_outputs: false,
+            keep_rows: None,
             progress: false,
             overrides: Vec::new(),
             stop_after: None,
@@ -209,6 +213,8 @@ pub struct RunResult {
     pub seconds: f64,
     /// Bytes of tensor data read from the checkpoint during the run.
     pub bytes_read: u64,
+    /// The token rows the kept outputs hold (`RunOptions::keep_rows`); None: all.
+    pub kept_rows: Option<Vec<usize>>,
 }
 
 fn is_index_output(op: &Op) -> bool {
@@ -296,6 +302,7 @@ pub fn run_capturing(
             outputs: st.outputs,
             seconds: t0.elapsed().as_secs_f64(),
             bytes_read: ckpt.bytes_read() - bytes0,
+            kept_rows: opts.keep_rows.clone(),
         },
         st.captured,
     ))

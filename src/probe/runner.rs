@@ -50,6 +50,7 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
             layers: (a, b),
             tokens: opts.tokens.len() as u64,
             keep_outputs: opts.keep_outputs,
+            kept_rows: opts.keep_rows.as_ref().map(|r| r.len() as u64),
             with_head,
             layer_states: false,
             device: opts.backend.on_device(),
@@ -239,6 +240,7 @@ impl<'a> Stepper<'a> {
             }
             *self.prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
             if opts.keep_outputs {
+                let ratio = self.ratio(op);
                 for (name, ts) in [
                     ("oracle_fp32", &outs[0]),
                     ("oracle_bf16", &outs[1]),
@@ -247,7 +249,11 @@ impl<'a> Stepper<'a> {
                 ] {
                     let e = self.outputs.entry(name.to_string()).or_default();
                     for (id, t) in op.outputs.iter().zip(ts.iter()) {
-                        e.push((id.clone(), t.clone()));
+                        let kept = match &opts.keep_rows {
+                            Some(rows) => kept_rows(t, rows, opts.tokens.len(), ratio),
+                            None => t.clone(),
+                        };
+                        e.push((id.clone(), kept));
                     }
                 }
             }
@@ -293,4 +299,39 @@ impl<'a> Stepper<'a> {
         }
         Ok(())
     }
+}
+
+impl Stepper<'_> {
+    /// Tokens per compressed row of a compressor op's output (None for every other op).
+    fn ratio(&self, op: &Op) -> Option<usize> {
+        let l = op.layer?;
+        (op.kind == crate::model::graph::OpKind::Compressor)
+            .then(|| self.shared.cfg.ratio(l))
+            .filter(|&r| r > 0)
+    }
+}
+
+/// What `--dump-rows` keeps of an op's output over a prompt of `t` tokens: a token-major output
+/// ([t, …]) its `rows`, in order; a compressor's output ([t / ratio, …], `ratio` given) the
+/// compressed rows that cover those tokens (row `j / ratio` for token j), ascending; anything
+/// else whole.
+pub fn kept_rows(x: &Tensor, rows: &[usize], t: usize, ratio: Option<usize>) -> Tensor {
+    let n = x.shape.first().copied().unwrap_or(0);
+    let pick: Vec<usize> = if n == t {
+        rows.to_vec()
+    } else if let Some(r) = ratio {
+        let mut v: Vec<usize> = rows.iter().map(|j| j / r).filter(|&c| c < n).collect();
+        v.dedup();
+        v
+    } else {
+        return x.clone();
+    };
+    let w = x.numel() / n.max(1);
+    let data: Vec<f32> = pick
+        .iter()
+        .flat_map(|&i| x.data[i * w..(i + 1) * w].iter().copied())
+        .collect();
+    let mut shape = x.shape.clone();
+    shape[0] = pick.len();
+    Tensor::new(shape, data)
 }

@@ -194,6 +194,7 @@ impl LayerGraph {
                 layers: (a, b),
                 tokens: opts.tokens.len() as u64,
                 keep_outputs: false,
+                kept_rows: None,
                 with_head: false,
                 layer_states: true,
                 device: opts.backend.on_device(),

@@ -354,7 +354,12 @@ pub fn dump(outs: &mut Outputs, dir: &Path, res: &RunResult) -> Result<Vec<PathB
                 )
             })
             .collect();
-        let bytes = safetensors::serialize(views, None)
+        // which token rows the tensors hold (`--dump-rows`; `probe::runner::kept_rows`)
+        let meta = res.kept_rows.as_ref().map(|rows| {
+            let list: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+            std::collections::HashMap::from([("token_rows".to_string(), list.join(","))])
+        });
+        let bytes = safetensors::serialize(views, meta)
             .map_err(|e| Error::usage(format!("dump {path}: {e}")))?;
         let p = dir.join(format!("{path}.safetensors"));
         outs.file(&p, &bytes)?;
