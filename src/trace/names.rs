@@ -5,7 +5,7 @@
 
 pub use super::mapped::Mapped;
 
-fn layer_and_rest<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
+pub(super) fn layer_and_rest<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
     let r = name.strip_prefix(prefix)?;
     // `model.layers.3.attn.wq_b` → (3, "attn.wq_b"); `model.layers.3:residual` → (3, ":residual")
     let (n, rest) = match r.find(['.', ':']) {
@@ -83,7 +83,7 @@ pub struct Split {
 }
 
 /// One op a trace tensor feeds, and how to turn the tensor (or its per-rank pieces) into that op's output.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rule {
     pub op: String,
     /// See [`Mapped::token_rows`].
@@ -94,23 +94,41 @@ pub struct Rule {
     /// Per-head width of a head-major last dimension: engines pad heads (vLLM/FlashMLA to 64 or 128 per
     /// rank), and the columns beyond the config's head count are dropped.
     pub head_dim: Option<usize>,
+    /// The op's columns are heads, split over ranks by head: each rank's piece is folded to
+    /// [rows, local heads · width] before the ranks are joined (engines that norm per head hold
+    /// them as [rows · heads, width] or [rows, heads, width]).
+    pub per_head: Option<PerHead>,
+    /// A constant the engine multiplies in after this tensor (vLLM's `routed_scaling_factor`
+    /// applied to the routed experts' sum in its caller): the joined tensor is multiplied by it.
+    pub scale: Option<f32>,
+}
+
+/// The head layout of an op's columns (see [`Rule::per_head`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PerHead {
+    /// Heads in the logical (unsharded) op.
+    pub heads: usize,
+    /// Width of one head.
+    pub width: usize,
 }
 
 impl Rule {
-    fn plain(op: String, token_rows: bool) -> Rule {
+    pub(super) fn plain(op: String, token_rows: bool) -> Rule {
         Rule {
             op,
             token_rows,
             split: None,
             shard: Shard::Replicated,
             head_dim: None,
+            per_head: None,
+            scale: None,
         }
     }
-    fn concat(mut self, dim: i64) -> Rule {
+    pub(super) fn concat(mut self, dim: i64) -> Rule {
         self.shard = Shard::Concat(dim);
         self
     }
-    fn sum(mut self) -> Rule {
+    pub(super) fn sum(mut self) -> Rule {
         self.shard = Shard::Sum;
         self
     }
@@ -118,12 +136,22 @@ impl Rule {
         self.head_dim = Some(dh);
         self
     }
-    fn split(mut self, start: usize, len: usize) -> Rule {
+    pub(super) fn split(mut self, start: usize, len: usize) -> Rule {
         self.split = Some(Split {
             dim: -1,
             start,
             len,
         });
+        self
+    }
+    /// Column-parallel over `heads` heads of `width` (see [`Rule::per_head`]).
+    pub(super) fn per_head(mut self, heads: usize, width: usize) -> Rule {
+        self.shard = Shard::Concat(-1);
+        self.per_head = Some(PerHead { heads, width });
+        self
+    }
+    pub(super) fn scaled(mut self, f: f32) -> Rule {
+        self.scale = Some(f);
         self
     }
 }
@@ -290,6 +318,8 @@ impl UserMap {
                     split: e.split,
                     shard,
                     head_dim: e.head_dim,
+                    per_head: None,
+                    scale: None,
                 });
             }
             entries.insert(name, rules);
@@ -330,8 +360,16 @@ impl NameMap {
     }
 
     /// The ops a trace tensor feeds (empty: unmapped). Built-in maps also accept op ids verbatim, so a
-    /// `run --dump` file compares as a trace.
-    pub fn rules(&self, name: &str, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
+    /// `run --dump` file compares as a trace. `has` says whether the trace holds another name: the
+    /// families' engine maps read a module's output by what else its module wrote (a tuple's
+    /// second element, a shared-expert module of its own; `super::engine_names`).
+    pub fn rules(
+        &self,
+        name: &str,
+        cfg: &crate::model::ModelConfig,
+        has: &dyn Fn(&str) -> bool,
+    ) -> Vec<Rule> {
+        use super::engine_names::{self, Engine};
         let from = |m: Option<Mapped>| m.map(|m| vec![Rule::plain(m.op, m.token_rows)]);
         let found = match self {
             NameMap::Official => from(map_official(name)).map(|r| tp_defaults(r, cfg)),
@@ -339,6 +377,12 @@ impl NameMap {
                 from(super::family_names::map_hf(name, cfg)).map(|r| tp_defaults(r, cfg))
             }
             NameMap::Hf => from(map_hf(name)).map(|r| tp_defaults(r, cfg)),
+            NameMap::Vllm if cfg.family.is_some() => {
+                engine_names::map(Engine::Vllm, name, cfg, has)
+            }
+            NameMap::Sglang if cfg.family.is_some() => {
+                engine_names::map(Engine::Sglang, name, cfg, has)
+            }
             NameMap::Vllm => map_vllm(name, cfg),
             NameMap::Sglang => map_sglang(name, cfg),
             NameMap::File(u) => return u.entries.get(name).cloned().unwrap_or_default(),
