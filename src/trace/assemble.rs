@@ -321,7 +321,8 @@ fn one_pass(
 
 /// Map every trace tensor to its ops and build each op's output. A tuple's first element is
 /// written both as `PATH` and as `PATH:0` (probes/capture/_dump.py): `PATH:0` is passed over when
-/// `PATH` is in the trace and mapped, so the op is compared once.
+/// `PATH` is in the trace, so the op is compared (or listed unmapped) once — unless only
+/// `PATH:0` is mapped.
 pub fn assemble(trace: &Trace, map: &NameMap, cfg: &ModelConfig) -> Result<Mapping> {
     let mut out = Mapping::default();
     let skip = ["input_ids", "positions"];
@@ -333,12 +334,12 @@ pub fn assemble(trace: &Trace, map: &NameMap, cfg: &ModelConfig) -> Result<Mappi
         if skip.contains(&name.as_str()) {
             continue;
         }
+        let rules = map.rules(&name, cfg, &has);
         if let Some(base) = name.strip_suffix(":0") {
-            if has(base) && !map.rules(base, cfg, &has).is_empty() {
+            if has(base) && (rules.is_empty() || !map.rules(base, cfg, &has).is_empty()) {
                 continue;
             }
         }
-        let rules = map.rules(&name, cfg, &has);
         if rules.is_empty() {
             out.unmapped.push(name);
             continue;
@@ -519,6 +520,20 @@ mod tests {
         assert_eq!(c.shape, vec![2, 4]);
         assert_eq!(c.data, vec![1.0, 2.0, 1.0, 2.0, 4.0, 5.0, 4.0, 5.0]);
         assert!(slice(&t, 1, 2, 2).is_none());
+    }
+
+    #[test]
+    fn per_head_pieces_fold_to_rows_of_heads() {
+        // SGLang: 2 tokens × 3 heads as rows of width 2 → [2, 6], values in place
+        let f = fold_heads(raw(vec![6, 2]), 3, 2);
+        assert_eq!(f.shape, vec![2, 6]);
+        assert_eq!(f.data, raw(vec![2, 6]).data);
+        // vLLM: [tokens, heads, width] → [2, 6]
+        assert_eq!(fold_heads(raw(vec![2, 3, 2]), 3, 2).shape, vec![2, 6]);
+        // already [rows, heads · width], or not a per-head layout: left alone
+        assert_eq!(fold_heads(raw(vec![2, 6]), 3, 2).shape, vec![2, 6]);
+        assert_eq!(fold_heads(raw(vec![5, 2]), 3, 2).shape, vec![5, 2]);
+        assert_eq!(fold_heads(raw(vec![4, 2]), 1, 2).shape, vec![4, 2]);
     }
 
     #[test]

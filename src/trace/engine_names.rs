@@ -276,11 +276,17 @@ mod tests {
         let cfg = v3();
         for (engine, name) in [
             (Engine::Vllm, "model.layers.2.self_attn.fused_qkv_a_proj"),
-            (Engine::Sglang, "model.layers.2.self_attn.fused_qkv_a_proj_with_mqa"),
+            (
+                Engine::Sglang,
+                "model.layers.2.self_attn.fused_qkv_a_proj_with_mqa",
+            ),
         ] {
             let r = map(engine, name, &cfg, &|_| false).unwrap();
             assert_eq!(r.len(), 2);
-            assert_eq!((r[0].op.as_str(), r[1].op.as_str()), ("L2.attn.q_a", "L2.attn.kv_a"));
+            assert_eq!(
+                (r[0].op.as_str(), r[1].op.as_str()),
+                ("L2.attn.q_a", "L2.attn.kv_a")
+            );
             let s: Vec<(usize, usize)> = r
                 .iter()
                 .map(|r| r.split.as_ref().map(|s| (s.start, s.len)).unwrap())
@@ -289,7 +295,13 @@ mod tests {
             assert_eq!(s, [(0, 24), (24, 20)]);
         }
         // each engine's own name only
-        assert!(ops(Engine::Sglang, "model.layers.2.self_attn.fused_qkv_a_proj", &cfg, &[]).is_empty());
+        assert!(ops(
+            Engine::Sglang,
+            "model.layers.2.self_attn.fused_qkv_a_proj",
+            &cfg,
+            &[]
+        )
+        .is_empty());
     }
 
     #[test]
@@ -301,15 +313,24 @@ mod tests {
         // vLLM's SharedFusedMoE tuple: (shared, routed before the factor)
         let tuple = ["model.layers.1.mlp.experts:1"];
         assert_eq!(ops(Engine::Vllm, e, &cfg, &tuple), ["L1.ffn.shared"]);
-        let r = map(Engine::Vllm, "model.layers.1.mlp.experts:1", &cfg, &|_| true).unwrap();
-        assert_eq!((r[0].op.as_str(), r[0].scale), ("L1.ffn.experts", Some(2.5)));
+        let r = map(Engine::Vllm, "model.layers.1.mlp.experts:1", &cfg, &|_| {
+            true
+        })
+        .unwrap();
+        assert_eq!(
+            (r[0].op.as_str(), r[0].scale),
+            ("L1.ffn.experts", Some(2.5))
+        );
         // SGLang: routed alone beside its own shared-expert module, else the fused sum
         let with = ["model.layers.1.mlp.shared_experts"];
         assert_eq!(ops(Engine::Sglang, e, &cfg, &with), ["L1.ffn.experts"]);
         assert_eq!(ops(Engine::Sglang, e, &cfg, &[]), ["L1.ffn.out"]);
         // the dense layer 0 has no experts; its MLP is ffn.mlp
         assert!(ops(Engine::Vllm, "model.layers.0.mlp.experts", &cfg, &[]).is_empty());
-        assert_eq!(ops(Engine::Vllm, "model.layers.0.mlp", &cfg, &[]), ["L0.ffn.mlp"]);
+        assert_eq!(
+            ops(Engine::Vllm, "model.layers.0.mlp", &cfg, &[]),
+            ["L0.ffn.mlp"]
+        );
         // a scaled factor keeps SGLang's top-k weights out; the ids are compared
         assert!(ops(Engine::Sglang, "model.layers.1.mlp.topk", &cfg, &[]).is_empty());
         assert_eq!(
@@ -348,7 +369,13 @@ mod tests {
             "moe_intermediate_size": 32, "intermediate_size": 96, "mlp_only_layers": [1]
         }))
         .unwrap();
-        let r = map(Engine::Vllm, "model.layers.0.self_attn.qkv_proj", &cfg, &|_| false).unwrap();
+        let r = map(
+            Engine::Vllm,
+            "model.layers.0.self_attn.qkv_proj",
+            &cfg,
+            &|_| false,
+        )
+        .unwrap();
         let got: Vec<(String, usize, usize, usize)> = r
             .iter()
             .map(|r| {
@@ -365,9 +392,18 @@ mod tests {
             ]
         );
         let o = |e, n: &str| ops(e, n, &cfg, &[]);
-        assert_eq!(o(Engine::Sglang, "model.layers.0.self_attn.k_norm"), ["L0.attn.k_norm"]);
-        assert_eq!(o(Engine::Sglang, "model.layers.0.mlp.topk"), ["L0.ffn.router"]);
-        assert_eq!(o(Engine::Vllm, "model.layers.0.mlp.experts:1"), ["L0.ffn.experts"]);
+        assert_eq!(
+            o(Engine::Sglang, "model.layers.0.self_attn.k_norm"),
+            ["L0.attn.k_norm"]
+        );
+        assert_eq!(
+            o(Engine::Sglang, "model.layers.0.mlp.topk"),
+            ["L0.ffn.router"]
+        );
+        assert_eq!(
+            o(Engine::Vllm, "model.layers.0.mlp.experts:1"),
+            ["L0.ffn.experts"]
+        );
         assert_eq!(o(Engine::Vllm, "model.layers.1.mlp"), ["L1.ffn.mlp"]);
         assert_eq!(o(Engine::Vllm, "model.layers.1"), ["L1.ffn.mlp"]);
         assert_eq!(o(Engine::Vllm, "model.layers.0"), ["L0.ffn.experts"]);
