@@ -276,11 +276,20 @@ fn gqa(o: &Oracle, e: Engine, ranks: usize) -> Vec<Vec<(String, Tensor)>> {
         fam.num_key_value_heads,
         o.cfg.head_dim,
     );
-    let (hl, kvl) = (h / ranks, kv / ranks);
+    // fewer KV heads than ranks: each rank holds a copy of one (vLLM's and SGLang's
+    // `num_kv_heads = max(1, total // tp)`)
+    let (hl, kvl) = (h / ranks, (kv / ranks).max(1));
     // rank r's heads of a head-major [T, heads·w] output
     let heads_of = |x: &Tensor, r: usize| {
         let w = x.cols() / ranks;
         cols(x, r * w, w)
+    };
+    let kv_of = |x: &Tensor, r: usize| {
+        if kv >= ranks {
+            heads_of(x, r)
+        } else {
+            cols(x, r * kv / ranks * dh, dh)
+        }
     };
     // partial sums over the ranks whose total is the value
     let part = |x: &Tensor, r: usize| {
@@ -288,10 +297,10 @@ fn gqa(o: &Oracle, e: Engine, ranks: usize) -> Vec<Vec<(String, Tensor)>> {
             return x.clone();
         }
         let a: Vec<f32> = x.data.iter().map(|v| (v * 0.25).round()).collect();
-        let d: Vec<f32> = if r == 0 {
-            a
-        } else {
-            x.data.iter().zip(&a).map(|(v, a)| v - a).collect()
+        let d: Vec<f32> = match r {
+            0 => a,
+            1 => x.data.iter().zip(&a).map(|(v, a)| v - a).collect(),
+            _ => vec![0.0; a.len()],
         };
         Tensor::new(x.shape.clone(), d)
     };
@@ -307,15 +316,12 @@ fn gqa(o: &Oracle, e: Engine, ranks: usize) -> Vec<Vec<(String, Tensor)>> {
             };
             let qkv = cat(&[
                 heads_of(&s("attn.q"), r),
-                heads_of(&s("attn.k"), r),
-                heads_of(&s("attn.v"), r),
+                kv_of(&s("attn.k"), r),
+                kv_of(&s("attn.v"), r),
             ]);
             linear(v, &format!("{a}.qkv_proj"), qkv);
             if qwen {
-                let (q, k) = (
-                    heads_of(&s("attn.q_norm"), r),
-                    heads_of(&s("attn.k_norm"), r),
-                );
+                let (q, k) = (heads_of(&s("attn.q_norm"), r), kv_of(&s("attn.k_norm"), r));
                 let (q, k) = match e {
                     // vLLM norms `[T, heads, head_dim]`, SGLang `[T · heads, head_dim]`
                     Engine::Vllm => (reshape(&q, vec![t, hl, dh]), reshape(&k, vec![t, kvl, dh])),
@@ -706,6 +712,35 @@ fn qwen3_moe_both_engines_map_every_op_single_and_two_ranks() {
                 let c = r.ops.iter().find(|c| c.op == op).unwrap();
                 assert_eq!(c.vs_bf16.rel_l2, Some(0.0), "{what}: {op}");
             }
+        }
+    }
+}
+
+/// Four ranks over two KV heads: each rank holds a copy of one, which the join refuses (the
+/// tensors are listed as skipped, with why) rather than misreading; the query side still joins.
+#[test]
+fn qwen3_moe_replicated_kv_heads_are_skipped_not_misjoined() {
+    let o = Oracle::new("qwen3_moe");
+    for e in [Engine::Vllm, Engine::Sglang] {
+        let r = compare_dump("qwen3_moe", &o, e, &gqa(&o, e, 4), WriteDtype::F32);
+        assert_eq!(r.trace.ranks, 4);
+        assert_eq!(r.summary.first_divergent, None, "{:?}", r.summary);
+        let skipped: BTreeSet<&str> = r.summary.skipped.iter().map(|s| s.op.as_str()).collect();
+        let want: BTreeSet<String> = (0..o.cfg.num_hidden_layers)
+            .flat_map(|n| ["attn.k", "attn.v", "attn.k_norm"].map(|x| format!("L{n}.{x}")))
+            .collect();
+        assert_eq!(
+            skipped,
+            want.iter().map(String::as_str).collect::<BTreeSet<_>>()
+        );
+        assert!(r
+            .summary
+            .skipped
+            .iter()
+            .all(|s| s.reason.contains("2 heads do not divide over 4 ranks")));
+        for op in ["L1.attn.q", "L1.attn.q_norm", "L1.attn.core"] {
+            let c = r.ops.iter().find(|c| c.op == op).unwrap();
+            assert_eq!(c.vs_bf16.rel_l2, Some(0.0), "{op}");
         }
     }
 }

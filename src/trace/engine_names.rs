@@ -43,7 +43,7 @@
 //! No op of ours is a router's logits or the fused gate/up half of an MLP (the MLP ops are whole
 //! SwiGLUs), so `mlp.gate`, `mlp.router` and `gate_up_proj` stay unmapped.
 
-use super::names::{layer_and_rest, Rule};
+use super::mapped::{layer_and_rest, Rule};
 use crate::model::family::Kind;
 use crate::model::ModelConfig;
 
