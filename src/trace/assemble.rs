@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use crate::model::ModelConfig;
-use crate::trace::names::{NameMap, Rule, Shard};
+use crate::trace::names::{NameMap, PerHead, Rule, Shard};
 use crate::trace::read::{RawTensor, Trace};
 use crate::{Error, Result};
 
@@ -143,7 +143,24 @@ fn unpad_heads(t: RawTensor, dh: usize, heads: usize) -> (RawTensor, Option<Stri
     )
 }
 
-/// One rule applied to one pass: per rank unpad and split, then join the ranks.
+/// A rank's piece of a per-head op as [rows, heads · width]: SGLang norms heads as rows
+/// ([rows · heads, width]), vLLM as a dim of their own ([rows, heads, width]). Other shapes are
+/// left as they are (already [rows, heads · width], or not reconcilable: the comparison says so).
+fn fold_heads(t: RawTensor, heads: usize, width: usize) -> RawTensor {
+    let nd = t.shape.len();
+    let shape = if nd >= 3 && t.shape[nd - 1] == width && t.shape[nd - 2] == heads {
+        let mut s = t.shape[..nd - 2].to_vec();
+        s.push(heads * width);
+        s
+    } else if nd == 2 && heads > 1 && t.shape[1] == width && t.shape[0].is_multiple_of(heads) {
+        vec![t.shape[0] / heads, heads * width]
+    } else {
+        return t;
+    };
+    RawTensor { shape, ..t }
+}
+
+/// One rule applied to one pass: per rank unpad, split and fold heads, then join the ranks.
 fn one_pass(
     trace: &Trace,
     pass: usize,
@@ -172,6 +189,19 @@ fn one_pass(
             Some(name),
             format!("column-parallel tensor missing on rank(s) {missing:?} of pass {pass}"),
         ));
+    }
+    if let (true, Some(PerHead { heads, .. })) = (sharded, rule.per_head) {
+        if !heads.is_multiple_of(ranks) {
+            return Err(Error::bad(
+                &parts[0].1,
+                Some(name),
+                format!(
+                    "op {}: {heads} heads do not divide over {ranks} ranks (ranks that replicate a \
+                     head are not joined)",
+                    rule.op
+                ),
+            ));
+        }
     }
     let mut done = Vec::new();
     for (_, path, t) in parts.iter().cloned() {
@@ -220,10 +250,14 @@ fn one_pass(
                 )
             })?;
         }
+        if let Some(PerHead { heads, width }) = rule.per_head {
+            let local = if sharded { heads / ranks } else { heads };
+            t = fold_heads(t, local, width);
+        }
         done.push((path, t));
     }
     let (path0, first) = done[0].clone();
-    Ok(Some(match &rule.shard {
+    let joined = match &rule.shard {
         Shard::Replicated => first,
         Shard::Concat(d) => {
             if done.len() == 1 {
@@ -275,18 +309,37 @@ fn one_pass(
                 }
             }
         }
+    };
+    Ok(Some(match rule.scale {
+        Some(f) => RawTensor {
+            data: joined.data.iter().map(|v| v * f).collect(),
+            ..joined
+        },
+        None => joined,
     }))
 }
 
-/// Map every trace tensor to its ops and build each op's output.
+/// Map every trace tensor to its ops and build each op's output. A tuple's first element is
+/// written both as `PATH` and as `PATH:0` (probes/capture/_dump.py): `PATH:0` is passed over when
+/// `PATH` is in the trace, so the op is compared (or listed unmapped) once — unless only
+/// `PATH:0` is mapped.
 pub fn assemble(trace: &Trace, map: &NameMap, cfg: &ModelConfig) -> Result<Mapping> {
     let mut out = Mapping::default();
     let skip = ["input_ids", "positions"];
-    for name in trace.names() {
+    let names = trace.names();
+    let set: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+    let has = |n: &str| set.contains(n);
+    for name in &names {
+        let name = name.clone();
         if skip.contains(&name.as_str()) {
             continue;
         }
-        let rules = map.rules(&name, cfg);
+        let rules = map.rules(&name, cfg, &has);
+        if let Some(base) = name.strip_suffix(":0") {
+            if has(base) && (rules.is_empty() || !map.rules(base, cfg, &has).is_empty()) {
+                continue;
+            }
+        }
         if rules.is_empty() {
             out.unmapped.push(name);
             continue;
@@ -467,6 +520,20 @@ mod tests {
         assert_eq!(c.shape, vec![2, 4]);
         assert_eq!(c.data, vec![1.0, 2.0, 1.0, 2.0, 4.0, 5.0, 4.0, 5.0]);
         assert!(slice(&t, 1, 2, 2).is_none());
+    }
+
+    #[test]
+    fn per_head_pieces_fold_to_rows_of_heads() {
+        // SGLang: 2 tokens × 3 heads as rows of width 2 → [2, 6], values in place
+        let f = fold_heads(raw(vec![6, 2]), 3, 2);
+        assert_eq!(f.shape, vec![2, 6]);
+        assert_eq!(f.data, raw(vec![2, 6]).data);
+        // vLLM: [tokens, heads, width] → [2, 6]
+        assert_eq!(fold_heads(raw(vec![2, 3, 2]), 3, 2).shape, vec![2, 6]);
+        // already [rows, heads · width], or not a per-head layout: left alone
+        assert_eq!(fold_heads(raw(vec![2, 6]), 3, 2).shape, vec![2, 6]);
+        assert_eq!(fold_heads(raw(vec![5, 2]), 3, 2).shape, vec![5, 2]);
+        assert_eq!(fold_heads(raw(vec![4, 2]), 1, 2).shape, vec![4, 2]);
     }
 
     #[test]

@@ -3,20 +3,9 @@
 //! (as written by probes/capture/make_hf_families.py: `PATH`, tuple outputs `PATH:i`, inputs
 //! `PATH:input`).
 
-use super::mapped::Mapped;
+use super::mapped::{layer_and_rest, Mapped};
 use crate::model::family::Kind;
 use crate::model::ModelConfig;
-
-/// `model.layers.3.self_attn.q_proj` → (3, `self_attn.q_proj`).
-fn layer_and_rest(name: &str) -> Option<(usize, &str)> {
-    let r = name.strip_prefix("model.layers.")?;
-    let (n, rest) = match r.find(['.', ':']) {
-        Some(i) if r.as_bytes()[i] == b'.' => (&r[..i], &r[i + 1..]),
-        Some(i) => (&r[..i], &r[i..]),
-        None => (r, ""),
-    };
-    Some((n.parse().ok()?, rest))
-}
 
 /// The op a transformers module path of `cfg`'s family feeds (`None`: not an op's output).
 pub fn map_hf(name: &str, cfg: &ModelConfig) -> Option<Mapped> {
@@ -33,7 +22,7 @@ pub fn map_hf(name: &str, cfg: &ModelConfig) -> Option<Mapped> {
         "lm_head" | "logits" => return m("head".into()),
         _ => {}
     }
-    let (n, rest) = layer_and_rest(name)?;
+    let (n, rest) = layer_and_rest(name, "model.layers.")?;
     let l = format!("L{n}");
     let dense = fam.dense.get(n).copied().unwrap_or(false);
     let op = match (fam.kind, rest) {

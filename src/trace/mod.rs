@@ -3,6 +3,7 @@
 
 pub mod assemble;
 pub mod compare;
+pub mod engine_names;
 pub mod family_names;
 pub mod mapped;
 pub mod names;

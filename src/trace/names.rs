@@ -3,18 +3,8 @@
 //! A trace tensor name is `PATH` or `PATH:aux` (the capture scripts' convention). `map_name` returns the
 //! op id and how the tensor is laid out relative to the op's output.
 
-pub use super::mapped::Mapped;
-
-fn layer_and_rest<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
-    let r = name.strip_prefix(prefix)?;
-    // `model.layers.3.attn.wq_b` → (3, "attn.wq_b"); `model.layers.3:residual` → (3, ":residual")
-    let (n, rest) = match r.find(['.', ':']) {
-        Some(i) if r.as_bytes()[i] == b'.' => (&r[..i], &r[i + 1..]),
-        Some(i) => (&r[..i], &r[i..]),
-        None => (r, ""),
-    };
-    Some((n.parse().ok()?, rest))
-}
+use super::mapped::layer_and_rest;
+pub use super::mapped::{Mapped, PerHead, Rule, Shard, Split};
 
 /// Hugging Face transformers' DeepseekV4ForCausalLM module paths (as written by probes/capture/hf_capture.py).
 pub fn map_hf(name: &str) -> Option<Mapped> {
@@ -59,73 +49,6 @@ pub fn map_hf(name: &str) -> Option<Mapped> {
         return m(op, true);
     }
     None
-}
-
-/// How per-rank files of one tensor combine into the logical tensor (tensor parallelism).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Shard {
-    /// Every rank holds the whole tensor (replicated layers, row-parallel outputs after the all-reduce).
-    Replicated,
-    /// Column-parallel outputs: concatenate along this dim (negative counts from the end).
-    Concat(i64),
-    /// Partial sums that the engine all-reduces later (MoE outputs with `reduce_results=False`). When every
-    /// rank holds the same values the tensor was already reduced and rank 0's copy is used.
-    Sum,
-}
-
-/// A slice of a fused output along `dim` (negative counts from the end), in logical (unsharded) units.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Split {
-    pub dim: i64,
-    pub start: usize,
-    pub len: usize,
-}
-
-/// One op a trace tensor feeds, and how to turn the tensor (or its per-rank pieces) into that op's output.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Rule {
-    pub op: String,
-    /// See [`Mapped::token_rows`].
-    pub token_rows: bool,
-    /// Fused projections: the slice of the tensor that is this op's output.
-    pub split: Option<Split>,
-    pub shard: Shard,
-    /// Per-head width of a head-major last dimension: engines pad heads (vLLM/FlashMLA to 64 or 128 per
-    /// rank), and the columns beyond the config's head count are dropped.
-    pub head_dim: Option<usize>,
-}
-
-impl Rule {
-    fn plain(op: String, token_rows: bool) -> Rule {
-        Rule {
-            op,
-            token_rows,
-            split: None,
-            shard: Shard::Replicated,
-            head_dim: None,
-        }
-    }
-    fn concat(mut self, dim: i64) -> Rule {
-        self.shard = Shard::Concat(dim);
-        self
-    }
-    fn sum(mut self) -> Rule {
-        self.shard = Shard::Sum;
-        self
-    }
-    fn heads(mut self, dh: usize) -> Rule {
-        self.head_dim = Some(dh);
-        self
-    }
-    fn split(mut self, start: usize, len: usize) -> Rule {
-        self.split = Some(Split {
-            dim: -1,
-            start,
-            len,
-        });
-        self
-    }
 }
 
 /// Ops whose output rows are not token rows (compressed entries) or that capture scripts keep whole.
@@ -290,6 +213,8 @@ impl UserMap {
                     split: e.split,
                     shard,
                     head_dim: e.head_dim,
+                    per_head: None,
+                    scale: None,
                 });
             }
             entries.insert(name, rules);
@@ -330,8 +255,16 @@ impl NameMap {
     }
 
     /// The ops a trace tensor feeds (empty: unmapped). Built-in maps also accept op ids verbatim, so a
-    /// `run --dump` file compares as a trace.
-    pub fn rules(&self, name: &str, cfg: &crate::model::ModelConfig) -> Vec<Rule> {
+    /// `run --dump` file compares as a trace. `has` says whether the trace holds another name: the
+    /// families' engine maps read a module's output by what else its module wrote (a tuple's
+    /// second element, a shared-expert module of its own; `super::engine_names`).
+    pub fn rules(
+        &self,
+        name: &str,
+        cfg: &crate::model::ModelConfig,
+        has: &dyn Fn(&str) -> bool,
+    ) -> Vec<Rule> {
+        use super::engine_names::{self, Engine};
         let from = |m: Option<Mapped>| m.map(|m| vec![Rule::plain(m.op, m.token_rows)]);
         let found = match self {
             NameMap::Official => from(map_official(name)).map(|r| tp_defaults(r, cfg)),
@@ -339,6 +272,12 @@ impl NameMap {
                 from(super::family_names::map_hf(name, cfg)).map(|r| tp_defaults(r, cfg))
             }
             NameMap::Hf => from(map_hf(name)).map(|r| tp_defaults(r, cfg)),
+            NameMap::Vllm if cfg.family.is_some() => {
+                engine_names::map(Engine::Vllm, name, cfg, has)
+            }
+            NameMap::Sglang if cfg.family.is_some() => {
+                engine_names::map(Engine::Sglang, name, cfg, has)
+            }
             NameMap::Vllm => map_vllm(name, cfg),
             NameMap::Sglang => map_sglang(name, cfg),
             NameMap::File(u) => return u.entries.get(name).cloned().unwrap_or_default(),
