@@ -74,7 +74,11 @@ pub(super) fn hypotheses(
     }
     for (roles, bases) in units.into_iter().filter(|(_, b)| !b.is_empty()) {
         let meta = rp.meta(&bases[0])?;
-        let proj = if bases[0].ends_with(".w2") { "w2" } else { "w13" };
+        let proj = if bases[0].ends_with(".w2") {
+            "w2"
+        } else {
+            "w13"
+        };
         out.push(hypothesis(
             "stored-mxfp4-scales",
             format!("all experts of {layer} ({roles}; {} weights)", bases.len()),

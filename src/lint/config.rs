@@ -243,10 +243,11 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
         // covers any stored tensor
         let raw = cx.ck.tensor_names();
         for (k, e) in compiled.iter().enumerate() {
-            if raw
-                .iter()
-                .any(|n| dotted_prefixes(n).iter().any(|p| e.matches(p) == Some(true)))
-            {
+            if raw.iter().any(|n| {
+                dotted_prefixes(n)
+                    .iter()
+                    .any(|p| e.matches(p) == Some(true))
+            }) {
                 used.insert(k);
             }
         }

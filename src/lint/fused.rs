@@ -49,7 +49,10 @@ fn unpaired(cx: &Cx) -> Vec<Unpaired> {
         if cx.ck.canonical_of(n).is_some() {
             continue;
         }
-        for f in TABLE.iter().filter_map(|s| s.tensors.fused_experts.as_ref()) {
+        for f in TABLE
+            .iter()
+            .filter_map(|s| s.tensors.fused_experts.as_ref())
+        {
             let (stem, data_present) = if let Some(s) = n.strip_suffix(f.data_suffix) {
                 (s, true)
             } else if let Some(s) = n.strip_suffix(f.scale_suffix) {
@@ -83,8 +86,8 @@ fn unpaired(cx: &Cx) -> Vec<Unpaired> {
 /// tensors: an unpaired `_blocks`/`_scales` (an error naming both), and the fused tensor each
 /// group of missing expert pieces belongs to.
 pub(crate) fn fused_findings(cx: &Cx, findings: &mut Vec<Finding>) {
-    let layout_interleaved = crate::model::family::detect(cx.ck.config_json())
-        .is_some_and(|k| k.interleaved_experts());
+    let layout_interleaved =
+        crate::model::family::detect(cx.ck.config_json()).is_some_and(|k| k.interleaved_experts());
     if !layout_interleaved {
         return;
     }
@@ -178,10 +181,15 @@ fn regroup_missing(cx: &Cx, findings: &mut Vec<Finding>) {
         let raw = format!("model.{prefix}.mlp.experts.{name}{suffix}");
         let what = if leaf == "bias" { "bias" } else { "weight" };
         let which = match (es.first(), es.last()) {
-            (Some(a), Some(b)) if es.len() > 1 && b - a + 1 == es.len() => format!("experts {a}–{b}"),
+            (Some(a), Some(b)) if es.len() > 1 && b - a + 1 == es.len() => {
+                format!("experts {a}–{b}")
+            }
             _ => format!(
                 "expert(s) {}",
-                es.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", ")
+                es.iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         };
         f.evidence = match cx.ck.info(&raw) {

@@ -289,7 +289,11 @@ pub fn diagnose(
         let p = pair_stats(&fixed, r, cols);
         return Ok(Some((
             "reference.row-order",
-            format!("{head}; {order} — re-ordering them gives cosine {} and norm ratio {}", g(p.cos), g(p.norm_ratio)),
+            format!(
+                "{head}; {order} — re-ordering them gives cosine {} and norm ratio {}",
+                g(p.cos),
+                g(p.norm_ratio)
+            ),
             GATE_UP_FIX.into(),
         )));
     }
@@ -444,7 +448,10 @@ fn compare_params(cx: &Cx, reference: &Checkpoint) -> Vec<Finding> {
                 &raw,
                 &file,
                 w13,
-                format!("differs from the reference's `{name}` (rel-L2 {}): {order}", g(d)),
+                format!(
+                    "differs from the reference's `{name}` (rel-L2 {}): {order}",
+                    g(d)
+                ),
                 GATE_UP_FIX,
             ));
             continue;

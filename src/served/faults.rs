@@ -79,6 +79,16 @@ impl FaultKind {
             .chain(FaultKind::CHECKPOINT_ONLY)
     }
 
+    /// Whether the kind belongs to gpt-oss's fused experts: [`FaultKind::FUSED_EXPERTS`] and the
+    /// expert-bias kinds, which `synth` plants when it fuses the experts, not into one linear.
+    pub fn is_fused_expert(self) -> bool {
+        FaultKind::FUSED_EXPERTS.contains(&self)
+            || matches!(
+                self,
+                FaultKind::MissingExpertBias | FaultKind::ZeroedExpertBias
+            )
+    }
+
     /// Whether the kind is one of gpt-oss's gate/up row orders.
     pub fn is_gate_up_order(self) -> bool {
         matches!(
@@ -328,7 +338,9 @@ pub fn fused_expert_reading(
     if has(FaultKind::MissingBlockScales) && !overrides.contains(&Override::StoredMxfp4Scales) {
         if let crate::checkpoint::WeightFormat::Mxfp4 { packed, .. } = &qw.format {
             let ones = vec![crate::numerics::ue8m0::BIAS as u8; rows * cols / 32];
-            w = Some(crate::numerics::mxfp4::dequantize(packed, &ones, rows, cols));
+            w = Some(crate::numerics::mxfp4::dequantize(
+                packed, &ones, rows, cols,
+            ));
         }
     }
     if is_w13(&qw.canonical) && rows.is_multiple_of(2) {
@@ -531,7 +543,10 @@ mod tests {
         assert!(!loader_fault_applies(g, "nvfp4-ct") && !loader_fault_applies(g, "bf16"));
         assert!(loader_fault_applies(FaultKind::MissingBlockScales, "mxfp4"));
         assert!(!loader_fault_applies(FaultKind::MissingBlockScales, "bf16"));
-        assert!(!loader_fault_applies(FaultKind::MissingBlockScales, "nvfp4-modelopt"));
+        assert!(!loader_fault_applies(
+            FaultKind::MissingBlockScales,
+            "nvfp4-modelopt"
+        ));
         assert!(is_w13("layers.1.ffn.experts.3.w13") && !is_w13("layers.1.ffn.experts.3.w2"));
     }
 

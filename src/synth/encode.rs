@@ -158,7 +158,7 @@ pub fn encode_group(
     for m in members {
         let mut kinds = Vec::new();
         // gpt-oss's fused-layout kinds are planted when its experts are fused
-        let own = |f: &&Fault| f.hits(m.base) && !super::family::gpt_oss::plants(f.kind);
+        let own = |f: &&Fault| f.hits(m.base) && !f.kind.is_fused_expert();
         for f in faults.iter().filter(own) {
             if applies(f.kind, m.base, scheme)? {
                 kinds.push(f.kind);

@@ -359,7 +359,7 @@ impl<'a> Ctx<'a> {
             if let (Some(s), Choice::Builtin(format)) = (self.family, opts.format) {
                 if s.kind == Kind::GptOss {
                     family::gpt_oss::check_fault(f, &lins, format)?;
-                    if family::gpt_oss::plants(f.kind) {
+                    if f.kind.is_fused_expert() {
                         continue;
                     }
                 }

@@ -182,15 +182,6 @@ fn oss_config(d: &FamDims) -> Map<String, Value> {
     m
 }
 
-/// The kinds planted when the experts are fused ([`fuse`]), not into one encoded linear.
-pub fn plants(kind: FaultKind) -> bool {
-    FaultKind::FUSED_EXPERTS.contains(&kind)
-        || matches!(
-            kind,
-            FaultKind::MissingExpertBias | FaultKind::ZeroedExpertBias
-        )
-}
-
 /// Refuse, before anything is written, a fused-layout fault that [`fuse`] cannot plant as asked:
 /// a kind that leaves a fused tensor out (`_scales`, `_bias`) must cover every expert of a layer
 /// (the tensor holds them all); the gate/up orders need a `w13`; `_scales` exist in MXFP4 only;
@@ -206,7 +197,7 @@ pub fn check_fault(f: &Fault, lins: &[LinSpec], format: Format) -> Result<()> {
     if f.kind == FaultKind::SwizzledScales {
         return refuse("gpt-oss's fused `*_scales` [E, out, in/32] cannot hold the padded 128×4-swizzled layout of one expert");
     }
-    if !plants(f.kind) {
+    if !f.kind.is_fused_expert() {
         return Ok(());
     }
     if f.kind == FaultKind::MissingBlockScales && format != Format::Mxfp4 {
@@ -273,7 +264,11 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
         set.iter()
             .find(|t| t.name == name)
             .map(|t| t.bytes.clone())
-            .ok_or_else(|| Error::usage(format!("synth: gpt-oss expert tensor `{name}` was not encoded")))
+            .ok_or_else(|| {
+                Error::usage(format!(
+                    "synth: gpt-oss expert tensor `{name}` was not encoded"
+                ))
+            })
     };
     let base = |ex: usize, proj: &str| format!("layers.{l}.ffn.experts.{ex}.{proj}");
     let hits = |k: FaultKind, ex: usize, proj: &str| {
@@ -369,12 +364,13 @@ mod tests {
 
     #[test]
     fn projections_and_coverage() {
-        assert_eq!(projection_of("layers.12.ffn.experts.3.w13"), Some((12, "w13")));
+        assert_eq!(
+            projection_of("layers.12.ffn.experts.3.w13"),
+            Some((12, "w13"))
+        );
         assert_eq!(projection_of("layers.1.attn.q_proj"), None);
         let lins: Vec<LinSpec> = (0..3)
-            .flat_map(|e| {
-                ["w13", "w2"].map(|p| lin(format!("layers.1.ffn.experts.{e}.{p}"), 4, 4))
-            })
+            .flat_map(|e| ["w13", "w2"].map(|p| lin(format!("layers.1.ffn.experts.{e}.{p}"), 4, 4)))
             .collect();
         let f = |t: &str| Fault::parse(&format!("missing-expert-bias@{t}")).unwrap();
         assert!(covers_all(&f("L1.ffn.experts"), &lins, 1, "w13"));
@@ -387,7 +383,10 @@ mod tests {
         let s = Fault::parse("missing-block-scales@L1.ffn.experts").unwrap();
         assert!(check_fault(&s, &lins, Format::Bf16).is_err());
         let g = Fault::parse("gate-up-deinterleaved@L1.ffn.expert.2.w2").unwrap();
-        assert!(check_fault(&g, &lins, fmt).unwrap_err().to_string().contains("w13"));
+        assert!(check_fault(&g, &lins, fmt)
+            .unwrap_err()
+            .to_string()
+            .contains("w13"));
         let g = Fault::parse("gate-up-deinterleaved@L1.ffn.expert.2").unwrap();
         assert!(check_fault(&g, &lins, fmt).is_ok());
     }

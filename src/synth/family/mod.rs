@@ -26,8 +26,8 @@ mod qwen3_moe;
 
 use serde_json::{json, Map, Value};
 
-use super::plan::{self, lin, param, single, Block, Dims, Format, Group, PDtype, PKind, Role};
 use super::encode::RawT;
+use super::plan::{self, lin, param, single, Block, Dims, Format, Group, PDtype, PKind, Role};
 use super::plan::{ParamSpec, WScheme};
 use crate::checkpoint::Naming;
 use crate::model::family::Kind;
@@ -55,8 +55,11 @@ pub struct Spec {
     /// The release stores the routed experts fused: one layer's experts (encoded one by one)
     /// and their `.ffn.experts.` parameters into the release's tensors, raw names. None: each
     /// expert's tensors under their own names.
-    pub fuse: Option<fn(&gpt_oss::FuseIn) -> Result<Vec<RawT>>>,
+    pub fuse: Option<FuseFn>,
 }
+
+/// Stacks one layer's encoded experts into a release's fused tensors ([`Spec::fuse`]).
+pub type FuseFn = fn(&gpt_oss::FuseIn) -> Result<Vec<RawT>>;
 
 /// The families `synth --family` writes; a new family is a new row.
 pub static TABLE: &[&Spec] = &[&qwen3_moe::SPEC, &deepseek_v3::SPEC, &gpt_oss::SPEC];
