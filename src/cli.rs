@@ -176,8 +176,9 @@ pub struct InspectArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct SynthArgs {
     /// A model family other than DeepSeek-V4, in its release's layout and transformers' names:
-    /// qwen3-moe (formats bf16, ct-nvfp4, modelopt-nvfp4) or deepseek-v3 (those and fp8-block,
-    /// DeepSeek's FP8 release). Only --preset tiny.
+    /// qwen3-moe (formats bf16, ct-nvfp4, modelopt-nvfp4), deepseek-v3 (those and fp8-block,
+    /// DeepSeek's FP8 release) or gpt-oss (bf16, mxfp4: OpenAI's release, fused experts). Only
+    /// --preset tiny.
     #[arg(long, value_name = "FAMILY")]
     pub family: Option<String>,
     /// Model size: tiny (5 small layers, tens of MB; 4 layers for a --family) or flash-layer
@@ -185,7 +186,7 @@ pub struct SynthArgs {
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed, mxfp4 or mxfp8
-    /// (fp8-block with --family deepseek-v3).
+    /// (fp8-block with --family deepseek-v3; bf16 or mxfp4 with --family gpt-oss).
     #[arg(long, default_value = "bf16")]
     pub format: String,
     /// Tensor naming: official (DeepSeek's release) or hf (Hugging Face transformers)

@@ -49,11 +49,17 @@ fn family(k: FaultKind) -> Option<&'static [Family]> {
             &[BlockScales]
         }
         FaultKind::NibbleSwap => &[NibbleOrder],
-        // FP8's, and the checkpoint-only kinds (not in FaultKind::ALL, which this matrix runs)
+        // FP8's, the checkpoint-only kinds and gpt-oss's fused-expert kinds (not in
+        // FaultKind::ALL, which this matrix runs; tests/gpt_oss_faults.rs has gpt-oss's)
         FaultKind::NonPow2Ue8m0
         | FaultKind::InfInputScale
         | FaultKind::MissingCorrectionBias
-        | FaultKind::SwappedQkNorm => return None,
+        | FaultKind::SwappedQkNorm
+        | FaultKind::GateUpDeinterleaved
+        | FaultKind::GateUpInterleavedTwice
+        | FaultKind::MissingBlockScales
+        | FaultKind::MissingExpertBias
+        | FaultKind::ZeroedExpertBias => return None,
     })
 }
 

@@ -11,6 +11,7 @@
 //! cannot diverge, so bisect also reports the static lint of the layers it read and oracle
 //! anomalies (zero or non-finite outputs, magnitude jumps across layers).
 
+mod experts;
 pub mod render;
 pub mod search;
 
@@ -49,6 +50,8 @@ pub enum Family {
     BlockScales,
     /// e2m1 nibble order of the packed weight.
     NibbleOrder,
+    /// gpt-oss's `w13` gate/up row order (interleaved in the release).
+    GateUpOrder,
 }
 
 /// A named parameter: checkpoint tensor(s), the engine's name, values before and after the fix.
@@ -476,6 +479,8 @@ fn fix_text(kind: &str, p: &ParamRef) -> String {
         "unshift-rows" => format!("{t}: the block-scale rows are shifted by one; fix the row offset where they are written or read"),
         "unswizzle" => format!("{t} is stored in the 128×4 swizzled layout: unswizzle it at load or re-export it linear (docs/NVFP4.md §5.1)"),
         "stored-block-scales" => format!("re-read {t} from the checkpoint (non-finite bytes: re-export the weight; ModelOpt #1633)"),
+        "gate-up-interleave" | "gate-up-deinterleave" => format!("read {t} as the release stores it: gate row i at row 2i, up row i at row 2i + 1 (the GLU reads interleaved pairs); convert to another kernel layout exactly once"),
+        "stored-mxfp4-scales" => format!("load {t} beside the `_blocks` and decode each block with its E8M0 scale (2^(s − 127))"),
         "input-calibrated" => format!(
             "recalibrate the activation scale: {t}{} gives {}, the activations the oracle feeds this op need {to} (2688/amax)",
             p.stored.map(|v| format!(" = {}", fmt_v(Some(v)))).unwrap_or_default(),
@@ -677,6 +682,8 @@ fn explain(
     for (unit, bases) in units(&rec.id, &nvfp4) {
         hyps.extend(hypotheses(&mut rp, &unit, &bases, &clean_amax)?);
     }
+    // gpt-oss's fused experts: gate/up row order, unread MXFP4 scales
+    hyps.extend(experts::hypotheses(&rp, &rec.id, &rec.weights)?);
     // the known root cause's kind first; stop there when it restores the op
     if let Some(k) = hint {
         hyps.sort_by_key(|h| h.kind != k);
@@ -899,7 +906,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
                 }
             }
             Family::BlockScales => format!("{p}_weight_scale"),
-            Family::NibbleOrder => format!("{p}_weight"),
+            Family::NibbleOrder | Family::GateUpOrder => format!("{p}_weight"),
         };
     }
     match fam {
@@ -907,7 +914,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
         Family::WeightScale => "weight_global_scale".into(),
         Family::Alpha => "alpha".into(),
         Family::BlockScales => "weight_scale".into(),
-        Family::NibbleOrder => {
+        Family::NibbleOrder | Family::GateUpOrder => {
             if conv == Convention::CompressedTensors {
                 "weight_packed".into()
             } else {
@@ -923,7 +930,7 @@ fn tensors_of(t: &WeightTensors, fam: Family) -> Vec<String> {
         Family::WeightScale => vec![t.global_scale.as_ref()],
         Family::Alpha => vec![t.input_scale.as_ref(), t.global_scale.as_ref()],
         Family::BlockScales => vec![t.block_scale.as_ref()],
-        Family::NibbleOrder => vec![Some(&t.weight)],
+        Family::NibbleOrder | Family::GateUpOrder => vec![Some(&t.weight)],
     };
     v.into_iter().flatten().cloned().collect()
 }

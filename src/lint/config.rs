@@ -1,6 +1,11 @@
 //! Rule 8: what `quantization_config` (or `hf_quant_config.json`) claims against what the
 //! tensors are. Engines build their modules from the config, so a claim the tensors do not back
 //! is a load failure at best and a silent mis-read at worst.
+//!
+//! The list of unquantized modules is compressed-tensors' `ignore`, ModelOpt's
+//! `exclude_modules`, or gpt-oss's `modules_to_not_convert` (`quant_method: mxfp4`), whose
+//! entries name modules: an entry covers every tensor under the module (transformers and vLLM
+//! match them as prefixes), so `model.layers.*.self_attn` covers `…self_attn.q_proj`.
 
 use std::collections::HashSet;
 
@@ -56,6 +61,13 @@ fn str_list(v: Option<&Value>) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The proper dotted prefixes of a name: `a.b.c` → `a`, `a.b`.
+fn dotted_prefixes(name: &str) -> Vec<String> {
+    name.match_indices('.')
+        .map(|(i, _)| name[..i].to_string())
+        .collect()
 }
 
 fn is_expert(base: &str) -> bool {
@@ -119,6 +131,12 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
                 .map(|s| s.scheme);
             (exp, ex, "exclude_modules")
         }
+        // gpt-oss's release: MXFP4 experts, `modules_to_not_convert` the rest
+        "mxfp4" => (
+            Some(Scheme::Mxfp4),
+            str_list(q.get("modules_to_not_convert")),
+            "modules_to_not_convert",
+        ),
         "fp8" => {
             let mut ex = str_list(q.get("ignore"));
             if ex.is_empty() {
@@ -128,7 +146,15 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
         }
         _ => return out,
     };
-    let names = |m: &WeightMeta| [raw_stem(m), m.canonical.clone()];
+    // module entries cover what lies under the module: every dotted prefix of the name is matched
+    let prefixes = method == "mxfp4";
+    let names = |m: &WeightMeta| {
+        let mut v = vec![raw_stem(m), m.canonical.clone()];
+        if prefixes {
+            v.extend(dotted_prefixes(&raw_stem(m)));
+        }
+        v
+    };
     let mut used: HashSet<usize> = HashSet::new();
     let mut unsupported: HashSet<usize> = HashSet::new();
     let compiled: Vec<Entry> = ignore.iter().map(|e| Entry::new(e)).collect();
@@ -170,7 +196,7 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             out.extend(cx.finding(rule, E, &m.tensors.weight, &m.file, &m.canonical, ev, fix));
         };
         match method {
-            "compressed-tensors" | "modelopt" => {
+            "compressed-tensors" | "modelopt" | "mxfp4" => {
                 let Some(exp) = expected else { continue };
                 let exp_l = exp.label(m.weight_dtype);
                 if ign && m.scheme != Scheme::Dense {
@@ -212,6 +238,20 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             }
         }
     }
+    if prefixes {
+        // a module entry may name a module that is not a linear (the embedding): used when it
+        // covers any stored tensor
+        let raw = cx.ck.tensor_names();
+        for (k, e) in compiled.iter().enumerate() {
+            if raw.iter().any(|n| {
+                dotted_prefixes(n)
+                    .iter()
+                    .any(|p| e.matches(p) == Some(true))
+            }) {
+                used.insert(k);
+            }
+        }
+    }
     for (k, e) in ignore.iter().enumerate() {
         if used.contains(&k) {
             continue;
@@ -238,7 +278,34 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
 
 #[cfg(test)]
 mod tests {
-    use super::matches;
+    use super::{dotted_prefixes, matches};
+
+    #[test]
+    fn module_entries_cover_their_prefixes() {
+        assert_eq!(
+            dotted_prefixes("model.layers.1.self_attn.q_proj"),
+            [
+                "model",
+                "model.layers",
+                "model.layers.1",
+                "model.layers.1.self_attn"
+            ]
+        );
+        let covered = |e: &str, n: &str| {
+            dotted_prefixes(n)
+                .iter()
+                .any(|p| matches(e, p) == Some(true))
+        };
+        assert!(covered(
+            "model.layers.*.self_attn",
+            "model.layers.12.self_attn.q_proj"
+        ));
+        assert!(!covered(
+            "model.layers.*.self_attn",
+            "model.layers.12.mlp.router"
+        ));
+        assert!(covered("model.embed_tokens", "model.embed_tokens.weight"));
+    }
 
     #[test]
     fn globs_and_regexes() {

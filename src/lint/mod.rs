@@ -9,6 +9,7 @@
 
 mod checks;
 mod config;
+mod fused;
 pub mod group;
 pub mod layout;
 mod output;
@@ -183,6 +184,7 @@ fn lint_bases(ck: &Checkpoint, rules: &Rules, bases: Vec<String>) -> Result<Repo
     findings.extend(checks::cross_checks(&cx, &metas));
     findings.extend(checks::completeness(&cx));
     findings.extend(config::check_config(&cx, &metas));
+    fused::fused_findings(&cx, &mut findings);
     sort(&mut findings);
     Ok(Report {
         model: ck.location().to_path_buf(),

@@ -199,6 +199,30 @@ fn repairs(w: &QuantWeight) -> Vec<(&'static str, &'static str, QuantWeight)> {
     v
 }
 
+const GATE_UP_FIX: &str = "Store gpt-oss's w13 (and its bias) as the release does: gate row i at row 2i, up row i at row 2i + 1 (convert a stacked [gate; up] layout by interleaving it once).";
+
+/// For gpt-oss's fused gate/up weight or bias (`base` a `w13`, `a` of `rows` rows): the row order
+/// the stored values are in when re-ordering them makes `matches` hold, and the re-ordered values.
+/// Interleaving restores rows stored de-interleaved (stacked gate, then up); de-interleaving
+/// restores rows interleaved twice.
+fn gate_up_order(
+    base: &str,
+    a: &[f32],
+    rows: usize,
+    matches: impl Fn(&[f32]) -> bool,
+) -> Option<(&'static str, Vec<f32>)> {
+    use crate::served::faults::{deinterleave, interleave, is_w13};
+    if !is_w13(base) || rows < 4 || !rows.is_multiple_of(2) || !a.len().is_multiple_of(rows) {
+        return None;
+    }
+    let i = interleave(a, rows);
+    if matches(&i) {
+        return Some(("the gate and up rows are stored de-interleaved (all gate rows, then all up rows) where the release interleaves them", i));
+    }
+    let d = deinterleave(a, rows);
+    matches(&d).then_some(("the gate and up rows are interleaved twice (a stacked-to-interleaved conversion applied to rows already interleaved)", d))
+}
+
 /// The diagnosis of one pair: (rule, evidence, fix), or None when the tensor matches.
 pub fn diagnose(
     w: &QuantWeight,
@@ -257,6 +281,20 @@ pub fn diagnose(
             "reference.global-scale",
             format!("{head}: the whole tensor is off by {reading}"),
             "Fix the tensor scale (docs/NVFP4.md §3.4): the direction of every weight is right, only the magnitude is not.".into(),
+        )));
+    }
+    if let Some((order, fixed)) = gate_up_order(&w.canonical, a, w.out_features, |x| {
+        good(&pair_stats(x, r, cols))
+    }) {
+        let p = pair_stats(&fixed, r, cols);
+        return Ok(Some((
+            "reference.row-order",
+            format!(
+                "{head}; {order} — re-ordering them gives cosine {} and norm ratio {}",
+                g(p.cos),
+                g(p.norm_ratio)
+            ),
+            GATE_UP_FIX.into(),
         )));
     }
     for (rule, cause, fixed) in repairs(w) {
@@ -387,7 +425,8 @@ fn compare_params(cx: &Cx, reference: &Checkpoint) -> Vec<Finding> {
         let (Ok(a), Ok(r)) = (ck.tensor_f32(&name), reference.tensor_f32(&name)) else {
             continue;
         };
-        let raw = ck.resolve(&name).unwrap_or_else(|| name.clone());
+        // a fused expert bias is named by its row of the fused tensor (`…_bias[3]`)
+        let raw = ck.raw_label(&name).unwrap_or_else(|| name.clone());
         let file = ck.canonical_info(&name).map(|i| i.file).unwrap_or_default();
         let base = name.strip_suffix(".weight").unwrap_or(&name).to_string();
         let d = if *rlen == len {
@@ -396,6 +435,25 @@ fn compare_params(cx: &Cx, reference: &Checkpoint) -> Vec<Finding> {
             f64::INFINITY
         };
         if d <= PARAM_REL_L2 {
+            continue;
+        }
+        // gpt-oss's w13 bias re-ordered with its weight
+        let w13 = name.strip_suffix(".bias").unwrap_or("");
+        if let Some((order, _)) = gate_up_order(w13, &a.data, len, |x| {
+            *rlen == len && rel_l2(x, &r.data) <= PARAM_REL_L2
+        }) {
+            out.extend(cx.finding(
+                "reference.row-order",
+                E,
+                &raw,
+                &file,
+                w13,
+                format!(
+                    "differs from the reference's `{name}` (rel-L2 {}): {order}",
+                    g(d)
+                ),
+                GATE_UP_FIX,
+            ));
             continue;
         }
         let layer = name.split_once(".attn").or_else(|| name.split_once(".ffn"));
@@ -414,7 +472,12 @@ fn compare_params(cx: &Cx, reference: &Checkpoint) -> Vec<Finding> {
                 format!("Store `{name}` and `{other}` under their own names (an export or conversion map that swaps them, e.g. q_norm/k_norm)."),
             ),
             None => (
-                format!("differs from the reference's `{name}`: rel-L2 {}{}", g(d), if *rlen == len { String::new() } else { format!(" (length {len} vs {rlen})") }),
+                format!(
+                    "differs from the reference's `{name}`: rel-L2 {}{}{}",
+                    g(d),
+                    if *rlen == len { String::new() } else { format!(" (length {len} vs {rlen})") },
+                    if a.data.iter().all(|&x| x == 0.0) { "; every value is 0 (exported as zeros, never loaded?)" } else { "" }
+                ),
                 "Re-export the parameter from the original; norm weights and router biases are not quantized and must match it.".to_string(),
             ),
         };

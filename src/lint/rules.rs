@@ -74,6 +74,7 @@ pub const RULES: &[RuleInfo] = &[
     r("reference.global-scale", E, "--reference: the tensor differs from the reference by a constant factor (a tensor scale)"),
     r("reference.block-scales", E, "--reference: per-row/per-block ratio pattern (scale rows shifted, swizzled, transposed)"),
     r("reference.packing", E, "--reference: right norm, cosine near 0 (nibble order, K order)"),
+    r("reference.row-order", E, "--reference: a fused gate/up weight or its bias holds the reference's rows in another order (gpt-oss w13 stored de-interleaved, or interleaved twice)"),
     r("reference.mismatch", E, "--reference: the tensor differs from the reference and no single cause explains it"),
     r("reference.absent", I, "--reference: the weight has no counterpart in the reference"),
     r("reference.param", E, "--reference: a norm weight or bias differs from the reference's (or holds another parameter's values: swapped names)"),

@@ -24,6 +24,11 @@ pub enum FaultKind {
     InfInputScale,
     MissingCorrectionBias,
     SwappedQkNorm,
+    GateUpDeinterleaved,
+    GateUpInterleavedTwice,
+    MissingBlockScales,
+    MissingExpertBias,
+    ZeroedExpertBias,
 }
 
 impl FaultKind {
@@ -44,18 +49,52 @@ impl FaultKind {
         FaultKind::DoubleScale,
     ];
 
+    /// gpt-oss's fused-expert kinds (its `w13` with gate and up rows interleaved, its MXFP4
+    /// `*_scales` beside `*_blocks`): planted by `synth --family gpt-oss` and emulated by
+    /// `--loader-fault` like [`FaultKind::ALL`]'s, but kept out of that list, whose kinds every
+    /// NVFP4 checkpoint can carry (the V4 fault matrices run it).
+    pub const FUSED_EXPERTS: [FaultKind; 3] = [
+        FaultKind::GateUpDeinterleaved,
+        FaultKind::GateUpInterleavedTwice,
+        FaultKind::MissingBlockScales,
+    ];
+
     /// Kinds that exist only as planted checkpoint bytes (`synth --fault`): the served path reads
-    /// the checkpoint as stored, so a loader has no separate way to get them wrong. Kept out of
-    /// [`FaultKind::ALL`], the kinds `--loader-fault` can also emulate.
-    pub const CHECKPOINT_ONLY: [FaultKind; 3] = [
+    /// the checkpoint as stored, so a loader has no separate way to get them wrong (a parameter
+    /// is read by every numerics path alike). Kept out of [`FaultKind::ALL`].
+    pub const CHECKPOINT_ONLY: [FaultKind; 5] = [
         FaultKind::InfInputScale,
         FaultKind::MissingCorrectionBias,
         FaultKind::SwappedQkNorm,
+        FaultKind::MissingExpertBias,
+        FaultKind::ZeroedExpertBias,
     ];
 
-    /// Every kind: [`FaultKind::ALL`], then [`FaultKind::CHECKPOINT_ONLY`].
+    /// Every kind: [`FaultKind::ALL`], [`FaultKind::FUSED_EXPERTS`], then
+    /// [`FaultKind::CHECKPOINT_ONLY`].
     pub fn every() -> impl Iterator<Item = FaultKind> {
-        FaultKind::ALL.into_iter().chain(FaultKind::CHECKPOINT_ONLY)
+        FaultKind::ALL
+            .into_iter()
+            .chain(FaultKind::FUSED_EXPERTS)
+            .chain(FaultKind::CHECKPOINT_ONLY)
+    }
+
+    /// Whether the kind belongs to gpt-oss's fused experts: [`FaultKind::FUSED_EXPERTS`] and the
+    /// expert-bias kinds, which `synth` plants when it fuses the experts, not into one linear.
+    pub fn is_fused_expert(self) -> bool {
+        FaultKind::FUSED_EXPERTS.contains(&self)
+            || matches!(
+                self,
+                FaultKind::MissingExpertBias | FaultKind::ZeroedExpertBias
+            )
+    }
+
+    /// Whether the kind is one of gpt-oss's gate/up row orders.
+    pub fn is_gate_up_order(self) -> bool {
+        matches!(
+            self,
+            FaultKind::GateUpDeinterleaved | FaultKind::GateUpInterleavedTwice
+        )
     }
 
     /// Whether `--loader-fault` can emulate this kind (else it is a checkpoint fault only).
@@ -82,6 +121,11 @@ impl FaultKind {
             FaultKind::InfInputScale => "inf-input-scale",
             FaultKind::MissingCorrectionBias => "missing-correction-bias",
             FaultKind::SwappedQkNorm => "swapped-qk-norm",
+            FaultKind::GateUpDeinterleaved => "gate-up-deinterleaved",
+            FaultKind::GateUpInterleavedTwice => "gate-up-interleaved-twice",
+            FaultKind::MissingBlockScales => "missing-block-scales",
+            FaultKind::MissingExpertBias => "missing-expert-bias",
+            FaultKind::ZeroedExpertBias => "zeroed-expert-bias",
         }
     }
 
@@ -105,6 +149,11 @@ impl FaultKind {
             FaultKind::InfInputScale => "activation scale +Inf: an all-zero calibration of a rarely routed expert (2688/0), the Qwen3-MoE NVFP4 export bug (checkpoint only)",
             FaultKind::MissingCorrectionBias => "DeepSeek-V3 router's e_score_correction_bias left out of the export: routing without it picks other experts (checkpoint only)",
             FaultKind::SwappedQkNorm => "Qwen3 per-head q_norm and k_norm weights stored under each other's names (checkpoint only; lint --reference finds it)",
+            FaultKind::GateUpDeinterleaved => "gpt-oss w13 (gate/up interleaved) taken for the stacked layout and de-interleaved: every GLU pair reads the wrong rows (synth: stored stacked)",
+            FaultKind::GateUpInterleavedTwice => "gpt-oss w13 interleaved again although the release already interleaves gate and up (synth: stored interleaved twice)",
+            FaultKind::MissingBlockScales => "MXFP4 `*_scales` left out beside `*_blocks` (synth), or not loaded: every block read with scale 1 (E8M0 127)",
+            FaultKind::MissingExpertBias => "gpt-oss expert biases `*_bias` left out of the export (checkpoint only; lint: weight.missing)",
+            FaultKind::ZeroedExpertBias => "gpt-oss expert biases exported as zeros, as a loader that never loaded them would hold them (checkpoint only; lint --reference finds it)",
         }
     }
 
@@ -160,6 +209,10 @@ pub fn hitting<'a>(faults: &'a [Fault], base: &str) -> Vec<&'a Fault> {
 /// Decided by the format's served recipe (the format table): every NVFP4 loader fault but the
 /// FP8 activation's; on the FP8-activation formats the non-power-of-two activation scale, and
 /// the double-applied scale where the scales are FP8 block's f32 multipliers.
+/// gpt-oss's kinds: the gate/up row orders on the weights served from their exact dequantized
+/// values (MXFP4, FP8; the reading permutes the decoded rows, and [`check_loader_faults`] also
+/// asks for a `w13`) — a BF16 weight is served as the BF16 oracle reads it, so the runner
+/// measures no loader fault on it —, unloaded block scales on MXFP4.
 pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     use crate::checkpoint::formats::Served;
     use crate::checkpoint::Scheme;
@@ -168,6 +221,12 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     };
     if !kind.has_loader_form() {
         return false;
+    }
+    if kind.is_gate_up_order() {
+        return s.spec().served == Served::Fp8Act;
+    }
+    if kind == FaultKind::MissingBlockScales {
+        return s == Scheme::Mxfp4;
     }
     match s.spec().served {
         Served::Nvfp4 => kind != FaultKind::NonPow2Ue8m0,
@@ -207,6 +266,13 @@ pub fn check_loader_faults(
                 f.target
             )));
         }
+        if f.kind.is_gate_up_order() && !hits.iter().any(|b| is_w13(b)) {
+            return Err(Error::usage(format!(
+                "loader fault {}@{}: needs gpt-oss's fused gate/up weight `w13` (targets like L1.ffn.experts)",
+                f.kind.name(),
+                f.target
+            )));
+        }
         let schemes: Vec<&str> = hits.iter().filter_map(|b| ckpt.weight_scheme(b)).collect();
         if !schemes.iter().any(|s| loader_fault_applies(f.kind, s)) {
             let mut uniq = schemes.clone();
@@ -221,6 +287,81 @@ pub fn check_loader_faults(
         }
     }
     Ok(())
+}
+
+/// Whether `base` is gpt-oss's fused gate/up projection of a routed expert (`….experts.3.w13`).
+pub fn is_w13(base: &str) -> bool {
+    base.contains(".ffn.experts.") && base.ends_with(".w13")
+}
+
+/// gpt-oss's `w13` [2I, D] holds gate row i at row 2i and up row i at row 2i + 1 (the release's
+/// layout, the op reads it so). `deinterleave` is what a loader does that takes it for the stacked
+/// layout (gate rows, then up rows): row i ← row 2i, row I + i ← row 2i + 1. `rows` rows of
+/// `v.len() / rows` elements each; `rows` even.
+pub fn deinterleave<T: Copy>(v: &[T], rows: usize) -> Vec<T> {
+    let (half, w) = (rows / 2, v.len() / rows.max(1));
+    let mut out = Vec::with_capacity(v.len());
+    for parity in 0..2 {
+        for i in 0..half {
+            out.extend_from_slice(&v[(2 * i + parity) * w..(2 * i + parity + 1) * w]);
+        }
+    }
+    out
+}
+
+/// The inverse of [`deinterleave`]: row 2i ← row i, row 2i + 1 ← row I + i (a loader that
+/// interleaves a `w13` it takes for stacked, though the release interleaves it already).
+pub fn interleave<T: Copy>(v: &[T], rows: usize) -> Vec<T> {
+    let (half, w) = (rows / 2, v.len() / rows.max(1));
+    let mut out = Vec::with_capacity(v.len());
+    for i in 0..half {
+        out.extend_from_slice(&v[i * w..(i + 1) * w]);
+        out.extend_from_slice(&v[(half + i) * w..(half + i + 1) * w]);
+    }
+    out
+}
+
+/// The values a loader with gpt-oss's fused-expert faults serves for `qw` (whose dequantized values
+/// are `dequant`), bisect's repairs applied after it: MXFP4 blocks read without their `_scales`
+/// (every scale 1, E8M0 127) unless the repair re-reads them, `w13`'s rows de-interleaved or
+/// interleaved again, then re-ordered by a repair. None when nothing applies (serve `dequant`).
+pub fn fused_expert_reading(
+    qw: &crate::checkpoint::QuantWeight,
+    dequant: &[f32],
+    faults: &[&Fault],
+    overrides: &[super::Override],
+) -> Option<Vec<f32>> {
+    use super::Override;
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    let (rows, cols) = (qw.out_features, qw.in_features);
+    let mut w: Option<Vec<f32>> = None;
+    if has(FaultKind::MissingBlockScales) && !overrides.contains(&Override::StoredMxfp4Scales) {
+        if let crate::checkpoint::WeightFormat::Mxfp4 { packed, .. } = &qw.format {
+            let ones = vec![crate::numerics::ue8m0::BIAS as u8; rows * cols / 32];
+            w = Some(crate::numerics::mxfp4::dequantize(
+                packed, &ones, rows, cols,
+            ));
+        }
+    }
+    if is_w13(&qw.canonical) && rows.is_multiple_of(2) {
+        let mut step = |f: fn(&[f32], usize) -> Vec<f32>| {
+            w = Some(f(w.as_deref().unwrap_or(dequant), rows));
+        };
+        if has(FaultKind::GateUpDeinterleaved) {
+            step(deinterleave);
+        }
+        if has(FaultKind::GateUpInterleavedTwice) {
+            step(interleave);
+        }
+        for o in overrides {
+            match o {
+                Override::InterleaveGateUp => step(interleave),
+                Override::DeinterleaveGateUp => step(deinterleave),
+                _ => {}
+            }
+        }
+    }
+    w
 }
 
 /// Op id → canonical weight base prefix rules: `L1.attn.q_a` ↔ `layers.1.attn.wq_a`,
@@ -388,6 +529,41 @@ mod tests {
             assert!(!loader_fault_applies(k, "nvfp4-ct"));
         }
         assert!(loader_fault_applies(FaultKind::NanInputScale, "nvfp4-ct"));
+    }
+
+    /// gpt-oss's loader kinds: gate/up orders on the exactly dequantized formats, unloaded scales
+    /// on MXFP4 only; not in the V4 list.
+    #[test]
+    fn fused_expert_kinds_apply_where_their_tensors_are() {
+        for k in FaultKind::FUSED_EXPERTS {
+            assert!(k.has_loader_form() && !FaultKind::ALL.contains(&k));
+        }
+        let g = FaultKind::GateUpDeinterleaved;
+        assert!(loader_fault_applies(g, "mxfp4") && loader_fault_applies(g, "fp8-block"));
+        assert!(!loader_fault_applies(g, "nvfp4-ct") && !loader_fault_applies(g, "bf16"));
+        assert!(loader_fault_applies(FaultKind::MissingBlockScales, "mxfp4"));
+        assert!(!loader_fault_applies(FaultKind::MissingBlockScales, "bf16"));
+        assert!(!loader_fault_applies(
+            FaultKind::MissingBlockScales,
+            "nvfp4-modelopt"
+        ));
+        assert!(is_w13("layers.1.ffn.experts.3.w13") && !is_w13("layers.1.ffn.experts.3.w2"));
+    }
+
+    /// Rows [g0, u0, g1, u1, g2, u2] de-interleave to [g0, g1, g2, u0, u1, u2]; interleaving undoes
+    /// it, and interleaving the interleaved rows is another order again.
+    #[test]
+    fn gate_up_orders_are_inverse_row_permutations() {
+        let rows = ["g0", "u0", "g1", "u1", "g2", "u2"];
+        // two elements per row
+        let v: Vec<&str> = rows.iter().flat_map(|r| [*r, *r]).collect();
+        let d = deinterleave(&v, 6);
+        let firsts: Vec<&str> = d.chunks(2).map(|c| c[0]).collect();
+        assert_eq!(firsts, ["g0", "g1", "g2", "u0", "u1", "u2"]);
+        assert_eq!(interleave(&d, 6), v);
+        let twice: Vec<&str> = interleave(&v, 6).chunks(2).map(|c| c[0]).collect();
+        assert_eq!(twice, ["g0", "u1", "u0", "g2", "g1", "u2"]);
+        assert_eq!(deinterleave(&interleave(&v, 6), 6), v);
     }
 
     #[test]

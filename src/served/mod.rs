@@ -47,6 +47,12 @@ pub enum Override {
     NibbleSwap,
     Unswizzle,
     UnshiftRows,
+    /// gpt-oss's `w13` rows re-ordered after the loader's reading (`faults::interleave` /
+    /// `faults::deinterleave`), and MXFP4 blocks decoded with their stored `_scales`
+    /// (`faults::fused_expert_reading`).
+    InterleaveGateUp,
+    DeinterleaveGateUp,
+    StoredMxfp4Scales,
 }
 
 /// How the served path turned the stored NVFP4 fields into kernel parameters; reported by bisect.
@@ -368,6 +374,9 @@ pub fn prepare(
 ) -> Result<ServedWeight> {
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     use crate::checkpoint::formats::Served;
+    // gpt-oss's fused-expert loader faults and their repairs change the decoded values
+    let read = faults::fused_expert_reading(qw, dequant_f32, faults, overrides);
+    let dequant_f32 = read.as_deref().unwrap_or(dequant_f32);
     Ok(match (&qw.format, qw.format.scheme().spec().served) {
         (_, Served::Dense) => ServedWeight::Dense {
             w: Arc::new(

@@ -79,6 +79,16 @@ pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
         InvertedWeightScale => nv || matches!(scheme, WScheme::Fp8 | WScheme::Fp8F32),
         // parameter faults (`synth::family::plant_params`) leave every linear alone
         MissingCorrectionBias | SwappedQkNorm => return Ok(false),
+        // planted where gpt-oss's experts are fused (`synth::family::gpt_oss::fuse`)
+        GateUpDeinterleaved | GateUpInterleavedTwice | MissingBlockScales | MissingExpertBias
+        | ZeroedExpertBias => {
+            return Err(usage(
+                kind,
+                base,
+                scheme,
+                "it belongs to gpt-oss's fused experts (synth --family gpt-oss)",
+            ))
+        }
         NanBlockScale | ShiftedScaleRows => scheme != WScheme::Bf16,
         NibbleSwap | SwizzledScales => nv || scheme == WScheme::Mxfp4,
         NonPow2Ue8m0 => scheme == WScheme::Fp8,
@@ -147,7 +157,9 @@ pub fn encode_group(
         .fold(0f32, f32::max);
     for m in members {
         let mut kinds = Vec::new();
-        for f in faults.iter().filter(|f| f.hits(m.base)) {
+        // gpt-oss's fused-layout kinds are planted when its experts are fused
+        let own = |f: &&Fault| f.hits(m.base) && !f.kind.is_fused_expert();
+        for f in faults.iter().filter(own) {
             if applies(f.kind, m.base, scheme)? {
                 kinds.push(f.kind);
             }

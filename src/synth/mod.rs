@@ -354,6 +354,16 @@ impl<'a> Ctx<'a> {
             ),
         };
         for f in &opts.faults {
+            // gpt-oss's fused experts: its own kinds are planted when fusing, and its layout
+            // refuses what a fused tensor cannot hold
+            if let (Some(s), Choice::Builtin(format)) = (self.family, opts.format) {
+                if s.kind == Kind::GptOss {
+                    family::gpt_oss::check_fault(f, &lins, format)?;
+                    if f.kind.is_fused_expert() {
+                        continue;
+                    }
+                }
+            }
             if family::is_param_fault(f.kind) {
                 family::check_param_fault(f, &params, &what)?;
                 continue;
@@ -515,13 +525,20 @@ impl<'a> Ctx<'a> {
         let mut encoded = encoded.into_iter();
         let mut ptensors = ptensors.into_iter();
         let (mut n, mut bytes) = (0usize, 0u64);
-        // V4's transformers layout fuses BF16 experts; the families' releases store each expert
+        // V4's transformers layout fuses BF16 experts; Qwen3-MoE's and DeepSeek-V3's releases
+        // store each expert, gpt-oss's fuses them its own way (`Spec::fuse`)
         let fuse = self.family.is_none()
             && self.opts.format == Choice::Builtin(Format::Bf16)
             && self.opts.naming == Naming::Hf;
+        let family_fuse = self.family.and_then(|f| f.fuse);
         for b in &self.blocks {
-            for _ in &b.params {
+            let mut expert_params = Vec::new();
+            for p in &b.params {
                 let t = ptensors.next().ok_or_else(|| Error::usage("synth: plan"))?;
+                if family_fuse.is_some() && p.name.contains(".ffn.experts.") {
+                    expert_params.extend(t);
+                    continue;
+                }
                 // None: a parameter a fault leaves out
                 if let Some(t) = t {
                     self.put(w, t, &mut n, &mut bytes)?;
@@ -538,6 +555,20 @@ impl<'a> Ctx<'a> {
             }
             if fuse && !b.experts.is_empty() {
                 expert_ts = self.fuse_experts(b, &linears);
+            }
+            if let (Some(f), Some(layer), Choice::Builtin(format)) =
+                (family_fuse, b.layer, self.opts.format)
+            {
+                if !b.experts.is_empty() {
+                    expert_ts = f(&family::gpt_oss::FuseIn {
+                        layer,
+                        dims: &self.dims,
+                        format,
+                        experts: expert_ts,
+                        params: expert_params,
+                        faults: &self.opts.faults,
+                    })?;
+                }
             }
             for t in expert_ts {
                 self.put(w, t, &mut n, &mut bytes)?;

@@ -27,6 +27,7 @@ pub(super) static SPEC: Spec = Spec {
     },
     config: v3_config,
     renames: &[("attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight")],
+    fuse: None,
 };
 
 fn v3_tiny(layers: usize) -> FamDims {

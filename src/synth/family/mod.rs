@@ -1,6 +1,7 @@
 //! Synthetic checkpoints of the model families beyond DeepSeek-V4 (issue 23): `synth --family
-//! qwen3-moe|deepseek-v3`, in the family's real on-disk layout (transformers' names as the hub
-//! releases store them, one tensor per expert projection) and in each format the family ships.
+//! qwen3-moe|deepseek-v3|gpt-oss`, in the family's real on-disk layout (transformers' names as
+//! the hub releases store them: one tensor per expert projection, or gpt-oss's fused experts) and
+//! in each format the family ships.
 //!
 //! A family is one row of [`TABLE`] ([`Spec`]): its tiny dimensions, its canonical tensor list
 //! (the names `checkpoint::naming` maps its transformers names onto, the weights
@@ -8,19 +9,24 @@
 //! few canonical names whose transformers spelling differs from V4's. Everything else is V4's
 //! machinery unchanged: the generator (`gen`: trained-model structure, routers aimed at token
 //! clusters), the calibration (`calib`: the family's own FP32 forward through its op graph), the
-//! encoders and planted faults (`encode`), the writer. gpt-oss becomes one more row (with its
-//! fused `gate_up_proj` MXFP4 tensors as an encoder of their own).
+//! encoders and planted faults (`encode`), the writer. A family whose release fuses its experts
+//! (gpt-oss: `gate_up_proj` [E, D, 2I] in BF16, `*_blocks`/`*_scales` in MXFP4) has a
+//! [`Spec::fuse`] that stacks the experts' encoded bytes into its tensors and plants the faults
+//! only that layout has.
 //!
-//! One file per family (`qwen3_moe.rs`, `deepseek_v3.rs`: its row, dimensions, layer and config);
+//! One file per family (`qwen3_moe.rs`, `deepseek_v3.rs`, `gpt_oss.rs`: its row, dimensions,
+//! layer and config);
 //! the faults that change parameters rather than linear weights (a dropped
 //! `e_score_correction_bias`, swapped `q_norm`/`k_norm`) are planted by [`params`].
 
 mod deepseek_v3;
+pub mod gpt_oss;
 pub mod params;
 mod qwen3_moe;
 
 use serde_json::{json, Map, Value};
 
+use super::encode::RawT;
 use super::plan::{self, lin, param, single, Block, Dims, Format, Group, PDtype, PKind, Role};
 use super::plan::{ParamSpec, WScheme};
 use crate::checkpoint::Naming;
@@ -46,10 +52,17 @@ pub struct Spec {
     config: fn(&FamDims) -> Map<String, Value>,
     /// Canonical layer tails (after `layers.N.`) whose transformers name is not V4's HF spelling.
     renames: &'static [(&'static str, &'static str)],
+    /// The release stores the routed experts fused: one layer's experts (encoded one by one)
+    /// and their `.ffn.experts.` parameters into the release's tensors, raw names. None: each
+    /// expert's tensors under their own names.
+    pub fuse: Option<FuseFn>,
 }
 
+/// Stacks one layer's encoded experts into a release's fused tensors ([`Spec::fuse`]).
+pub type FuseFn = fn(&gpt_oss::FuseIn) -> Result<Vec<RawT>>;
+
 /// The families `synth --family` writes; a new family is a new row.
-pub static TABLE: &[&Spec] = &[&qwen3_moe::SPEC, &deepseek_v3::SPEC];
+pub static TABLE: &[&Spec] = &[&qwen3_moe::SPEC, &deepseek_v3::SPEC, &gpt_oss::SPEC];
 
 /// The row of a family kind.
 pub fn spec(kind: Kind) -> Result<&'static Spec> {
@@ -158,6 +171,7 @@ impl Spec {
             Format::CtNvfp4 => WScheme::Nvfp4Ct,
             Format::ModelOptNvfp4 => WScheme::Nvfp4ModelOpt,
             Format::Fp8Block => WScheme::Fp8F32,
+            Format::Mxfp4 => WScheme::Mxfp4,
             _ => WScheme::Bf16,
         }
     }
@@ -250,6 +264,16 @@ impl Spec {
                     json!({
                         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                         "weight_block_size": [128, 128],
+                    }),
+                );
+            }
+            // OpenAI's gpt-oss release
+            Format::Mxfp4 => {
+                m.insert(
+                    "quantization_config".into(),
+                    json!({
+                        "modules_to_not_convert": gpt_oss::NOT_CONVERTED,
+                        "quant_method": "mxfp4",
                     }),
                 );
             }
@@ -366,7 +390,11 @@ mod tests {
                     names.push(format!("{}.{leaf}", l.base));
                 }
             }
-            for c in &names {
+            // a release that fuses its experts names them per layer (checked below)
+            for c in names
+                .iter()
+                .filter(|c| s.fuse.is_none() || !c.contains(".ffn.experts."))
+            {
                 let raw = s.raw_name(c);
                 assert_eq!(
                     canonical(&raw, Naming::Hf),
@@ -408,6 +436,42 @@ mod tests {
         );
     }
 
+    /// gpt-oss's fused experts, written and read back: every canonical tensor the plan has (per
+    /// expert `w13`, `w2`, their biases and block scales) is one the reader finds in the release's
+    /// fused tensors, and nothing else is there.
+    #[test]
+    fn gpt_oss_fused_experts_read_back_per_expert() {
+        use crate::synth::{synth_to_memory, SynthOptions};
+        let g = spec(Kind::GptOss).unwrap();
+        let d = g.dims(Some(2)).unwrap();
+        for (format, leaves) in [
+            (Format::Bf16, &["weight"][..]),
+            (Format::Mxfp4, &["weight", "weight_scale"][..]),
+        ] {
+            let mut o = SynthOptions::family(Kind::GptOss, format, 1);
+            o.layers = Some(2);
+            let ck = synth_to_memory(&o).unwrap();
+            let mut want: Vec<String> = g
+                .blocks(&d)
+                .iter()
+                .flat_map(|b| b.params.iter().map(|p| p.name.clone()))
+                .collect();
+            for l in plan::all_linears(&g.blocks(&d)) {
+                for leaf in leaves {
+                    if *leaf == "weight" || l.base.contains(".ffn.experts.") {
+                        want.push(format!("{}.{leaf}", l.base));
+                    }
+                }
+            }
+            want.sort();
+            let mut got = ck.canonical_names();
+            got.sort();
+            assert_eq!(got, want, "{format:?}");
+            let raw = ck.tensor_names();
+            assert!(raw.contains(&"model.layers.1.mlp.experts.gate_up_proj_bias".to_string()));
+        }
+    }
+
     #[test]
     fn schemes_follow_the_releases() {
         let v = spec(Kind::DeepseekV3).unwrap();
@@ -431,6 +495,18 @@ mod tests {
             q.scheme(Format::CtNvfp4, "layers.0.attn.k_proj"),
             WScheme::Nvfp4Ct
         );
-        assert!(parse("gpt-oss").is_err() && parse("qwen3-moe").is_ok());
+        assert!(parse("gpt-oss").is_ok() && parse("qwen3-moe").is_ok() && parse("gpt").is_err());
+        let g = spec(Kind::GptOss).unwrap();
+        assert_eq!(
+            g.scheme(Format::Mxfp4, "layers.1.ffn.experts.3.w13"),
+            WScheme::Mxfp4
+        );
+        for b in ["layers.1.attn.q_proj", "layers.1.ffn.gate", "head"] {
+            assert_eq!(g.scheme(Format::Mxfp4, b), WScheme::Bf16, "{b}");
+        }
+        assert_eq!(
+            g.raw_name("layers.0.ffn.gate.bias"),
+            "model.layers.0.mlp.router.bias"
+        );
     }
 }

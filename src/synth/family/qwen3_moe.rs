@@ -17,6 +17,7 @@ pub(super) static SPEC: Spec = Spec {
     quantizes: |f, _| f != Format::Bf16,
     config: qwen3_config,
     renames: &[("attn.q_norm.weight", "self_attn.q_norm.weight")],
+    fuse: None,
 };
 
 fn qwen3_tiny(layers: usize) -> FamDims {

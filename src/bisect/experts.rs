@@ -1,0 +1,136 @@
+//! Hypotheses about how a loader read gpt-oss's fused experts: the gate/up row order of `w13`
+//! (the release interleaves gate and up rows; a loader that takes them for stacked de-interleaves
+//! them, one that interleaves them again scrambles them another way) and the MXFP4 `*_scales` a
+//! loader did not read (every block then decodes with scale 1).
+//!
+//! Why apart from the NVFP4 scale hypotheses: these weights have no tensor or activation scale
+//! to get wrong, so the NVFP4 set has nothing to say about them, while a wrong row order or
+//! unread block scales are exactly what an MXFP4 expert loader gets wrong. Each hypothesis is a
+//! repair of the loader's reading (`served::Override`), evaluated like the others.
+
+use super::{Family, Hypothesis, ParamRef};
+use crate::probe::replay::{Patch, Replayer};
+use crate::served::faults::is_w13;
+use crate::served::Override;
+use crate::Result;
+
+/// The hypotheses for op `op` reading `weights` (base, scheme label): the two gate/up re-orderings
+/// over every routed `w13` not stored NVFP4, and the stored block scales over the MXFP4 experts
+/// (all projections, then each).
+pub(super) fn hypotheses(
+    rp: &Replayer,
+    op: &str,
+    weights: &[(String, String)],
+) -> Result<Vec<Hypothesis>> {
+    let layer = op.split('.').next().unwrap_or(op);
+    let w13: Vec<String> = weights
+        .iter()
+        .filter(|(b, s)| is_w13(b) && !s.starts_with("nvfp4"))
+        .map(|(b, _)| b.clone())
+        .collect();
+    let mut out = Vec::new();
+    if !w13.is_empty() {
+        let tensors = vec![raw_of(rp, &w13[0])];
+        for (kind, o, what) in [
+            (
+                "gate-up-interleave",
+                Override::InterleaveGateUp,
+                "w13's gate and up rows are read de-interleaved (the release's interleaved rows taken for stacked gate, then up)",
+            ),
+            (
+                "gate-up-deinterleave",
+                Override::DeinterleaveGateUp,
+                "w13's gate and up rows are interleaved a second time (the release interleaves them already)",
+            ),
+        ] {
+            out.push(hypothesis(
+                kind,
+                format!("all experts of {layer} (w13; {} weights)", w13.len()),
+                what,
+                Family::GateUpOrder,
+                &w13,
+                tensors.clone(),
+                "w13_weight".into(),
+                o,
+                6,
+            ));
+        }
+    }
+    let mx: Vec<String> = weights
+        .iter()
+        .filter(|(b, s)| b.contains(".ffn.experts.") && s == "mxfp4")
+        .map(|(b, _)| b.clone())
+        .collect();
+    let mut units = vec![("w13, w2", mx.clone())];
+    for role in ["w13", "w2"] {
+        let v: Vec<String> = mx
+            .iter()
+            .filter(|b| b.ends_with(&format!(".{role}")))
+            .cloned()
+            .collect();
+        if !v.is_empty() && v.len() < mx.len() {
+            units.push((role, v));
+        }
+    }
+    for (roles, bases) in units.into_iter().filter(|(_, b)| !b.is_empty()) {
+        let meta = rp.meta(&bases[0])?;
+        let proj = if bases[0].ends_with(".w2") {
+            "w2"
+        } else {
+            "w13"
+        };
+        out.push(hypothesis(
+            "stored-mxfp4-scales",
+            format!("all experts of {layer} ({roles}; {} weights)", bases.len()),
+            "the MXFP4 block scales in use are not the stored `*_scales` (decoding the blocks with them restores the op)",
+            Family::BlockScales,
+            &bases,
+            meta.tensors.block_scale.into_iter().collect(),
+            format!("{proj}_weight_scale"),
+            Override::StoredMxfp4Scales,
+            7,
+        ));
+    }
+    Ok(out)
+}
+
+/// The checkpoint tensor holding a weight (the fused tensor for a fused expert's piece).
+fn raw_of(rp: &Replayer, base: &str) -> String {
+    rp.ckpt
+        .resolve(&format!("{base}.weight"))
+        .unwrap_or_else(|| base.to_string())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn hypothesis(
+    kind: &str,
+    unit: String,
+    what: &str,
+    family: Family,
+    bases: &[String],
+    tensors: Vec<String>,
+    engine: String,
+    o: Override,
+    prior: usize,
+) -> Hypothesis {
+    Hypothesis {
+        kind: kind.into(),
+        unit,
+        what: what.into(),
+        param: ParamRef {
+            family,
+            bases: bases.to_vec(),
+            tensors,
+            engine,
+            current: None,
+            corrected: None,
+            stored: None,
+            from_sibling: None,
+        },
+        patches: bases
+            .iter()
+            .map(|b| (b.clone(), Patch::Ov(o.clone())))
+            .collect(),
+        prior,
+    }
+}
