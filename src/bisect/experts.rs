@@ -96,7 +96,7 @@ pub(super) fn hypotheses(
 
 /// The checkpoint tensor holding a weight (the fused tensor for a fused expert's piece).
 fn raw_of(rp: &Replayer, base: &str) -> String {
-    rp.ckpt
+    rp.ckpt()
         .resolve(&format!("{base}.weight"))
         .unwrap_or_else(|| base.to_string())
 }
