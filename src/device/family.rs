@@ -237,7 +237,10 @@ mod tests {
         let (k, v) = mla_keys(&kvb, &kva, d);
         assert_eq!(k, [1.0, 2.0, 7.0, 8.0, 4.0, 5.0, 7.0, 8.0]);
         assert_eq!(v, [3.0, 6.0]);
-        assert_eq!(slice_cols(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3, 1, 2), [2.0, 3.0, 5.0, 6.0]);
+        assert_eq!(
+            slice_cols(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3, 1, 2),
+            [2.0, 3.0, 5.0, 6.0]
+        );
     }
 
     /// The GLU against its definition, the clamps included: a gate above the limit is cut to it,

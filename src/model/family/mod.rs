@@ -72,14 +72,24 @@ mod tests {
         for f in ["qwen3_moe", "deepseek_v3", "gpt_oss"] {
             assert_eq!(cuda_unsupported(&cfg(f)), None, "{f}");
         }
-        let some = [OpKind::HeadNorm, OpKind::MlaAttention, OpKind::GptOssExperts];
+        let some = [
+            OpKind::HeadNorm,
+            OpKind::MlaAttention,
+            OpKind::GptOssExperts,
+        ];
         let q = unsupported_among(&cfg("qwen3_moe"), &some).unwrap();
         assert!(q.contains("qwen3-moe") && q.contains("`HeadNorm`"), "{q}");
         assert!(!q.contains("Mla") && !q.contains("GptOss"), "{q}");
         let v = unsupported_among(&cfg("deepseek_v3"), &some).unwrap();
-        assert!(v.contains("`MlaAttention`") && !v.contains("HeadNorm"), "{v}");
+        assert!(
+            v.contains("`MlaAttention`") && !v.contains("HeadNorm"),
+            "{v}"
+        );
         let g = unsupported_among(&cfg("gpt_oss"), &some).unwrap();
-        assert!(g.contains("gpt-oss") && g.contains("`GptOssExperts`"), "{g}");
+        assert!(
+            g.contains("gpt-oss") && g.contains("`GptOssExperts`"),
+            "{g}"
+        );
         assert!(!g.contains("HeadNorm") && !g.contains("Mla"), "{g}");
     }
 }

@@ -350,6 +350,9 @@ mod tests {
             (0..2 * half).for_each(|i| a[nope + i] = b[nope + pos(i)]);
         }
         assert_eq!(got.data, want);
-        assert_ne!(got.data, Tensor::new(vec![t, n * dh], vals).rounded_bf16().data);
+        assert_ne!(
+            got.data,
+            Tensor::new(vec![t, n * dh], vals).rounded_bf16().data
+        );
     }
 }
