@@ -209,7 +209,12 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
         }
         // each model family's tiny model, CPU against CUDA (with the built-in models only)
         if args.model.is_none() {
-            for r in crate::selftest::family::runs(&gpu, &args.served, args.seq_len, args.seed)? {
+            for r in crate::selftest::family::runs(
+                Backend::Cuda(gpu.clone()),
+                &args.served,
+                args.seq_len,
+                args.seed,
+            )? {
                 println!("{}", r.line);
                 for m in &r.details {
                     println!("  {m}");

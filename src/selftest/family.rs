@@ -4,8 +4,6 @@
 //! model on both backends ([`runs`]): Qwen3-MoE and DeepSeek-V3 from `synth --family`, gpt-oss
 //! built here in its transformers layout (BF16, fused experts stored [E, in, out]).
 
-use std::sync::{Arc, Mutex};
-
 use super::layer::{dv, normals, rounded, tag};
 use super::{compare_runs, exact, Check, RunAgreement};
 use crate::backend::cuda::Gpu;
@@ -236,10 +234,11 @@ fn models(seed: u64) -> Result<Vec<(&'static str, Checkpoint)>> {
 }
 
 /// Whole runs of every family's tiny model over all its layers, `seq_len` tokens, under each
-/// served profile, on the CPU and on the device: the same agreement the V4 whole run is held to
-/// (NaN/Inf counts equal, amax within 1e-4, |Δcos| ≤ 1e-4, the same divergent ops).
+/// served profile, on the CPU and on `device` (the self-test's CUDA backend): the same agreement
+/// the V4 whole run is held to (NaN/Inf counts equal, amax within 1e-4, |Δcos| ≤ 1e-4, the same
+/// divergent ops).
 pub fn runs(
-    gpu: &Arc<Mutex<Gpu>>,
+    device: Backend,
     profiles: &[String],
     seq_len: usize,
     seed: u64,
@@ -254,9 +253,9 @@ pub fn runs(
                 ..crate::probe::RunOptions::new((0, cfg.num_hidden_layers - 1), tokens.clone())
             };
             let cpu = crate::probe::run(&ckpt, &opts)?;
-            opts.backend = Backend::Cuda(gpu.clone());
-            let cuda = crate::probe::run(&ckpt, &opts)?;
-            let a = compare_runs(&cpu, &cuda);
+            opts.backend = device.clone();
+            let dev = crate::probe::run(&ckpt, &opts)?;
+            let a = compare_runs(&cpu, &dev);
             out.push(family_run(
                 name,
                 profile,
@@ -264,7 +263,7 @@ pub fn runs(
                 seq_len,
                 &a,
                 cpu.seconds,
-                cuda.seconds,
+                dev.seconds,
             ));
         }
     }
@@ -400,6 +399,30 @@ pub fn gpt_oss_tiny(seed: u64) -> Result<Checkpoint> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The whole-run comparison's plumbing without a device: every family model builds and runs
+    /// on both sides (here the CPU twice, which must agree exactly), one line per model and
+    /// profile naming it.
+    #[test]
+    fn every_family_model_runs_and_reports_a_line() {
+        let profiles = ["blackwell-w4a4".to_string()];
+        let r = runs(Backend::Cpu, &profiles, 12, 1).unwrap();
+        assert_eq!(r.len(), 4);
+        for (x, name) in r.iter().zip([
+            "qwen3-moe",
+            "deepseek-v3 fp8",
+            "deepseek-v3 modelopt",
+            "gpt-oss",
+        ]) {
+            assert!(x.pass, "{}", x.line);
+            assert!(
+                x.line.contains(name) && x.line.contains("blackwell-w4a4"),
+                "{}",
+                x.line
+            );
+            assert!(x.line.contains("worst |Δcos| 0.00e0"), "{}", x.line);
+        }
+    }
 
     /// The built gpt-oss reads as gpt-oss with its experts' slices transposed, and runs on the
     /// CPU over both layer kinds (sliding and full) to finite outputs with its routed experts
