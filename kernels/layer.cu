@@ -80,19 +80,21 @@ extern "C" __global__ void rms_apply(const float* x, u64 rows, u64 cols, const f
 
 // ---- RoPE ------------------------------------------------------------------------------------
 
-// Rotate the interleaved pairs of dims [off, off + 2*half) of each of the nh heads (width dh) of
-// row p of x [rows, nh*dh] with row p of the host's cos/sin table [rows, half]; inverse uses -sin
-// (RopeTable::apply). In place.
+// Rotate the pairs of dims [off, off + 2*half) of each of the nh heads (width dh) of row p of
+// x [rows, nh*dh] with row p of the host's cos/sin table [rows, half]. mode bit 0: inverse, -sin
+// (RopeTable::apply); bit 1: transformers' half-split pairs (j, j + half) instead of the
+// interleaved (2j, 2j + 1) (RopeTable::apply_split). In place.
 extern "C" __global__ void rope_rows(float* x, u64 rows, u64 nh, u64 dh, u64 off, u64 half,
-                                     const float* cs, const float* sn, int inverse) {
+                                     const float* cs, const float* sn, int mode) {
     GRID_STRIDE(i, rows * nh * half) {
         u64 p = i / (nh * half), rem = i % (nh * half), hh = rem / half, j = rem % half;
         float* v = x + p * nh * dh + hh * dh + off;
         float c = cs[p * half + j], s = sn[p * half + j];
-        if (inverse) s = -s;
-        float a = v[2 * j], b = v[2 * j + 1];
-        v[2 * j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        v[2 * j + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        if (mode & 1) s = -s;
+        u64 ia = (mode & 2) ? j : 2 * j, ib = (mode & 2) ? j + half : 2 * j + 1;
+        float a = v[ia], b = v[ib];
+        v[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        v[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
     }
 }
 
@@ -529,4 +531,159 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, u6
 // out = a + b element by element (the residual sum; f32, rounded once like the host's `+`).
 extern "C" __global__ void add_f32(const float* a, const float* b, u64 n, float* out) {
     GRID_STRIDE(i, n) { out[i] = __fadd_rn(a[i], b[i]); }
+}
+
+// ---- the model families' ops (device::family) -----------------------------------------------
+
+// out[r, c] = x[r, c0 + c] for c < w: columns [c0, c0 + w) of the rows of x [rows, cols].
+extern "C" __global__ void copy_cols(const float* x, u64 rows, u64 cols, u64 c0, u64 w, float* out) {
+    GRID_STRIDE(i, rows * w) {
+        u64 r = i / w, c = i % w;
+        out[i] = x[r * cols + c0 + c];
+    }
+}
+
+// MLA's keys and values (family::mla_keys): for token ti and head i (row = ti * h + i),
+// k[row] = [kvb[row][0, nope), kva[ti][lora, lora + rope)] and v[row] = kvb[row][nope, nope + dv).
+extern "C" __global__ void mla_kv(const float* kvb, const float* kva, u64 t, u64 h, u64 nope, u64 rope,
+                                  u64 dv, u64 lora, float* k, float* v) {
+    u64 dq = nope + rope, w = dq + dv;
+    GRID_STRIDE(i, t * h * w) {
+        u64 row = i / w, c = i % w, ti = row / h;
+        const float* b = kvb + row * (nope + dv);
+        if (c < nope) k[row * dq + c] = b[c];
+        else if (c < dq) k[row * dq + c] = kva[ti * (lora + rope) + lora + (c - nope)];
+        else v[row * dv + (c - dq)] = b[nope + (c - dq)];
+    }
+}
+
+// gpt-oss's clamped GLU (family::glu_row), one thread per unit j of gu [n_units, 2] (gate 2j, up
+// 2j + 1): g = min(gate, L) (a NaN gate gives L, as Rust's f32::min), u = clamp(up, -L, L) (a NaN
+// up stays NaN, as Rust's clamp), out = f32((u + 1) * g / (1 + exp(-alpha * g))) in f64, alpha the
+// f64 of bits alpha_bits; rounded to BF16 when round != 0.
+extern "C" __global__ void glu_oss(const float* gu, u64 n, float limit, u64 alpha_bits, int round, float* out) {
+    double alpha = __longlong_as_double((long long)alpha_bits);
+    GRID_STRIDE(j, n) {
+        float gf = fminf(gu[2 * j], limit);
+        float uf = gu[2 * j + 1];
+        if (uf < -limit) uf = -limit;
+        if (uf > limit) uf = limit;
+        double g = (double)gf, u = (double)uf;
+        double glu = __ddiv_rn(g, __dadd_rn(1.0, exp(__dmul_rn(-alpha, g))));
+        float o = __double2float_rn(__dmul_rn(__dadd_rn(u, 1.0), glu));
+        out[j] = round ? bf16_round(o) : o;
+    }
+}
+
+// The largest of every thread's v (NaN ignored, as Rust's f32::max); every thread gets it.
+__device__ __forceinline__ float block_max_f(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v = rmax(v, __shfl_down_sync(0xffffffffu, v, o));
+    u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = sh[0];
+        for (u32 i = 1; i < (blockDim.x >> 5); i++) m = rmax(m, sh[i]);
+        sh[0] = m;
+    }
+    __syncthreads();
+    float m = sh[0];
+    __syncthreads();
+    return m;
+}
+
+// Keys per tile of gqa_attn's scores in shared memory (GQA_TILE in src/backend/attn.rs).
+#define GQA_TILE 1024
+
+// The scores of keys j0 .. j0 + n of key/value head g for the query qv [dq], one warp per key:
+// sc[key] = f32(q.k in f64) * scale.
+__device__ void gqa_scores(const float* qv, const float* k, u64 j0, u32 n, u64 kvh, u64 g, u64 dq,
+                           float scale, float* sc) {
+    u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (u32 key = wid; key < n; key += nw) {
+        const float* kp = k + ((j0 + key) * kvh + g) * dq;
+        double s = 0.0;
+        for (u64 c = lane; c < dq; c += 32) s = __dadd_rn(s, __dmul_rn((double)qv[c], (double)kp[c]));
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+        if (lane == 0) sc[key] = __fmul_rn(__double2float_rn(s), scale);
+    }
+}
+
+// Causal grouped-query attention (family::gqa_core): q [t, h*dq], k [t, kvh*dq], v [t, kvh*dv] ->
+// out [t, h*dv]; query head i reads key/value head i / (h / kvh). One CUDA block per (query ti,
+// head) task (grid-stride over the t*h tasks), blockDim.x a multiple of 32. The keys of query ti
+// are [lo, ti] with lo = max(0, ti + 1 - win) (win = t: every earlier key; 0: none). Scores
+// f32(q.k in f64) * scale; max over them and the head's sink logit (has_sink); den = exp(sink -
+// max) + the f64 sum of exp(s - max); p = f32(exp(s - max) / den); out = f32(sum p * v in f64) in
+// key order (one thread per output channel), rounded to BF16 when round != 0. The scores live in
+// shared memory GQA_TILE keys at a time: a query of more keys computes them again in each of the
+// three passes (max, denominator, weighted sum) instead of holding them, so nothing of size t*t
+// exists. Dynamic shared memory: 32 doubles, dv doubles (the sums), GQA_TILE floats.
+extern "C" __global__ void gqa_attn(const float* q, const float* k, const float* v, const float* sinks,
+                                    int has_sink, u64 t, u64 h, u64 kvh, u64 dq, u64 dv, u64 win, float scale,
+                                    int round, float* out) {
+    extern __shared__ double shd[];
+    double* red = shd;
+    double* acc = shd + 32;
+    float* sc = (float*)(acc + dv);
+    __shared__ float fred[32];
+    u64 group = h / kvh;
+    for (u64 task = blockIdx.x; task < t * h; task += gridDim.x) {
+        u64 ti = task / h, head = task % h, g = head / group;
+        const float* qv = q + task * dq;
+        u64 lo = ti + 1 > win ? ti + 1 - win : 0;
+        u64 nk = ti + 1 - lo;
+        bool resident = nk <= GQA_TILE;
+        float sk = has_sink ? sinks[head] : -INFINITY;
+        // pass 1: the scores (kept when they fit one tile) and their max
+        float mloc = -INFINITY;
+        for (u64 base = 0; base < nk; base += GQA_TILE) {
+            u32 n = (u32)(nk - base < GQA_TILE ? nk - base : GQA_TILE);
+            gqa_scores(qv, k, lo + base, n, kvh, g, dq, scale, sc);
+            __syncthreads();
+            for (u32 key = threadIdx.x; key < n; key += blockDim.x) mloc = rmax(mloc, sc[key]);
+            __syncthreads();
+        }
+        float mx = rmax(sk, block_max_f(mloc, fred));
+        // pass 2: the f64 denominator
+        double part = 0.0;
+        for (u64 base = 0; base < nk; base += GQA_TILE) {
+            u32 n = (u32)(nk - base < GQA_TILE ? nk - base : GQA_TILE);
+            if (!resident) {
+                gqa_scores(qv, k, lo + base, n, kvh, g, dq, scale, sc);
+                __syncthreads();
+            }
+            for (u32 key = threadIdx.x; key < n; key += blockDim.x)
+                part = __dadd_rn(part, exp64(__fsub_rn(sc[key], mx)));
+            __syncthreads();
+        }
+        double den = block_sum_d(part, red);
+        if (has_sink) den = __dadd_rn(exp64(__fsub_rn(sk, mx)), den);
+        // pass 3: the probabilities, then the values weighted in key order per channel
+        for (u64 c = threadIdx.x; c < dv; c += blockDim.x) acc[c] = 0.0;
+        for (u64 base = 0; base < nk; base += GQA_TILE) {
+            u32 n = (u32)(nk - base < GQA_TILE ? nk - base : GQA_TILE);
+            if (!resident) {
+                gqa_scores(qv, k, lo + base, n, kvh, g, dq, scale, sc);
+                __syncthreads();
+            }
+            for (u32 key = threadIdx.x; key < n; key += blockDim.x)
+                sc[key] = __double2float_rn(__ddiv_rn(exp64(__fsub_rn(sc[key], mx)), den));
+            __syncthreads();
+            for (u64 c = threadIdx.x; c < dv; c += blockDim.x) {
+                const float* vp = v + ((lo + base) * kvh + g) * dv + c;
+                double a = acc[c];
+                for (u32 key = 0; key < n; key++)
+                    a = __dadd_rn(a, __dmul_rn((double)sc[key], (double)vp[(u64)key * kvh * dv]));
+                acc[c] = a;
+            }
+            __syncthreads();
+        }
+        for (u64 c = threadIdx.x; c < dv; c += blockDim.x) {
+            float o = __double2float_rn(acc[c]);
+            out[task * dv + c] = round ? bf16_round(o) : o;
+        }
+        __syncthreads();
+    }
 }

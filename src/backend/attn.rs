@@ -2,12 +2,15 @@
 //! whose work grows with the prompt: the attention over the whole prompt in query chunks that run
 //! in place in one output, its key lists made on the device from the indexer's selection
 //! (`sel_lists`), and the indexer's scores and top-k in query blocks of bounded size
-//! (`indexer_scores`, `indexer_topk`). Each computes what `device::kern` computes, bit for bit,
-//! and reads back nothing per chunk or block; `CudaDevice` (`layer.rs`) calls them.
+//! (`indexer_scores`, `indexer_topk`); and the model families' grouped-query attention
+//! (`gqa_attn`, scores a tile of keys at a time) with MLA's key gather (`mla_kv`). Each computes
+//! what `device::kern` / `device::family` computes, bit for bit, and reads back nothing per
+//! chunk or block; `CudaDevice` (`layer.rs`) calls them.
 
 use cudarc::driver::LaunchConfig;
 
 use super::cuda::Gpu;
+use crate::device::family::{GqaDims, MlaDims};
 use crate::device::kern::{self, AttnDims, CmpKeys, IndexerDims};
 use crate::device::ops::RopeTable;
 use crate::tensor::Data;
@@ -23,6 +26,22 @@ const TOPK_THREADS: u32 = 256;
 /// then a score and a key row per key), None when it exceeds [`SMEM_DEFAULT`].
 fn attn_smem(max_keys: usize) -> Option<usize> {
     let smem = 32 * 8 + max_keys * 8;
+    (smem <= SMEM_DEFAULT).then_some(smem)
+}
+
+/// Keys per tile of `gqa_attn`'s scores in shared memory (`GQA_TILE` in kernels/layer.cu).
+const GQA_TILE: usize = 1024;
+
+/// Threads of one `gqa_attn` block (a multiple of 32).
+const GQA_THREADS: u32 = 128;
+
+/// Most `gqa_attn` blocks per launch (the kernel strides over the (query, head) tasks).
+const GQA_MAX_BLOCKS: usize = 1 << 20;
+
+/// The dynamic shared memory of `gqa_attn` for values of width dv (32 doubles, the dv f64 sums,
+/// a tile of scores), None when it exceeds [`SMEM_DEFAULT`].
+fn gqa_smem(dv: usize) -> Option<usize> {
+    let smem = 32 * 8 + dv * 8 + GQA_TILE * 4;
     (smem <= SMEM_DEFAULT).then_some(smem)
 }
 
@@ -261,7 +280,7 @@ impl Gpu {
                     half as u64,
                     row_at(cs.ptr, q0, half),
                     row_at(sn.ptr, q0, half),
-                    1,
+                    super::layer::ROPE_INVERSE,
                 )?;
             }
             self.round_in_place(l.out, rows * hd, round)?;
@@ -274,6 +293,104 @@ impl Gpu {
             }
         }
         Ok(Some(self.output(ob, n, round)))
+    }
+
+    /// The model families' causal grouped-query attention (`device::family::gqa_core`, the
+    /// path's rounding) of q [t, h·dq] over k [t, kvh·dq], v [t, kvh·dv] with the heads' sink
+    /// logits, if any: one launch over every (query, head), each block holding one tile of its
+    /// query's scores (never [t, t]). None when values of width dv do not fit the kernel's shared
+    /// memory (the caller computes the op on the host).
+    pub fn gqa(
+        &mut self,
+        q: &Data,
+        k: &Data,
+        v: &Data,
+        sinks: Option<&[f32]>,
+        a: GqaDims,
+        round: bool,
+    ) -> Result<Option<Data>> {
+        let Some(smem) = gqa_smem(a.dv) else {
+            return Ok(None);
+        };
+        if !a.fits(q.len(), k.len(), v.len(), sinks.map(<[f32]>::len)) {
+            return Err(Error::Backend(format!(
+                "cuda: grouped-query attention of q {}, k {}, v {}, sinks {:?} for {a:?}",
+                q.len(),
+                k.len(),
+                v.len(),
+                sinks.map(<[f32]>::len)
+            )));
+        }
+        let n = a.t * a.h;
+        let ob = self.out(n * a.dv * 4)?;
+        if n == 0 || a.dv == 0 {
+            return Ok(Some(self.output(ob, n * a.dv, round)));
+        }
+        let (qb, kb, vb) = (self.input(q)?, self.input(k)?, self.input(v)?);
+        let sb = self.upload(sinks.unwrap_or(&[0.0]))?;
+        // keys per query: the window, or every earlier key (t covers them all)
+        let win = a.window.unwrap_or(a.t);
+        let cfg = LaunchConfig {
+            grid_dim: (n.min(GQA_MAX_BLOCKS) as u32, 1, 1),
+            block_dim: (GQA_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        self.kern().gqa_attn(
+            cfg,
+            qb.ptr,
+            kb.ptr,
+            vb.ptr,
+            sb.ptr,
+            sinks.is_some() as i32,
+            a.t as u64,
+            a.h as u64,
+            a.kvh as u64,
+            a.dq as u64,
+            a.dv as u64,
+            win as u64,
+            a.scale,
+            round as i32,
+            ob.ptr,
+        )?;
+        Ok(Some(self.output(ob, n * a.dv, round)))
+    }
+
+    /// MLA's keys [t, h·(nope + rope)] and values [t, h·dv] gathered on the device from `kv_b`
+    /// and `kv_a` (`device::family::mla_keys`; a copy).
+    pub fn mla_keys(&mut self, kvb: &Data, kva: &Data, d: MlaDims) -> Result<(Data, Data)> {
+        let MlaDims {
+            t,
+            h,
+            nope,
+            rope,
+            dv,
+            lora,
+        } = d;
+        if kvb.len() != t * h * (nope + dv) || kva.len() != t * (lora + rope) {
+            return Err(Error::Backend(format!(
+                "cuda: MLA keys from kv_b {} and kv_a {} for {d:?}",
+                kvb.len(),
+                kva.len()
+            )));
+        }
+        let (nk, nv) = (t * h * (nope + rope), t * h * dv);
+        let (bb, ab) = (self.input(kvb)?, self.input(kva)?);
+        let (kb, vb) = (self.out(nk * 4)?, self.out(nv * 4)?);
+        self.kern().mla_kv(
+            (nk + nv) as u64,
+            bb.ptr,
+            ab.ptr,
+            t as u64,
+            h as u64,
+            nope as u64,
+            rope as u64,
+            dv as u64,
+            lora as u64,
+            kb.ptr,
+            vb.ptr,
+        )?;
+        let exact = kvb.known_bf16_exact() == Some(true) && kva.known_bf16_exact() == Some(true);
+        Ok((self.output(kb, nk, exact), self.output(vb, nv, exact)))
     }
 
     /// `kern::indexer_scores`: [t, n_c].

@@ -1,6 +1,8 @@
-//! The layer's non-linear ops on the device (`kernels/layer.cu`): RMSNorm, RoPE, mHC pre/post/head
-//! with Sinkhorn, the compressor's pooling tail and the router's top-k (the attention op and the
-//! indexer's selection are in `attn.rs`). Each takes and returns host tensors and computes what
+//! The layer's non-linear ops on the device (`kernels/layer.cu`): RMSNorm, RoPE (interleaved or
+//! half-split pairs), mHC pre/post/head with Sinkhorn, the compressor's pooling tail, the router's
+//! top-k, the model families' column slice and gpt-oss GLU (the attention ops — V4's, the
+//! families' grouped-query attention and MLA's key gather — and the indexer's selection are in
+//! `attn.rs`). Each takes and returns host tensors and computes what
 //! `device::kern` computes, bit for bit, including the path's storage rounding (`round`) at the
 //! points where the host op calls its store. [`CudaDevice`] puts them behind the
 //! `device::Device` interface that `model::exec` calls.
@@ -8,6 +10,8 @@
 use std::sync::{Arc, Mutex};
 
 use super::cuda::Gpu;
+use crate::device::cpu::{glu_width, gqa_sizes, mla_sizes};
+use crate::device::family::{GqaDims, MlaDims};
 use crate::device::kern::{self, AttnDims, HcParams, IndexerDims, Scoring};
 use crate::device::ops::RopeTable;
 use crate::device::{CmpRows, CpuDevice, Device};
@@ -231,7 +235,65 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         let y = dev.with(|gp| gp.swiglu(&g.data, &u.data, limit, dev.round))?;
         Ok(Tensor::new(g.shape.clone(), y))
     }
+
+    fn rope_split(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor> {
+        let dev = &self.dev;
+        let cols = x.cols();
+        if dh == 0 || !cols.is_multiple_of(dh) || nope + 2 * tab.half > dh {
+            // the host's check and message
+            return self.host.rope_split(x, dh, nope, tab);
+        }
+        let y = dev.with(|g| g.rope_split(&x.data, cols / dh, dh, nope, tab, dev.round))?;
+        Ok(Tensor::new(x.shape.clone(), y))
+    }
+
+    fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor> {
+        if c0 + w > x.cols() {
+            return self.host.slice_cols(x, c0, w);
+        }
+        let y = self.dev.with(|g| g.slice_cols(&x.data, x.cols(), c0, w))?;
+        Ok(Tensor::new(vec![x.rows(), w], y))
+    }
+
+    fn gqa(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: Option<&[f32]>,
+        dims: GqaDims,
+    ) -> Result<Tensor> {
+        if !dims.fits(q.numel(), k.numel(), v.numel(), sinks.map(<[f32]>::len)) {
+            return Err(gqa_sizes(q, k, v, sinks, dims));
+        }
+        let dev = &self.dev;
+        let y = dev.with(|g| g.gqa(&q.data, &k.data, &v.data, sinks, dims, dev.round))?;
+        match y {
+            Some(y) => Ok(Tensor::new(vec![dims.t, dims.h * dims.dv], y)),
+            None => self.host.gqa(q, k, v, sinks, dims),
+        }
+    }
+
+    fn mla_keys(&self, kvb: &Tensor, kva: &Tensor, d: MlaDims) -> Result<(Tensor, Tensor)> {
+        mla_sizes(kvb, kva, d)?;
+        let (k, v) = self.dev.with(|g| g.mla_keys(&kvb.data, &kva.data, d))?;
+        Ok((
+            Tensor::new(vec![d.t, d.h * (d.nope + d.rope)], k),
+            Tensor::new(vec![d.t, d.h * d.dv], v),
+        ))
+    }
+
+    fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor> {
+        let i = glu_width(gu)?;
+        let dev = &self.dev;
+        let h = dev.with(|g| g.glu_oss(&gu.data, limit, dev.round))?;
+        Ok(Tensor::new(vec![gu.rows(), i], h))
+    }
 }
+
+/// `rope_rows`' mode bits: the inverse rotation (−sin), transformers' half-split pairs.
+pub(super) const ROPE_INVERSE: i32 = 1;
+pub(super) const ROPE_SPLIT: i32 = 2;
 
 impl Gpu {
     /// An output buffer filled with 0xFF (NaN as f32) before the kernel writes it, so an element
@@ -279,7 +341,7 @@ impl Gpu {
     }
 
     /// Rotate dims [off, off + 2·half) of each of `nh` heads of width `dh` in x [rows, nh·dh] in
-    /// place, row p with row p of `tab`.
+    /// place, row p with row p of `tab`; `mode`: [`ROPE_INVERSE`], [`ROPE_SPLIT`] or 0.
     #[allow(clippy::too_many_arguments)]
     fn rope_dev(
         &self,
@@ -289,7 +351,7 @@ impl Gpu {
         dh: usize,
         off: usize,
         tab: &RopeTable,
-        inverse: bool,
+        mode: i32,
     ) -> Result<()> {
         if tab.half == 0 || rows == 0 {
             return Ok(());
@@ -314,7 +376,7 @@ impl Gpu {
             tab.half as u64,
             c.ptr,
             s.ptr,
-            inverse as i32,
+            mode,
         )?;
         self.sync()
     }
@@ -366,9 +428,74 @@ impl Gpu {
         let rb = self.out(rows * h * 4)?;
         self.row_rms_dev(xb.ptr, rows * h, dh, eps, rb.ptr)?;
         self.rms_apply_dev(xb.ptr, rows * h, dh, rb.ptr, 0, false, xb.ptr)?;
-        self.rope_dev(xb.ptr, rows, h, dh, nope, tab, false)?;
+        self.rope_dev(xb.ptr, rows, h, dh, nope, tab, 0)?;
         self.round_in_place(xb.ptr, n, round)?;
         Ok(self.output(xb, n, round))
+    }
+
+    /// RoPE of dims [off, off + 2·half) of each head with transformers' half-split pairs
+    /// (`RopeTable::apply_split`), then the path's rounding.
+    pub fn rope_split(
+        &mut self,
+        x: &Data,
+        nh: usize,
+        dh: usize,
+        off: usize,
+        tab: &RopeTable,
+        round: bool,
+    ) -> Result<Data> {
+        let n = x.len();
+        let rows = n / (nh * dh).max(1);
+        let xb = self.input_copy(x)?;
+        self.rope_dev(xb.ptr, rows, nh, dh, off, tab, ROPE_SPLIT)?;
+        self.round_in_place(xb.ptr, n, round)?;
+        Ok(self.output(xb, n, round))
+    }
+
+    /// Columns [c0, c0 + w) of each row of x [.., cols] (a copy on the device).
+    pub fn slice_cols(&mut self, x: &Data, cols: usize, c0: usize, w: usize) -> Result<Data> {
+        let rows = x.len() / cols.max(1);
+        if c0 + w > cols || rows * cols != x.len() {
+            return Err(Error::Backend(format!(
+                "cuda: columns {c0}..{} of {} values in rows of {cols}",
+                c0 + w,
+                x.len()
+            )));
+        }
+        let xb = self.input(x)?;
+        let ob = self.out(rows * w * 4)?;
+        self.kern().copy_cols(
+            (rows * w) as u64,
+            xb.ptr,
+            rows as u64,
+            cols as u64,
+            c0 as u64,
+            w as u64,
+            ob.ptr,
+        )?;
+        let out = self.output(ob, rows * w, false);
+        if x.known_bf16_exact() == Some(true) {
+            out.set_bf16_exact(true);
+        }
+        Ok(out)
+    }
+
+    /// gpt-oss's clamped GLU (`device::family::glu_rows`) of gu [n, 2I] (gate/up interleaved)
+    /// → [n, I], then the path's rounding.
+    pub fn glu_oss(&mut self, gu: &Data, limit: f32, round: bool) -> Result<Data> {
+        let n = gu.len() / 2;
+        let gb = self.input(gu)?;
+        let ob = self.out(n * 4)?;
+        self.kern().glu_oss(
+            n as u64,
+            gb.ptr,
+            n as u64,
+            limit,
+            crate::device::family::GLU_ALPHA.to_bits(),
+            round as i32,
+            ob.ptr,
+        )?;
+        Ok(self.output(ob, n, round))
     }
 
     /// RoPE of dims [off, off + 2·half) of each head, then the path's rounding.
@@ -386,7 +513,8 @@ impl Gpu {
         let n = x.len();
         let rows = n / (nh * dh).max(1);
         let xb = self.input_copy(x)?;
-        self.rope_dev(xb.ptr, rows, nh, dh, off, tab, inverse)?;
+        let mode = if inverse { ROPE_INVERSE } else { 0 };
+        self.rope_dev(xb.ptr, rows, nh, dh, off, tab, mode)?;
         self.round_in_place(xb.ptr, n, round)?;
         Ok(self.output(xb, n, round))
     }
@@ -622,7 +750,7 @@ impl Gpu {
         let rb = self.out(n_c * 4)?;
         self.row_rms_dev(ob.ptr, n_c, dc, eps, rb.ptr)?;
         self.rms_apply_dev(ob.ptr, n_c, dc, rb.ptr, nb.ptr, round, ob.ptr)?;
-        self.rope_dev(ob.ptr, n_c, 1, dc, dc - 2 * tab.half, tab, false)?;
+        self.rope_dev(ob.ptr, n_c, 1, dc, dc - 2 * tab.half, tab, 0)?;
         self.round_in_place(ob.ptr, n, round)?;
         Ok(self.output(ob, n, round))
     }

@@ -207,6 +207,22 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
                 "pass": ok,
             }));
         }
+        // each model family's tiny model, CPU against CUDA (with the built-in models only)
+        if args.model.is_none() {
+            for r in crate::selftest::family::runs(
+                Backend::Cuda(gpu.clone()),
+                &args.served,
+                args.seq_len,
+                args.seed,
+            )? {
+                println!("{}", r.line);
+                for m in &r.details {
+                    println!("  {m}");
+                }
+                rfail += usize::from(!r.pass);
+                runs.push(r.json);
+            }
+        }
     }
     if let Some(j) = &args.json {
         let v = serde_json::json!({

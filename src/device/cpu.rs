@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::family::{self, GqaDims, MlaDims};
 use super::gemm::matmul_nt;
 use super::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Scoring};
 use super::ops::{rmsnorm_rows, silu, RopeTable};
@@ -307,6 +308,112 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         (self.store)(&mut a);
         Ok(a)
     }
+
+    fn rope_split(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor> {
+        let cols = x.cols();
+        if dh == 0 || !cols.is_multiple_of(dh) || nope + 2 * tab.half > dh {
+            return Err(Error::usage(format!(
+                "rope: rows of {cols} values are not heads of {dh} with {} rotary dims after {nope}",
+                2 * tab.half
+            )));
+        }
+        let mut y = x.clone();
+        for (p, row) in y.data.chunks_mut(cols).enumerate() {
+            for head in row.chunks_mut(dh) {
+                tab.apply_split(&mut head[nope..nope + 2 * tab.half], p);
+            }
+        }
+        (self.store)(&mut y);
+        Ok(y)
+    }
+
+    fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor> {
+        let cols = x.cols();
+        if c0 + w > cols {
+            return Err(Error::usage(format!(
+                "columns {c0}..{} of rows of {cols}",
+                c0 + w
+            )));
+        }
+        Ok(Tensor::new(
+            vec![x.rows(), w],
+            family::slice_cols(&x.data, cols, c0, w),
+        ))
+    }
+
+    fn gqa(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: Option<&[f32]>,
+        dims: GqaDims,
+    ) -> Result<Tensor> {
+        if !dims.fits(q.numel(), k.numel(), v.numel(), sinks.map(<[f32]>::len)) {
+            return Err(gqa_sizes(q, k, v, sinks, dims));
+        }
+        let mut y = Tensor::new(
+            vec![dims.t, dims.h * dims.dv],
+            family::gqa_core(&q.data, &k.data, &v.data, sinks, dims),
+        );
+        (self.store)(&mut y);
+        Ok(y)
+    }
+
+    fn mla_keys(&self, kvb: &Tensor, kva: &Tensor, d: MlaDims) -> Result<(Tensor, Tensor)> {
+        mla_sizes(kvb, kva, d)?;
+        let (k, v) = family::mla_keys(&kvb.data, &kva.data, d);
+        Ok((
+            Tensor::new(vec![d.t, d.h * (d.nope + d.rope)], k),
+            Tensor::new(vec![d.t, d.h * d.dv], v),
+        ))
+    }
+
+    fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor> {
+        let i = glu_width(gu)?;
+        let mut h = Tensor::new(vec![gu.rows(), i], family::glu_rows(&gu.data, i, limit));
+        (self.store)(&mut h);
+        Ok(h)
+    }
+}
+
+/// The error of a grouped-query attention whose inputs do not match its dims (every device's).
+pub fn gqa_sizes(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: Option<&[f32]>,
+    dims: GqaDims,
+) -> Error {
+    Error::usage(format!(
+        "grouped-query attention of q {:?}, k {:?}, v {:?}, sinks {:?} for {dims:?}",
+        q.shape,
+        k.shape,
+        v.shape,
+        sinks.map(<[f32]>::len)
+    ))
+}
+
+/// MLA's key gather: `kv_b` and `kv_a` of the sizes `d` asks for (every device's check).
+pub fn mla_sizes(kvb: &Tensor, kva: &Tensor, d: MlaDims) -> Result<()> {
+    if kvb.numel() != d.t * d.h * (d.nope + d.dv) || kva.numel() != d.t * (d.lora + d.rope) {
+        return Err(Error::usage(format!(
+            "MLA keys from kv_b {:?} and kv_a {:?} for {d:?}",
+            kvb.shape, kva.shape
+        )));
+    }
+    Ok(())
+}
+
+/// The hidden width I of gpt-oss's fused gate/up rows [n, 2I] (every device's check).
+pub fn glu_width(gu: &Tensor) -> Result<usize> {
+    let c = gu.cols();
+    if !c.is_multiple_of(2) {
+        return Err(Error::usage(format!(
+            "gate/up rows of {c} values are not interleaved pairs"
+        )));
+    }
+    Ok(c / 2)
 }
 
 #[cfg(test)]

@@ -1,15 +1,18 @@
 //! The op math the layer graph needs, behind one interface: a [`Device`] carries every
 //! non-linear op of the layer (norms, RoPE, mHC pre/post/head, attention, the compressor's
-//! tail, the indexer's scores, routing, SwiGLU, sums) with the path's storage rounding, so
-//! `model::exec` states each op once and never asks where it runs.
+//! tail, the indexer's scores, routing, SwiGLU, sums; the model families' grouped-query
+//! attention, MLA key gather, half-split RoPE and gpt-oss GLU) with the path's storage
+//! rounding, so `model::exec` and `model::family` state each op once and never ask where it runs.
 //!
-//! Two implementations: [`cpu::CpuDevice`] (the host reference: [`kern`], [`ops`], [`gemm`]) and
-//! `backend::layer::CudaDevice` (`kernels/layer.cu`), which agree bit for bit: every reduction
-//! sums exact f32 products in f64 and rounds once, every exponential is evaluated in f64.
+//! Two implementations: [`cpu::CpuDevice`] (the host reference: [`kern`], [`ops`], [`gemm`],
+//! [`family`]) and `backend::layer::CudaDevice` (`kernels/layer.cu`), which agree bit for bit:
+//! every reduction sums exact f32 products in f64 and rounds once, every exponential is
+//! evaluated in f64.
 //! The linears are not here: a path's `OpEnv` owns its weights and their served reading
 //! (`served`), and the backends run them.
 
 pub mod cpu;
+pub mod family;
 pub mod gemm;
 pub mod kern;
 pub mod ops;
@@ -17,6 +20,7 @@ pub mod ops;
 pub use cpu::CpuDevice;
 
 use crate::{Result, Tensor};
+use family::{GqaDims, MlaDims};
 use kern::{AttnDims, HcParams, IndexerDims, Scoring};
 use ops::RopeTable;
 
@@ -150,4 +154,30 @@ pub trait Device {
     /// SwiGLU with the clamp on the stored gate and up projections:
     /// silu(min(g, L)) · clamp(u, ±L) (no clamp when L ≤ 0).
     fn swiglu(&self, g: &Tensor, u: &Tensor, limit: f32) -> Result<Tensor>;
+
+    // ---- the model families' ops (`model::family`; host references in `family`) ----
+
+    /// RoPE of dims [nope, dh) of each head of width dh of each row of x [t, k·dh] at position
+    /// = row, with transformers' half-split pairing (dim nope + i with nope + i + half:
+    /// `RopeTable::apply_split`).
+    fn rope_split(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor>;
+    /// Columns [c0, c0 + w) of each row of x [.., cols] → [rows, w] (a copy, no rounding).
+    fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor>;
+    /// Causal grouped-query attention (`family::gqa_core`) of q [t, h·dq] over k [t, kvh·dq] and
+    /// v [t, kvh·dv] with the heads' sink logits, if any → [t, h·dv], rounded. One query's
+    /// scores per task at a time, never [t, t].
+    fn gqa(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: Option<&[f32]>,
+        dims: GqaDims,
+    ) -> Result<Tensor>;
+    /// MLA's keys [t, h·(nope + rope)] and values [t, h·dv] from `kv_b` [t, h·(nope + dv)] and
+    /// the rope-applied `kv_a` [t, lora + rope] (`family::mla_keys`; a copy, no rounding).
+    fn mla_keys(&self, kvb: &Tensor, kva: &Tensor, d: MlaDims) -> Result<(Tensor, Tensor)>;
+    /// gpt-oss's clamped GLU (`family::glu_rows`) of gu [n, 2I] (gate/up interleaved) → [n, I],
+    /// rounded.
+    fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor>;
 }

@@ -138,6 +138,23 @@ impl RopeTable {
             v[2 * i + 1] = a * si + b * c[i];
         }
     }
+
+    /// [`RopeTable::apply`] with transformers' half-split pairing (`rotate_half`): dim i pairs
+    /// with i + half. The same products and sums as rotating the interleaved pairs of the
+    /// permuted dims, so the bits are those of permute → `apply` → permute back.
+    #[inline]
+    pub fn apply_split(&self, v: &mut [f32], row: usize) {
+        let (c, s) = (
+            &self.cos[row * self.half..(row + 1) * self.half],
+            &self.sin[row * self.half..(row + 1) * self.half],
+        );
+        let (lo, hi) = v.split_at_mut(self.half);
+        for i in 0..self.half {
+            let (a, b) = (lo[i], hi[i]);
+            lo[i] = a * c[i] - b * s[i];
+            hi[i] = a * s[i] + b * c[i];
+        }
+    }
 }
 
 #[cfg(test)]

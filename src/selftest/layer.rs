@@ -12,7 +12,7 @@ use crate::numerics::bf16;
 use crate::tensor::Data;
 use crate::Result;
 
-fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+pub(super) fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
     // never zeros: a zero draw is replaced
     (0..n)
         .map(|_| {
@@ -26,7 +26,7 @@ fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
         .collect()
 }
 
-fn rounded(mut v: Vec<f32>, round: bool) -> Vec<f32> {
+pub(super) fn rounded(mut v: Vec<f32>, round: bool) -> Vec<f32> {
     if round {
         v.iter_mut().for_each(|x| *x = bf16::round(*x));
     }
@@ -34,11 +34,11 @@ fn rounded(mut v: Vec<f32>, round: bool) -> Vec<f32> {
 }
 
 /// Host values as tensor data (the device ops upload them on first use).
-fn dv(v: &[f32]) -> Data {
+pub(super) fn dv(v: &[f32]) -> Data {
     Data::from(v.to_vec())
 }
 
-fn tag(name: &str, round: bool) -> String {
+pub(super) fn tag(name: &str, round: bool) -> String {
     format!("{name}{}", if round { " (bf16 store)" } else { "" })
 }
 

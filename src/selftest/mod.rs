@@ -1,6 +1,7 @@
 //! `nvfp4-probe selftest --backend cuda`: every device kernel against the CPU reference on fresh
 //! random inputs (never zeros), each output buffer poisoned with 0xFF bytes (NaN for f32) before
-//! the kernel writes it, then whole runs on both backends compared op by op.
+//! the kernel writes it, then whole runs on both backends compared op by op (V4's, and each model
+//! family's tiny model: [`family::runs`]).
 //!
 //! Format conversions, quantization and health counters must match bit for bit; f32 reductions
 //! to 1e-6 relative; GEMMs to the rounding of a different summation order.
@@ -13,6 +14,7 @@ use crate::numerics::{bf16, e2m1, e4m3, fp8_block, mxfp4, ue8m0};
 use crate::probe::RunResult;
 use crate::Result;
 
+pub mod family;
 mod layer;
 mod long;
 mod moe;
@@ -852,6 +854,7 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     layer::checks(t.g, &mut rng, s, &mut out)?;
     long::checks(t.g, &mut rng, s, &mut out)?;
     moe::checks(t.g, &mut rng, s, &mut out)?;
+    family::checks(t.g, &mut rng, s, &mut out)?;
     Ok(out)
 }
 

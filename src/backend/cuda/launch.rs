@@ -124,7 +124,8 @@ kernels! {
     "stats.cu" fn moe_gemm_f64(x: ptr, xbf: i32, ldx: u64, tiles: ptr, n: u64, k: u64, y: ptr, ldy: u64);
     "layer.cu" fn row_rms(x: ptr, rows: u64, cols: u64, eps: f32, r: ptr);
     "layer.cu" fn rms_apply(x: ptr, rows: u64, cols: u64, r: ptr, w: ptr, round: i32, out: ptr);
-    "layer.cu" fn rope_rows(x: ptr, rows: u64, nh: u64, dh: u64, off: u64, half: u64, cs: ptr, sn: ptr, inverse: i32);
+    /// `mode`: bit 0 inverse, bit 1 half-split pairs (`ROPE_INVERSE`, `ROPE_SPLIT` in backend/layer.rs).
+    "layer.cu" fn rope_rows(x: ptr, rows: u64, nh: u64, dh: u64, off: u64, half: u64, cs: ptr, sn: ptr, mode: i32);
     "layer.cu" fn hc_coeffs(m: ptr, t: u64, mix: u64, hc: u64, scale: ptr, base: ptr, iters: u64, eps: f32, pre: ptr, post: ptr, comb: ptr);
     "layer.cu" fn hc_wsum(x: ptr, coef: ptr, t: u64, hc: u64, d: u64, round: i32, y: ptr);
     "layer.cu" fn hc_post(y: ptr, x: ptr, post: ptr, comb: ptr, t: u64, hc: u64, d: u64, round: i32, out: ptr);
@@ -136,6 +137,12 @@ kernels! {
     "layer.cu" fn sel_lists(sel: ptr, t: u64, kk: u64, n_c: u64, lists: ptr, bad: ptr);
     "layer.cu" fn route_topk(logits: ptr, bias: ptr, t: u64, e: u64, k: u64, f: i32, norm: i32, rs: f32, wts: ptr, idx: ptr);
     "layer.cu" fn add_f32(a: ptr, b: ptr, n: u64, out: ptr);
+    "layer.cu" fn copy_cols(x: ptr, rows: u64, cols: u64, c0: u64, w: u64, out: ptr);
+    "layer.cu" fn mla_kv(kvb: ptr, kva: ptr, t: u64, h: u64, nope: u64, rope: u64, dv: u64, lora: u64, k: ptr, v: ptr);
+    /// `alpha_bits`: the f64 bits of the GLU's α (`device::family::GLU_ALPHA`).
+    "layer.cu" fn glu_oss(gu: ptr, n: u64, limit: f32, alpha_bits: u64, round: i32, out: ptr);
+    /// One CUDA block per (query, head) task, grid-stride; dynamic shared memory (`Grid::Cfg`).
+    "layer.cu" fn gqa_attn(q: ptr, k: ptr, v: ptr, sinks: ptr, has_sink: i32, t: u64, h: u64, kvh: u64, dq: u64, dv: u64, win: u64, scale: f32, round: i32, out: ptr);
 }
 
 #[cfg(test)]

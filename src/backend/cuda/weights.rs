@@ -116,7 +116,9 @@ impl Gpu {
                     Dtype::F32 => 4,
                     _ => 0,
                 };
-                if es == 0 {
+                // stored transposed (gpt-oss's fused BF16 experts, [in, out]): the host reads it
+                // as [out, in] (`Checkpoint::tensor_f32`), the raw bytes would be the transpose
+                if es == 0 || lc.ckpt.stored_transposed(&lay.weight) {
                     let v = lc.ckpt.tensor_f32(&lay.weight)?.data;
                     if v.len() != n * k {
                         return Err(bad("weight", v.len(), n * k));
@@ -241,6 +243,8 @@ impl Gpu {
             return Vec::new();
         };
         let names: Vec<&String> = match l.meta.scheme {
+            // read through the host (transposed there), never as staged bytes
+            Scheme::Dense if ckpt.stored_transposed(&l.weight) => Vec::new(),
             Scheme::Dense => match l.meta.weight_dtype {
                 Dtype::BF16 | Dtype::F16 | Dtype::F32 => vec![&l.weight],
                 _ => Vec::new(),

@@ -21,29 +21,29 @@ pub use kind::{detect, Family, Kind, RopeStyle};
 
 use super::ModelConfig;
 
-/// The ops of a family graph the CUDA backend has no device version of, for a clear refusal
-/// (`--backend cuda` on such a model exits 2 naming them). `None` for V4.
+/// The op kinds of the family graphs that have no CUDA version: none since every family op runs
+/// on the path's `Device` (`device::family`, `kernels/layer.cu`). A family that adds a kind
+/// before its kernel lists it here, and `--backend cuda` refuses it with [`cuda_unsupported`].
+const HOST_ONLY: &[super::op::OpKind] = &[];
+
+/// The ops of a family graph the CUDA backend has no device version of ([`HOST_ONLY`]), for a
+/// clear refusal (`--backend cuda` on such a model exits 2 naming them; `auto` runs it on the
+/// CPU). `None` for V4 and for every family whose ops all have one.
 pub fn cuda_unsupported(cfg: &ModelConfig) -> Option<String> {
-    use super::op::OpKind;
+    unsupported_among(cfg, HOST_ONLY)
+}
+
+fn unsupported_among(cfg: &ModelConfig, host_only: &[super::op::OpKind]) -> Option<String> {
     let f = cfg.family.as_ref()?;
-    let host_only = |k: &OpKind| {
-        matches!(
-            k,
-            OpKind::HeadNorm
-                | OpKind::HeadRope
-                | OpKind::GqaAttention
-                | OpKind::LatentNorm
-                | OpKind::MlaAttention
-                | OpKind::Mlp
-                | OpKind::GptOssExperts
-        )
-    };
     let mut names: Vec<String> = Vec::new();
     for op in graph::build(cfg, cfg.num_hidden_layers.saturating_sub(1), false) {
         let n = format!("`{:?}`", op.kind);
-        if host_only(&op.kind) && !names.contains(&n) {
+        if host_only.contains(&op.kind) && !names.contains(&n) {
             names.push(n);
         }
+    }
+    if names.is_empty() {
+        return None;
     }
     Some(format!(
         "the {} family's ops {} have no CUDA version yet; run it with `--backend cpu`",
@@ -64,20 +64,30 @@ mod tests {
         ModelConfig::from_file(&p).unwrap()
     }
 
-    /// The CUDA refusal names the host-only ops of that family's graph, not another family's.
+    /// Every family runs on CUDA now; a refusal (were a kind host-only) names that family's own
+    /// host-only ops, not another family's.
     #[test]
-    fn the_cuda_refusal_names_the_family_s_own_host_only_ops() {
-        let q = cuda_unsupported(&cfg("qwen3_moe")).unwrap();
+    fn every_family_runs_on_cuda_and_a_refusal_names_the_family_s_own_ops() {
+        use super::super::op::OpKind;
+        for f in ["qwen3_moe", "deepseek_v3", "gpt_oss"] {
+            assert_eq!(cuda_unsupported(&cfg(f)), None, "{f}");
+        }
+        let some = [
+            OpKind::HeadNorm,
+            OpKind::MlaAttention,
+            OpKind::GptOssExperts,
+        ];
+        let q = unsupported_among(&cfg("qwen3_moe"), &some).unwrap();
+        assert!(q.contains("qwen3-moe") && q.contains("`HeadNorm`"), "{q}");
+        assert!(!q.contains("Mla") && !q.contains("GptOss"), "{q}");
+        let v = unsupported_among(&cfg("deepseek_v3"), &some).unwrap();
         assert!(
-            q.contains("qwen3-moe") && q.contains("`GqaAttention`") && q.contains("`HeadNorm`")
+            v.contains("`MlaAttention`") && !v.contains("HeadNorm"),
+            "{v}"
         );
-        assert!(!q.contains("Mla"), "{q}");
-        let v = cuda_unsupported(&cfg("deepseek_v3")).unwrap();
-        assert!(v.contains("`MlaAttention`") && v.contains("`LatentNorm`") && v.contains("`Mlp`"));
-        assert!(!v.contains("Gqa"), "{v}");
-        let g = cuda_unsupported(&cfg("gpt_oss")).unwrap();
+        let g = unsupported_among(&cfg("gpt_oss"), &some).unwrap();
         assert!(
-            g.contains("gpt-oss") && g.contains("`GqaAttention`") && g.contains("`GptOssExperts`"),
+            g.contains("gpt-oss") && g.contains("`GptOssExperts`"),
             "{g}"
         );
         assert!(!g.contains("HeadNorm") && !g.contains("Mla"), "{g}");

@@ -2,23 +2,23 @@
 //! [`OpKind::GqaAttention`], [`OpKind::Mlp`], MLA's, and gpt-oss's experts in [`gpt_oss`])
 //! against `OpEnv` and the path's `Device`.
 //!
-//! The per-head norm and RoPE are the device's RMSNorm and RoPE over one row per head (the
-//! half-split pairing of transformers' `rotate_half` is a fixed permutation of the rotary dims
-//! into the device's interleaved pairs and back, which moves values without rounding them), so
-//! they run wherever the device does. The grouped-query attention is host math in the
-//! reference's manner (products summed exactly in f64, exponentials in f64, one rounding) and has
-//! no CUDA version yet (`family::cuda_unsupported`).
+//! Every step runs on the path's `Device` (host reference `device::family`, CUDA kernels in
+//! `kernels/layer.cu`), so each op runs wherever the device does: the per-head norm is the
+//! device's RMSNorm over one row per head, the RoPE the device's with transformers' half-split
+//! pairing (`rotate_half`) or the interleaved one, the grouped-query attention (sinks, windows;
+//! MLA's after its key gather) and gpt-oss's GLU the device's own ops, in the reference's manner
+//! (products summed exactly in f64, exponentials in f64, one rounding). What stays on the host
+//! is exact bookkeeping: gpt-oss's experts gather their token rows and add their routed outputs
+//! there, in f32 in expert order, on every backend.
 
 mod gpt_oss;
-
-use rayon::prelude::*;
 
 use super::super::env::{check_shape, internal, layer_of, param_n, weight, OpEnv};
 use super::super::op::{Op, OpKind};
 use super::super::rope::rope_freqs;
 use super::super::ModelConfig;
 use super::kind::{Family, Kind, RopeStyle};
-use crate::device::kern::{dot64, exp64, sum64};
+use crate::device::family::{GqaDims, MlaDims};
 use crate::device::ops::RopeTable;
 use crate::{Result, Tensor};
 
@@ -75,17 +75,9 @@ fn rope_table(
     tab
 }
 
-/// The position of rotary dim i in the device's interleaved pairs: half-split dim i pairs with
-/// i + half, so i goes to 2i and i + half to 2i + 1.
-fn interleaved_pos(i: usize, half: usize) -> usize {
-    if i < half {
-        2 * i
-    } else {
-        2 * (i - half) + 1
-    }
-}
-
-/// RoPE on the last `qk_rope_head_dim` dims of each head of x [t, n·dh] at position = row.
+/// RoPE on the last `qk_rope_head_dim` dims of each head of x [t, n·dh] at position = row, on
+/// the path's device: the half-split pairing of transformers' `rotate_half` (Qwen3, gpt-oss,
+/// DeepSeek-V3 as transformers runs it) or the interleaved pairs.
 fn head_rope(
     op: &Op,
     x: &Tensor,
@@ -113,44 +105,34 @@ fn head_rope(
             format!("input {:?} is not whole heads of {dh}", x.shape),
         ));
     }
-    let n = x.cols() / dh;
     let nope = dh - r;
-    let half = r / 2;
-    let mut rows = x.data.to_vec();
-    if fam.rope_style == RopeStyle::HalfSplit {
-        permute_rope(&mut rows, dh, nope, half, false);
-    }
-    let tab = rope_table(cfg, fam, (0..t).flat_map(|p| std::iter::repeat_n(p, n)));
-    let rows = Tensor::new(vec![t * n, dh], rows);
-    let y = env.device().rope(&rows, dh, nope, &tab)?;
-    let mut out = y.data.to_vec();
-    if fam.rope_style == RopeStyle::HalfSplit {
-        permute_rope(&mut out, dh, nope, half, true);
-    }
-    Ok(Tensor::new(vec![t, x.cols()], out))
+    let tab = rope_table(cfg, fam, 0..t);
+    let dev = env.device();
+    let y = match fam.rope_style {
+        RopeStyle::HalfSplit => dev.rope_split(x, dh, nope, &tab)?,
+        _ => dev.rope(x, dh, nope, &tab)?,
+    };
+    Ok(Tensor::new(vec![t, x.cols()], y.data))
 }
 
-/// Move each head's rotary dims between half-split and interleaved order (`back`: the inverse).
-fn permute_rope(v: &mut [f32], dh: usize, nope: usize, half: usize, back: bool) {
-    let mut tmp = vec![0.0f32; 2 * half];
-    for head in v.chunks_mut(dh) {
-        let rot = &mut head[nope..];
-        for (i, &x) in rot.iter().enumerate() {
-            let j = interleaved_pos(i, half);
-            if back {
-                tmp[i] = rot[j];
-            } else {
-                tmp[j] = x;
-            }
-        }
-        rot.copy_from_slice(&tmp);
-    }
+/// The grouped-query attention's dims of a family op (the layer's window, the family's scale).
+fn gqa_dims(op: &Op, t: usize, cfg: &ModelConfig, fam: &Family, kvh: usize) -> Result<GqaDims> {
+    Ok(GqaDims {
+        t,
+        h: cfg.num_attention_heads,
+        kvh,
+        dq: cfg.head_dim,
+        dv: fam.v_head_dim,
+        scale: fam.attn_scale as f32,
+        window: fam.window(cfg.sliding_window, layer_of(op)?),
+    })
 }
 
 /// Causal grouped-query attention: q [t, h·dq], k [t, kv·dq], v [t, kv·dv] → [t, h·dv]; query
-/// head i reads key/value head i / (h / kv). Scores = f32(q·k in f64) · dq^-½, softmax with f64
-/// exponentials and denominator, probabilities rounded to f32, output Σ p·v in f64 rounded once,
-/// then stored.
+/// head i reads key/value head i / (h / kv). Scores = f32(q·k in f64) · scale, softmax with f64
+/// exponentials and denominator (a sink logit per head where the op has one), probabilities
+/// rounded to f32, output Σ p·v in f64 rounded once, then stored: the device's
+/// [`Device::gqa`](crate::device::Device::gqa) (host reference `device::family::gqa_core`).
 fn gqa(
     op: &Op,
     inputs: &[&Tensor],
@@ -173,22 +155,9 @@ fn gqa(
         Some(name) => Some(param_n(env, name, h)?),
         None => None,
     };
-    let dims = Gqa {
-        t,
-        h,
-        kvh,
-        dq,
-        dv,
-        scale: fam.attn_scale as f32,
-        window: fam.window(cfg.sliding_window, layer_of(op)?),
-    };
-    let sinks = sinks.as_ref().map(|s| &s.data[..]);
-    let mut y = Tensor::new(
-        vec![t, h * dv],
-        gqa_core(&q.data, &k.data, &v.data, sinks, dims),
-    );
-    env.store(&mut y);
-    Ok(y)
+    let dims = gqa_dims(op, t, cfg, fam, kvh)?;
+    env.device()
+        .gqa(q, k, v, sinks.as_ref().map(|s| &s.data[..]), dims)
 }
 
 /// RMSNorm of the leading `kv_lora_rank` dims of each row (MLA's key/value latent) → [t, r].
@@ -200,7 +169,7 @@ fn latent_norm(
     fam: &Family,
 ) -> Result<Tensor> {
     let r = fam.kv_lora_rank;
-    let (t, c) = (x.rows(), x.cols());
+    let c = x.cols();
     if c < r {
         return Err(internal(
             op,
@@ -208,21 +177,15 @@ fn latent_norm(
         ));
     }
     let w = param_n(env, weight(op, 0)?, r)?;
-    let lead: Vec<f32> = x
-        .data
-        .chunks(c)
-        .flat_map(|row| row[..r].iter().copied())
-        .collect();
-    env.device().rmsnorm(
-        &Tensor::new(vec![t, r], lead),
-        &w.data,
-        cfg.rms_norm_eps as f32,
-    )
+    let dev = env.device();
+    let lead = dev.slice_cols(x, 0, r)?;
+    dev.rmsnorm(&lead, &w.data, cfg.rms_norm_eps as f32)
 }
 
 /// Multi-head latent attention (DeepSeek-V3, as transformers computes it): head i's key is
 /// [k_nope_i, k_rope] with k_nope_i from `kv_b` and the rope key shared by every head, its value
-/// v_i from `kv_b`; then the causal attention of [`gqa_core`] with the YaRN-scaled softmax scale.
+/// v_i from `kv_b` (gathered on the path's device: `Device::mla_keys`); then the causal
+/// attention of [`gqa`] (one key/value head per query head) with the YaRN-scaled softmax scale.
 fn mla(
     op: &Op,
     inputs: &[&Tensor],
@@ -242,89 +205,21 @@ fn mla(
     check_shape(op, "q", q, &[t, h * dq])?;
     check_shape(op, "kv_b", kvb, &[t, h * (nope + dv)])?;
     check_shape(op, "kv_a", kva, &[t, fam.kv_lora_rank + rope])?;
-    let mut k = Vec::with_capacity(t * h * dq);
-    let mut v = Vec::with_capacity(t * h * dv);
-    for ti in 0..t {
-        let row = &kvb.data[ti * h * (nope + dv)..(ti + 1) * h * (nope + dv)];
-        let kr = &kva.data
-            [(ti + 1) * (fam.kv_lora_rank + rope) - rope..(ti + 1) * (fam.kv_lora_rank + rope)];
-        for head in row.chunks(nope + dv) {
-            k.extend_from_slice(&head[..nope]);
-            k.extend_from_slice(kr);
-            v.extend_from_slice(&head[nope..]);
-        }
-    }
-    let dims = Gqa {
+    let md = MlaDims {
         t,
         h,
-        kvh: h,
-        dq,
+        nope,
+        rope,
         dv,
-        scale: fam.attn_scale as f32,
-        window: None,
+        lora: fam.kv_lora_rank,
     };
-    let mut y = Tensor::new(vec![t, h * dv], gqa_core(&q.data, &k, &v, None, dims));
-    env.store(&mut y);
-    Ok(y)
-}
-
-/// Shapes and constants of the grouped-query attention.
-#[derive(Clone, Copy, Debug)]
-pub struct Gqa {
-    pub t: usize,
-    pub h: usize,
-    pub kvh: usize,
-    pub dq: usize,
-    pub dv: usize,
-    pub scale: f32,
-    /// Keys per query including itself (sliding layers); `None`: every earlier key.
-    pub window: Option<usize>,
-}
-
-/// The attention core (see [`gqa`]); `sinks` adds a per-head logit to the denominator.
-pub fn gqa_core(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: Gqa) -> Vec<f32> {
-    let Gqa {
-        t,
-        h,
-        kvh,
-        dq,
-        dv,
-        scale,
-        window,
-    } = a;
-    let group = (h / kvh.max(1)).max(1);
-    let mut out = vec![0.0f32; t * h * dv];
-    out.par_chunks_mut(dv.max(1))
-        .enumerate()
-        .for_each(|(task, o)| {
-            let (ti, head) = (task / h, task % h);
-            let g = head / group;
-            let qv = &q[(ti * h + head) * dq..(ti * h + head + 1) * dq];
-            let lo = window.map_or(0, |w| (ti + 1).saturating_sub(w));
-            let s: Vec<f32> = (lo..=ti)
-                .map(|j| {
-                    let kj = &k[(j * kvh + g) * dq..(j * kvh + g + 1) * dq];
-                    (dot64(qv, kj) as f32) * scale
-                })
-                .collect();
-            let sink = sinks.map(|s| s[head]);
-            let mx = s
-                .iter()
-                .cloned()
-                .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
-            let den =
-                sink.map_or(0.0, |sk| exp64(sk - mx)) + sum64(s.iter().map(|&x| exp64(x - mx)));
-            let mut acc = vec![0.0f64; dv];
-            for (j, &sj) in (lo..=ti).zip(&s) {
-                let p = (exp64(sj - mx) / den) as f32 as f64;
-                let vj = &v[(j * kvh + g) * dv..(j * kvh + g + 1) * dv];
-                acc.iter_mut()
-                    .zip(vj)
-                    .for_each(|(a, &x)| *a += p * x as f64);
-            }
-            o.iter_mut().zip(&acc).for_each(|(o, a)| *o = *a as f32);
-        });
-    out
+    let dims = GqaDims {
+        window: None,
+        ..gqa_dims(op, t, cfg, fam, h)?
+    };
+    let dev = env.device();
+    let (k, v) = dev.mla_keys(kvb, kva, md)?;
+    dev.gqa(q, &k, &v, None, dims)
 }
 
 /// DeepSeek-V3's group-limited expert choice (transformers' `DeepseekV3MoE.route_tokens_to_experts`):
@@ -415,54 +310,49 @@ mod tests {
         assert_eq!(idx, [0, 1]);
     }
 
+    /// transformers' `rotate_half` RoPE: at 90° the half-split dims (a, b) become (−b, a); on
+    /// random rows it is the device's interleaved RoPE of the dims permuted so that i pairs with
+    /// i + half (what the family ran before the device had the pairing), to the bit.
     #[test]
-    fn the_permutation_round_trips_and_pairs_i_with_i_plus_half() {
-        let mut v: Vec<f32> = (0..12).map(|i| i as f32).collect();
-        // two heads of 6 dims: 2 nope, 4 rotary (half 2)
-        permute_rope(&mut v, 6, 2, 2, false);
-        assert_eq!(&v[..6], &[0.0, 1.0, 2.0, 4.0, 3.0, 5.0]);
-        permute_rope(&mut v, 6, 2, 2, true);
-        assert_eq!(v, (0..12).map(|i| i as f32).collect::<Vec<_>>());
-    }
-
-    #[test]
-    fn gqa_of_one_key_is_its_value_and_heads_share_their_group() {
-        // t = 2, h = 2, kv = 1: both heads read the same key/value head
-        let q = vec![1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0];
-        let k = vec![1.0, 0.0, 0.0, 2.0];
-        let v = vec![3.0, 4.0, 5.0, 6.0];
-        let a = Gqa {
-            t: 2,
-            h: 2,
-            kvh: 1,
-            dq: 2,
-            dv: 2,
-            scale: 1.0,
-            window: None,
+    fn half_split_rope_is_rotate_half_and_the_permuted_interleaved_rope() {
+        use crate::device::{CpuDevice, Device};
+        let dev = CpuDevice::new(|t: &mut Tensor| t.round_bf16());
+        let quarter = RopeTable {
+            half: 2,
+            cos: vec![0.0; 2],
+            sin: vec![1.0; 2],
         };
-        let o = gqa_core(&q, &k, &v, None, a);
-        // row 0: only key 0
-        assert_eq!(&o[..4], &[3.0, 4.0, 3.0, 4.0]);
-        // row 1, head 0: scores 1 and 0; head 1: scores 0 and 2
-        let p = |a: f64, b: f64| (a.exp() / (a.exp() + b.exp())) as f32 as f64;
-        let (p0, p1) = (p(1.0, 0.0), p(2.0, 0.0));
-        let want = [
-            (p0 * 3.0 + (1.0 - p0) * 5.0) as f32,
-            (p0 * 4.0 + (1.0 - p0) * 6.0) as f32,
-        ];
-        assert!((o[4] - want[0]).abs() < 1e-6 && (o[5] - want[1]).abs() < 1e-6);
-        assert!((o[6] as f64 - ((1.0 - p1) * 3.0 + p1 * 5.0)).abs() < 1e-6);
-        // a window of one key: each query sees itself only
-        let o = gqa_core(
-            &q,
-            &k,
-            &v,
-            None,
-            Gqa {
-                window: Some(1),
-                ..a
-            },
+        // one head of 6 dims: 2 nope, 4 rotary
+        let x = Tensor::new(vec![1, 6], vec![9.0, 8.0, 1.0, 2.0, 3.0, 4.0]);
+        let y = dev.rope_split(&x, 6, 2, &quarter).unwrap();
+        assert_eq!(y.data, vec![9.0, 8.0, -3.0, -4.0, 1.0, 2.0]);
+        // random rows: t = 5, 3 heads of 16 dims (4 nope, 12 rotary)
+        let (t, n, dh, nope) = (5usize, 3usize, 16usize, 4usize);
+        let half = (dh - nope) / 2;
+        let vals: Vec<f32> = (0..t * n * dh)
+            .map(|i| ((i as u32).wrapping_mul(2654435761) >> 8) as f32 / 8e6 - 1.0)
+            .collect();
+        let tab = RopeTable::new(&[0.9, 0.3, 0.1, 0.03, 0.01, 0.003], 0..t);
+        let got = dev
+            .rope_split(&Tensor::new(vec![t, n * dh], vals.clone()), dh, nope, &tab)
+            .unwrap();
+        // half-split dim i goes to 2i, i + half to 2i + 1
+        let pos = |i: usize| if i < half { 2 * i } else { 2 * (i - half) + 1 };
+        let mut perm = vals.clone();
+        for (a, b) in perm.chunks_mut(dh).zip(vals.chunks(dh)) {
+            (0..2 * half).for_each(|i| a[nope + pos(i)] = b[nope + i]);
+        }
+        let inter = dev
+            .rope(&Tensor::new(vec![t, n * dh], perm), dh, nope, &tab)
+            .unwrap();
+        let mut want = inter.data.to_vec();
+        for (a, b) in want.chunks_mut(dh).zip(inter.data.chunks(dh)) {
+            (0..2 * half).for_each(|i| a[nope + i] = b[nope + pos(i)]);
+        }
+        assert_eq!(got.data, want);
+        assert_ne!(
+            got.data,
+            Tensor::new(vec![t, n * dh], vals).rounded_bf16().data
         );
-        assert_eq!(&o[4..], &[5.0, 6.0, 5.0, 6.0]);
     }
 }

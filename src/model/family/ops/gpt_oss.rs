@@ -9,9 +9,11 @@
 //! - `w2` [D, I] plus its bias [D]; the routing weight applied after it, summed over the k chosen
 //!   experts in f32.
 //!
-//! The projections are the path's linears (`OpEnv::linear`), their biases added on the path's
-//! device and stored once with them; the GLU is host math in the reference's manner (f64, one
-//! rounding, then stored), so the op has no CUDA version yet (`family::cuda_unsupported`).
+//! The projections are the path's linears (`OpEnv::linear`, one expert at a time: the fused
+//! `Linears::experts` knows neither biases nor this GLU), their biases added on the path's device
+//! and stored once with them; the GLU is the device's (`Device::glu_oss`, host reference
+//! `device::family::glu_row`: f64, one rounding, then stored). The tokens' rows are gathered and
+//! the weighted outputs summed on the host (f32, expert by expert, on every backend).
 
 use super::super::super::env::{
     add_bias, add_routed, check_shape, expert_rows, internal, layer_of, weight, OpEnv,
@@ -19,19 +21,6 @@ use super::super::super::env::{
 use super::super::super::op::Op;
 use super::super::super::ModelConfig;
 use crate::{Result, Tensor};
-
-/// The GLU's α (transformers' `GptOssExperts.alpha`; not a config field).
-pub const ALPHA: f64 = 1.702;
-
-/// The clamped GLU of one row of the fused projection `gu` [2I] (gate/up interleaved) into `h` [I].
-pub fn glu_row(gu: &[f32], h: &mut [f32], limit: f32) {
-    for (o, pair) in h.iter_mut().zip(gu.chunks_exact(2)) {
-        let g = pair[0].min(limit) as f64;
-        let u = pair[1].clamp(-limit, limit) as f64;
-        let glu = g / (1.0 + (-ALPHA * g).exp());
-        *o = ((u + 1.0) * glu) as f32;
-    }
-}
 
 /// The routed experts of gpt-oss: inputs [x [t, D], weights [t, k], ids [t, k]]; per expert e
 /// the op's weights [w13, w13.bias, w2, w2.bias] at 4e.. → [t, D].
@@ -89,40 +78,10 @@ pub fn experts(
             2 * i,
         )?;
         let gu = add_bias(env, &gu, w(1)?)?;
-        let mut h = vec![0.0f32; toks.len() * i];
-        for (row, out) in gu.data.chunks_exact(2 * i).zip(h.chunks_exact_mut(i)) {
-            glu_row(row, out, limit);
-        }
-        let mut h = Tensor::new(vec![toks.len(), i], h);
-        env.store(&mut h);
+        let h = env.device().glu_oss(&gu, limit)?;
         let y = super::super::super::env::linear_checked(env, &format!("{sub}.w2"), &h, w(2)?, d)?;
         let y = add_bias(env, &y, w(3)?)?;
         add_routed(&mut acc, &y, toks, d);
     }
     Ok(Tensor::new(vec![t, d], acc))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The GLU against its definition, the clamps included: a gate above the limit is cut to it,
-    /// an up beyond ±limit too, and the pairs are read interleaved.
-    #[test]
-    fn glu_clamps_and_reads_interleaved_pairs() {
-        let sig = |z: f64| 1.0 / (1.0 + (-z).exp());
-        let want = |g: f64, u: f64| ((u + 1.0) * g * sig(ALPHA * g)) as f32;
-        // (gate, up) pairs: plain, gate over the limit, up under −limit, negative gate
-        let gu = [0.5f32, -0.25, 9.0, 1.0, 1.0, -8.0, -3.0, 2.0];
-        let mut h = [0f32; 4];
-        glu_row(&gu, &mut h, 7.0);
-        assert_eq!(h[0], want(0.5, -0.25));
-        assert_eq!(h[1], want(7.0, 1.0));
-        assert_eq!(h[2], want(1.0, -7.0));
-        assert_eq!(h[3], want(-3.0, 2.0));
-        // up = −1 zeroes the unit whatever the gate
-        let mut z = [1f32];
-        glu_row(&[4.0, -1.0], &mut z, 7.0);
-        assert_eq!(z[0], 0.0);
-    }
 }
