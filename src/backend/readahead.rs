@@ -42,25 +42,32 @@ pub(super) struct Group {
 }
 
 pub(super) fn prefetch_groups(ckpt: &Checkpoint, op: &Op) -> Vec<Group> {
+    by_expert(op, |w| prefetch_names(ckpt, w))
+        .into_iter()
+        .map(|(expert, names)| Group { expert, names })
+        .collect()
+}
+
+/// What `f` makes of the weights an op reads whole, split the way the readers follow the routing:
+/// per routed expert (`Some(e)`: weights `[e0.w1, e0.w3, e0.w2, e1.w1, …]`, experts in
+/// parallel) for a routed-experts op, else one group (`None`); nothing for an op that reads no
+/// whole weight.
+pub(super) fn by_expert<T: Send>(
+    op: &Op,
+    f: impl Fn(&[String]) -> T + Sync + Send,
+) -> Vec<(Option<usize>, T)> {
     if whole_weights(op).is_empty() {
         return Vec::new();
     }
     if op.kind == OpKind::Experts {
-        // weights are [e0.w1, e0.w3, e0.w2, e1.w1, ...]
         use rayon::prelude::*;
         op.weights
             .par_chunks(3)
             .enumerate()
-            .map(|(e, w)| Group {
-                expert: Some(e),
-                names: prefetch_names(ckpt, w),
-            })
+            .map(|(e, w)| (Some(e), f(w)))
             .collect()
     } else {
-        vec![Group {
-            expert: None,
-            names: prefetch_names(ckpt, whole_weights(op)),
-        }]
+        vec![(None, f(whole_weights(op)))]
     }
 }
 

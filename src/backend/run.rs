@@ -14,10 +14,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use super::cuda::Gpu;
-use super::readahead::{plan_of, prefetch_groups, prefetch_loop, PREFETCH_AHEAD};
+use super::readahead::{by_expert, plan_of, prefetch_groups, prefetch_loop, PREFETCH_AHEAD};
 use super::stage::{StageGroup, StageStats, Stager};
 use crate::checkpoint::Checkpoint;
-use crate::model::graph::{experts_fed_by, reads_nothing, whole_weights, Op, OpKind};
+use crate::model::graph::{experts_fed_by, reads_nothing, Op, OpKind};
 use crate::model::ModelConfig;
 use crate::{Result, Tensor};
 
@@ -164,27 +164,12 @@ fn stop_loader(g: &Arc<Mutex<Gpu>>, stager: Option<Arc<Stager>>) -> Option<Stage
 
 /// The weights an op uploads, for the loader: one group per routed expert, one for the rest.
 pub fn stage_groups(ckpt: &Checkpoint, op: &Op) -> Vec<StageGroup> {
-    let spans =
-        |ws: &[String]| -> Vec<_> { ws.iter().flat_map(|w| Gpu::staged_spans(ckpt, w)).collect() };
-    if whole_weights(op).is_empty() {
-        return Vec::new();
-    }
-    if op.kind == OpKind::Experts {
-        use rayon::prelude::*;
-        op.weights
-            .par_chunks(3)
-            .enumerate()
-            .map(|(e, w)| StageGroup {
-                expert: Some(e),
-                spans: spans(w),
-            })
-            .collect()
-    } else {
-        vec![StageGroup {
-            expert: None,
-            spans: spans(whole_weights(op)),
-        }]
-    }
+    by_expert(op, |ws| {
+        ws.iter().flat_map(|w| Gpu::staged_spans(ckpt, w)).collect()
+    })
+    .into_iter()
+    .map(|(expert, spans)| StageGroup { expert, spans })
+    .collect()
 }
 
 /// The experts op each hash-routed layer's router feeds, with the experts its table gives the
