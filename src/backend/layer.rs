@@ -452,52 +452,6 @@ impl Gpu {
         Ok(self.output(xb, n, round))
     }
 
-    /// Columns [c0, c0 + w) of each row of x [.., cols] (a copy on the device).
-    pub fn slice_cols(&mut self, x: &Data, cols: usize, c0: usize, w: usize) -> Result<Data> {
-        let rows = x.len() / cols.max(1);
-        if c0 + w > cols || rows * cols != x.len() {
-            return Err(Error::Backend(format!(
-                "cuda: columns {c0}..{} of {} values in rows of {cols}",
-                c0 + w,
-                x.len()
-            )));
-        }
-        let xb = self.input(x)?;
-        let ob = self.out(rows * w * 4)?;
-        self.kern().copy_cols(
-            (rows * w) as u64,
-            xb.ptr,
-            rows as u64,
-            cols as u64,
-            c0 as u64,
-            w as u64,
-            ob.ptr,
-        )?;
-        let out = self.output(ob, rows * w, false);
-        if x.known_bf16_exact() == Some(true) {
-            out.set_bf16_exact(true);
-        }
-        Ok(out)
-    }
-
-    /// gpt-oss's clamped GLU (`device::family::glu_rows`) of gu [n, 2I] (gate/up interleaved)
-    /// → [n, I], then the path's rounding.
-    pub fn glu_oss(&mut self, gu: &Data, limit: f32, round: bool) -> Result<Data> {
-        let n = gu.len() / 2;
-        let gb = self.input(gu)?;
-        let ob = self.out(n * 4)?;
-        self.kern().glu_oss(
-            n as u64,
-            gb.ptr,
-            n as u64,
-            limit,
-            crate::device::family::GLU_ALPHA.to_bits(),
-            round as i32,
-            ob.ptr,
-        )?;
-        Ok(self.output(ob, n, round))
-    }
-
     /// RoPE of dims [off, off + 2·half) of each head, then the path's rounding.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(

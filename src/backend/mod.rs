@@ -7,6 +7,7 @@
 
 mod attn;
 pub mod cuda;
+mod family;
 pub mod layer;
 pub mod linears;
 pub mod oom;
