@@ -477,22 +477,7 @@ impl Gpu {
                     sb.ptr,
                 )?;
             }
-            let cfg = LaunchConfig {
-                grid_dim: (nq as u32, 1, 1),
-                block_dim: (TOPK_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.kern().indexer_topk(
-                cfg,
-                sb.ptr,
-                nq as u64,
-                m_b as u64,
-                t0 as u64,
-                ratio as u64,
-                n_c as u64,
-                kk as u64,
-                ob.ptr,
-            )?;
+            self.topk_launch(sb.ptr, nq, m_b, t0, ratio, n_c, kk, ob.ptr)?;
         }
         Ok(self.output(ob, t * kk, false))
     }
@@ -520,24 +505,41 @@ impl Gpu {
         let sb = self.upload(scores)?;
         let ob = self.out((t0 + rows) * kk * 4)?;
         if rows > 0 && kk > 0 {
-            let cfg = LaunchConfig {
-                grid_dim: (rows as u32, 1, 1),
-                block_dim: (TOPK_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.kern().indexer_topk(
-                cfg,
-                sb.ptr,
-                rows as u64,
-                ld as u64,
-                t0 as u64,
-                ratio as u64,
-                n_c as u64,
-                kk as u64,
-                ob.ptr,
-            )?;
+            self.topk_launch(sb.ptr, rows, ld, t0, ratio, n_c, kk, ob.ptr)?;
         }
         let all: Vec<f32> = self.download(ob.ptr, (t0 + rows) * kk)?;
         Ok(all[t0 * kk..].to_vec())
+    }
+
+    /// One `indexer_topk` launch: query i of `nq` (at position t0 + i) selects its top `kk` of
+    /// its causal rows of scores [nq, ld] into rows t0.. of the selection; one block per query.
+    #[allow(clippy::too_many_arguments)]
+    fn topk_launch(
+        &self,
+        scores: u64,
+        nq: usize,
+        ld: usize,
+        t0: usize,
+        ratio: usize,
+        n_c: usize,
+        kk: usize,
+        out: u64,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (nq as u32, 1, 1),
+            block_dim: (TOPK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.kern().indexer_topk(
+            cfg,
+            scores,
+            nq as u64,
+            ld as u64,
+            t0 as u64,
+            ratio as u64,
+            n_c as u64,
+            kk as u64,
+            out,
+        )
     }
 }
