@@ -188,13 +188,9 @@ impl Gpu {
         };
         let (t, h, dh) = (a.t, a.h, a.dh);
         let (hd, half) = (h * dh, tab.half);
-        if a.q0 != 0 || a.kv0 != 0 {
-            return Err(Error::usage(
-                "attention: the device takes the whole prompt (q0 = kv0 = 0)",
-            ));
-        }
         if q.len() != t * hd
-            || kv.len() != t * dh
+            || !a.kv_covers()
+            || kv.len() != (a.q0 + t - a.kv0) * dh
             || cmp.len() < a.n_c * dh
             || sink.len() < h
             || sel.is_some_and(|(s, kk)| s.len() != t * kk)
@@ -248,10 +244,10 @@ impl Gpu {
             self.upload(&tab.sin[..t * half])?,
         );
         for (q0, q1) in kern::chunks(t, chunk) {
-            let part = a.chunk(q0, q1);
+            let part = a.sub(q0, q1);
             let l = AttnLaunch {
                 q: row_at(qb.ptr, q0, hd),
-                kv: row_at(kb.ptr, part.kv0, dh),
+                kv: row_at(kb.ptr, part.kv0 - a.kv0, dh),
                 cmp: cb.ptr,
                 sel: if kk > 0 {
                     row_at(lists.ptr, q0, kk)
@@ -442,6 +438,7 @@ impl Gpu {
             n_c,
             ratio,
             kk,
+            q0,
         } = d;
         if q.len() != t * hi * di || ki.len() < n_c * di || w.len() != t * hi {
             return Err(Error::Backend(format!(
@@ -477,7 +474,10 @@ impl Gpu {
                     sb.ptr,
                 )?;
             }
-            self.topk_launch(sb.ptr, nq, m_b, t0, ratio, n_c, kk, ob.ptr)?;
+            // the kernel takes the query's position (q0 + t0 + i) and writes that row of its
+            // output: the output's base is moved back by q0 rows, which it never touches
+            let base = ob.ptr.wrapping_sub((q0 * kk * 4) as u64);
+            self.topk_launch(sb.ptr, nq, m_b, q0 + t0, ratio, n_c, kk, base)?;
         }
         Ok(self.output(ob, t * kk, false))
     }

@@ -1,12 +1,37 @@
-//! The device state's ops that only the other model families use (`device::Device::slice_cols`,
-//! `glu_oss`; `backend::layer::CudaDevice` calls them): a column slice on the device (MLA's
-//! latent) and gpt-oss's clamped GLU, each bit for bit its host reference (`device::family`).
+//! The device state's copies and the ops that only the other model families use
+//! (`device::Device::cat_rows`, `slice_cols`, `glu_oss`; `backend::layer::CudaDevice` calls them):
+//! rows joined on the device (a token chunk's carried state), a column slice (MLA's latent) and
+//! gpt-oss's clamped GLU, each bit for bit its host reference (`device::family`, `device::cpu`).
 
 use super::cuda::Gpu;
 use crate::tensor::Data;
 use crate::{Error, Result};
 
 impl Gpu {
+    /// The spans (values, first value, count) one after the other in one new allocation (a copy
+    /// on the device; host values are uploaded first): `Device::cat_rows`.
+    pub fn cat_spans(&mut self, spans: &[(&Data, usize, usize)]) -> Result<Data> {
+        let n: usize = spans.iter().map(|s| s.2).sum();
+        let ob = self.out(n * 4)?;
+        let mut at = 0u64;
+        for &(x, off, len) in spans {
+            if off + len > x.len() {
+                return Err(Error::Backend(format!(
+                    "cuda: values {off}..{} of {}",
+                    off + len,
+                    x.len()
+                )));
+            }
+            if len > 0 {
+                let src = self.input(x)?;
+                self.copy_on_device(ob.ptr + at, src.ptr + (off * 4) as u64, len)?;
+            }
+            at += (len * 4) as u64;
+        }
+        let exact = spans.iter().all(|s| s.0.known_bf16_exact() == Some(true));
+        Ok(self.output(ob, n, exact))
+    }
+
     /// Columns [c0, c0 + w) of each row of x [.., cols] (a copy on the device).
     pub fn slice_cols(&mut self, x: &Data, cols: usize, c0: usize, w: usize) -> Result<Data> {
         let rows = x.len() / cols.max(1);

@@ -247,6 +247,16 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         Ok(Tensor::new(x.shape.clone(), y))
     }
 
+    fn cat_rows(&self, parts: &[(&Tensor, std::ops::Range<usize>)]) -> Result<Tensor> {
+        let (shape, w) = crate::device::cat_shape(parts)?;
+        let spans: Vec<(&crate::tensor::Data, usize, usize)> = parts
+            .iter()
+            .map(|(t, r)| (&t.data, r.start * w, r.len() * w))
+            .collect();
+        let y = self.dev.with(|g| g.cat_spans(&spans))?;
+        Ok(Tensor::new(shape, y))
+    }
+
     fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor> {
         if c0 + w > x.cols() {
             return self.host.slice_cols(x, c0, w);

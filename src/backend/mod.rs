@@ -156,7 +156,7 @@ impl Backend {
         tensors: &[&crate::tensor::Data],
         pairs: &[(usize, Option<usize>)],
     ) -> crate::Result<PendingStats> {
-        use crate::metrics::{Compare, Stats};
+        use crate::metrics::{Partial, Stream};
         let same = tensors.iter().all(|x| x.len() == tensors[0].len());
         Ok(match self {
             Backend::Cuda(g) if same => {
@@ -165,12 +165,20 @@ impl Backend {
             _ => {
                 let t: Vec<&[f32]> = tensors.iter().map(|d| &d[..]).collect();
                 PendingStats::Done(if same {
-                    crate::metrics::stats_and_compares(&t, pairs)
+                    crate::metrics::partials(&t, pairs)
                 } else {
                     pairs
                         .iter()
-                        .map(|&(i, j)| (Stats::of(t[i]), j.map(|j| Compare::of(t[i], t[j]))))
-                        .collect()
+                        .map(|&(i, j)| {
+                            let (x, r): (Vec<&[f32]>, Vec<(usize, Option<usize>)>) = match j {
+                                Some(j) => (vec![t[i], t[j]], vec![(0, Some(1))]),
+                                None => (vec![t[i]], vec![(0, None)]),
+                            };
+                            let mut s = Stream::new(x.len(), &r);
+                            s.feed(&x);
+                            s.partials().remove(0)
+                        })
+                        .collect::<Vec<Partial>>()
                 })
             }
         })
@@ -181,6 +189,16 @@ impl Backend {
         &self,
         p: PendingStats,
     ) -> crate::Result<Vec<(crate::metrics::Stats, Option<crate::metrics::Compare>)>> {
+        Ok(self
+            .stats_partials(p)?
+            .iter()
+            .map(crate::metrics::Partial::finish)
+            .collect())
+    }
+
+    /// [`Backend::stats_collect`] before the sums become metrics: what a run in token chunks
+    /// merges across its chunks ([`crate::metrics::Partial::merge_later`]).
+    pub fn stats_partials(&self, p: PendingStats) -> crate::Result<Vec<crate::metrics::Partial>> {
         match (p, self) {
             (PendingStats::Done(r), _) => Ok(r),
             (PendingStats::Device(p), Backend::Cuda(g)) => linears::lock(g)?.metrics_collect(p),
@@ -193,6 +211,6 @@ impl Backend {
 
 /// Statistics computed ([`Backend::stats_launch`] on the host), or queued on the device.
 pub enum PendingStats {
-    Done(Vec<(crate::metrics::Stats, Option<crate::metrics::Compare>)>),
+    Done(Vec<crate::metrics::Partial>),
     Device(cuda::PendingMetrics),
 }

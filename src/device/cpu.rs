@@ -164,10 +164,13 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
     ) -> Result<Tensor> {
         let (t, dh) = (dims.t, dims.dh);
         let hd = dims.h * dh;
-        if dims.q0 != 0 || dims.kv0 != 0 {
-            return Err(Error::usage(
-                "attention: the device takes the whole prompt (q0 = kv0 = 0)",
-            ));
+        if !dims.kv_covers() || kv.numel() != (dims.q0 + t - dims.kv0) * dh {
+            return Err(Error::usage(format!(
+                "attention: kv of {} values for the rows {}..{} ({dims:?})",
+                kv.numel(),
+                dims.kv0,
+                dims.q0 + t
+            )));
         }
         let kk = keys.sel.map_or(0, |s| s.cols());
         let lists = match keys.sel {
@@ -179,19 +182,21 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
             }
             None => None,
         };
-        // Chunks of queries [q0, q1): each sees the kv rows from its first query's window on and
-        // every compressed row (the causal count and the lists stay per query), so each query's
-        // keys, their order and the result are those of one call over the prompt. One chunk's
-        // result is held at a time besides the op's output.
+        // Chunks of queries [q0, q1) (this call's rows; positions dims.q0 + …): each sees the
+        // kv rows from its first query's window on and every compressed row (the causal count
+        // and the lists stay per query), so each query's keys, their order and the result are
+        // those of one call over the prompt. One chunk's result is held at a time besides the
+        // op's output.
         let one = |q0: usize, q1: usize| -> Tensor {
-            let part = dims.chunk(q0, q1);
+            let part = dims.sub(q0, q1);
+            let k0 = part.kv0 - dims.kv0;
             let ck = CmpKeys {
                 ratio: keys.ratio,
                 sel: lists.as_deref().map(|l| (&l[q0 * kk..q1 * kk], kk)),
             };
             let y = kern::attention_core(
                 &q.data[q0 * hd..q1 * hd],
-                &kv.data[part.kv0 * dh..q1 * dh],
+                &kv.data[k0 * dh..(part.q0 + part.t - dims.kv0) * dh],
                 &cmp.data,
                 ck,
                 sink,
@@ -325,6 +330,15 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         }
         (self.store)(&mut y);
         Ok(y)
+    }
+
+    fn cat_rows(&self, parts: &[(&Tensor, std::ops::Range<usize>)]) -> Result<Tensor> {
+        let (shape, w) = super::cat_shape(parts)?;
+        let mut data = Vec::with_capacity(shape.iter().product());
+        for (t, r) in parts {
+            data.extend_from_slice(&t.data[r.start * w..r.end * w]);
+        }
+        Ok(Tensor::new(shape, data))
     }
 
     fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor> {

@@ -226,6 +226,26 @@ impl AttnDims {
         }
     }
 
+    /// The dims of the queries [a, b) of this call's queries (local indices; positions
+    /// q0 + a .. q0 + b): their kv rows start at the first one's window, never before this
+    /// call's kv0. For a whole prompt (q0 = kv0 = 0) it is [`AttnDims::chunk`]. The part's kv
+    /// rows are this call's from row `part.kv0 − kv0`.
+    pub fn sub(&self, a: usize, b: usize) -> AttnDims {
+        let q0 = self.q0 + a;
+        AttnDims {
+            t: b - a,
+            q0,
+            kv0: (q0 + 1).saturating_sub(self.win).min(q0).max(self.kv0),
+            ..*self
+        }
+    }
+
+    /// Whether kv rows from kv0 cover every query's window (kv0 ≤ max(0, q0 + 1 − win), or
+    /// kv0 ≤ q0 without a window).
+    pub fn kv_covers(&self) -> bool {
+        self.kv0 <= (self.q0 + 1).saturating_sub(self.win).min(self.q0)
+    }
+
     /// The window of the query at position p: kv positions [lo, p] (empty when win = 0).
     #[inline]
     pub fn window(&self, p: usize) -> std::ops::Range<usize> {
@@ -468,19 +488,23 @@ pub struct IndexerDims {
     pub t: usize,
     pub hi: usize,
     pub di: usize,
+    /// Compressed rows (keys), counted from the prompt's start.
     pub n_c: usize,
     pub ratio: usize,
     pub kk: usize,
+    /// Position of the first query in the prompt (0 unless the queries are a later token chunk).
+    pub q0: usize,
 }
 
 impl IndexerDims {
-    /// The compressed rows the query at position p may see: min((p + 1) / ratio, n_c).
+    /// The compressed rows query `i` of this call (at position q0 + i) may see:
+    /// min((q0 + i + 1) / ratio, n_c).
     #[inline]
-    pub fn causal(&self, p: usize) -> usize {
+    pub fn causal(&self, i: usize) -> usize {
         if self.ratio == 0 {
             return 0;
         }
-        ((p + 1) / self.ratio).min(self.n_c)
+        ((self.q0 + i + 1) / self.ratio).min(self.n_c)
     }
 }
 
@@ -740,6 +764,7 @@ mod tests {
         let w: Vec<f32> = lcg(11, t * hi).iter().map(|v| v * 0.3).collect();
         let scores = indexer_scores(&q, &ki, &w, t, hi, di, n_c);
         let d = IndexerDims {
+            q0: 0,
             t,
             hi,
             di,

@@ -180,4 +180,35 @@ pub trait Device {
     /// gpt-oss's clamped GLU (`family::glu_rows`) of gu [n, 2I] (gate/up interleaved) → [n, I],
     /// rounded.
     fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor>;
+    /// Rows `r` of each part (along the first dimension), one part after the other →
+    /// [Σ rows, …] with the first part's trailing shape (a copy, no rounding): what a run in
+    /// token chunks joins, the rows carried from earlier chunks (a window's last rows, the
+    /// compressed rows so far) and the chunk's own.
+    fn cat_rows(&self, parts: &[(&Tensor, std::ops::Range<usize>)]) -> Result<Tensor>;
+}
+
+/// The shape and row width of [`Device::cat_rows`]'s output, or why the parts do not join.
+pub fn cat_shape(parts: &[(&Tensor, std::ops::Range<usize>)]) -> Result<(Vec<usize>, usize)> {
+    let Some((first, _)) = parts.first() else {
+        return Err(crate::Error::usage("cat_rows: no parts"));
+    };
+    let tail: Vec<usize> = first.shape.iter().skip(1).copied().collect();
+    let width: usize = tail.iter().product();
+    let mut rows = 0;
+    for (t, r) in parts {
+        let n0 = t.shape.first().copied().unwrap_or(0);
+        if t.shape.iter().skip(1).copied().collect::<Vec<_>>() != tail
+            || r.start > r.end
+            || r.end > n0
+        {
+            return Err(crate::Error::usage(format!(
+                "cat_rows: rows {r:?} of shape {:?} do not join rows of shape {:?}",
+                t.shape, first.shape
+            )));
+        }
+        rows += r.len();
+    }
+    let mut shape = vec![rows];
+    shape.extend(tail);
+    Ok((shape, width))
 }

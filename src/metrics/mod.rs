@@ -163,63 +163,236 @@ impl PairAcc {
     }
 }
 
+/// One metric item's sums and counts before they become [`Stats`] and a [`Compare`]: what a
+/// pass over part of a tensor leaves, mergeable with the pass over the part after it
+/// ([`Partial::merge_later`]), so a tensor measured in pieces (a prompt run in token chunks, a
+/// device's per-chunk passes) gives the metrics of one pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Partial {
+    /// Elements covered.
+    pub numel: usize,
+    stat: StatAcc,
+    /// The comparison's sums, for an item with a reference.
+    pair: Option<PairAcc>,
+}
+
+impl Partial {
+    /// A device pass's counts and sums over `numel` elements (x's statistics; with a reference,
+    /// the pair's sums, their largest error at an index counted from this pass's first element).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_counts(
+        numel: usize,
+        nan: usize,
+        inf: usize,
+        zeros: usize,
+        finite: usize,
+        amax: f64,
+        sum_abs: f64,
+        pair: Option<PairSums>,
+    ) -> Partial {
+        Partial {
+            numel,
+            stat: StatAcc {
+                nan,
+                inf,
+                zeros,
+                finite,
+                amax,
+                sum: sum_abs,
+            },
+            pair: pair.map(PairAcc),
+        }
+    }
+
+    /// Add `later`, the pass over the `later.numel` elements right after this one's (its
+    /// largest-error index is moved past this one's elements; on equal errors the earlier
+    /// index stays).
+    pub fn merge_later(&mut self, later: &Partial) {
+        let mut o = *later;
+        if let Some(p) = o.pair.as_mut() {
+            if let Some((e, i)) = p.0.max_err {
+                p.0.max_err = Some((e, i + self.numel));
+            }
+        }
+        self.stat.merge(&o.stat);
+        match (self.pair.as_mut(), o.pair) {
+            (Some(a), Some(b)) => a.merge(&b),
+            (None, Some(b)) if self.numel == 0 => self.pair = Some(b),
+            _ => {}
+        }
+        self.numel += o.numel;
+    }
+
+    /// The statistics and, with a reference, the comparison.
+    pub fn finish(&self) -> (Stats, Option<Compare>) {
+        (
+            self.stat.finish(self.numel),
+            self.pair.map(|p| Compare::from_sums(&p.0)),
+        )
+    }
+}
+
+/// Elements per block of a metrics pass: sums accumulate sequentially inside a block and are
+/// merged block by block in order, wherever the pass was cut.
+const BLOCK: usize = 1 << 16;
+
+/// The sums of `pairs` over `t[..][c0..c1]` (a block or part of one), continuing `acc`
+/// (indices counted from `base`).
+fn block_pass(
+    t: &[&[f32]],
+    pairs: &[(usize, Option<usize>)],
+    c0: usize,
+    c1: usize,
+    base: usize,
+    st: &mut [StatAcc],
+    pa: &mut [PairAcc],
+) {
+    for (k, x) in t.iter().enumerate() {
+        for &v in &x[c0..c1] {
+            st[k].add(v);
+        }
+    }
+    for (acc, &(i, j)) in pa.iter_mut().zip(pairs) {
+        if let Some(j) = j {
+            for (idx, (&a, &b)) in t[i][c0..c1].iter().zip(&t[j][c0..c1]).enumerate() {
+                acc.add(base + c0 + idx, a, b);
+            }
+        }
+    }
+}
+
+/// Statistics and comparisons of tensors that arrive a piece at a time (the token chunks of an
+/// op), with the very sums of one pass over the whole: blocks of [`BLOCK`] elements counted from
+/// the whole tensor's start accumulate in order whatever the pieces' sizes, complete blocks in
+/// parallel.
+pub struct Stream {
+    pairs: Vec<(usize, Option<usize>)>,
+    /// Elements fed so far.
+    pos: usize,
+    /// The block in progress.
+    cur: (Vec<StatAcc>, Vec<PairAcc>),
+    /// Every complete block, merged in order.
+    total: (Vec<StatAcc>, Vec<PairAcc>),
+}
+
+impl Stream {
+    /// A stream over `tensors` same-length tensors measured as `pairs`.
+    pub fn new(tensors: usize, pairs: &[(usize, Option<usize>)]) -> Stream {
+        let z = || {
+            (
+                vec![StatAcc::default(); tensors],
+                vec![PairAcc::default(); pairs.len()],
+            )
+        };
+        Stream {
+            pairs: pairs.to_vec(),
+            pos: 0,
+            cur: z(),
+            total: z(),
+        }
+    }
+
+    fn close_block(&mut self) {
+        let (s, p) = std::mem::replace(
+            &mut self.cur,
+            (
+                vec![StatAcc::default(); self.total.0.len()],
+                vec![PairAcc::default(); self.pairs.len()],
+            ),
+        );
+        merge_into(&mut self.total, &s, &p);
+    }
+
+    /// The next piece of every tensor (same lengths).
+    pub fn feed(&mut self, t: &[&[f32]]) {
+        use rayon::prelude::*;
+        let n = t.first().map_or(0, |x| x.len());
+        assert!(
+            t.len() == self.total.0.len() && t.iter().all(|x| x.len() == n),
+            "metrics stream: tensors of other lengths"
+        );
+        let base = self.pos;
+        let mut c = 0;
+        // the rest of the block in progress
+        let fill = (BLOCK - self.pos % BLOCK).min(n);
+        if self.pos % BLOCK != 0 || fill < BLOCK {
+            let (st, pa) = &mut self.cur;
+            block_pass(t, &self.pairs, 0, fill, base, st, pa);
+            c = fill;
+            self.pos += fill;
+            if self.pos % BLOCK == 0 {
+                self.close_block();
+            }
+        }
+        // whole blocks, in parallel, merged in order
+        let whole = (n - c) / BLOCK;
+        if whole > 0 {
+            let pairs = &self.pairs;
+            let k = t.len();
+            let parts: Vec<(Vec<StatAcc>, Vec<PairAcc>)> = (0..whole)
+                .into_par_iter()
+                .map(|b| {
+                    let mut st = vec![StatAcc::default(); k];
+                    let mut pa = vec![PairAcc::default(); pairs.len()];
+                    let c0 = c + b * BLOCK;
+                    block_pass(t, pairs, c0, c0 + BLOCK, base, &mut st, &mut pa);
+                    (st, pa)
+                })
+                .collect();
+            for (s, p) in &parts {
+                merge_into(&mut self.total, s, p);
+            }
+            c += whole * BLOCK;
+            self.pos += whole * BLOCK;
+        }
+        // the start of the next block
+        if c < n {
+            let (st, pa) = &mut self.cur;
+            block_pass(t, &self.pairs, c, n, base, st, pa);
+            self.pos += n - c;
+        }
+    }
+
+    /// The sums of everything fed, per pair.
+    pub fn partials(&self) -> Vec<Partial> {
+        let mut all = self.total.clone();
+        merge_into(&mut all, &self.cur.0, &self.cur.1);
+        self.pairs
+            .iter()
+            .zip(&all.1)
+            .map(|(&(i, j), acc)| Partial {
+                numel: self.pos,
+                stat: all.0[i],
+                pair: j.map(|_| *acc),
+            })
+            .collect()
+    }
+}
+
+fn merge_into(total: &mut (Vec<StatAcc>, Vec<PairAcc>), s: &[StatAcc], p: &[PairAcc]) {
+    for (a, b) in total.0.iter_mut().zip(s) {
+        a.merge(b);
+    }
+    for (a, b) in total.1.iter_mut().zip(p) {
+        a.merge(b);
+    }
+}
+
 /// Statistics of several same-length tensors and comparisons between them in one pass over
-/// the data, parallel over chunks: for each `(x, reference)` of `pairs`, x's statistics and, with
-/// a reference, the comparison. Sums are merged in chunk order, so results are deterministic.
+/// the data, parallel over blocks: for each `(x, reference)` of `pairs`, x's sums and, with a
+/// reference, the comparison's. Sums are merged in block order, so results are deterministic.
+pub fn partials(t: &[&[f32]], pairs: &[(usize, Option<usize>)]) -> Vec<Partial> {
+    let mut s = Stream::new(t.len(), pairs);
+    s.feed(t);
+    s.partials()
+}
+
+/// [`partials`], finished: per pair, x's statistics and, with a reference, the comparison.
 pub fn stats_and_compares(
     t: &[&[f32]],
     pairs: &[(usize, Option<usize>)],
 ) -> Vec<(Stats, Option<Compare>)> {
-    use rayon::prelude::*;
-    let n = t.first().map_or(0, |x| x.len());
-    assert!(
-        t.iter().all(|x| x.len() == n),
-        "stats_and_compares: length mismatch"
-    );
-    const CHUNK: usize = 1 << 16;
-    let chunk = |c0: usize| {
-        let c1 = (c0 + CHUNK).min(n);
-        let mut st = vec![StatAcc::default(); t.len()];
-        let mut pa = vec![PairAcc::default(); pairs.len()];
-        for (k, x) in t.iter().enumerate() {
-            for &v in &x[c0..c1] {
-                st[k].add(v);
-            }
-        }
-        for (acc, &(i, j)) in pa.iter_mut().zip(pairs) {
-            if let Some(j) = j {
-                for (idx, (&a, &b)) in t[i][c0..c1].iter().zip(&t[j][c0..c1]).enumerate() {
-                    acc.add(c0 + idx, a, b);
-                }
-            }
-        }
-        (st, pa)
-    };
-    let parts: Vec<(Vec<StatAcc>, Vec<PairAcc>)> = if n > CHUNK {
-        (0..n)
-            .step_by(CHUNK)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(chunk)
-            .collect()
-    } else {
-        vec![chunk(0)]
-    };
-    let mut st = vec![StatAcc::default(); t.len()];
-    let mut pa = vec![PairAcc::default(); pairs.len()];
-    for (s, p) in &parts {
-        for (a, b) in st.iter_mut().zip(s) {
-            a.merge(b);
-        }
-        for (a, b) in pa.iter_mut().zip(p) {
-            a.merge(b);
-        }
-    }
-    pairs
-        .iter()
-        .zip(&pa)
-        .map(|(&(i, j), acc)| (st[i].finish(n), j.map(|_| Compare::from_sums(&acc.0))))
-        .collect()
+    partials(t, pairs).iter().map(Partial::finish).collect()
 }
 
 impl Compare {

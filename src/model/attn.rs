@@ -93,6 +93,7 @@ pub(crate) fn indexer(
         n_c,
         ratio,
         kk,
+        q0: 0,
     };
     // scores and top-k where the path's device runs (on the GPU nothing comes back to the host)
     env.device().indexer_topk(&q, &ki, &w, sc, d)

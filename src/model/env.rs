@@ -9,6 +9,16 @@ use super::ModelConfig;
 use crate::device::{CpuDevice, Device};
 use crate::{Error, Result, Tensor};
 
+/// Where a token chunk sits in the prompt, for a run that takes each layer's ops over the
+/// prompt a chunk of tokens at a time (`probe::chunked`): the op's inputs are the rows of
+/// tokens [start, end) of a prompt of `total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkAt {
+    pub start: usize,
+    pub end: usize,
+    pub total: usize,
+}
+
 /// What a numerics path provides to the op math.
 pub trait OpEnv {
     fn cfg(&self) -> &ModelConfig;
@@ -53,11 +63,26 @@ pub trait OpEnv {
     /// [T, Dh], "Ln.attn.compressor" [n_c, Dh], "Ln.attn.indexer.kv" [n_c, Di],
     /// "Ln.attn.indexer.q" [T, Hi·Di]. The L0 math leaves them alone (the default).
     fn cache_store(&self, _site: &str, _t: &mut Tensor) {}
-    /// Query tokens per attention call (`--chunk`): the attention runs over the prompt in
-    /// chunks of this many queries, with the same bits as in one call. None: all at once.
+    /// Query tokens per attention call: the attention runs over its queries in chunks of this
+    /// many, with the same bits as in one call. None: all at once.
     fn chunk_rows(&self) -> Option<usize> {
         None
     }
+    /// The token chunk the op's inputs cover (their first row is token `start`; `token_ids` are
+    /// the chunk's), or None for the whole prompt. The ops whose rows depend on earlier tokens
+    /// (RoPE positions, the compressors, the indexer, the attention) take what they need from
+    /// the state the op's previous chunk left ([`OpEnv::take_carry`]).
+    fn chunk_at(&self) -> Option<ChunkAt> {
+        None
+    }
+    /// The state this op left under `key` at its previous token chunk (on this path), taken:
+    /// the op puts back ([`OpEnv::put_carry`]) what its next chunk needs. None on a first chunk
+    /// and outside a run in chunks.
+    fn take_carry(&mut self, _key: &str) -> Option<Tensor> {
+        None
+    }
+    /// Keep `t` for this op's next token chunk under `key` ([`OpEnv::take_carry`]).
+    fn put_carry(&mut self, _key: &str, _t: Tensor) {}
     /// The whole routed-experts op in one call, for a backend that batches it on a device:
     /// x [t, d], `per[e]` = (token, routing weight) pairs of expert e in token order, `k` slots
     /// per token, `bases[3e..3e+3]` = (w1, w3, w2). `None` = compute it linear by linear.
@@ -82,6 +107,11 @@ pub trait OpEnv {
     fn device(&self) -> Box<dyn Device + '_> {
         Box::new(CpuDevice::new(move |t: &mut Tensor| self.store(t)))
     }
+}
+
+/// The prompt position of an op's first input row (its chunk's start; 0 for the whole prompt).
+pub(crate) fn pos0(env: &dyn OpEnv) -> usize {
+    env.chunk_at().map_or(0, |c| c.start)
 }
 
 /// Rows `ids` of the 2-D tensor `p` (named `name` in errors).

@@ -111,7 +111,8 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             let x = inputs[0];
             let t = x.rows();
             check_shape(op, "kv", x, &[t, cfg.head_dim])?;
-            let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), 0..t);
+            let p0 = pos0(env);
+            let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), p0..p0 + t);
             let nope = cfg.nope_dim();
             let mut y = env.device().rope(x, cfg.head_dim, nope, &tab)?;
             env.cache_store(&op.id, &mut y);
@@ -253,7 +254,8 @@ fn q_rope(op: &Op, q: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let (h, dh) = (cfg.num_attention_heads, cfg.head_dim);
     let t = q.rows();
     check_shape(op, "q", q, &[t, h * dh])?;
-    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
+    let p0 = pos0(env);
+    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), p0..p0 + t);
     let nope = cfg.nope_dim();
     let eps = cfg.rms_norm_eps as f32;
     env.device().q_rope(q, h, dh, nope, &tab, eps)

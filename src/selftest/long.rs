@@ -131,6 +131,7 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
     let (t, hi, di, ratio, kk) = (1200 * s + 3, 4, 64, 4, 37);
     let n_c = t / ratio;
     let d = IndexerDims {
+        q0: 0,
         t,
         hi,
         di,

@@ -30,7 +30,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::checkpoint::Checkpoint;
-use crate::metrics::{Compare, PairSums, Stats};
+use crate::metrics::{Compare, PairSums, Partial, Stats};
 use crate::numerics::nvfp4::{Convention, QuantHealth};
 use crate::served::faults::Fault;
 use crate::served::PathKind;

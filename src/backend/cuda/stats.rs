@@ -134,7 +134,7 @@ impl Gpu {
     ) -> Result<(Stats, Option<Compare>)> {
         let acc = self.stats_queue(&[(x, r, n)])?;
         let raw: Vec<u64> = self.download(acc.ptr, STAT_WORDS)?;
-        Ok(Self::stats_parse(&[(n, r.is_some())], &raw).remove(0))
+        Ok(Self::stats_parse(&[(n, r.is_some())], &raw)[0].finish())
     }
 
     /// Queue, per (x, reference, n), `fused_stats` into its own accumulator words of a new
@@ -164,7 +164,7 @@ impl Gpu {
     }
 
     /// Statistics and comparisons from [`Gpu::stats_queue`]'s words, per item (n, has reference).
-    fn stats_parse(items: &[(usize, bool)], raw: &[u64]) -> Vec<(Stats, Option<Compare>)> {
+    fn stats_parse(items: &[(usize, bool)], raw: &[u64]) -> Vec<Partial> {
         items
             .iter()
             .zip(raw.chunks(STAT_WORDS))
@@ -179,37 +179,24 @@ impl Gpu {
             .collect()
     }
 
-    /// Stats and comparison from `fused_stats`' sums and counters; `at(i)` gives (x[i], r[i])
-    /// for the largest error's index.
+    /// The sums and counts of `fused_stats` as a [`Partial`]; `at(i)` gives (x[i], r[i]) for
+    /// the largest error's index.
     fn stats_of(
         n: usize,
         a: &[f64; 5],
         c: &[u64; 11],
         has_ref: bool,
         at: impl FnOnce(usize) -> Option<(f32, f32)>,
-    ) -> (Stats, Option<Compare>) {
+    ) -> Partial {
         let f = |v: u64| f32::from_bits(v as u32) as f64;
-        let finite = c[3] as usize;
-        let stats = Stats {
-            numel: n,
-            amax: f(c[6]),
-            mean_abs: if finite > 0 {
-                a[0] / finite as f64
-            } else {
-                0.0
-            },
-            nan: c[0] as usize,
-            inf: c[1] as usize,
-            zeros: c[2] as usize,
-        };
-        let cmp = has_ref.then(|| {
+        let pair = has_ref.then(|| {
             let max_err = (c[10] > 0)
                 .then(|| (0xFFFF_FFFFu64 - (c[9] & 0xFFFF_FFFF)) as usize)
                 .and_then(|idx| {
                     let (xa, ra) = at(idx)?;
                     Some(((xa as f64 - ra as f64).abs(), idx))
                 });
-            Compare::from_sums(&PairSums {
+            PairSums {
                 dot: a[1],
                 nx: a[2],
                 nr: a[3],
@@ -219,9 +206,18 @@ impl Gpu {
                 max_err,
                 any_non_finite: c[5] > 0,
                 new_non_finite: c[4] as usize,
-            })
+            }
         });
-        (stats, cmp)
+        Partial::from_counts(
+            n,
+            c[0] as usize,
+            c[1] as usize,
+            c[2] as usize,
+            c[3] as usize,
+            f(c[6]),
+            a[0],
+            pair,
+        )
     }
 
     /// Upload host tensors once and compute, for each (x, reference) pair, x's statistics and the
@@ -232,7 +228,11 @@ impl Gpu {
         pairs: &[(usize, Option<usize>)],
     ) -> Result<Vec<(Stats, Option<Compare>)>> {
         let p = self.metrics_launch(tensors, pairs)?;
-        self.metrics_collect(p)
+        Ok(self
+            .metrics_collect(p)?
+            .iter()
+            .map(Partial::finish)
+            .collect())
     }
 
     /// [`Gpu::metrics`] without waiting: the statistics kernels, the pick of the values at each
@@ -315,7 +315,8 @@ impl Gpu {
     }
 
     /// The results of [`Gpu::metrics_launch`], once its copy has landed.
-    pub fn metrics_collect(&mut self, p: PendingMetrics) -> Result<Vec<(Stats, Option<Compare>)>> {
+    /// Each item's sums and counts ([`Partial::finish`] gives its metrics).
+    pub fn metrics_collect(&mut self, p: PendingMetrics) -> Result<Vec<Partial>> {
         let waited = {
             let _s = crate::profile::span("host: metrics wait");
             let t0 = Instant::now();

@@ -167,6 +167,12 @@ impl Gpu {
         Ok(b)
     }
 
+    /// Copy `n` f32 values from `src` to `dst` on the device (queued on the stream).
+    pub fn copy_on_device(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        unsafe { dres::memcpy_dtod_async(dst, src, n * 4, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("copy on device", e))
+    }
+
     /// The BF16 storage rounding of `x` on the device (values that are not on the host stay there).
     pub fn round_data(&self, x: &mut Data) -> Result<()> {
         let n = x.len();
