@@ -5,7 +5,8 @@
 //! f64, softmax exponentials are evaluated in f64.
 
 use super::env::{
-    check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, OpEnv,
+    check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, ChunkAt,
+    OpEnv,
 };
 use super::graph::Op;
 use super::ModelConfig;
@@ -30,14 +31,16 @@ pub(crate) fn indexer(
     if ratio == 0 {
         return Err(internal(op, "indexer on a layer without compression"));
     }
-    let n_c = t / ratio;
-    let causal = |ti: usize| ((ti + 1) / ratio).min(n_c);
+    let at = chunk_of(env, t);
+    // compressed rows of the whole prompt: the shortcut below is the same at every chunk
+    let n_all = at.total / ratio;
+    let causal = |ti: usize| ((at.start + ti + 1) / ratio).min(n_all);
     let mut out = vec![-1.0f32; t * kk];
     if kk == 0 {
         return Ok(Tensor::new(vec![t, 0], out));
     }
     // Every causal row fits in the budget: the selection is all of them, no scoring needed.
-    if n_c <= kk {
+    if n_all <= kk {
         for ti in 0..t {
             for s in 0..causal(ti) {
                 out[ti * kk + s] = s as f32;
@@ -69,11 +72,13 @@ pub(crate) fn indexer(
         layer,
     )?;
     env.cache_store(&format!("L{layer}.attn.indexer.kv"), &mut ki);
+    // the keys of the chunks before this one, then this chunk's
+    let ki = history(env, &format!("{}.ki", op.id), ki, at)?;
 
     let mut q = linear_checked(env, &format!("{}.wq_b", op.id), qr, weight(op, 0)?, hi * di)?;
     env.store(&mut q);
     // RoPE on the last rd dims of each head, at position = row (the device rounds as it stores)
-    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), 0..t);
+    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), at.start..at.start + t);
     let mut q = env.device().rope(&q, di, di - rd, &tab)?;
     env.cache_store(&format!("L{layer}.attn.indexer.q"), &mut q);
 
@@ -90,10 +95,10 @@ pub(crate) fn indexer(
         t,
         hi,
         di,
-        n_c,
+        n_c: ki.rows(),
         ratio,
         kk,
-        q0: 0,
+        q0: at.start,
     };
     // scores and top-k where the path's device runs (on the GPU nothing comes back to the host)
     env.device().indexer_topk(&q, &ki, &w, sc, d)
@@ -116,15 +121,29 @@ pub(crate) fn attention(
     check_shape(op, "q", q, &[t, hd])?;
     check_shape(op, "kv", kv, &[t, dh])?;
     let empty = Tensor::new(vec![0, dh], vec![]);
-    let cmp = if let Some(n_c) = t.checked_div(ratio) {
+    let cmp = if ratio > 0 {
         let c = inputs
             .get(2)
             .ok_or_else(|| internal(op, "compressed KV input missing"))?;
-        check_shape(op, "compressed kv", c, &[n_c, dh])?;
+        // the compressed rows this chunk's tokens complete (all of them over the whole prompt)
+        let (_, b0, b1) = blocks(env, t, ratio);
+        check_shape(op, "compressed kv", c, &[b1 - b0, dh])?;
         *c
     } else {
         &empty
     };
+    let at = chunk_of(env, t);
+    // a later chunk: its window reaches back into the chunks before, and every compressed row
+    // so far is a key
+    let (kv, cmp) = if env.chunk_at().is_some() {
+        let tail = cfg.sliding_window.saturating_sub(1);
+        let kv = window(env, &format!("{}.kv", op.id), kv, at, tail)?;
+        let cmp = history(env, &format!("{}.cmp", op.id), cmp.clone(), at)?;
+        (kv, cmp)
+    } else {
+        (kv.clone(), cmp.clone())
+    };
+    let (kv, cmp) = (&kv, &cmp);
     let n_c = cmp.rows();
     let sel = if ratio > 0 {
         inputs.get(3).copied()
@@ -143,13 +162,13 @@ pub(crate) fn attention(
         n_c,
         win: cfg.sliding_window,
         scale: (dh as f64).powf(-0.5) as f32,
-        q0: 0,
-        kv0: 0,
+        q0: at.start,
+        kv0: at.start + t - kv.rows(),
     };
     let freqs = layer_rope_freqs(cfg, layer);
     let nope = cfg.nope_dim();
     let chunk = env.chunk_rows().unwrap_or(t).max(1);
-    let tab = RopeTable::new(&freqs, 0..t);
+    let tab = RopeTable::new(&freqs, at.start..at.start + t);
     // one call: the device runs the query chunks itself, so chunked outputs never leave it
     env.device()
         .attention(
@@ -187,31 +206,147 @@ pub(crate) fn compress(
             "{sub_prefix}: compressor on a layer with ratio 0"
         )));
     }
-    let t = x.rows();
-    let n_c = t / ratio;
-    if n_c == 0 {
+    let at = chunk_of(env, x.rows());
+    let (n, b0, b1) = blocks(env, x.rows(), ratio);
+    let chunked = env.chunk_at().is_some();
+    let w = if ratio == 4 { 2 * dc } else { dc };
+    // the first block a pooling over blocks from `b` reads (ratio 4: the one before it too)
+    let first_read = |b: usize| if ratio == 4 && b > 0 { b - 1 } else { b };
+    let (ka, kg) = (format!("{sub_prefix}.a"), format!("{sub_prefix}.g"));
+    let carried = match chunked {
+        true => env.take_carry(&ka).zip(env.take_carry(&kg)),
+        false => None,
+    };
+    if n == 0 && b1 == b0 && carried.is_none() {
         return Ok(Tensor::new(vec![0, dc], vec![]));
     }
-    let w = if ratio == 4 { 2 * dc } else { dc };
-    let n = n_c * ratio;
-    let xs = if n == t {
-        x.clone() // shares device values, if any
+    // the linears of the tokens of whole blocks only (rows n.. of the chunk complete none)
+    let (a, g) = if n > 0 {
+        let xs = if n == x.rows() {
+            x.clone() // shares device values, if any
+        } else {
+            env.device().cat_rows(&[(x, 0..n)])?
+        };
+        let a = linear_checked(env, &format!("{sub_prefix}.wkv"), &xs, names[0], w)?;
+        let g = linear_checked(env, &format!("{sub_prefix}.wgate"), &xs, names[1], w)?;
+        (a, g)
     } else {
-        Tensor::new(vec![n, x.cols()], x.data[..n * x.cols()].to_vec())
+        let e = Tensor::new(vec![0, w], vec![]);
+        (e.clone(), e)
     };
-    let a = linear_checked(env, &format!("{sub_prefix}.wkv"), &xs, names[0], w)?;
-    let g = linear_checked(env, &format!("{sub_prefix}.wgate"), &xs, names[1], w)?;
-    let ape = param_n(env, names[2], ratio * w)?;
-    let norm = param_n(env, names[3], dc)?;
-
-    let rd = cfg.qk_rope_head_dim;
-    if rd > dc {
-        return Err(Error::usage(format!(
-            "{sub_prefix}: rope dim {rd} exceeds compressed width {dc}"
-        )));
+    // rows [s0, at.start + n): what earlier chunks left, then this chunk's
+    let (a, g, s0) = match carried {
+        Some((ca, cg)) => {
+            let s0 = at.start - ca.rows();
+            (join(env, &ca, &a)?, join(env, &cg, &g)?, s0)
+        }
+        None => (a, g, at.start),
+    };
+    let ck = if b1 > b0 {
+        let ape = param_n(env, names[2], ratio * w)?;
+        let norm = param_n(env, names[3], dc)?;
+        let rd = cfg.qk_rope_head_dim;
+        if rd > dc {
+            return Err(Error::usage(format!(
+                "{sub_prefix}: rope dim {rd} exceeds compressed width {dc}"
+            )));
+        }
+        // pooled from block bs on; the rows before b0 (a block whose previous block this chunk
+        // no longer holds) were emitted by the chunk before, and are dropped
+        let bs = first_read(b0);
+        let span = bs * ratio - s0..b1 * ratio - s0;
+        let (a, g) = (rows(env, &a, span.clone())?, rows(env, &g, span)?);
+        let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), (bs..b1).map(|b| b * ratio));
+        let eps = cfg.rms_norm_eps as f32;
+        let ck = env.device().compress_tail(
+            &a,
+            &g,
+            &ape.data,
+            &norm.data,
+            b1 - bs,
+            dc,
+            ratio,
+            eps,
+            &tab,
+        )?;
+        rows(env, &ck, b0 - bs..b1 - bs)?
+    } else {
+        Tensor::new(vec![0, dc], vec![])
+    };
+    // what the next chunk's pooling reads of these rows (nothing once the prompt's last whole
+    // block is done)
+    let end = at.start + n;
+    if chunked && end == at.end && at.end < at.total {
+        let keep = first_read(b1) * ratio - s0..end - s0;
+        let (ca, cg) = (rows(env, &a, keep.clone())?, rows(env, &g, keep)?);
+        env.put_carry(&ka, ca);
+        env.put_carry(&kg, cg);
     }
-    let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), (0..n_c).map(|b| b * ratio));
-    let eps = cfg.rms_norm_eps as f32;
-    env.device()
-        .compress_tail(&a, &g, &ape.data, &norm.data, n_c, dc, ratio, eps, &tab)
+    Ok(ck)
+}
+
+/// Where an op's rows sit in the prompt: its token chunk, or the whole prompt of `t` tokens.
+fn chunk_of(env: &dyn OpEnv, t: usize) -> ChunkAt {
+    env.chunk_at().unwrap_or(ChunkAt {
+        start: 0,
+        end: t,
+        total: t,
+    })
+}
+
+/// A compressor over the `t` rows of a token chunk: (the chunk's rows it reads, the compressed
+/// rows [b0, b1) it completes). Only the prompt's whole blocks are read (its tokens below
+/// ⌊total / ratio⌋·ratio), as over the whole prompt at once; b1 − b0 rows come out.
+pub(crate) fn blocks(env: &dyn OpEnv, t: usize, ratio: usize) -> (usize, usize, usize) {
+    let at = chunk_of(env, t);
+    let lim = at.total / ratio * ratio;
+    let xe = at.end.min(lim).max(at.start);
+    (xe - at.start, at.start / ratio, xe / ratio)
+}
+
+/// Rows `r` of `x` (x itself when that is all of it).
+fn rows(env: &dyn OpEnv, x: &Tensor, r: std::ops::Range<usize>) -> Result<Tensor> {
+    if r.start == 0 && r.end == x.rows() {
+        return Ok(x.clone());
+    }
+    env.device().cat_rows(&[(x, r)])
+}
+
+/// `a`'s rows then `b`'s.
+fn join(env: &dyn OpEnv, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match (a.rows(), b.rows()) {
+        (0, _) => Ok(b.clone()),
+        (_, 0) => Ok(a.clone()),
+        (na, nb) => env.device().cat_rows(&[(a, 0..na), (b, 0..nb)]),
+    }
+}
+
+/// Every row so far of a tensor that grows by `new`'s rows at each token chunk (the compressed
+/// keys): the earlier chunks' rows under `key`, then `new`'s; kept for the next chunk.
+fn history(env: &mut dyn OpEnv, key: &str, new: Tensor, at: ChunkAt) -> Result<Tensor> {
+    if env.chunk_at().is_none() {
+        return Ok(new);
+    }
+    let all = match env.take_carry(key) {
+        Some(prev) => join(env, &prev, &new)?,
+        None => new,
+    };
+    if at.end < at.total {
+        env.put_carry(key, all.clone());
+    }
+    Ok(all)
+}
+
+/// A token-major tensor's rows over a sliding window: the last `tail` rows before this chunk
+/// (kept under `key`), then the chunk's `new` rows; its last `tail` rows are kept for the next.
+fn window(env: &mut dyn OpEnv, key: &str, new: &Tensor, at: ChunkAt, tail: usize) -> Result<Tensor> {
+    let all = match env.take_carry(key) {
+        Some(prev) => join(env, &prev, new)?,
+        None => new.clone(),
+    };
+    if at.end < at.total {
+        let keep = tail.min(all.rows());
+        env.put_carry(key, rows(env, &all, all.rows() - keep..all.rows())?);
+    }
+    Ok(all)
 }

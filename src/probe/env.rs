@@ -43,6 +43,15 @@ pub struct Shared<'a> {
     backend: Backend,
     /// Query tokens per attention call (`--chunk`, `OpEnv::chunk_rows`).
     pub chunk: Option<usize>,
+    /// The token chunk the current op runs over, in a run in chunks (`probe::chunked`;
+    /// `OpEnv::chunk_at`); `tokens` are then the chunk's.
+    pub at: Option<crate::model::env::ChunkAt>,
+    /// What ops keep for their next token chunk (`OpEnv::put_carry`), per execution slot
+    /// ([`Shared::carry_slot`]) and key.
+    pub carry: HashMap<(usize, String), Tensor>,
+    /// Which execution of the op runs now (0–2 the propagated paths, 3 the isolated served
+    /// one, 4 the FP32 numerics on the BF16 oracle's inputs): each keeps its own carry.
+    pub carry_slot: usize,
     /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
     /// path of the op reads the same values, so they come from the checkpoint once per op.
     params: HashMap<String, Tensor>,
@@ -154,6 +163,9 @@ impl<'a> Shared<'a> {
             deferred_record: Vec::new(),
             backend: Backend::Cpu,
             chunk: None,
+            at: None,
+            carry: HashMap::new(),
+            carry_slot: 0,
             replay: None,
         }
     }
@@ -444,6 +456,17 @@ impl OpEnv for PathEnv<'_, '_> {
     }
     fn chunk_rows(&self) -> Option<usize> {
         self.shared.chunk
+    }
+    fn chunk_at(&self) -> Option<crate::model::env::ChunkAt> {
+        self.shared.at
+    }
+    fn take_carry(&mut self, key: &str) -> Option<Tensor> {
+        let slot = self.shared.carry_slot;
+        self.shared.carry.remove(&(slot, key.to_string()))
+    }
+    fn put_carry(&mut self, key: &str, t: Tensor) {
+        let slot = self.shared.carry_slot;
+        self.shared.carry.insert((slot, key.to_string()), t);
     }
     fn device(&self) -> Box<dyn Device + '_> {
         let store = move |t: &mut Tensor| self.store(t);

@@ -157,64 +157,16 @@ impl<'a> Stepper<'a> {
     fn step_paths(&mut self, step: usize, op: &'a Op, hooks: &dyn RunHooks) -> Result<()> {
         let opts = self.opts;
         let report = op.layer.is_none_or(|l| l >= self.a) && opts.spec.selects(&op.id);
-        // the linears' hook: an op's weights preloaded in one batch, or a routed-experts op
-        // deferred (every path's op, the isolated and FP32-on-BF16 ones included, only begins
-        // here; the flush below runs them)
-        let deferred = self.shared.begin_op(op)?;
-        let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
-        for (pi, kind) in PathKind::ALL.iter().enumerate() {
-            let inputs: Vec<&Tensor> = op
-                .inputs
-                .iter()
-                .map(|id| {
-                    self.maps[pi].get(id).ok_or_else(|| {
-                        Error::usage(format!("internal: op {} input {id} not computed", op.id))
-                    })
-                })
-                .collect::<Result<_>>()?;
-            self.shared.record_observations = *kind == PathKind::Served && report;
-            let mut env = PathEnv {
-                kind: *kind,
-                shared: &mut self.shared,
-            };
-            let _s = crate::profile::span(match kind {
-                PathKind::OracleFp32 => "exec: oracle_fp32",
-                PathKind::OracleBf16 => "exec: oracle_bf16",
-                PathKind::Served => "exec: served",
-            });
-            outs.push(exec(op, &inputs, &mut env)?);
-        }
-        self.shared.record_observations = false;
-        hooks.routed(step, &outs);
-        let touched = self.shared.touched.clone();
-        let mut observed = std::mem::take(&mut self.shared.observed);
+        let Execs {
+            outs,
+            iso,
+            fp_on_bf,
+            touched,
+            observed,
+        } = execs(&mut self.shared, op, &self.maps, report, |outs| {
+            hooks.routed(step, outs)
+        })?;
         if report {
-            let quantized = touched.iter().any(|t| self.shared.is_quantized(t));
-            let iso: Vec<Tensor> = if quantized {
-                let inputs: Vec<&Tensor> = op.inputs.iter().map(|id| &self.maps[1][id]).collect();
-                let mut env = PathEnv {
-                    kind: PathKind::Served,
-                    shared: &mut self.shared,
-                };
-                let _s = crate::profile::span("exec: served isolated");
-                exec(op, &inputs, &mut env)?
-            } else {
-                outs[1].clone()
-            };
-            // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
-            let fp_on_bf: Vec<Tensor> = {
-                let inputs: Vec<&Tensor> = op.inputs.iter().map(|id| &self.maps[1][id]).collect();
-                let mut env = PathEnv {
-                    kind: PathKind::OracleFp32,
-                    shared: &mut self.shared,
-                };
-                let _s = crate::profile::span("exec: fp32 on bf16 inputs");
-                exec(op, &inputs, &mut env)?
-            };
-            if deferred {
-                self.shared.flush_experts()?;
-                observed.append(&mut self.shared.observed);
-            }
             let t_m = Instant::now();
             let p = op_record_begin(opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed)?;
             // what bisect would start from, should this op diverge
@@ -258,9 +210,6 @@ impl<'a> Stepper<'a> {
                 }
             }
         }
-        if deferred && !report {
-            self.shared.flush_experts()?;
-        }
         if !report {
             // the last record is needed now: this op may consume its output
             if let Some(q) = self.queued.take() {
@@ -299,6 +248,109 @@ impl<'a> Stepper<'a> {
         }
         Ok(())
     }
+}
+
+/// What one op's executions made: every propagated path's outputs, and for a reported op the
+/// served op on the BF16 oracle's inputs (`iso`) and the FP32 numerics on them (`fp_on_bf`),
+/// with what its served linears read (`touched`) and saw (`observed`).
+pub(super) struct Execs {
+    pub outs: Vec<Vec<Tensor>>,
+    pub iso: Vec<Tensor>,
+    pub fp_on_bf: Vec<Tensor>,
+    pub touched: Vec<String>,
+    pub observed: Vec<(String, crate::served::LinearObs)>,
+}
+
+/// Runs `op` on every path (inputs from `maps`, one per path), tells `routed` what the paths
+/// made, then, when `report`, the isolated and noise executions. Each execution keeps its own
+/// token-chunk carry (`Shared::carry_slot`).
+pub(super) fn execs(
+    shared: &mut Shared,
+    op: &Op,
+    maps: &[HashMap<String, Tensor>; 3],
+    report: bool,
+    routed: impl FnOnce(&[Vec<Tensor>]),
+) -> Result<Execs> {
+    // the linears' hook: an op's weights preloaded in one batch, or a routed-experts op
+    // deferred (every path's op, the isolated and FP32-on-BF16 ones included, only begins
+    // here; the flush below runs them)
+    let deferred = shared.begin_op(op)?;
+    fn inputs_of<'m>(op: &Op, m: &'m HashMap<String, Tensor>) -> Result<Vec<&'m Tensor>> {
+        op.inputs
+            .iter()
+            .map(|id| {
+                m.get(id).ok_or_else(|| {
+                    Error::usage(format!("internal: op {} input {id} not computed", op.id))
+                })
+            })
+            .collect()
+    }
+    let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
+    for (pi, kind) in PathKind::ALL.iter().enumerate() {
+        let inputs = inputs_of(op, &maps[pi])?;
+        shared.record_observations = *kind == PathKind::Served && report;
+        shared.carry_slot = pi;
+        let mut env = PathEnv {
+            kind: *kind,
+            shared: &mut *shared,
+        };
+        let _s = crate::profile::span(match kind {
+            PathKind::OracleFp32 => "exec: oracle_fp32",
+            PathKind::OracleBf16 => "exec: oracle_bf16",
+            PathKind::Served => "exec: served",
+        });
+        outs.push(exec(op, &inputs, &mut env)?);
+    }
+    shared.record_observations = false;
+    routed(&outs);
+    let touched = shared.touched.clone();
+    let mut observed = std::mem::take(&mut shared.observed);
+    if !report {
+        if deferred {
+            shared.flush_experts()?;
+        }
+        return Ok(Execs {
+            outs,
+            iso: Vec::new(),
+            fp_on_bf: Vec::new(),
+            touched,
+            observed,
+        });
+    }
+    let bf_inputs = inputs_of(op, &maps[1])?;
+    let quantized = touched.iter().any(|t| shared.is_quantized(t));
+    let iso: Vec<Tensor> = if quantized {
+        shared.carry_slot = 3;
+        let mut env = PathEnv {
+            kind: PathKind::Served,
+            shared: &mut *shared,
+        };
+        let _s = crate::profile::span("exec: served isolated");
+        exec(op, &bf_inputs, &mut env)?
+    } else {
+        outs[1].clone()
+    };
+    // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
+    let fp_on_bf: Vec<Tensor> = {
+        shared.carry_slot = 4;
+        let mut env = PathEnv {
+            kind: PathKind::OracleFp32,
+            shared: &mut *shared,
+        };
+        let _s = crate::profile::span("exec: fp32 on bf16 inputs");
+        exec(op, &bf_inputs, &mut env)?
+    };
+    if deferred {
+        shared.flush_experts()?;
+        observed.append(&mut shared.observed);
+    }
+    Ok(Execs {
+        outs,
+        iso,
+        fp_on_bf,
+        touched,
+        observed,
+    })
 }
 
 impl Stepper<'_> {
