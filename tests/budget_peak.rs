@@ -73,6 +73,7 @@ fn runs_allocate_no_more_than_their_estimate() {
             with_head,
             layer_states: false,
             device: false,
+            chunk: None,
         };
         let est = estimate(&cfg, &plan);
         let opts = RunOptions {

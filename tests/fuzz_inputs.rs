@@ -520,6 +520,7 @@ fn exercise_config(cfg: &ModelConfig, tokens: u64) {
                 with_head: true,
                 layer_states: tokens.is_multiple_of(3),
                 device,
+                chunk: tokens.is_multiple_of(5).then_some(7),
             },
         );
         assert!(e.host() >= 0.0 && !e.host().is_nan(), "{e:?}");

@@ -192,6 +192,7 @@ pub fn prepare(
             with_head,
             layer_states: false,
             device: on_device,
+            chunk: None,
         };
         let est = crate::probe::budget::check(&cfg, &plan, max_mem, &backend_sel, what)?;
         if crate::profile::enabled() {

@@ -37,6 +37,9 @@ pub struct Plan {
     pub layer_states: bool,
     /// The numerics run on a CUDA device.
     pub device: bool,
+    /// Tokens per chunk when each layer runs over the prompt a chunk at a time (`--chunk`);
+    /// None: the whole prompt at once.
+    pub chunk: Option<u64>,
 }
 
 /// The estimate, in bytes, by part.
@@ -159,6 +162,8 @@ fn op_weights(cfg: &ModelConfig, layer: usize, tokens: f64, with_head: bool) -> 
 pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     let f = |x: usize| x as f64;
     let t = plan.tokens as f64;
+    // the rows an op runs over at once: a chunk's, or the prompt's
+    let rows = plan.chunk.map_or(t, |c| (c as f64).min(t));
     let (a, b) = plan.layers;
     let run_layers = (b + 1).min(cfg.num_hidden_layers);
     let reported = (b + 1).saturating_sub(a).min(run_layers).max(1);
@@ -197,7 +202,14 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     // attention keeps alive until its last use), plus the op being run on five executions
     let live = 3.0 * resid + 3.0 * q + ql + 3.0 * d + 4.0 * dh + if csa { topk } else { 0.0 };
     let per_token = 3.0 * live + 5.0 * 3.0 * wide + 3.0 * hc * hc;
-    let activations = t * per_token * 4.0;
+    // in chunks, the layers' outputs of every chunk so far wait on the host for the next layer
+    // (the three paths' streams into the layer and out of it)
+    let streams = if plan.chunk.is_some() {
+        6.0 * t * resid * 4.0
+    } else {
+        0.0
+    };
+    let activations = rows * per_token * 4.0;
 
     // the attention's per-query key lists on CSA layers (i32 [t, topk]) and the indexer's
     // scores of one query block (`device::kern::score_block_rows`: at most 64 MiB, never
@@ -209,10 +221,22 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         .filter(|&&r| r == 4)
         .map(|_| {
             let n_c = (t / 4.0).floor();
-            let block = f(crate::device::kern::score_block_rows(n_c as usize)).min(t);
-            t * topk * 4.0 + block * n_c * 4.0 + threads * n_c * 8.0
+            let block = f(crate::device::kern::score_block_rows(n_c as usize)).min(rows);
+            rows * topk * 4.0 + block * n_c * 4.0 + threads * n_c * 8.0
         })
-        .fold(0.0, f64::max);
+        .fold(0.0, f64::max)
+        // in chunks, what each of the five executions carries to the next chunk: every
+        // compressed row so far (attention and indexer keys) and the window's last rows
+        + if plan.chunk.is_some() {
+            let n_c = ratios
+                .iter()
+                .filter(|&&r| r > 0)
+                .map(|&r| (t / r as f64).floor() * (dh + if r == 4 { di } else { 0.0 }))
+                .sum::<f64>();
+            5.0 * 4.0 * (n_c + f(cfg.sliding_window) * dh)
+        } else {
+            0.0
+        };
 
     // weights: the CPU runner's cache holds an op's weights in three f32 copies (oracle, BF16,
     // served) up to its 4 GiB budget, plus the largest weight and its dequantization
@@ -294,9 +318,15 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         .then_some(DEVICE_ACTIVATIONS * activations + attention + stage);
     // the CUDA backend's host side: the pinned staging buffers and the rows read back
     let host_rows = if plan.device {
-        stage + DEVICE_HOST_ROWS * t * resid * 4.0
+        stage + DEVICE_HOST_ROWS * rows * resid * 4.0 + streams
     } else {
         0.0
+    };
+    // on the host backend the streams are activations too
+    let activations = if plan.device {
+        activations
+    } else {
+        activations + streams
     };
 
     Estimate {
@@ -528,64 +558,84 @@ pub fn check(
     Ok(est)
 }
 
-/// Bytes one query token costs an attention call: its q row and output row (and the output's
-/// copy for the inverse RoPE), its kv row and its key list (i32 [topk]).
-fn chunk_row_bytes(cfg: &ModelConfig) -> f64 {
-    let f = |x: usize| x as f64;
-    let (h, dh) = (f(cfg.num_attention_heads), f(cfg.head_dim));
-    4.0 * (3.0 * h * dh + dh + f(cfg.index_topk))
-}
-
-/// Bytes an attention call holds whatever its chunk: the window rows before the chunk and every
-/// compressed row of `t` tokens (the densest compressed layer).
-fn chunk_fixed_bytes(cfg: &ModelConfig, t: usize) -> f64 {
-    let f = |x: usize| x as f64;
-    let dh = f(cfg.head_dim);
-    let densest = cfg
-        .compress_ratios
-        .iter()
-        .filter(|&&r| r > 0)
-        .map(|&r| t / r)
-        .max()
-        .unwrap_or(0);
-    4.0 * dh * (f(cfg.sliding_window) + f(densest))
-}
-
-/// The attention's query chunk of a run over `t` tokens: `--chunk N` as given (at most t),
-/// else the most query tokens whose attention call fits `--mem-gib`, else None (the whole
-/// prompt in one call). A budget that does not hold one query token, or a chunk of 0, is a
-/// usage error (exit 2) naming what would work.
-pub fn chunk_rows(
+/// The token chunk of a run (each layer over the prompt `chunk` tokens at a time): `--chunk N`
+/// as given, else the most tokens whose estimate fits `--mem-gib` (device memory on CUDA,
+/// host memory on the CPU), else, when the whole prompt does not fit the run's limit
+/// (`--max-mem`, else what the machine has), the most tokens that do. None: the whole prompt at
+/// once (it fits, or the families other than V4, which run unchunked). A chunk of 0, or a
+/// `--mem-gib` too small for a chunk of one token, is a usage error (exit 2) naming what works.
+pub fn token_chunk(
     cfg: &ModelConfig,
-    t: usize,
+    plan: &Plan,
     chunk: Option<usize>,
     mem_gib: Option<f64>,
-) -> Result<Option<usize>> {
-    if let Some(n) = chunk {
-        if n == 0 {
-            return Err(Error::usage(
-                "--chunk 0: a chunk holds at least one query token",
-            ));
-        }
-        return Ok(Some(n.min(t.max(1))));
+    max_mem: Option<f64>,
+    backend: &crate::backend::Backend,
+) -> Result<Option<u64>> {
+    let t = plan.tokens;
+    if chunk == Some(0) {
+        return Err(Error::usage("--chunk 0: a chunk holds at least one token"));
     }
-    let Some(g) = mem_gib else {
+    if cfg.family.is_some() {
         return Ok(None);
-    };
-    let (row, fixed) = (chunk_row_bytes(cfg), chunk_fixed_bytes(cfg, t));
-    // in GiB, rounded up to 1e-6 GiB (1 KiB: less than one query token's bytes)
-    let smallest = ((fixed + row) / GIB * 1e6).ceil() / 1e6;
-    if !(g.is_finite() && g > 0.0) || g * GIB < fixed + row {
-        return Err(Error::usage(format!(
-            "--mem-gib {g}: one attention chunk over {t} tokens needs the window and compressed \
-             rows ({}) and one query token ({}); the smallest workable budget is --mem-gib \
-             {smallest:.6}",
-            gib(fixed),
-            gib(row),
-        )));
     }
-    let n = ((g * GIB - fixed) / row).floor() as usize;
-    Ok(Some(n.clamp(1, t.max(1))))
+    if let Some(n) = chunk {
+        return Ok(((n as u64) < t).then_some(n as u64));
+    }
+    let need = |c: Option<u64>| {
+        let e = estimate(cfg, &Plan { chunk: c, ..*plan });
+        match (plan.device, e.device) {
+            (true, Some(d)) => d,
+            _ => e.host(),
+        }
+    };
+    let budget = match mem_gib {
+        Some(g) if !(g.is_finite() && g > 0.0) => {
+            return Err(Error::usage(format!(
+                "--mem-gib {g}: expected a positive number of GiB"
+            )))
+        }
+        Some(g) => g * GIB,
+        None => {
+            let limit = match (max_mem, plan.device) {
+                (Some(g), _) => Some(max_mem_limit(g)?),
+                (None, true) => device_limit(backend),
+                (None, false) => Some(host_limit()),
+            };
+            match limit {
+                Some(l) => l.bytes,
+                None => return Ok(None),
+            }
+        }
+    };
+    if t <= 1 || need(None) <= budget {
+        return Ok(None);
+    }
+    let one = need(Some(1));
+    if one > budget {
+        return match mem_gib {
+            // in GiB, rounded up to 1e-6 GiB
+            Some(g) => Err(Error::usage(format!(
+                "--mem-gib {g}: a chunk of one token over {t} tokens needs an estimated {} of {} memory; the smallest workable budget is --mem-gib {:.6}",
+                gib(one),
+                if plan.device { "device" } else { "host" },
+                (one / GIB * 1e6).ceil() / 1e6
+            ))),
+            // the run's own check refuses it, with its estimate and limit
+            None => Ok(None),
+        };
+    }
+    // the most tokens that fit: need(c) grows with c
+    let (mut lo, mut hi) = (1u64, t - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if need(Some(mid)) <= budget {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok(Some(lo))
 }
 
 #[cfg(test)]
@@ -611,6 +661,7 @@ mod tests {
             with_head: true,
             layer_states: false,
             device: false,
+            chunk: None,
         }
     }
 
@@ -691,21 +742,22 @@ mod tests {
     #[test]
     fn the_chunk_comes_from_the_budget_and_a_too_small_budget_names_the_smallest() {
         let cfg = tiny();
-        assert_eq!(chunk_rows(&cfg, 1000, None, None).unwrap(), None);
-        assert_eq!(chunk_rows(&cfg, 1000, Some(64), None).unwrap(), Some(64));
-        assert_eq!(chunk_rows(&cfg, 10, Some(64), None).unwrap(), Some(10));
-        assert_eq!(
-            chunk_rows(&cfg, 10, Some(0), None).unwrap_err().exit_code(),
-            2
-        );
-        // the chunk that fits: fixed + n rows within the budget, n + 1 rows not
         let t = 8192;
-        let (row, fixed) = (chunk_row_bytes(&cfg), chunk_fixed_bytes(&cfg, t));
-        let g = (fixed + 100.5 * row) / GIB;
-        assert_eq!(chunk_rows(&cfg, t, None, Some(g)).unwrap(), Some(100));
-        assert_eq!(chunk_rows(&cfg, t, None, Some(1e6)).unwrap(), Some(t));
+        let p = plan(t);
+        let chunk = |c: Option<usize>, g: Option<f64>| token_chunk(&cfg, &p, c, g, None, &CPU);
+        assert_eq!(chunk(Some(64), None).unwrap(), Some(64));
+        assert_eq!(chunk(Some(9000), None).unwrap(), None, "a chunk of the whole prompt");
+        assert_eq!(chunk(Some(0), None).unwrap_err().exit_code(), 2);
+        // the chunk that fits: its estimate within the budget, one token more not
+        let need = |c: u64| estimate(&cfg, &Plan { chunk: Some(c), ..p }).host();
+        let g = (need(100) + need(101)) / 2.0 / GIB;
+        assert_eq!(chunk(None, Some(g)).unwrap(), Some(100));
+        assert_eq!(chunk(None, Some(1e6)).unwrap(), None, "the whole prompt fits");
+        // more tokens per chunk cost more; chunks cost less than the whole prompt at length
+        assert!(need(2048) > need(64));
+        assert!(need(64) < estimate(&cfg, &p).host());
         // too small: exit 2, and the budget the message names works
-        let e = chunk_rows(&cfg, t, None, Some(fixed / GIB)).unwrap_err();
+        let e = chunk(None, Some(need(1) / GIB * 0.99)).unwrap_err();
         assert_eq!(e.exit_code(), 2);
         let msg = e.to_string();
         let named: f64 = msg
@@ -713,14 +765,9 @@ mod tests {
             .next()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or_else(|| panic!("no budget named in: {msg}"));
-        assert_eq!(chunk_rows(&cfg, t, None, Some(named)).unwrap(), Some(1));
+        assert_eq!(chunk(None, Some(named)).unwrap(), Some(1));
         for bad in [0.0, -1.0, f64::NAN] {
-            assert_eq!(
-                chunk_rows(&cfg, t, None, Some(bad))
-                    .unwrap_err()
-                    .exit_code(),
-                2
-            );
+            assert_eq!(chunk(None, Some(bad)).unwrap_err().exit_code(), 2);
         }
     }
 

@@ -9,6 +9,7 @@ pub mod env;
 pub mod findings;
 pub mod progress;
 pub mod replay;
+mod chunked;
 mod runner;
 pub mod scan;
 
@@ -263,6 +264,9 @@ pub fn run_capturing(
     // kernels (`backend::run`)
     opts.backend.run_with(&run_plan, |hooks| {
         crate::profile::mark("runner: first op");
+        if let Some(c) = plan.chunk.filter(|&c| c < opts.tokens.len()) {
+            return chunked::run(&mut st, ops, c, hooks, &mut pb);
+        }
         for (step, op) in ops.iter().enumerate() {
             hooks.before_op(step);
             let t_op = Instant::now();
@@ -425,6 +429,15 @@ pub(crate) fn op_record_finish(
     stats.insert("oracle_bf16".to_string(), ms.bf);
     stats.insert("served".to_string(), ms.sv);
     stats.insert("served_isolated".to_string(), ms.is);
+    // in the op's own weight order (the graph's): a run in token chunks touches an expert
+    // first in whichever chunk routes to it, a run over the whole prompt in expert order
+    let mut touched = touched.to_vec();
+    touched.sort_by_key(|t| {
+        op.weights
+            .iter()
+            .position(|w| w == t)
+            .unwrap_or(usize::MAX)
+    });
     let weights: Vec<(String, String)> = touched
         .iter()
         .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))

@@ -26,7 +26,8 @@ pub(super) struct Plan {
     pub first: usize,
     pub cfg: ModelConfig,
     pub ops: Vec<Op>,
-    /// Query tokens per attention call (`--chunk`, or chosen from `--mem-gib`).
+    /// Tokens per chunk when each layer runs over the prompt a chunk at a time (`--chunk`, or
+    /// chosen from `--mem-gib` or the memory limit; `probe::chunked`). None: all at once.
     pub chunk: Option<usize>,
 }
 
@@ -43,23 +44,29 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     let (a, b) = LayerRange::new(opts.layers.0, opts.layers.1).check(cfg.num_hidden_layers)?;
     super::scan::check_tokens(ckpt, opts)?;
     let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
-    // nothing of the run's size is allocated before its estimate fits (`budget`)
-    budget::check(
+    let mut bp = budget::Plan {
+        layers: (a, b),
+        tokens: opts.tokens.len() as u64,
+        keep_outputs: opts.keep_outputs,
+        kept_rows: opts.keep_rows.as_ref().map(|r| r.len() as u64),
+        with_head,
+        layer_states: false,
+        device: opts.backend.on_device(),
+        chunk: None,
+    };
+    // each layer over the prompt in token chunks when asked, or when the whole prompt at once
+    // would not fit
+    bp.chunk = budget::token_chunk(
         &cfg,
-        &budget::Plan {
-            layers: (a, b),
-            tokens: opts.tokens.len() as u64,
-            keep_outputs: opts.keep_outputs,
-            kept_rows: opts.keep_rows.as_ref().map(|r| r.len() as u64),
-            with_head,
-            layer_states: false,
-            device: opts.backend.on_device(),
-        },
+        &bp,
+        opts.chunk,
+        opts.mem_gib,
         opts.max_mem,
         &opts.backend,
-        "this run",
     )?;
-    let chunk = budget::chunk_rows(&cfg, opts.tokens.len(), opts.chunk, opts.mem_gib)?;
+    // nothing of the run's size is allocated before its estimate fits (`budget`)
+    budget::check(&cfg, &bp, opts.max_mem, &opts.backend, "this run")?;
+    let chunk = bp.chunk.map(|c| c as usize);
     let ops = build_graph(&cfg, b, with_head);
     crate::profile::mark("runner: graph built");
     Ok(Plan {

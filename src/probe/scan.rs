@@ -197,6 +197,7 @@ impl LayerGraph {
                 kept_rows: None,
                 with_head: false,
                 layer_states: true,
+                chunk: None,
                 device: opts.backend.on_device(),
             },
             opts.max_mem,
