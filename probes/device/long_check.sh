@@ -6,7 +6,11 @@
 #      of TOKENS, unchunked and with --chunk CHUNK: wall time, the runner's time, the GPU memory
 #      peak (nvidia-smi sampled every 200 ms) and the exit code; a run that fails says so;
 #   3. at 16,384 tokens (when in TOKENS) the reports of --chunk 512, --chunk 2048 and unchunked
-#      compared field by field (run_diff.py).
+#      compared field by field (run_diff.py);
+#   4. past 16,384 tokens only chunked runs, their chunk chosen from --mem-gib MEMGIB (a device
+#      budget, default 40), next to --chunk CHUNK;
+#   5. (TINY=1) the built-in model over 300 tokens in chunks of 7 and 64 on the CUDA backend
+#      against the CPU backend's unchunked report (run_diff.py).
 # Each run is capped at TO seconds; keep TOKENS short enough that the whole script fits a device
 # command's 10 minutes (e.g. TOKENS="4096 16384", then TOKENS="65536", then TOKENS=131072).
 # Usage (GPU machine, repository root):
@@ -14,7 +18,7 @@
 set -u
 OUT=${OUT:-/tmp/long}; B=${B:-target/release/nvfp4-probe}
 F=${FLASH_DIR:-/tmp/flash}; TOKENS=${TOKENS:-"4096 16384"}; CHUNK=${CHUNK:-2048}; TO=${TO:-240}
-SELFTEST=${SELFTEST:-1}
+SELFTEST=${SELFTEST:-1}; MEMGIB=${MEMGIB:-40}; TINY=${TINY:-0}
 mkdir -p "$OUT"
 fail=0
 
@@ -49,6 +53,9 @@ for t in $TOKENS; do
     peak_run flash_${t}_whole $B "${common[@]}" --json $OUT/flash_${t}_whole.json
   fi
   peak_run flash_${t}_chunk$CHUNK $B "${common[@]}" --chunk $CHUNK --json $OUT/flash_${t}_chunk$CHUNK.json
+  if [ $t -gt 16384 ]; then
+    peak_run flash_${t}_mem$MEMGIB $B "${common[@]}" --mem-gib $MEMGIB --json $OUT/flash_${t}_mem$MEMGIB.json
+  fi
   if [ $t = 16384 ]; then
     peak_run flash_${t}_chunk512 $B "${common[@]}" --chunk 512 --json $OUT/flash_${t}_chunk512.json
     for c in $CHUNK 512; do
@@ -57,5 +64,14 @@ for t in $TOKENS; do
     done
   fi
 done
+if [ "$TINY" = 1 ]; then
+  echo "== 5. tiny model, 300 tokens: CUDA in chunks vs CPU whole"
+  $B run --seq-len 300 --backend cpu --quiet --json $OUT/tiny_cpu.json > $OUT/tiny_cpu.txt 2>&1
+  for c in 7 64; do
+    $B run --seq-len 300 --backend cuda --quiet --chunk $c --json $OUT/tiny_cuda_$c.json > $OUT/tiny_cuda_$c.txt 2>&1
+    python3 probes/device/run_diff.py $OUT/tiny_cpu.json $OUT/tiny_cuda_$c.json > $OUT/tiny_diff_$c.txt 2>&1 || fail=1
+    echo "tiny CPU whole vs CUDA --chunk $c: $(head -3 $OUT/tiny_diff_$c.txt | tr '\n' ' ')"
+  done
+fi
 echo "long check: $([ $fail = 0 ] && echo passed || echo FAILURES, see $OUT)"
 exit $fail

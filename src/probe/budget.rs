@@ -313,9 +313,19 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         .filter(|g| g.is_finite() && *g >= 0.0)
         .unwrap_or(8.0)
         * GIB;
+    // in chunks a layer's weights stay on the device for all its chunks: its stored bytes (at
+    // most one byte per element but for the BF16 ones)
+    let held = if plan.chunk.is_some() {
+        (0..run_layers.min(cfg.compress_ratios.len()))
+            .map(|l| op_weights(cfg, l, t, plan.with_head && l + 1 == run_layers).iter().sum::<f64>())
+            .fold(0.0, f64::max)
+            * 1.1
+    } else {
+        0.0
+    };
     let device = plan
         .device
-        .then_some(DEVICE_ACTIVATIONS * activations + attention + stage);
+        .then_some(DEVICE_ACTIVATIONS * activations + attention + stage + held);
     // the CUDA backend's host side: the pinned staging buffers and the rows read back
     let host_rows = if plan.device {
         stage + DEVICE_HOST_ROWS * rows * resid * 4.0 + streams
@@ -556,6 +566,28 @@ pub fn check(
         }
     }
     Ok(est)
+}
+
+/// Whether a run in chunks on a device can keep the layers' output streams (every chunk's
+/// pieces, three paths, into a layer and out of it) in device memory next to its estimate,
+/// within `--mem-gib` (else `--max-mem`, else the device's memory): then they never travel
+/// through the host between layers.
+pub fn streams_fit_device(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    mem_gib: Option<f64>,
+    max_mem: Option<f64>,
+    backend: &crate::backend::Backend,
+) -> bool {
+    let Some(need) = estimate(cfg, plan).device.filter(|_| plan.chunk.is_some()) else {
+        return false;
+    };
+    let streams = 6.0 * plan.tokens as f64 * (cfg.hc_mult * cfg.hidden_size) as f64 * 4.0;
+    let limit = match mem_gib.or(max_mem) {
+        Some(g) => g * GIB,
+        None => device_limit(backend).map_or(0.0, |l| l.bytes),
+    };
+    need + streams <= limit
 }
 
 /// The token chunk of a run (each layer over the prompt `chunk` tokens at a time): `--chunk N`

@@ -5,8 +5,9 @@
 //! (`OpEnv::take_carry`: the window's KV rows, the compressors' pending rows, the compressed
 //! keys so far; `model::attn`), so every path computes what one pass over the prompt computes.
 //!
-//! Between segments only the tensors a later segment reads survive, one piece per chunk, on the
-//! host (a layer's output streams): device memory holds one chunk's activations. Each op's
+//! Between segments only the tensors a later segment reads survive, one piece per chunk (a
+//! layer's output streams): on the host, so that device memory holds one chunk's activations,
+//! or on the device when the budget holds them (`budget::streams_fit_device`). Each op's
 //! record is merged over its chunks: statistics and comparisons stream (on the host with the
 //! sums of one pass, `metrics::Stream`; on a device each chunk's sums merged,
 //! `metrics::Partial::merge_later`), counts add, kept outputs join.
@@ -14,8 +15,9 @@
 //! What a chunked run does not do: follow a divergent op's error into its consumers (the
 //! consequence tracker needs the whole faulty output before its consumers run; a divergent op
 //! is then counted harmful, never absorbed) or keep bisect's captures (bisect replays from the
-//! oracle instead); the loader stages an op's weights ahead for the first chunk only, later
-//! chunks read them when the op runs.
+//! oracle instead). The loader stages an op's weights ahead for the first chunk; on a device they
+//! stay for the segment's later chunks (`Shared::hold_weights`), on the host later chunks read
+//! them again.
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -37,6 +39,7 @@ pub(super) fn run<'a>(
     st: &mut Stepper<'a>,
     ops: &'a [Op],
     chunk: usize,
+    on_device: bool,
     hooks: &dyn RunHooks,
     pb: &mut Progress,
 ) -> Result<()> {
@@ -59,7 +62,7 @@ pub(super) fn run<'a>(
     while s0 < end {
         let layer = ops[s0].layer;
         let s1 = (s0..end).find(|&i| ops[i].layer != layer).unwrap_or(end);
-        segment(st, ops, s0..s1, &chunks, &mut pieces, hooks, pb)?;
+        segment(st, ops, s0..s1, &chunks, &mut pieces, on_device, hooks, pb)?;
         s0 = s1;
     }
     st.shared.tokens = st.opts.tokens.clone();
@@ -79,6 +82,7 @@ fn segment<'a>(
     seg: Range<usize>,
     chunks: &[ChunkAt],
     pieces: &mut Pieces,
+    on_device: bool,
     hooks: &dyn RunHooks,
     pb: &mut Progress,
 ) -> Result<()> {
@@ -95,6 +99,9 @@ fn segment<'a>(
         .collect();
     let mut accs: Vec<Option<Acc>> = (0..seg.len()).map(|_| None).collect();
     let mut out = Pieces::default();
+    // on a device the segment's weights stay for all its chunks (read once, not once a chunk);
+    // the host reference decodes them per op as always (three f32 copies of a layer would not fit)
+    st.shared.hold_weights = st.opts.backend.on_device() && chunks.len() > 1;
     for (c, at) in chunks.iter().enumerate() {
         st.shared.at = Some(*at);
         st.shared.tokens = st.opts.tokens[at.start..at.end].to_vec();
@@ -123,6 +130,8 @@ fn segment<'a>(
             if let Err(e) = r {
                 st.shared.cancel_op();
                 st.shared.carry.clear();
+                st.shared.hold_weights = false;
+                st.shared.release_weights();
                 return Err(crate::backend::oom::explain(e, &op.id, &st.opts.backend));
             }
             if c + 1 == chunks.len() {
@@ -130,13 +139,14 @@ fn segment<'a>(
             }
             *st.prof.entry(format!("{:?}", op.kind)).or_default() += t_op.elapsed().as_secs_f64();
         }
-        // what later segments read: kept on the host, one piece per chunk
+        // what later segments read, one piece per chunk: on the host, unless the budget holds
+        // them on the device
         for id in &leaving {
             let per = out.0.entry(id.clone()).or_default();
             for (pi, m) in maps.iter_mut().enumerate() {
-                let piece = m.remove(id).map(|t| {
-                    let shape = t.shape.clone();
-                    Tensor::new(shape, t.data.clone().into_vec())
+                let piece = m.remove(id).map(|t| match on_device {
+                    true => t,
+                    false => Tensor::new(t.shape.clone(), t.data.clone().into_vec()),
                 });
                 per[pi].push(piece);
             }
@@ -144,6 +154,8 @@ fn segment<'a>(
     }
     st.shared.carry.clear();
     st.shared.at = None;
+    st.shared.hold_weights = false;
+    st.shared.release_weights();
     pieces
         .0
         .retain(|id, _| st.last_use.get(id.as_str()).is_some_and(|&l| l > last));

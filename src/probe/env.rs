@@ -52,6 +52,9 @@ pub struct Shared<'a> {
     /// Which execution of the op runs now (0–2 the propagated paths, 3 the isolated served
     /// one, 4 the FP32 numerics on the BF16 oracle's inputs): each keeps its own carry.
     pub carry_slot: usize,
+    /// Keep the linears' weights from op to op until [`Shared::release_weights`] (a run in
+    /// chunks on a device: a layer's weights are read once for all its chunks).
+    pub hold_weights: bool,
     /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
     /// path of the op reads the same values, so they come from the checkpoint once per op.
     params: HashMap<String, Tensor>,
@@ -166,6 +169,7 @@ impl<'a> Shared<'a> {
             at: None,
             carry: HashMap::new(),
             carry_slot: 0,
+            hold_weights: false,
             replay: None,
         }
     }
@@ -234,13 +238,21 @@ impl<'a> Shared<'a> {
         self.linears.unpin(base);
     }
 
-    /// Drop every cached weight (called between ops).
+    /// Drop every cached weight (called between ops; the linears' weights stay while
+    /// [`Shared::hold_weights`]).
     pub fn clear(&mut self) {
-        self.linears.clear();
+        if !self.hold_weights {
+            self.linears.clear();
+        }
         self.params.clear();
         self.observed.clear();
         self.touched.clear();
         self.touched_set.clear();
+    }
+
+    /// Drop the linears' weights held over ops ([`Shared::hold_weights`]).
+    pub fn release_weights(&mut self) {
+        self.linears.clear();
     }
 
     /// True when the weight is stored in a quantized format (its served numerics differ from the BF16 oracle).

@@ -265,7 +265,7 @@ pub fn run_capturing(
     opts.backend.run_with(&run_plan, |hooks| {
         crate::profile::mark("runner: first op");
         if let Some(c) = plan.chunk.filter(|&c| c < opts.tokens.len()) {
-            return chunked::run(&mut st, ops, c, hooks, &mut pb);
+            return chunked::run(&mut st, ops, c, plan.streams_on_device, hooks, &mut pb);
         }
         for (step, op) in ops.iter().enumerate() {
             hooks.before_op(step);

@@ -29,6 +29,9 @@ pub(super) struct Plan {
     /// Tokens per chunk when each layer runs over the prompt a chunk at a time (`--chunk`, or
     /// chosen from `--mem-gib` or the memory limit; `probe::chunked`). None: all at once.
     pub chunk: Option<usize>,
+    /// In chunks on a device: the layers' output streams stay in device memory (they fit the
+    /// budget) instead of waiting on the host.
+    pub streams_on_device: bool,
 }
 
 /// Checks the request (layers, tokens, the memory estimate) before anything of the run's size is
@@ -67,6 +70,8 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
     // nothing of the run's size is allocated before its estimate fits (`budget`)
     budget::check(&cfg, &bp, opts.max_mem, &opts.backend, "this run")?;
     let chunk = bp.chunk.map(|c| c as usize);
+    let streams_on_device =
+        budget::streams_fit_device(&cfg, &bp, opts.mem_gib, opts.max_mem, &opts.backend);
     let ops = build_graph(&cfg, b, with_head);
     crate::profile::mark("runner: graph built");
     Ok(Plan {
@@ -74,6 +79,7 @@ pub(super) fn plan(ckpt: &Checkpoint, opts: &RunOptions) -> Result<Plan> {
         cfg,
         ops,
         chunk,
+        streams_on_device,
     })
 }
 

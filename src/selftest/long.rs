@@ -58,6 +58,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
     topk_of_planted_scores(g, rng, s, out)?;
     indexer_selection(g, rng, s, out)?;
     attention_op(g, rng, s, out)?;
+    later_chunk(g, rng, s, out)?;
     Ok(())
 }
 
@@ -332,6 +333,182 @@ fn attention_op(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> R
         1,
         ok,
         format!("host {h_msg:?}, device {d_msg:?}"),
+    ));
+    Ok(())
+}
+
+/// A later token chunk on the device, as a run in chunks (`probe::chunked`) asks for it: the
+/// attention's queries from position q0 with their window's kv rows from kv0 and the RoPE table of
+/// their positions, and the indexer's queries [q0, q1) over the keys so far, against the rows of
+/// the same queries in the host's whole-prompt results (the host op at q0 too); and the rows
+/// such a run joins on the device (`Gpu::cat_spans`) against the host's concatenation.
+fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
+    let (t, h, dh, win, nope, kk) = (70 * s + 3, 3, 96, 16, 64, 5);
+    let freqs = rope_freqs(dh - nope, 10000.0, None);
+    let sink = normals(rng, h, 1.0);
+    for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
+        let n_c = t.checked_div(ratio).unwrap_or(0);
+        let q = normals(rng, t * h * dh, 1.0);
+        let kv = normals(rng, t * dh, 1.0);
+        let cmp = normals(rng, n_c * dh, 1.0);
+        let sel: Vec<f32> = (0..t * kk)
+            .map(|_| match rng.below(5) {
+                0 => -1.0,
+                _ => rng.below(n_c.max(1)) as f32,
+            })
+            .collect();
+        let whole = AttnDims {
+            t,
+            h,
+            dh,
+            n_c,
+            win,
+            scale: (dh as f64).powf(-0.5) as f32,
+            q0: 0,
+            kv0: 0,
+        };
+        let host = CpuDevice::new(store(true));
+        let sel_t = Tensor::new(vec![t, kk], sel.clone());
+        fn keys(ratio: usize, sel: Option<&Tensor>) -> CmpRows<'_> {
+            CmpRows { ratio, sel }
+        }
+        let ct = Tensor::new(vec![n_c, dh], cmp.clone());
+        let want = host.attention(
+            &Tensor::new(vec![t, h * dh], q.clone()),
+            &Tensor::new(vec![t, dh], kv.clone()),
+            &ct,
+            keys(ratio, use_sel.then_some(&sel_t)),
+            &sink,
+            whole,
+            nope,
+            &RopeTable::new(&freqs, 0..t),
+            t,
+        )?;
+        let cd = dev_only(g, &cmp)?;
+        // a chunk start off and on the ratio's multiples
+        for q0 in [37usize, 40] {
+            let kv0 = (q0 + 1).saturating_sub(win);
+            let part = AttnDims {
+                t: t - q0,
+                q0,
+                kv0,
+                ..whole
+            };
+            let tab = RopeTable::new(&freqs, q0..t);
+            let (qs, kvs) = (&q[q0 * h * dh..], &kv[kv0 * dh..]);
+            let sel_p = Tensor::new(vec![t - q0, kk], sel[q0 * kk..].to_vec());
+            let host_p = host.attention(
+                &Tensor::new(vec![t - q0, h * dh], qs.to_vec()),
+                &Tensor::new(vec![t - kv0, dh], kvs.to_vec()),
+                &ct,
+                keys(ratio, use_sel.then_some(&sel_p)),
+                &sink,
+                part,
+                nope,
+                &tab,
+                7,
+            )?;
+            let sd = dev_only(g, &sel[q0 * kk..])?;
+            let (qd, kvd) = (dev_only(g, qs)?, dev_only(g, kvs)?);
+            let got = g.attention(
+                &qd,
+                &kvd,
+                &cd,
+                ratio,
+                use_sel.then_some((&sd, kk)),
+                &sink,
+                part,
+                nope,
+                &tab,
+                7,
+                true,
+            )?;
+            let tail = &want.data[q0 * h * dh..];
+            let name = format!(
+                "attention at a later chunk (queries from {q0}, kv from {kv0}, {})",
+                match (ratio, use_sel) {
+                    (0, _) => "window",
+                    (_, false) => "window + compressed",
+                    _ => "window + selection",
+                }
+            );
+            match got {
+                Some(got) => {
+                    let mut c = exact(&name, &got.into_vec(), tail);
+                    if host_p.data[..] != tail[..] {
+                        c.mismatches += 1;
+                        c.note = "the host op at a later chunk differs from its whole-prompt rows".into();
+                    }
+                    out.push(c);
+                }
+                None => out.push(holds(&name, 1, false, "declined (shared memory)".into())),
+            }
+        }
+    }
+
+    // the indexer's queries of a middle and a last chunk over the keys so far
+    let (t, hi, di, ratio, kk) = (1200 * s + 3, 4, 64, 4, 37);
+    let n_c = t / ratio;
+    let q = normals(rng, t * hi * di, 1.0);
+    let ki = normals(rng, n_c * di, 1.0);
+    let w = normals(rng, t * hi, 0.3);
+    let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
+    let ws: Vec<f32> = w.iter().map(|v| v * sc).collect();
+    let whole = IndexerDims {
+        t,
+        hi,
+        di,
+        n_c,
+        ratio,
+        kk,
+        q0: 0,
+    };
+    let want = kern::indexer_topk(&q, &ki, &ws, whole, 64);
+    for (q0, q1) in [(501usize, 901usize), (600, t)] {
+        let d = IndexerDims {
+            t: q1 - q0,
+            n_c: q1 / ratio,
+            q0,
+            ..whole
+        };
+        let (qs, ks) = (&q[q0 * hi * di..q1 * hi * di], &ki[..d.n_c * di]);
+        let host_p = kern::indexer_topk(qs, ks, &ws[q0 * hi..q1 * hi], d, 7);
+        let (qd, kd, wd) = (
+            dev_only(g, qs)?,
+            dev_only(g, ks)?,
+            dev_only(g, &w[q0 * hi..q1 * hi])?,
+        );
+        let got = g.indexer_topk(
+            &qd,
+            &kd,
+            &wd,
+            sc,
+            d,
+            7,
+        )?;
+        let rows = &want[q0 * kk..q1 * kk];
+        let mut c = exact(
+            &format!("indexer selection at a later chunk (queries {q0}..{q1}, {} keys)", d.n_c),
+            &got.into_vec(),
+            rows,
+        );
+        if host_p[..] != rows[..] {
+            c.mismatches += 1;
+            c.note = "the host selection at a later chunk differs from its whole-prompt rows".into();
+        }
+        out.push(c);
+    }
+
+    // rows joined on the device: device-only and host values, an empty span
+    let (a, b) = (normals(rng, 300 * 7, 1.0), normals(rng, 50 * 7, 1.0));
+    let ad = dev_only(g, &a)?;
+    let bd = Data::from(b.clone());
+    let got = g.cat_spans(&[(&ad, 7 * 10, 7 * 200), (&bd, 0, 0), (&bd, 7 * 3, 7 * 40)])?;
+    let want: Vec<f32> = a[70..70 + 1400].iter().chain(&b[21..21 + 280]).copied().collect();
+    out.push(exact(
+        "rows joined on the device (cat_spans)",
+        &got.into_vec(),
+        &want,
     ));
     Ok(())
 }
