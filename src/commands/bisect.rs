@@ -25,10 +25,8 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
         args.backend,
         &args.loader_faults,
         args.seed,
-        args.mem.max_mem,
+        &args.mem,
     )?;
-    p.opts.chunk = args.mem.chunk;
-    p.opts.mem_gib = args.mem.mem_gib;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     for out in outputs.into_iter().flatten() {
         outs.check(out)?;

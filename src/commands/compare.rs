@@ -253,10 +253,8 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
         BackendChoice::Auto,
         &[],
         args.seed,
-        args.mem.max_mem,
+        &args.mem,
     )?;
-    p.opts.chunk = args.mem.chunk;
-    p.opts.mem_gib = args.mem.mem_gib;
     let token_source = match &trace_tokens {
         Some(tt) => {
             if opts_given && p.opts.tokens != tt.ids {

@@ -118,8 +118,9 @@ pub fn prepare(
     backend: BackendChoice,
     loader_faults: &[String],
     seed: u64,
-    max_mem: Option<f64>,
+    mem: &crate::cli::MemArgs,
 ) -> Result<Prepared> {
+    let max_mem = mem.max_mem;
     let choice = backend;
     let spec = match probe_file {
         Some(p) => ProbeSpec::from_file(p)?,
@@ -194,6 +195,16 @@ pub fn prepare(
             device: on_device,
             chunk: None,
         };
+        // in token chunks when asked, or when the whole prompt would not fit (as the runner)
+        let chunk = crate::probe::budget::token_chunk(
+            &cfg,
+            &plan,
+            mem.chunk,
+            mem.mem_gib,
+            max_mem,
+            &backend_sel,
+        )?;
+        let plan = crate::probe::budget::Plan { chunk, ..plan };
         let est = crate::probe::budget::check(&cfg, &plan, max_mem, &backend_sel, what)?;
         if crate::profile::enabled() {
             eprintln!(
@@ -234,6 +245,8 @@ pub fn prepare(
         progress: true,
         backend: backend_sel,
         max_mem,
+        chunk: mem.chunk,
+        mem_gib: mem.mem_gib,
         ..RunOptions::new((a, b), toks)
     };
     Ok(Prepared {
@@ -296,10 +309,8 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         args.backend,
         &args.loader_faults,
         args.seed,
-        args.mem.max_mem,
+        &args.mem,
     )?;
-    p.opts.chunk = args.mem.chunk;
-    p.opts.mem_gib = args.mem.mem_gib;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     check_outputs(args, &outs)?;
     p.opts.keep_outputs = args.dump.is_some();

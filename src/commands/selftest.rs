@@ -127,7 +127,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
                 BackendChoice::Cpu,
                 &[],
                 args.seed,
-                None,
+                &Default::default(),
             )?;
             p.opts.progress = false;
             let cpu = probe::run(&p.ckpt, &p.opts)?;

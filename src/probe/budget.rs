@@ -653,8 +653,8 @@ pub fn token_chunk(
                 if plan.device { "device" } else { "host" },
                 (one / GIB * 1e6).ceil() / 1e6
             ))),
-            // the run's own check refuses it, with its estimate and limit
-            None => Ok(None),
+            // the run's own check refuses it, with the estimate of its smallest chunk
+            None => Ok(Some(1)),
         };
     }
     // the most tokens that fit: need(c) grows with c
