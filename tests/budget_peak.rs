@@ -57,11 +57,15 @@ fn runs_allocate_no_more_than_their_estimate() {
     let ck = nvfp4_probe::synth::builtin(0).unwrap();
     let cfg = ck.model_config().unwrap().clone();
     // (layers, tokens, keep outputs, --dump-rows: that many rows kept)
-    for (layers, t, keep, rows) in [
-        ((0, 4), 256, false, None),
-        ((0, 4), 96, true, None),
-        ((2, 3), 384, false, None),
-        ((0, 4), 384, true, Some(8usize)),
+    let mut whole_peak_1024 = 0.0;
+    for (layers, t, keep, rows, chunk) in [
+        ((0, 4), 256, false, None, None),
+        ((0, 4), 96, true, None, None),
+        ((2, 3), 384, false, None, None),
+        ((0, 4), 384, true, Some(8usize), None),
+        // the same prompt whole and in token chunks: the chunks hold less
+        ((0, 4), 1024, false, None, None),
+        ((0, 4), 1024, false, None, Some(128usize)),
     ] {
         let tokens = synthetic_tokens(t, cfg.vocab_size, 1);
         let with_head = layers.1 + 1 == cfg.num_hidden_layers;
@@ -73,12 +77,13 @@ fn runs_allocate_no_more_than_their_estimate() {
             with_head,
             layer_states: false,
             device: false,
-            chunk: None,
+            chunk: chunk.map(|c| c as u64),
         };
         let est = estimate(&cfg, &plan);
         let opts = RunOptions {
             keep_outputs: keep,
             keep_rows: rows.map(|r| (0..r).map(|i| i * (t / r)).collect()),
+            chunk,
             ..RunOptions::new(layers, tokens)
         };
         let base = CURRENT.load(Ordering::Relaxed);
@@ -87,7 +92,7 @@ fn runs_allocate_no_more_than_their_estimate() {
         let peak = (PEAK.load(Ordering::Relaxed) - base) as f64;
         drop(res);
         eprintln!(
-            "layers {layers:?}, {t} tokens, keep {keep} rows {rows:?}: heap peak {} vs estimate {} ({est:?})",
+            "layers {layers:?}, {t} tokens, keep {keep} rows {rows:?}, chunk {chunk:?}: heap peak {} vs estimate {} ({est:?})",
             gib(peak),
             gib(est.host())
         );
@@ -97,6 +102,17 @@ fn runs_allocate_no_more_than_their_estimate() {
             gib(peak),
             gib(est.host())
         );
+        if t == 1024 {
+            match chunk {
+                None => whole_peak_1024 = peak,
+                Some(_) => assert!(
+                    peak < 0.5 * whole_peak_1024,
+                    "1024 tokens in chunks of 128: heap peak {} is not well under the whole prompt's {}",
+                    gib(peak),
+                    gib(whole_peak_1024)
+                ),
+            }
+        }
         assert!(
             est.host() <= 8.0 * peak,
             "{layers:?} × {t}: the estimate {} is more than 8× the heap peak {}",

@@ -1,8 +1,11 @@
-//! `--chunk` / `--mem-gib`: the attention over the prompt in chunks of query tokens gives the
-//! same bits as one call. The built-in model over 300 tokens covers every attention kind (window
-//! only, HCA ratio 128 with two complete blocks, CSA ratio 4 with the indexer really selecting:
-//! 75 compressed rows > index_topk); chunk sizes on and off the ratios' multiples. Every op's
-//! record and every kept output of every path must equal the unchunked run's.
+//! `--chunk` / `--mem-gib`: each layer over the prompt in token chunks (`probe::chunked`: the
+//! window's KV rows, the compressors' pending rows and the compressed keys carried from chunk to
+//! chunk) gives the same bits as the whole prompt at once. The built-in model over 300 tokens
+//! covers every attention kind (window only, HCA ratio 128 with two complete blocks and a tail
+//! past the last one, CSA ratio 4 with the indexer really selecting: 75 compressed rows >
+//! index_topk); chunk sizes on and off the ratios' multiples (7, 64, 128, 129), a last chunk
+//! past the last whole block. Every op's record, the summary and every kept output of every path
+//! (whole, and `--dump-rows`' rows) must equal the unchunked run's.
 
 use assert_cmd::Command;
 use nvfp4_probe::probe::{run, synthetic_tokens, RunOptions, RunResult};
@@ -12,18 +15,73 @@ fn bin() -> Command {
 }
 
 fn run_with(chunk: Option<usize>) -> RunResult {
+    run_rows(chunk, None)
+}
+
+fn run_rows(chunk: Option<usize>, rows: Option<Vec<usize>>) -> RunResult {
     let ck = nvfp4_probe::synth::builtin(0).expect("built-in model");
     let cfg = ck.model_config().expect("config").clone();
     let opts = RunOptions {
         keep_outputs: true,
+        keep_rows: rows,
         chunk,
         ..RunOptions::new((0, 4), synthetic_tokens(300, cfg.vocab_size, 5))
     };
     run(&ck, &opts).expect("run")
 }
 
+/// Every record, the summary and every kept output of `r` equal `whole`'s, bit for bit.
+fn assert_same(r: &RunResult, whole: &RunResult, what: &str) {
+    assert_eq!(
+        serde_json::to_value(&r.summary).unwrap(),
+        serde_json::to_value(&whole.summary).unwrap(),
+        "{what}: summary"
+    );
+    let (got, recs) = (
+        serde_json::to_value(&r.records).unwrap(),
+        serde_json::to_value(&whole.records).unwrap(),
+    );
+    assert_eq!(
+        got.as_array().unwrap().len(),
+        recs.as_array().unwrap().len()
+    );
+    for (a, b) in got.as_array().unwrap().iter().zip(recs.as_array().unwrap()) {
+        assert_eq!(a, b, "{what}: record of {}", b["id"]);
+    }
+    assert_eq!(r.outputs.len(), whole.outputs.len());
+    for (path, outs) in &whole.outputs {
+        let mine = &r.outputs[path];
+        assert_eq!(mine.len(), outs.len());
+        for ((ia, ta), (ib, tb)) in mine.iter().zip(outs) {
+            assert_eq!(ia, ib);
+            assert_eq!(ta.shape, tb.shape, "{what}: {path} {ia}");
+            let differ = ta
+                .data
+                .iter()
+                .zip(tb.data.iter())
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{what}: {path} {ia}: {differ} values differ");
+        }
+    }
+}
+
 #[test]
-fn chunked_attention_equals_one_call_in_every_record_and_output() {
+fn dumped_rows_of_a_chunked_run_equal_the_whole_runs() {
+    // rows in several chunks, at a chunk's edges and inside a compressed block
+    let rows = vec![0usize, 6, 7, 128, 130, 255, 256, 299];
+    let whole = run_rows(None, Some(rows.clone()));
+    for chunk in [7usize, 128] {
+        assert_same(
+            &run_rows(Some(chunk), Some(rows.clone())),
+            &whole,
+            &format!("rows, chunk {chunk}"),
+        );
+    }
+}
+
+#[test]
+fn layers_in_token_chunks_equal_the_whole_prompt_in_every_record_and_output() {
     let whole = run_with(None);
     let recs = serde_json::to_value(&whole.records).unwrap();
     let summary = serde_json::to_value(&whole.summary).unwrap();
@@ -34,39 +92,8 @@ fn chunked_attention_equals_one_call_in_every_record_and_output() {
             .any(|r| r.id.ends_with(".attn.indexer")),
         "the run has a CSA layer"
     );
-    for chunk in [7usize, 64, 129] {
-        let r = run_with(Some(chunk));
-        assert_eq!(
-            serde_json::to_value(&r.summary).unwrap(),
-            summary,
-            "chunk {chunk}: summary"
-        );
-        let got = serde_json::to_value(&r.records).unwrap();
-        for (a, b) in got.as_array().unwrap().iter().zip(recs.as_array().unwrap()) {
-            assert_eq!(a, b, "chunk {chunk}: record of {}", b["id"]);
-        }
-        assert_eq!(
-            got.as_array().unwrap().len(),
-            recs.as_array().unwrap().len()
-        );
-        for (path, outs) in &whole.outputs {
-            let mine = &r.outputs[path];
-            assert_eq!(mine.len(), outs.len());
-            for ((ia, ta), (ib, tb)) in mine.iter().zip(outs) {
-                assert_eq!(ia, ib);
-                assert_eq!(ta.shape, tb.shape, "{path} {ia}");
-                let differ = ta
-                    .data
-                    .iter()
-                    .zip(tb.data.iter())
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
-                assert_eq!(
-                    differ, 0,
-                    "chunk {chunk}: {path} {ia}: {differ} values differ"
-                );
-            }
-        }
+    for chunk in [7usize, 64, 128, 129] {
+        assert_same(&run_with(Some(chunk)), &whole, &format!("chunk {chunk}"));
     }
 }
 

@@ -471,6 +471,102 @@ impl Compare {
 mod tests {
     use super::*;
 
+    /// Deterministic values of varied magnitude, never zero, with a NaN and an infinity planted.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        let mut v: Vec<f32> = (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = ((s >> 11) as f64 / (1u64 << 53) as f64) - 0.5;
+                let e = ((s >> 3) % 40) as i32 - 20;
+                let x = (u * 2f64.powi(e)) as f32;
+                if x == 0.0 {
+                    1e-7
+                } else {
+                    x
+                }
+            })
+            .collect();
+        v[n / 3] = f32::NAN;
+        v[n / 2] = f32::INFINITY;
+        v
+    }
+
+    fn json(p: &[Partial]) -> String {
+        let f: Vec<_> = p.iter().map(Partial::finish).collect();
+        format!("{f:?}")
+    }
+
+    /// A tensor fed in pieces of any size (token chunks) gives the very sums of one pass: the
+    /// same bits in every statistic and comparison, the largest error at the same index.
+    #[test]
+    fn a_stream_fed_in_pieces_equals_one_pass_bit_for_bit() {
+        let n = 3 * BLOCK + 12_345;
+        let (x, r) = (values(n, 1), values(n, 2));
+        // y: r and a small error (finite where r is), so the pair (y, r) has every metric
+        let r: Vec<f32> = r
+            .iter()
+            .map(|v| if v.is_finite() { *v } else { 1.0 })
+            .collect();
+        let y: Vec<f32> = r
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| a + 1e-3 * b.clamp(-1.0, 1.0))
+            .collect();
+        let y: Vec<f32> = y
+            .iter()
+            .map(|v| if v.is_finite() { *v } else { 0.5 })
+            .collect();
+        let pairs = [(0usize, None), (1, Some(0)), (2, Some(1))];
+        let whole = partials(&[&x, &r, &y], &pairs);
+        for cuts in [
+            vec![7usize, BLOCK - 7, 1],
+            vec![BLOCK + 1, 5],
+            vec![1; 3],
+            vec![n / 2],
+        ] {
+            let mut s = Stream::new(3, &pairs);
+            let mut at = 0;
+            for c in cuts.iter().copied().chain(std::iter::once(n)) {
+                let e = (at + c).min(n);
+                s.feed(&[&x[at..e], &r[at..e], &y[at..e]]);
+                at = e;
+                if at == n {
+                    break;
+                }
+            }
+            assert_eq!(json(&s.partials()), json(&whole), "pieces {cuts:?}");
+        }
+        // merged partials of two passes: the counts and amax exactly, the largest error's index
+        // moved past the first pass, the sums to rounding
+        let h = n / 2;
+        let mut a = partials(&[&x[..h], &r[..h], &y[..h]], &pairs);
+        let b = partials(&[&x[h..], &r[h..], &y[h..]], &pairs);
+        a.iter_mut().zip(&b).for_each(|(a, b)| a.merge_later(b));
+        let mut checked = 0;
+        for (m, w) in a.iter().zip(&whole) {
+            let ((ms, mc), (ws, wc)) = (m.finish(), w.finish());
+            assert_eq!(
+                (ms.numel, ms.nan, ms.inf, ms.zeros),
+                (ws.numel, ws.nan, ws.inf, ws.zeros)
+            );
+            assert_eq!(ms.amax, ws.amax);
+            assert!((ms.mean_abs - ws.mean_abs).abs() <= 1e-12 * ws.mean_abs.abs());
+            if let (Some(mc), Some(wc)) = (mc, wc) {
+                assert_eq!(mc.max_abs_idx, wc.max_abs_idx);
+                assert_eq!(mc.new_non_finite, wc.new_non_finite);
+                match (mc.rel_l2, wc.rel_l2) {
+                    (Some(p), Some(q)) => assert!((p - q).abs() <= 1e-12 * q, "{p} vs {q}"),
+                    (p, q) => assert_eq!(p, q),
+                }
+                checked += mc.rel_l2.is_some() as usize;
+            }
+        }
+        assert_eq!(checked, 1, "the finite pair's rel-L2 was compared");
+    }
+
     #[test]
     fn stats_counts_and_amax() {
         let s = Stats::of(&[1.0, -3.0, 0.0, f32::NAN, f32::INFINITY, 2.0]);

@@ -339,7 +339,13 @@ fn history(env: &mut dyn OpEnv, key: &str, new: Tensor, at: ChunkAt) -> Result<T
 
 /// A token-major tensor's rows over a sliding window: the last `tail` rows before this chunk
 /// (kept under `key`), then the chunk's `new` rows; its last `tail` rows are kept for the next.
-fn window(env: &mut dyn OpEnv, key: &str, new: &Tensor, at: ChunkAt, tail: usize) -> Result<Tensor> {
+fn window(
+    env: &mut dyn OpEnv,
+    key: &str,
+    new: &Tensor,
+    at: ChunkAt,
+    tail: usize,
+) -> Result<Tensor> {
     let all = match env.take_carry(key) {
         Some(prev) => join(env, &prev, new)?,
         None => new.clone(),

@@ -317,7 +317,11 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     // most one byte per element but for the BF16 ones)
     let held = if plan.chunk.is_some() {
         (0..run_layers.min(cfg.compress_ratios.len()))
-            .map(|l| op_weights(cfg, l, t, plan.with_head && l + 1 == run_layers).iter().sum::<f64>())
+            .map(|l| {
+                op_weights(cfg, l, t, plan.with_head && l + 1 == run_layers)
+                    .iter()
+                    .sum::<f64>()
+            })
             .fold(0.0, f64::max)
             * 1.1
     } else {
@@ -778,13 +782,30 @@ mod tests {
         let p = plan(t);
         let chunk = |c: Option<usize>, g: Option<f64>| token_chunk(&cfg, &p, c, g, None, &CPU);
         assert_eq!(chunk(Some(64), None).unwrap(), Some(64));
-        assert_eq!(chunk(Some(9000), None).unwrap(), None, "a chunk of the whole prompt");
+        assert_eq!(
+            chunk(Some(9000), None).unwrap(),
+            None,
+            "a chunk of the whole prompt"
+        );
         assert_eq!(chunk(Some(0), None).unwrap_err().exit_code(), 2);
         // the chunk that fits: its estimate within the budget, one token more not
-        let need = |c: u64| estimate(&cfg, &Plan { chunk: Some(c), ..p }).host();
+        let need = |c: u64| {
+            estimate(
+                &cfg,
+                &Plan {
+                    chunk: Some(c),
+                    ..p
+                },
+            )
+            .host()
+        };
         let g = (need(100) + need(101)) / 2.0 / GIB;
         assert_eq!(chunk(None, Some(g)).unwrap(), Some(100));
-        assert_eq!(chunk(None, Some(1e6)).unwrap(), None, "the whole prompt fits");
+        assert_eq!(
+            chunk(None, Some(1e6)).unwrap(),
+            None,
+            "the whole prompt fits"
+        );
         // more tokens per chunk cost more; chunks cost less than the whole prompt at length
         assert!(need(2048) > need(64));
         assert!(need(64) < estimate(&cfg, &p).host());

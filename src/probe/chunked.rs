@@ -54,7 +54,10 @@ pub(super) fn run<'a>(
         .collect();
     // the last op to run (`stop_after`)
     let end = match &st.opts.stop_after {
-        Some(id) => ops.iter().position(|o| &o.id == id).map_or(ops.len(), |i| i + 1),
+        Some(id) => ops
+            .iter()
+            .position(|o| &o.id == id)
+            .map_or(ops.len(), |i| i + 1),
         None => ops.len(),
     };
     let mut pieces = Pieces::default();
@@ -292,7 +295,13 @@ impl Acc {
         );
         match &mut self.sums {
             Sums::Host(streams) => {
-                let t = [&fp.data[..], &bf.data[..], &sv.data[..], &is.data[..], &fb.data[..]];
+                let t = [
+                    &fp.data[..],
+                    &bf.data[..],
+                    &sv.data[..],
+                    &is.data[..],
+                    &fb.data[..],
+                ];
                 for (s, &(i, r)) in streams.iter_mut().zip(PAIRS.iter()) {
                     match r {
                         Some(j) => s.feed(&[t[i], t[j]]),
@@ -302,18 +311,34 @@ impl Acc {
             }
             Sums::Device(acc) => {
                 // the record's own launch, read back now: the chunk's sums
-                let p = op_record_begin(opts, self.step, &self.op, &ex.outs, &ex.iso, &ex.fp_on_bf, &[], &[])?;
+                let p = op_record_begin(
+                    opts,
+                    self.step,
+                    &self.op,
+                    &ex.outs,
+                    &ex.iso,
+                    &ex.fp_on_bf,
+                    &[],
+                    &[],
+                )?;
                 let parts = opts.backend.stats_partials(p.metrics)?;
                 if acc.is_empty() {
                     *acc = parts;
                 } else {
-                    acc.iter_mut().zip(&parts).for_each(|(a, b)| a.merge_later(b));
+                    acc.iter_mut()
+                        .zip(&parts)
+                        .for_each(|(a, b)| a.merge_later(b));
                 }
             }
         }
         if is_index_output(&self.op) {
             let count = |a: &Tensor, b: &Tensor| {
-                let eq = a.data.iter().zip(b.data.iter()).filter(|(x, y)| x == y).count();
+                let eq = a
+                    .data
+                    .iter()
+                    .zip(b.data.iter())
+                    .filter(|(x, y)| x == y)
+                    .count();
                 (eq, a.numel())
             };
             let now = [count(is, bf), count(sv, bf), count(bf, fp)];
@@ -334,7 +359,10 @@ impl Acc {
         }
         self.observed.extend(ex.observed.iter().cloned());
         if opts.keep_outputs {
-            for (k, ts) in [&ex.outs[0], &ex.outs[1], &ex.outs[2], &ex.iso].into_iter().enumerate() {
+            for (k, ts) in [&ex.outs[0], &ex.outs[1], &ex.outs[2], &ex.iso]
+                .into_iter()
+                .enumerate()
+            {
                 let per = &mut self.kept[k].1;
                 for (o, (id, t)) in self.op.outputs.iter().zip(ts).enumerate() {
                     if per.len() <= o {
@@ -371,7 +399,10 @@ impl Acc {
             .into_iter()
             .filter(|(_, per)| !per.is_empty())
             .map(|(name, per)| {
-                let v = per.into_iter().map(|(id, ps)| (id, join_rows(ps))).collect();
+                let v = per
+                    .into_iter()
+                    .map(|(id, ps)| (id, join_rows(ps)))
+                    .collect();
                 (name, v)
             })
             .collect();
@@ -428,7 +459,10 @@ fn kept_piece(x: &Tensor, rows: &[usize], at: ChunkAt, ratio: Option<usize>) -> 
 fn join_rows(ps: Vec<Tensor>) -> Tensor {
     let mut shape = ps.first().map_or_else(|| vec![0], |p| p.shape.clone());
     if let Some(r) = shape.first_mut() {
-        *r = ps.iter().map(|p| p.shape.first().copied().unwrap_or(0)).sum();
+        *r = ps
+            .iter()
+            .map(|p| p.shape.first().copied().unwrap_or(0))
+            .sum();
     }
     let data: Vec<f32> = ps.into_iter().flat_map(|p| p.data.into_vec()).collect();
     Tensor::new(shape, data)

@@ -6,10 +6,10 @@ pub mod budget;
 pub mod consequence;
 pub mod env;
 
+mod chunked;
 pub mod findings;
 pub mod progress;
 pub mod replay;
-mod chunked;
 mod runner;
 pub mod scan;
 
@@ -432,12 +432,7 @@ pub(crate) fn op_record_finish(
     // in the op's own weight order (the graph's): a run in token chunks touches an expert
     // first in whichever chunk routes to it, a run over the whole prompt in expert order
     let mut touched = touched.to_vec();
-    touched.sort_by_key(|t| {
-        op.weights
-            .iter()
-            .position(|w| w == t)
-            .unwrap_or(usize::MAX)
-    });
+    touched.sort_by_key(|t| op.weights.iter().position(|w| w == t).unwrap_or(usize::MAX));
     let weights: Vec<(String, String)> = touched
         .iter()
         .map(|t| (t.clone(), ckpt.weight_scheme(t).unwrap_or("?").to_string()))

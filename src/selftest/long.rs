@@ -437,7 +437,8 @@ fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Re
                     let mut c = exact(&name, &got.into_vec(), tail);
                     if host_p.data[..] != tail[..] {
                         c.mismatches += 1;
-                        c.note = "the host op at a later chunk differs from its whole-prompt rows".into();
+                        c.note = "the host op at a later chunk differs from its whole-prompt rows"
+                            .into();
                     }
                     out.push(c);
                 }
@@ -478,23 +479,20 @@ fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Re
             dev_only(g, ks)?,
             dev_only(g, &w[q0 * hi..q1 * hi])?,
         );
-        let got = g.indexer_topk(
-            &qd,
-            &kd,
-            &wd,
-            sc,
-            d,
-            7,
-        )?;
+        let got = g.indexer_topk(&qd, &kd, &wd, sc, d, 7)?;
         let rows = &want[q0 * kk..q1 * kk];
         let mut c = exact(
-            &format!("indexer selection at a later chunk (queries {q0}..{q1}, {} keys)", d.n_c),
+            &format!(
+                "indexer selection at a later chunk (queries {q0}..{q1}, {} keys)",
+                d.n_c
+            ),
             &got.into_vec(),
             rows,
         );
         if host_p[..] != rows[..] {
             c.mismatches += 1;
-            c.note = "the host selection at a later chunk differs from its whole-prompt rows".into();
+            c.note =
+                "the host selection at a later chunk differs from its whole-prompt rows".into();
         }
         out.push(c);
     }
@@ -504,7 +502,11 @@ fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Re
     let ad = dev_only(g, &a)?;
     let bd = Data::from(b.clone());
     let got = g.cat_spans(&[(&ad, 7 * 10, 7 * 200), (&bd, 0, 0), (&bd, 7 * 3, 7 * 40)])?;
-    let want: Vec<f32> = a[70..70 + 1400].iter().chain(&b[21..21 + 280]).copied().collect();
+    let want: Vec<f32> = a[70..70 + 1400]
+        .iter()
+        .chain(&b[21..21 + 280])
+        .copied()
+        .collect();
     out.push(exact(
         "rows joined on the device (cat_spans)",
         &got.into_vec(),
