@@ -71,24 +71,25 @@ pub struct TokenArgs {
     pub seq_len: Option<usize>,
 }
 
-/// The memory budget a run's up-front estimate is held to, and the attention's token chunks
-/// (run, bisect, compare).
+/// The memory budget a run's up-front estimate is held to, and its token chunks (run, bisect,
+/// compare).
 #[derive(Args, Debug, Clone, Default)]
 pub struct MemArgs {
     /// Memory budget in GiB (host, and device on CUDA) instead of what the machine reports
-    /// available; a run whose estimate exceeds it is refused before it allocates. It bounds the
-    /// whole run; `--mem-gib` only sizes the attention's query chunks inside it.
+    /// available; a run whose estimate exceeds it is refused before it allocates (exit 2). A
+    /// prompt too long to run at once within it runs in token chunks (--chunk).
     #[arg(long, value_name = "GIB")]
     pub max_mem: Option<f64>,
-    /// Run the attention core over the prompt in chunks of N query tokens: each chunk attends to
-    /// the window rows before it and to every compressed row so far, so the results are the
-    /// same bits as unchunked; only the memory one attention call holds shrinks [default: from
-    /// --mem-gib, else the whole prompt at once].
+    /// Run each layer over the prompt N tokens at a time: every op of the layer on a chunk, the
+    /// window's KV rows, the compressors' pending rows and the compressed keys carried to the
+    /// next chunk as the model defines them, so the results are those of the whole prompt at
+    /// once (bit for bit on the CPU backend) in the memory of one chunk [default: the whole
+    /// prompt when it fits, else the largest chunk that fits --mem-gib or the memory limit].
     #[arg(long, value_name = "N", conflicts_with = "mem_gib")]
     pub chunk: Option<usize>,
-    /// Memory in GiB one attention chunk may hold (its queries, window, compressed rows and
-    /// key lists); chooses --chunk. A budget too small for one query token exits 2 naming the
-    /// smallest workable budget.
+    /// Memory budget in GiB (device memory on CUDA, host memory on the CPU) the token chunk is
+    /// chosen for: the largest chunk whose estimate fits. A budget too small for a chunk of one
+    /// token exits 2 naming the smallest workable budget.
     #[arg(long, value_name = "GIB")]
     pub mem_gib: Option<f64>,
 }

@@ -83,8 +83,6 @@ fn dumped_rows_of_a_chunked_run_equal_the_whole_runs() {
 #[test]
 fn layers_in_token_chunks_equal_the_whole_prompt_in_every_record_and_output() {
     let whole = run_with(None);
-    let recs = serde_json::to_value(&whole.records).unwrap();
-    let summary = serde_json::to_value(&whole.summary).unwrap();
     assert!(
         whole
             .records

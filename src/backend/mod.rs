@@ -170,11 +170,10 @@ impl Backend {
                     pairs
                         .iter()
                         .map(|&(i, j)| {
-                            let (x, r): (Vec<&[f32]>, Vec<(usize, Option<usize>)>) = match j {
-                                Some(j) => (vec![t[i], t[j]], vec![(0, Some(1))]),
-                                None => (vec![t[i]], vec![(0, None)]),
-                            };
-                            let mut s = Stream::new(x.len(), &r);
+                            // x alone, or x and its reference
+                            let x: Vec<&[f32]> =
+                                std::iter::once(t[i]).chain(j.map(|j| t[j])).collect();
+                            let mut s = Stream::new(x.len(), &[(0, j.map(|_| 1))]);
                             s.feed(&x);
                             s.partials().remove(0)
                         })

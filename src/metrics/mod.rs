@@ -315,12 +315,12 @@ impl Stream {
         let mut c = 0;
         // the rest of the block in progress
         let fill = (BLOCK - self.pos % BLOCK).min(n);
-        if self.pos % BLOCK != 0 || fill < BLOCK {
+        if !self.pos.is_multiple_of(BLOCK) || fill < BLOCK {
             let (st, pa) = &mut self.cur;
             block_pass(t, &self.pairs, 0, fill, base, st, pa);
             c = fill;
             self.pos += fill;
-            if self.pos % BLOCK == 0 {
+            if self.pos.is_multiple_of(BLOCK) {
                 self.close_block();
             }
         }

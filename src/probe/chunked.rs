@@ -77,6 +77,7 @@ pub(super) fn run<'a>(
 #[derive(Default)]
 struct Pieces(HashMap<String, [Vec<Option<Tensor>>; 3]>);
 
+#[allow(clippy::too_many_arguments)]
 /// Runs the ops `seg` (one layer's, or the ops outside layers) chunk by chunk, then records
 /// them.
 fn segment<'a>(
@@ -246,8 +247,13 @@ struct Acc {
     agree: Option<[(usize, usize); 3]>,
     sums: Sums,
     /// Kept outputs (`--dump`): per path name, per output id, the chunks' pieces.
-    kept: Vec<(String, Vec<(String, Vec<Tensor>)>)>,
+    kept: Vec<(String, KeptPieces)>,
 }
+
+/// One path's kept outputs of an op: per output id, the chunks' pieces.
+type KeptPieces = Vec<(String, Vec<Tensor>)>;
+/// One path's kept outputs of an op, joined: per output id, the tensor.
+type Kept = Vec<(String, Tensor)>;
 
 /// The statistics so far: on the host one stream per metric item (the sums of one pass), on a
 /// device each chunk's sums merged.
@@ -380,7 +386,7 @@ impl Acc {
     }
 
     /// The record to finish and the kept outputs, joined over the chunks.
-    fn finish(self) -> Result<(PendingRecord, Vec<(String, Vec<(String, Tensor)>)>)> {
+    fn finish(self) -> Result<(PendingRecord, Vec<(String, Kept)>)> {
         let parts = match self.sums {
             Sums::Host(streams) => streams
                 .into_iter()

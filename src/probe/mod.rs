@@ -58,9 +58,10 @@ pub struct RunOptions {
     /// `--max-mem` (GiB): the memory budget the run's estimate is held to instead of what the
     /// machine reports (`budget`).
     pub max_mem: Option<f64>,
-    /// `--chunk`: query tokens per attention call (None: from `mem_gib`, else all at once).
+    /// `--chunk`: tokens per chunk when each layer runs over the prompt a chunk at a time
+    /// (`chunked`); None: chosen from `mem_gib` or the memory limit (`budget::token_chunk`).
     pub chunk: Option<usize>,
-    /// `--mem-gib`: the memory one attention chunk may hold; chooses the chunk (`budget::chunk_rows`).
+    /// `--mem-gib`: the memory budget (device memory on CUDA) the token chunk is chosen for.
     pub mem_gib: Option<f64>,
 }
 
