@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use super::progress::Progress;
-use super::runner::{execs, Execs, Stepper};
+use super::runner::{execs, keep_outputs, Execs, Stepper};
 use super::{is_index_output, op_record_begin, op_record_finish, Agreement, PendingRecord, PAIRS};
 use crate::backend::run::RunHooks;
 use crate::backend::PendingStats;
@@ -208,19 +208,7 @@ fn chunk_step(
             .add(st, &ex, at, ratio)?;
     }
     st.shared.clear();
-    for (pi, out) in ex.outs.into_iter().enumerate() {
-        if out.len() != op.outputs.len() {
-            return Err(Error::usage(format!(
-                "internal: op {} returned {} outputs for {} ids",
-                op.id,
-                out.len(),
-                op.outputs.len()
-            )));
-        }
-        for (id, t) in op.outputs.iter().zip(out) {
-            maps[pi].insert(id.clone(), t);
-        }
-    }
+    keep_outputs(op, ex.outs, maps)?;
     // drop what no later op of the chunk reads and no later segment needs
     for m in maps.iter_mut() {
         m.retain(|id, _| {

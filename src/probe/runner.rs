@@ -237,19 +237,7 @@ impl<'a> Stepper<'a> {
         }
         let _s = crate::profile::span("runner: clear + bookkeeping");
         self.shared.clear();
-        for (pi, out) in outs.into_iter().enumerate() {
-            if out.len() != op.outputs.len() {
-                return Err(Error::usage(format!(
-                    "internal: op {} returned {} self.outputs for {} ids",
-                    op.id,
-                    out.len(),
-                    op.outputs.len()
-                )));
-            }
-            for (id, t) in op.outputs.iter().zip(out) {
-                self.maps[pi].insert(id.clone(), t);
-            }
-        }
+        keep_outputs(op, outs, &mut self.maps)?;
         // drop tensors nothing later consumes
         for m in self.maps.iter_mut() {
             m.retain(|id, _| self.last_use.get(id.as_str()).is_some_and(|&l| l > step));
@@ -261,6 +249,28 @@ impl<'a> Stepper<'a> {
         }
         Ok(())
     }
+}
+
+/// Put each path's outputs of `op` into its map under the op's output ids.
+pub(super) fn keep_outputs(
+    op: &Op,
+    outs: Vec<Vec<Tensor>>,
+    maps: &mut [HashMap<String, Tensor>; 3],
+) -> Result<()> {
+    for (pi, out) in outs.into_iter().enumerate() {
+        if out.len() != op.outputs.len() {
+            return Err(Error::usage(format!(
+                "internal: op {} returned {} outputs for {} ids",
+                op.id,
+                out.len(),
+                op.outputs.len()
+            )));
+        }
+        for (id, t) in op.outputs.iter().zip(out) {
+            maps[pi].insert(id.clone(), t);
+        }
+    }
+    Ok(())
 }
 
 /// What one op's executions made: every propagated path's outputs, and for a reported op the
