@@ -125,3 +125,35 @@ fn a_budget_too_small_for_one_chunk_exits_2_naming_the_smallest() {
         .assert()
         .code(2);
 }
+
+#[test]
+fn a_fault_in_a_chunked_run_diverges_where_it_does_whole_and_says_it_was_not_followed() {
+    use nvfp4_probe::served::faults::Fault;
+    let ck = nvfp4_probe::synth::builtin(0).expect("built-in model");
+    let cfg = ck.model_config().expect("config").clone();
+    let toks = synthetic_tokens(64, cfg.vocab_size, 3);
+    let with = |chunk: Option<usize>| {
+        let opts = RunOptions {
+            loader_faults: vec![Fault::parse("inverted-input-scale@L3.ffn.experts").unwrap()],
+            chunk,
+            ..RunOptions::new((0, 4), toks.clone())
+        };
+        run(&ck, &opts).expect("run")
+    };
+    let (whole, chunked) = (with(None), with(Some(24)));
+    let divergent = |r: &RunResult| -> Vec<(String, Option<f64>)> {
+        r.records
+            .iter()
+            .filter(|x| x.divergent)
+            .map(|x| (x.id.clone(), x.served_isolated_vs_bf16.rel_l2))
+            .collect()
+    };
+    assert!(!divergent(&whole).is_empty());
+    assert_eq!(divergent(&chunked), divergent(&whole));
+    let first = chunked.records.iter().find(|r| r.divergent).unwrap();
+    let why = serde_json::to_string(&first.consequence).unwrap();
+    assert!(
+        why.contains("token chunks") && why.contains("harmful"),
+        "{why}"
+    );
+}

@@ -290,6 +290,15 @@ fn why_absorber(kind: &str) -> &'static str {
     }
 }
 
+/// Why a divergent op was not followed into its consumers, for its consequence's text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unfollowed {
+    /// More divergent ops than the tracker follows ([`MAX_FOLLOWED`]).
+    BeyondLimit,
+    /// The run took the prompt in token chunks (`probe::chunked`): no op was followed.
+    Chunked,
+}
+
 /// Classify every divergent record from what its consumers showed (`found`: per op id) and the
 /// factors measured when it finished (`scales`). Records that were not followed (beyond
 /// [`MAX_FOLLOWED`]) are harmful, as are ops nothing consumes in the run (their output is what the
@@ -299,6 +308,7 @@ pub fn classify(
     mut found: HashMap<String, Vec<Downstream>>,
     scales: &Scales,
     th: &Thresholds,
+    unfollowed: Unfollowed,
 ) {
     let by_id: HashMap<String, usize> = records
         .iter()
@@ -400,9 +410,12 @@ pub fn classify(
                     "no later op the run measured consumes its output (it is the last one measured): counted as harmful"
                         .into()
                 } else {
-                    format!(
-                        "not followed downstream (more than {MAX_FOLLOWED} divergent ops): counted as harmful"
-                    )
+                    match unfollowed {
+                        Unfollowed::BeyondLimit => format!(
+                            "not followed downstream (more than {MAX_FOLLOWED} divergent ops): counted as harmful"
+                        ),
+                        Unfollowed::Chunked => "not followed downstream (the run took the prompt in token chunks, which does not replay an op's consumers; run without --chunk, or a shorter prompt, to see whether it is absorbed): counted as harmful".into(),
+                    }
                 },
                 scale,
                 rel_l2_without_scale: without,

@@ -298,7 +298,17 @@ pub fn run_capturing(
     crate::profile::write_timeline();
     let (found, scales) = st.tracker.into_parts();
     let mut records = st.records;
-    consequence::classify(&mut records, found, &scales, &opts.spec.thresholds);
+    let unfollowed = match plan.chunk.filter(|&c| c < opts.tokens.len()) {
+        Some(_) => consequence::Unfollowed::Chunked,
+        None => consequence::Unfollowed::BeyondLimit,
+    };
+    consequence::classify(
+        &mut records,
+        found,
+        &scales,
+        &opts.spec.thresholds,
+        unfollowed,
+    );
     let summary = Summary::of(&records);
     Ok((
         RunResult {

@@ -563,7 +563,13 @@ pub fn measure_layer(
         }
     }
     let (found, scales) = tracker.into_parts();
-    super::consequence::classify(&mut records, found, &scales, &opts.spec.thresholds);
+    super::consequence::classify(
+        &mut records,
+        found,
+        &scales,
+        &opts.spec.thresholds,
+        super::consequence::Unfollowed::BeyondLimit,
+    );
     Ok(Measured {
         records,
         captures,
