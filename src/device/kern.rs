@@ -214,22 +214,11 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
-    /// The dims of the chunk of queries [q0, q1) of a whole prompt's dims (q0 = kv0 = 0): its
-    /// kv rows start at its first query's window (every later query's window starts no earlier),
-    /// so the chunk's keys, their order and its results are those of the same queries in one call.
-    pub fn chunk(&self, q0: usize, q1: usize) -> AttnDims {
-        AttnDims {
-            t: q1 - q0,
-            q0,
-            kv0: (q0 + 1).saturating_sub(self.win).min(q0),
-            ..*self
-        }
-    }
-
     /// The dims of the queries [a, b) of this call's queries (local indices; positions
     /// q0 + a .. q0 + b): their kv rows start at the first one's window, never before this
-    /// call's kv0. For a whole prompt (q0 = kv0 = 0) it is [`AttnDims::chunk`]. The part's kv
-    /// rows are this call's from row `part.kv0 − kv0`.
+    /// call's kv0 (every later query's window starts no earlier), so the part's keys, their
+    /// order and its results are those of the same queries in one call. The part's kv rows are
+    /// this call's from row `part.kv0 − kv0`.
     pub fn sub(&self, a: usize, b: usize) -> AttnDims {
         let q0 = self.q0 + a;
         AttnDims {
@@ -812,10 +801,10 @@ mod tests {
             q0: 0,
             kv0: 0,
         };
-        let b = a.chunk(10, 15);
+        let b = a.sub(10, 15);
         assert_eq!((b.t, b.q0, b.kv0), (5, 10, 7));
-        assert_eq!(a.chunk(2, 9).kv0, 0);
-        assert_eq!(AttnDims { win: 0, ..a }.chunk(6, 8).kv0, 6);
+        assert_eq!(a.sub(2, 9).kv0, 0);
+        assert_eq!(AttnDims { win: 0, ..a }.sub(6, 8).kv0, 6);
     }
 
     #[test]

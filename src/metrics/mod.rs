@@ -387,14 +387,6 @@ pub fn partials(t: &[&[f32]], pairs: &[(usize, Option<usize>)]) -> Vec<Partial> 
     s.partials()
 }
 
-/// [`partials`], finished: per pair, x's statistics and, with a reference, the comparison.
-pub fn stats_and_compares(
-    t: &[&[f32]],
-    pairs: &[(usize, Option<usize>)],
-) -> Vec<(Stats, Option<Compare>)> {
-    partials(t, pairs).iter().map(Partial::finish).collect()
-}
-
 impl Compare {
     pub fn of(x: &[f32], reference: &[f32]) -> Compare {
         assert_eq!(x.len(), reference.len(), "compare: length mismatch");
@@ -627,7 +619,7 @@ mod tests {
         y[150_000] = f32::INFINITY;
         let t: [&[f32]; 3] = [&x, &r, &y];
         let pairs = [(0, Some(1)), (2, Some(1)), (1, None), (2, Some(0))];
-        let got = stats_and_compares(&t, &pairs);
+        let got: Vec<_> = partials(&t, &pairs).iter().map(Partial::finish).collect();
         for ((s, c), &(i, j)) in got.iter().zip(&pairs) {
             let want = Stats::of(t[i]);
             assert_eq!(

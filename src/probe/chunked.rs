@@ -24,13 +24,16 @@ use std::ops::Range;
 use std::time::Instant;
 
 use super::progress::Progress;
-use super::runner::{execs, keep_outputs, Execs, Stepper};
-use super::{is_index_output, op_record_begin, op_record_finish, Agreement, PendingRecord, PAIRS};
+use super::runner::{compressed_ratio, execs, keep_outputs, kept_rows, Execs, Stepper};
+use super::{
+    agree_count, agreement_of, is_index_output, measure_launch, op_record_finish, Agreement,
+    PendingRecord, PAIRS,
+};
 use crate::backend::run::RunHooks;
 use crate::backend::PendingStats;
 use crate::metrics::{Partial, Stream};
 use crate::model::env::ChunkAt;
-use crate::model::graph::{Op, OpKind};
+use crate::model::graph::Op;
 use crate::served::LinearObs;
 use crate::{Error, Result, Tensor};
 
@@ -200,10 +203,7 @@ fn chunk_step(
         }
     })?;
     if report {
-        let ratio = (op.kind == OpKind::Compressor)
-            .then(|| op.layer.map(|l| st.shared.cfg.ratio(l)))
-            .flatten()
-            .filter(|&r| r > 0);
+        let ratio = compressed_ratio(&st.shared.cfg, op);
         acc.get_or_insert_with(|| Acc::new(step, op, opts.backend.on_device()))
             .add(st, &ex, at, ratio)?;
     }
@@ -304,18 +304,9 @@ impl Acc {
                 }
             }
             Sums::Device(acc) => {
-                // the record's own launch, read back now: the chunk's sums
-                let p = op_record_begin(
-                    opts,
-                    self.step,
-                    &self.op,
-                    &ex.outs,
-                    &ex.iso,
-                    &ex.fp_on_bf,
-                    &[],
-                    &[],
-                )?;
-                let parts = opts.backend.stats_partials(p.metrics)?;
+                // the record's own metrics launch, read back now: the chunk's sums
+                let p = measure_launch(&opts.backend, fp, bf, sv, is, fb)?;
+                let parts = opts.backend.stats_partials(p)?;
                 if acc.is_empty() {
                     *acc = parts;
                 } else {
@@ -326,16 +317,11 @@ impl Acc {
             }
         }
         if is_index_output(&self.op) {
-            let count = |a: &Tensor, b: &Tensor| {
-                let eq = a
-                    .data
-                    .iter()
-                    .zip(b.data.iter())
-                    .filter(|(x, y)| x == y)
-                    .count();
-                (eq, a.numel())
-            };
-            let now = [count(is, bf), count(sv, bf), count(bf, fp)];
+            let now = [
+                agree_count(&is.data, &bf.data),
+                agree_count(&sv.data, &bf.data),
+                agree_count(&bf.data, &fp.data),
+            ];
             let acc = self.agree.get_or_insert([(0, 0); 3]);
             for (a, n) in acc.iter_mut().zip(now) {
                 a.0 += n.0;
@@ -363,7 +349,7 @@ impl Acc {
                         per.push((id.clone(), Vec::new()));
                     }
                     let piece = match &opts.keep_rows {
-                        Some(rows) => kept_piece(t, rows, at, ratio),
+                        Some(rows) => kept_rows(t, rows, at, ratio),
                         None => Tensor::new(t.shape.clone(), t.data.clone().into_vec()),
                     };
                     per[o].1.push(piece);
@@ -382,11 +368,10 @@ impl Acc {
                 .collect(),
             Sums::Device(p) => p,
         };
-        let frac = |(eq, n): (usize, usize)| if n == 0 { 1.0 } else { eq as f64 / n as f64 };
         let agreement = self.agree.map(|a| Agreement {
-            served_isolated: frac(a[0]),
-            served_propagated: frac(a[1]),
-            oracle_bf16: frac(a[2]),
+            served_isolated: agreement_of(a[0]),
+            served_propagated: agreement_of(a[1]),
+            oracle_bf16: agreement_of(a[2]),
         });
         let kept = self
             .kept
@@ -413,40 +398,6 @@ impl Acc {
             kept,
         ))
     }
-}
-
-/// What `--dump-rows` keeps of an op's output over one chunk: a token-major output's rows among
-/// `rows` (global token indices) inside the chunk; a compressor's output (`ratio`; its rows are
-/// the compressed rows from the chunk's start / ratio) the compressed rows covering them;
-/// anything else whole. Joined over the chunks it is `runner::kept_rows` of the whole output.
-fn kept_piece(x: &Tensor, rows: &[usize], at: ChunkAt, ratio: Option<usize>) -> Tensor {
-    let n = x.shape.first().copied().unwrap_or(0);
-    let pick: Vec<usize> = if let Some(r) = ratio {
-        let b0 = at.start / r;
-        let mut v: Vec<usize> = rows
-            .iter()
-            .map(|j| j / r)
-            .filter(|&c| c >= b0 && c < b0 + n)
-            .map(|c| c - b0)
-            .collect();
-        v.dedup();
-        v
-    } else if n == at.end - at.start {
-        rows.iter()
-            .filter(|&&j| j >= at.start && j < at.end)
-            .map(|j| j - at.start)
-            .collect()
-    } else {
-        return Tensor::new(x.shape.clone(), x.data.clone().into_vec());
-    };
-    let w = x.numel() / n.max(1);
-    let data: Vec<f32> = pick
-        .iter()
-        .flat_map(|&i| x.data[i * w..(i + 1) * w].iter().copied())
-        .collect();
-    let mut shape = x.shape.clone();
-    shape[0] = pick.len();
-    Tensor::new(shape, data)
 }
 
 /// The pieces' rows, in order (host values).

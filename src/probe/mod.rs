@@ -224,10 +224,21 @@ fn is_index_output(op: &Op) -> bool {
 }
 
 fn agreement(a: &[f32], b: &[f32]) -> f64 {
-    if a.is_empty() {
+    agreement_of(agree_count(a, b))
+}
+
+/// (entries of `a` equal to `b`'s, entries of `a`): what [`agreement`] is made of, summed over
+/// a run's token chunks.
+fn agree_count(a: &[f32], b: &[f32]) -> (usize, usize) {
+    (a.iter().zip(b).filter(|(x, y)| x == y).count(), a.len())
+}
+
+/// The fraction of equal entries (1 when there are none).
+fn agreement_of((eq, n): (usize, usize)) -> f64 {
+    if n == 0 {
         return 1.0;
     }
-    a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64
+    eq as f64 / n as f64
 }
 
 /// Run the probe.

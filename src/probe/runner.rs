@@ -14,6 +14,7 @@ use super::{
 };
 use crate::backend::run::RunHooks;
 use crate::checkpoint::Checkpoint;
+use crate::model::env::ChunkAt;
 use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op};
 use crate::model::layers::LayerRange;
@@ -205,7 +206,13 @@ impl<'a> Stepper<'a> {
             }
             *self.prof.entry("(metrics)".into()).or_default() += t_m.elapsed().as_secs_f64();
             if opts.keep_outputs {
-                let ratio = self.ratio(op);
+                let ratio = compressed_ratio(&self.shared.cfg, op);
+                let t = opts.tokens.len();
+                let whole = ChunkAt {
+                    start: 0,
+                    end: t,
+                    total: t,
+                };
                 for (name, ts) in [
                     ("oracle_fp32", &outs[0]),
                     ("oracle_bf16", &outs[1]),
@@ -215,7 +222,7 @@ impl<'a> Stepper<'a> {
                     let e = self.outputs.entry(name.to_string()).or_default();
                     for (id, t) in op.outputs.iter().zip(ts.iter()) {
                         let kept = match &opts.keep_rows {
-                            Some(rows) => kept_rows(t, rows, opts.tokens.len(), ratio),
+                            Some(rows) => kept_rows(t, rows, whole, ratio),
                             None => t.clone(),
                         };
                         e.push((id.clone(), kept));
@@ -273,6 +280,22 @@ pub(super) fn keep_outputs(
     Ok(())
 }
 
+/// `op` on `inputs` in `kind`'s numerics, as execution `slot` (whose token-chunk carry it keeps:
+/// `Shared::carry_slot`), timed as `span`.
+fn exec_as(
+    shared: &mut Shared,
+    op: &Op,
+    inputs: &[&Tensor],
+    kind: PathKind,
+    slot: usize,
+    span: &'static str,
+) -> Result<Vec<Tensor>> {
+    shared.carry_slot = slot;
+    let mut env = PathEnv { kind, shared };
+    let _s = crate::profile::span(span);
+    exec(op, inputs, &mut env)
+}
+
 /// What one op's executions made: every propagated path's outputs, and for a reported op the
 /// served op on the BF16 oracle's inputs (`iso`) and the FP32 numerics on them (`fp_on_bf`),
 /// with what its served linears read (`touched`) and saw (`observed`).
@@ -312,17 +335,12 @@ pub(super) fn execs(
     for (pi, kind) in PathKind::ALL.iter().enumerate() {
         let inputs = inputs_of(op, &maps[pi])?;
         shared.record_observations = *kind == PathKind::Served && report;
-        shared.carry_slot = pi;
-        let mut env = PathEnv {
-            kind: *kind,
-            shared: &mut *shared,
-        };
-        let _s = crate::profile::span(match kind {
+        let span = match kind {
             PathKind::OracleFp32 => "exec: oracle_fp32",
             PathKind::OracleBf16 => "exec: oracle_bf16",
             PathKind::Served => "exec: served",
-        });
-        outs.push(exec(op, &inputs, &mut env)?);
+        };
+        outs.push(exec_as(shared, op, &inputs, *kind, pi, span)?);
     }
     shared.record_observations = false;
     routed(&outs);
@@ -343,26 +361,14 @@ pub(super) fn execs(
     let bf_inputs = inputs_of(op, &maps[1])?;
     let quantized = touched.iter().any(|t| shared.is_quantized(t));
     let iso: Vec<Tensor> = if quantized {
-        shared.carry_slot = 3;
-        let mut env = PathEnv {
-            kind: PathKind::Served,
-            shared: &mut *shared,
-        };
-        let _s = crate::profile::span("exec: served isolated");
-        exec(op, &bf_inputs, &mut env)?
+        let span = "exec: served isolated";
+        exec_as(shared, op, &bf_inputs, PathKind::Served, 3, span)?
     } else {
         outs[1].clone()
     };
     // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
-    let fp_on_bf: Vec<Tensor> = {
-        shared.carry_slot = 4;
-        let mut env = PathEnv {
-            kind: PathKind::OracleFp32,
-            shared: &mut *shared,
-        };
-        let _s = crate::profile::span("exec: fp32 on bf16 inputs");
-        exec(op, &bf_inputs, &mut env)?
-    };
+    let span = "exec: fp32 on bf16 inputs";
+    let fp_on_bf = exec_as(shared, op, &bf_inputs, PathKind::OracleFp32, 4, span)?;
     if deferred {
         shared.flush_experts()?;
         observed.append(&mut shared.observed);
@@ -376,28 +382,37 @@ pub(super) fn execs(
     })
 }
 
-impl Stepper<'_> {
-    /// Tokens per compressed row of a compressor op's output (None for every other op).
-    fn ratio(&self, op: &Op) -> Option<usize> {
-        let l = op.layer?;
-        (op.kind == crate::model::graph::OpKind::Compressor)
-            .then(|| self.shared.cfg.ratio(l))
-            .filter(|&r| r > 0)
-    }
+/// Tokens per compressed row of a compressor op's output (None for every other op).
+pub(super) fn compressed_ratio(cfg: &crate::model::ModelConfig, op: &Op) -> Option<usize> {
+    let l = op.layer?;
+    (op.kind == crate::model::graph::OpKind::Compressor)
+        .then(|| cfg.ratio(l))
+        .filter(|&r| r > 0)
 }
 
-/// What `--dump-rows` keeps of an op's output over a prompt of `t` tokens: a token-major output
-/// ([t, …]) its `rows`, in order; a compressor's output ([t / ratio, …], `ratio` given) the
-/// compressed rows that cover those tokens (row `j / ratio` for token j), ascending; anything
-/// else whole.
-pub fn kept_rows(x: &Tensor, rows: &[usize], t: usize, ratio: Option<usize>) -> Tensor {
+/// What `--dump-rows` keeps of an op's output over the tokens `at` (the whole prompt, or one of
+/// a run's token chunks): a token-major output ([end − start, …]) the rows among `rows` (prompt
+/// token indices) inside [start, end), in order; a compressor's output (`ratio` given; its rows
+/// are the compressed rows from start / ratio on) the compressed rows that cover those tokens
+/// (row `j / ratio` for token j), ascending; anything else whole. A run's chunks' pieces join
+/// into the whole prompt's.
+pub fn kept_rows(x: &Tensor, rows: &[usize], at: ChunkAt, ratio: Option<usize>) -> Tensor {
     let n = x.shape.first().copied().unwrap_or(0);
-    let pick: Vec<usize> = if n == t {
-        rows.to_vec()
-    } else if let Some(r) = ratio {
-        let mut v: Vec<usize> = rows.iter().map(|j| j / r).filter(|&c| c < n).collect();
+    let pick: Vec<usize> = if let Some(r) = ratio {
+        let b0 = at.start / r;
+        let mut v: Vec<usize> = rows
+            .iter()
+            .map(|j| j / r)
+            .filter(|&c| c >= b0 && c < b0 + n)
+            .map(|c| c - b0)
+            .collect();
         v.dedup();
         v
+    } else if n == at.end - at.start {
+        rows.iter()
+            .filter(|&&j| j >= at.start && j < at.end)
+            .map(|j| j - at.start)
+            .collect()
     } else {
         return x.clone();
     };

@@ -191,6 +191,52 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
     Ok(())
 }
 
+/// Random inputs of an attention op over a whole prompt: q [t, h·dh], kv [t, dh], the
+/// compressed rows of `ratio` and a raw selection [t, kk] (about one in five entries −1, the
+/// rest rows drawn with repeats), with the dims (`base` with their n_c).
+struct AttnCase {
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    cmp: Vec<f32>,
+    sel: Vec<f32>,
+    dims: AttnDims,
+}
+
+fn attn_case(rng: &mut Rng, base: AttnDims, ratio: usize, kk: usize) -> AttnCase {
+    let (t, h, dh) = (base.t, base.h, base.dh);
+    let n_c = t.checked_div(ratio).unwrap_or(0);
+    let q = normals(rng, t * h * dh, 1.0);
+    let kv = normals(rng, t * dh, 1.0);
+    let cmp = normals(rng, n_c * dh, 1.0);
+    let sel = (0..t * kk)
+        .map(|_| match rng.below(5) {
+            0 => -1.0,
+            _ => rng.below(n_c.max(1)) as f32,
+        })
+        .collect();
+    AttnCase {
+        q,
+        kv,
+        cmp,
+        sel,
+        dims: AttnDims { n_c, ..base },
+    }
+}
+
+/// The whole prompt's attention dims of the self-tests (n_c set by [`attn_case`]).
+fn attn_dims(t: usize, h: usize, dh: usize, win: usize) -> AttnDims {
+    AttnDims {
+        t,
+        h,
+        dh,
+        n_c: 0,
+        win,
+        scale: (dh as f64).powf(-0.5) as f32,
+        q0: 0,
+        kv0: 0,
+    }
+}
+
 /// The attention op over a whole prompt on the device, its inputs and its raw selection (an
 /// unsorted list per query with repeats and −1 holes) only in device memory, in chunks of 1, 7,
 /// 64 queries and all at once, against the host op in one call; window-only, causal compressed
@@ -198,33 +244,19 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
 /// with the host's message.
 fn attention_op(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
     let (t, h, dh, win, nope, kk) = (70 * s + 3, 3, 96, 16, 64, 5);
+    let dims0 = attn_dims(t, h, dh, win);
     let tab = RopeTable::new(&rope_freqs(dh - nope, 10000.0, None), 0..t);
     let sink = normals(rng, h, 1.0);
     for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
         for round in [false, true] {
-            let n_c = t.checked_div(ratio).unwrap_or(0);
-            let q = normals(rng, t * h * dh, 1.0);
-            let kv = normals(rng, t * dh, 1.0);
-            let cmp = normals(rng, n_c * dh, 1.0);
-            let sel: Vec<f32> = (0..t * kk)
-                .map(|_| {
-                    if rng.below(5) == 0 {
-                        -1.0
-                    } else {
-                        rng.below(n_c.max(1)) as f32
-                    }
-                })
-                .collect();
-            let dims = AttnDims {
-                t,
-                h,
-                dh,
-                n_c,
-                win,
-                scale: (dh as f64).powf(-0.5) as f32,
-                q0: 0,
-                kv0: 0,
-            };
+            let AttnCase {
+                q,
+                kv,
+                cmp,
+                sel,
+                dims,
+            } = attn_case(rng, dims0, ratio, kk);
+            let n_c = dims.n_c;
             let host = CpuDevice::new(store(round));
             let sel_t = Tensor::new(vec![t, kk], sel.clone());
             let keys = CmpRows {
@@ -344,29 +376,18 @@ fn attention_op(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> R
 /// such a run joins on the device (`Gpu::cat_spans`) against the host's concatenation.
 fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
     let (t, h, dh, win, nope, kk) = (70 * s + 3, 3, 96, 16, 64, 5);
+    let dims0 = attn_dims(t, h, dh, win);
     let freqs = rope_freqs(dh - nope, 10000.0, None);
     let sink = normals(rng, h, 1.0);
     for (ratio, use_sel) in [(0usize, false), (4, false), (4, true)] {
-        let n_c = t.checked_div(ratio).unwrap_or(0);
-        let q = normals(rng, t * h * dh, 1.0);
-        let kv = normals(rng, t * dh, 1.0);
-        let cmp = normals(rng, n_c * dh, 1.0);
-        let sel: Vec<f32> = (0..t * kk)
-            .map(|_| match rng.below(5) {
-                0 => -1.0,
-                _ => rng.below(n_c.max(1)) as f32,
-            })
-            .collect();
-        let whole = AttnDims {
-            t,
-            h,
-            dh,
-            n_c,
-            win,
-            scale: (dh as f64).powf(-0.5) as f32,
-            q0: 0,
-            kv0: 0,
-        };
+        let AttnCase {
+            q,
+            kv,
+            cmp,
+            sel,
+            dims: whole,
+        } = attn_case(rng, dims0, ratio, kk);
+        let n_c = whole.n_c;
         let host = CpuDevice::new(store(true));
         let sel_t = Tensor::new(vec![t, kk], sel.clone());
         fn keys(ratio: usize, sel: Option<&Tensor>) -> CmpRows<'_> {
