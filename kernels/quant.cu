@@ -428,3 +428,29 @@ extern "C" __global__ void act_quant_fp8(const float* x, u64 rows, u64 cols, int
         }
     }
 }
+
+// An engine's FP8 KV cache as read back (vLLM's fp8_ds_mla): columns [0, nope) of each row
+// quantize-dequantized per 64 with the power-of-two scale of act_quant_fp8, columns [nope, cols)
+// copied. One thread per (row, group): groups 0..ceil(nope/64) quantize, the last one copies.
+extern "C" __global__ void kv_cache_fp8(const float* x, u64 rows, u64 cols, u64 nope, float* out) {
+    u64 qg = (nope + 63) / 64, groups = qg + 1;
+    const float inv448 = 1.0f / 448.0f;
+    GRID_STRIDE(t, rows * groups) {
+        u64 r = t / groups, gi = t % groups;
+        const float* xr = x + r * cols;
+        float* orow = out + r * cols;
+        if (gi == qg) {
+            for (u64 c = nope; c < cols; c++) orow[c] = xr[c];
+            continue;
+        }
+        u64 g0 = gi * 64, g1 = g0 + 64 < nope ? g0 + 64 : nope;
+        float a = 0.0f;
+        for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
+        float s = pow2_ceil(__fmul_rn(fmaxf(a, 1e-4f), inv448));
+        for (u64 c = g0; c < g1; c++) {
+            float v = __fdiv_rn(xr[c], s);
+            if (!isnan(v)) v = fminf(fmaxf(v, -448.0f), 448.0f);
+            orow[c] = __fmul_rn(e4m3_decode(e4m3_encode_satfinite(v)), s);
+        }
+    }
+}

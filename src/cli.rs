@@ -94,6 +94,27 @@ pub struct MemArgs {
     pub mem_gib: Option<f64>,
 }
 
+/// How the served path prefills the prompt (run, bisect).
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// Prefill the served path as a serving engine's chunked prefill does, N tokens at a time:
+    /// each chunk's attention reads the earlier chunks' keys from an FP8 KV cache (vLLM's
+    /// fp8_ds_mla: 448 dims E4M3 per 64 with power-of-two scales, 64 RoPE dims BF16), the
+    /// compressors carry their pending rows across chunks. A chunk-boundary bug then diverges
+    /// at the first op after a boundary. The oracles run the whole prompt. DeepSeek-V4 only.
+    #[arg(long, value_name = "N")]
+    pub served_chunk: Option<usize>,
+    /// Emulate an engine bug at the --served-chunk boundaries: KIND or KIND@Ln (one layer).
+    /// compressor-state-lost: the compressors' pending rows read as zeros after a boundary;
+    /// window-context-zeroed: the sliding window's KV rows of the chunk before read as zeros.
+    #[arg(
+        long = "engine-fault",
+        value_name = "KIND[@Ln]",
+        requires = "served_chunk"
+    )]
+    pub engine_faults: Vec<String>,
+}
+
 #[derive(Args, Debug, Clone, Default)]
 pub struct RunArgs {
     /// Checkpoint directory; without it the built-in tiny synthetic model is used.
@@ -145,6 +166,8 @@ pub struct RunArgs {
     pub quiet: bool,
     #[command(flatten)]
     pub mem: MemArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Absorbed findings (a divergence no later op sees, a lint finding whose effect a norm
     /// removes) are errors too: exit 1 instead of 0.
     #[arg(long)]
@@ -279,6 +302,8 @@ pub struct BisectArgs {
     pub search: crate::bisect::Search,
     #[command(flatten)]
     pub mem: MemArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Absorbed findings are errors too: exit 1 instead of 0.
     #[arg(long)]
     pub strict: bool,

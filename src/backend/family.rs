@@ -1,7 +1,8 @@
 //! The device state's copies and the ops that only the other model families use
-//! (`device::Device::cat_rows`, `slice_cols`, `glu_oss`; `backend::layer::CudaDevice` calls them):
-//! rows joined on the device (a token chunk's carried state), a column slice (MLA's latent) and
-//! gpt-oss's clamped GLU, each bit for bit its host reference (`device::family`, `device::cpu`).
+//! (`device::Device::cat_rows`, `kv_cache_fp8`, `slice_cols`, `glu_oss`; `backend::layer::CudaDevice`
+//! calls them): rows joined on the device (a token chunk's carried state), the FP8 KV cache's
+//! reading of earlier prefill chunks' keys, a column slice (MLA's latent) and gpt-oss's clamped
+//! GLU, each bit for bit its host reference (`device::family`, `device::cpu`).
 
 use super::cuda::Gpu;
 use crate::tensor::Data;
@@ -30,6 +31,30 @@ impl Gpu {
         }
         let exact = spans.iter().all(|s| s.0.known_bf16_exact() == Some(true));
         Ok(self.output(ob, n, exact))
+    }
+
+    /// Rows of x [.., cols] as an engine's FP8 KV cache gives them back (`Device::kv_cache_fp8`):
+    /// columns [0, nope) quantize-dequantized per 64 with a power-of-two scale, the rest copied.
+    pub fn kv_cache_fp8(&mut self, x: &Data, cols: usize, nope: usize) -> Result<Data> {
+        let rows = x.len() / cols.max(1);
+        if nope > cols || rows * cols != x.len() {
+            return Err(Error::Backend(format!(
+                "cuda: kv cache of {nope} quantized dims of {} values in rows of {cols}",
+                x.len()
+            )));
+        }
+        let xb = self.input(x)?;
+        let ob = self.out(rows * cols * 4)?;
+        let groups = nope.div_ceil(64) + 1;
+        self.kern().kv_cache_fp8(
+            (rows * groups) as u64,
+            xb.ptr,
+            rows as u64,
+            cols as u64,
+            nope as u64,
+            ob.ptr,
+        )?;
+        Ok(self.output(ob, rows * cols, false))
     }
 
     /// Columns [c0, c0 + w) of each row of x [.., cols] (a copy on the device).

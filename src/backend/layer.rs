@@ -257,6 +257,14 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         Ok(Tensor::new(shape, y))
     }
 
+    fn kv_cache_fp8(&self, x: &Tensor, nope: usize) -> Result<Tensor> {
+        if nope > x.cols() {
+            return self.host.kv_cache_fp8(x, nope);
+        }
+        let y = self.dev.with(|g| g.kv_cache_fp8(&x.data, x.cols(), nope))?;
+        Ok(Tensor::new(x.shape.clone(), y))
+    }
+
     fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor> {
         if c0 + w > x.cols() {
             return self.host.slice_cols(x, c0, w);

@@ -12,6 +12,7 @@
 //! anomalies (zero or non-finite outputs, magnitude jumps across layers).
 
 mod experts;
+mod prefill;
 pub mod render;
 pub mod search;
 
@@ -52,6 +53,8 @@ pub enum Family {
     NibbleOrder,
     /// gpt-oss's `w13` gate/up row order (interleaved in the release).
     GateUpOrder,
+    /// The state an engine carries across its chunked-prefill boundaries (`--served-chunk`).
+    ChunkState,
 }
 
 /// A named parameter: checkpoint tensor(s), the engine's name, values before and after the fix.
@@ -486,6 +489,7 @@ fn fix_text(kind: &str, p: &ParamRef) -> String {
             p.stored.map(|v| format!(" = {}", fmt_v(Some(v)))).unwrap_or_default(),
             fmt_v(p.current)
         ),
+        prefill::KIND => prefill::fix(p),
         _ => format!("set `{}` to {to}", p.engine),
     }
 }
@@ -684,6 +688,18 @@ fn explain(
     }
     // gpt-oss's fused experts: gate/up row order, unread MXFP4 scales
     hyps.extend(experts::hypotheses(&rp, &rec.id, &rec.weights)?);
+    // the engine's chunked prefill: the op prefilled whole (`--served-chunk`)
+    let mut ranked: Vec<Ranked> = Vec::new();
+    if let Some(h) = prefill::hypothesis(&rp) {
+        let ev = rp.eval_prefilled_whole()?;
+        cost.evals += 1;
+        let ok = restores(&ev.vs_bf16, rec.tolerance, th.amax_ratio);
+        ranked.push(Ranked {
+            hypothesis: h,
+            after: ev.vs_bf16,
+            restores: ok,
+        });
+    }
     // the known root cause's kind first; stop there when it restores the op
     if let Some(k) = hint {
         hyps.sort_by_key(|h| h.kind != k);
@@ -691,7 +707,6 @@ fn explain(
     let mut note = None;
     // one evaluation per distinct patch set
     let mut seen: BTreeSet<String> = BTreeSet::new();
-    let mut ranked: Vec<Ranked> = Vec::new();
     for h in hyps {
         if let Some(k) = hint {
             if h.kind != k && ranked.iter().any(|r| r.restores) {
@@ -907,6 +922,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
             }
             Family::BlockScales => format!("{p}_weight_scale"),
             Family::NibbleOrder | Family::GateUpOrder => format!("{p}_weight"),
+            Family::ChunkState => String::new(),
         };
     }
     match fam {
@@ -921,6 +937,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
                 "weight".into()
             }
         }
+        Family::ChunkState => String::new(),
     }
 }
 
@@ -931,6 +948,7 @@ fn tensors_of(t: &WeightTensors, fam: Family) -> Vec<String> {
         Family::Alpha => vec![t.input_scale.as_ref(), t.global_scale.as_ref()],
         Family::BlockScales => vec![t.block_scale.as_ref()],
         Family::NibbleOrder | Family::GateUpOrder => vec![Some(&t.weight)],
+        Family::ChunkState => Vec::new(),
     };
     v.into_iter().flatten().cloned().collect()
 }
@@ -1202,6 +1220,16 @@ fn fmt_rel(c: &Compare) -> String {
 /// One sentence naming the parameter, its values and the metric before and after.
 fn sentence(op: &str, h: &Hypothesis, before: &Compare, after: &Compare) -> String {
     let p = &h.param;
+    if p.family == Family::ChunkState {
+        return format!(
+            "{op}: {} — prefilled whole, the op's cosine vs the BF16 oracle goes from {} to {} (rel-L2 {} → {})",
+            h.what,
+            fmt_cos(before),
+            fmt_cos(after),
+            fmt_rel(before),
+            fmt_rel(after)
+        );
+    }
     let tensor = p
         .tensors
         .first()

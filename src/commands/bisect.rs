@@ -26,6 +26,7 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
         &args.loader_faults,
         args.seed,
         &args.mem,
+        &args.engine,
     )?;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     for out in outputs.into_iter().flatten() {

@@ -254,6 +254,7 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
         &[],
         args.seed,
         &args.mem,
+        &Default::default(),
     )?;
     let token_source = match &trace_tokens {
         Some(tt) => {

@@ -119,6 +119,7 @@ pub fn prepare(
     loader_faults: &[String],
     seed: u64,
     mem: &crate::cli::MemArgs,
+    engine: &crate::cli::EngineArgs,
 ) -> Result<Prepared> {
     let max_mem = mem.max_mem;
     let choice = backend;
@@ -179,6 +180,7 @@ pub fn prepare(
         .map(|s| Fault::parse(s))
         .collect::<Result<Vec<_>>>()?;
     crate::served::faults::check_loader_faults(&ckpt, &faults)?;
+    let prefill = prefill_of(engine, &cfg)?;
     crate::profile::mark("options checked");
     // the run's memory estimate is checked as soon as the token count is known, before the
     // tokens (or anything else of the run's size) are made; a long CPU run is announced
@@ -234,6 +236,11 @@ pub fn prepare(
         probe: spec.clone(),
         served_profile: profile.name().into(),
         loader_faults: loader_faults.to_vec(),
+        served_chunk: prefill.as_ref().map(|p| p.chunk),
+        engine_faults: prefill
+            .as_ref()
+            .map(|p| p.faults.iter().map(|f| f.spec()).collect())
+            .unwrap_or_default(),
         layers: [a, b],
         seconds: 0.0,
         bytes_read: 0,
@@ -247,6 +254,7 @@ pub fn prepare(
         max_mem,
         chunk: mem.chunk,
         mem_gib: mem.mem_gib,
+        prefill,
         ..RunOptions::new((a, b), toks)
     };
     Ok(Prepared {
@@ -255,6 +263,40 @@ pub fn prepare(
         meta,
         model_dir: model.map(Path::to_path_buf),
     })
+}
+
+/// `--served-chunk` / `--engine-fault` as the runner takes them; a model family other than
+/// DeepSeek-V4 has no chunked-prefill state here and is refused (exit 2).
+fn prefill_of(
+    engine: &crate::cli::EngineArgs,
+    cfg: &crate::model::ModelConfig,
+) -> Result<Option<crate::served::engine::Prefill>> {
+    use crate::served::engine::{EngineFault, Prefill};
+    let Some(n) = engine.served_chunk else {
+        return Ok(None);
+    };
+    if let Some(f) = &cfg.family {
+        return Err(Error::usage(format!(
+            "--served-chunk: the engine's chunked prefill is emulated for DeepSeek-V4 layers only, not {}",
+            f.kind.label()
+        )));
+    }
+    let faults = engine
+        .engine_faults
+        .iter()
+        .map(|s| EngineFault::parse(s))
+        .collect::<Result<Vec<_>>>()?;
+    for f in &faults {
+        if f.layer.is_some_and(|l| l >= cfg.num_hidden_layers) {
+            return Err(Error::usage(format!(
+                "engine fault `{}`: the model has {} layers (L0..L{})",
+                f.spec(),
+                cfg.num_hidden_layers,
+                cfg.num_hidden_layers.saturating_sub(1)
+            )));
+        }
+    }
+    Prefill::new(n, faults).map(Some)
 }
 
 /// The outputs' guard of a command on an optional model directory: the directory, its shards'
@@ -310,6 +352,7 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         &args.loader_faults,
         args.seed,
         &args.mem,
+        &args.engine,
     )?;
     let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
     check_outputs(args, &outs)?;

@@ -128,6 +128,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
                 &[],
                 args.seed,
                 &Default::default(),
+                &Default::default(),
             )?;
             p.opts.progress = false;
             let cpu = probe::run(&p.ckpt, &p.opts)?;

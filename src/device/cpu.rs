@@ -341,6 +341,17 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         Ok(Tensor::new(shape, data))
     }
 
+    fn kv_cache_fp8(&self, x: &Tensor, nope: usize) -> Result<Tensor> {
+        let cols = x.cols();
+        if nope > cols {
+            return Err(Error::usage(format!(
+                "kv cache: {nope} quantized dims of rows of {cols}"
+            )));
+        }
+        let y = crate::numerics::fp8_block::fake_quant_kv_cache(&x.data, x.rows(), cols, nope);
+        Ok(Tensor::new(x.shape.clone(), y))
+    }
+
     fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor> {
         let cols = x.cols();
         if c0 + w > cols {

@@ -137,11 +137,27 @@ pub(crate) fn attention(
     // so far is a key
     let (kv, cmp) = if env.chunk_at().is_some() {
         let tail = cfg.sliding_window.saturating_sub(1);
-        let kv = window(env, &format!("{}.kv", op.id), kv, at, tail)?;
+        let kv = window(env, &window_key(&op.id), kv, at, tail)?;
         let cmp = history(env, &format!("{}.cmp", op.id), cmp.clone(), at)?;
         (kv, cmp)
     } else {
         (kv.clone(), cmp.clone())
+    };
+    // the keys of earlier prefill chunks as the engine's KV cache gives them back
+    // (`--served-chunk`); this chunk's as computed
+    let (kv, cmp) = match env.cached_before() {
+        Some(c0) => {
+            let nope = cfg.nope_dim();
+            let kv0 = at.start + t - kv.rows();
+            let nk = c0.saturating_sub(kv0).min(kv.rows());
+            // compressed row b is complete once token (b + 1)·ratio − 1 is
+            let nc = if ratio > 0 { c0 / ratio } else { 0 }.min(cmp.rows());
+            (
+                cached_prefix(env, &kv, nk, nope)?,
+                cached_prefix(env, &cmp, nc, nope)?,
+            )
+        }
+        None => (kv, cmp),
     };
     let (kv, cmp) = (&kv, &cmp);
     let n_c = cmp.rows();
@@ -212,7 +228,7 @@ pub(crate) fn compress(
     let w = if ratio == 4 { 2 * dc } else { dc };
     // the first block a pooling over blocks from `b` reads (ratio 4: the one before it too)
     let first_read = |b: usize| if ratio == 4 && b > 0 { b - 1 } else { b };
-    let (ka, kg) = (format!("{sub_prefix}.a"), format!("{sub_prefix}.g"));
+    let [ka, kg] = state_keys(sub_prefix);
     let carried = match chunked {
         true => env.take_carry(&ka).zip(env.take_carry(&kg)),
         false => None,
@@ -285,6 +301,28 @@ pub(crate) fn compress(
     Ok(ck)
 }
 
+/// The carry keys of a compressor's state (`sub_prefix`: the op id of a compressor, `{id}.compressor`
+/// for the indexer's): the linear outputs `a` and `g` of the rows whose blocks are not pooled yet.
+pub fn state_keys(sub_prefix: &str) -> [String; 2] {
+    [format!("{sub_prefix}.a"), format!("{sub_prefix}.g")]
+}
+
+/// The carry key of the attention's sliding-window KV rows (op id `attention`).
+pub fn window_key(attention: &str) -> String {
+    format!("{attention}.kv")
+}
+
+/// The compressor state keys of op `op` ([`state_keys`]): a compressor's own, the indexer's
+/// compressor's; none for other ops.
+pub fn op_state_keys(op: &Op) -> Vec<String> {
+    use super::graph::OpKind;
+    match op.kind {
+        OpKind::Compressor => state_keys(&op.id).to_vec(),
+        OpKind::Indexer => state_keys(&format!("{}.compressor", op.id)).to_vec(),
+        _ => Vec::new(),
+    }
+}
+
 /// Where an op's rows sit in the prompt: its token chunk, or the whole prompt of `t` tokens.
 fn chunk_of(env: &dyn OpEnv, t: usize) -> ChunkAt {
     env.chunk_at().unwrap_or(ChunkAt {
@@ -298,7 +336,11 @@ fn chunk_of(env: &dyn OpEnv, t: usize) -> ChunkAt {
 /// rows [b0, b1) it completes). Only the prompt's whole blocks are read (its tokens below
 /// ⌊total / ratio⌋·ratio), as over the whole prompt at once; b1 − b0 rows come out.
 pub(crate) fn blocks(env: &dyn OpEnv, t: usize, ratio: usize) -> (usize, usize, usize) {
-    let at = chunk_of(env, t);
+    blocks_at(chunk_of(env, t), ratio)
+}
+
+/// [`blocks`] of the tokens `at`.
+pub fn blocks_at(at: ChunkAt, ratio: usize) -> (usize, usize, usize) {
     let lim = at.total / ratio * ratio;
     let xe = at.end.min(lim).max(at.start);
     (xe - at.start, at.start / ratio, xe / ratio)
@@ -310,6 +352,15 @@ fn rows(env: &dyn OpEnv, x: &Tensor, r: std::ops::Range<usize>) -> Result<Tensor
         return Ok(x.clone());
     }
     env.device().cat_rows(&[(x, r)])
+}
+
+/// `x` with its first `n` rows read back from the engine's FP8 KV cache (`Device::kv_cache_fp8`).
+fn cached_prefix(env: &dyn OpEnv, x: &Tensor, n: usize, nope: usize) -> Result<Tensor> {
+    if n == 0 {
+        return Ok(x.clone());
+    }
+    let head = env.device().kv_cache_fp8(&rows(env, x, 0..n)?, nope)?;
+    join(env, &head, &rows(env, x, n..x.rows())?)
 }
 
 /// `a`'s rows then `b`'s.

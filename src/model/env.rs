@@ -83,6 +83,12 @@ pub trait OpEnv {
     }
     /// Keep `t` for this op's next token chunk under `key` ([`OpEnv::take_carry`]).
     fn put_carry(&mut self, _key: &str, _t: Tensor) {}
+    /// Keys at positions before this one are read from an engine's KV cache (the served path
+    /// under `--served-chunk`: the first token of the engine chunk the op's rows are in), the
+    /// others as computed. None: every key as computed.
+    fn cached_before(&self) -> Option<usize> {
+        None
+    }
     /// The whole routed-experts op in one call, for a backend that batches it on a device:
     /// x [t, d], `per[e]` = (token, routing weight) pairs of expert e in token order, `k` slots
     /// per token, `bases[3e..3e+3]` = (w1, w3, w2). `None` = compute it linear by linear.

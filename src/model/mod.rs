@@ -1,6 +1,6 @@
 //! The DeepSeek-V4 layer as data: config, op graph with stable ids, and the math of each op.
 
-mod attn;
+pub mod attn;
 pub mod config;
 pub mod env;
 pub mod exec;

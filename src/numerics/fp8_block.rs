@@ -131,9 +131,67 @@ pub fn fake_quant_act_1x128(x: &[f32], rows: usize, cols: usize, which: ActScale
     out
 }
 
+/// Columns per scale of an engine's FP8 KV cache ([`fake_quant_kv_cache`]).
+pub const KV_GROUP: usize = 64;
+
+/// What an engine's FP8 KV cache gives back for rows x `[rows, cols]` (vLLM's `fp8_ds_mla`
+/// layout, docs/DSV4-LAYER.md §3.4 step 5): columns [0, nope) quantize-dequantized per token and
+/// per 64 columns with DeepSeek's power-of-two scale (as [`fake_quant_act_1x128`] with
+/// [`ActScale::DeepSeekPow2`]), columns [nope, cols) (the RoPE part, stored BF16) as they are.
+///
+/// # Panics
+/// If `x.len() != rows·cols` or `nope > cols`.
+pub fn fake_quant_kv_cache(x: &[f32], rows: usize, cols: usize, nope: usize) -> Vec<f32> {
+    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
+    assert!(nope <= cols, "nope {nope} > cols {cols}");
+    let inv448 = 1.0f32 / e4m3::MAX;
+    let mut out = x.to_vec();
+    if cols == 0 {
+        return out;
+    }
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        for (xg, og) in xr[..nope]
+            .chunks(KV_GROUP)
+            .zip(or[..nope].chunks_mut(KV_GROUP))
+        {
+            let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = pow2_ceil(a.max(1e-4) * inv448);
+            for (&xv, o) in xg.iter().zip(og.iter_mut()) {
+                let q = e4m3::encode_satfinite((xv / s).clamp(-e4m3::MAX, e4m3::MAX));
+                *o = e4m3::decode(q) * s;
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_cache_rounds_the_nope_part_per_64_and_keeps_the_rope_part() {
+        // row 0: a group of 64 with amax 448·2 → s = 2, then 64 values of amax 1 → s = 2^-8
+        // (1/448 rounded up to a power of two); the rope part (last 4) untouched
+        let (nope, cols) = (128, 132);
+        let mut x = vec![0f32; cols];
+        x[0] = 896.0;
+        x[1] = 3.0; // 3/2 = 1.5 exactly representable
+        x[2] = 2.3; // 1.15 → e4m3 1.125 → 2.25
+        x[64] = 1.0;
+        x[65] = 0.3; // 0.3·256 = 76.8 → e4m3 (step 8 in [64, 128)) 80 → 0.3125
+        x[128..132].copy_from_slice(&[0.1, -7.7, 1e-3, 123.456]);
+        let y = fake_quant_kv_cache(&x, 1, cols, nope);
+        assert_eq!(y[0], 896.0);
+        assert_eq!(y[1], 3.0);
+        assert_eq!(y[2], 2.25);
+        assert_eq!(y[64], 1.0);
+        assert_eq!(y[65], 0.3125);
+        assert_eq!(&y[128..], &x[128..]);
+        // the nope part of a group equals the 1×128 quantizer applied to that group alone
+        let g = fake_quant_act_1x128(&x[64..128], 1, 64, ActScale::DeepSeekPow2);
+        assert_eq!(&y[64..128], &g[..]);
+    }
 
     #[test]
     fn deepseek_scale_multiply_equals_divide_for_ceil() {

@@ -61,6 +61,9 @@ pub struct Shared<'a> {
     /// Set while bisect replays an op under a hypothesis: the served path then runs per weight
     /// and records for the hypothesis instead of for the run (see [`ReplayTrace`]).
     pub replay: Option<ReplayTrace>,
+    /// `--served-chunk`: the served path prefills as an engine does, in chunks
+    /// (`probe::prefill`).
+    pub prefill: Option<crate::served::engine::Prefill>,
 }
 
 /// What differs when the environment evaluates bisect's replay of one op (`probe::replay`)
@@ -171,6 +174,7 @@ impl<'a> Shared<'a> {
             carry_slot: 0,
             hold_weights: false,
             replay: None,
+            prefill: None,
         }
     }
 
@@ -479,6 +483,11 @@ impl OpEnv for PathEnv<'_, '_> {
     fn put_carry(&mut self, key: &str, t: Tensor) {
         let slot = self.shared.carry_slot;
         self.shared.carry.insert((slot, key.to_string()), t);
+    }
+    fn cached_before(&self) -> Option<usize> {
+        let p = self.shared.prefill.as_ref()?;
+        let at = self.shared.at?;
+        (self.kind == PathKind::Served).then(|| p.chunk_start(at.start))
     }
     fn device(&self) -> Box<dyn Device + '_> {
         let store = move |t: &mut Tensor| self.store(t);

@@ -8,6 +8,7 @@ pub mod env;
 
 mod chunked;
 pub mod findings;
+pub mod prefill;
 pub mod progress;
 pub mod replay;
 mod runner;
@@ -63,6 +64,9 @@ pub struct RunOptions {
     pub chunk: Option<usize>,
     /// `--mem-gib`: the memory budget (device memory on CUDA) the token chunk is chosen for.
     pub mem_gib: Option<f64>,
+    /// `--served-chunk` / `--engine-fault`: the served path prefills as an engine does
+    /// (`prefill`).
+    pub prefill: Option<crate::served::engine::Prefill>,
 }
 
 impl RunOptions {
@@ -85,6 +89,7 @@ impl RunOptions {
             max_mem: None,
             chunk: None,
             mem_gib: None,
+            prefill: None,
         }
     }
 
@@ -93,6 +98,7 @@ impl RunOptions {
         let mut shared = Shared::new(ckpt, cfg, self.tokens.clone(), self.profile);
         shared.faults = self.loader_faults.clone();
         shared.overrides = self.overrides.clone();
+        shared.prefill = self.prefill.clone();
         shared.set_backend(self.backend.clone());
         shared
     }
@@ -462,11 +468,19 @@ pub(crate) fn op_record_finish(
     let class = format!("{:?}", op.class);
     let (noise, noise_iso, iso_bf, prop_bf) = (ms.noise, ms.noise_iso, ms.iso_bf, ms.prop_bf);
     let (health, act_ratio) = env::aggregate_health(observed);
+    // an attention under --served-chunk reads earlier chunks' keys from the FP8 KV cache
+    let cached: &[&str] = match (&opts.prefill, op.kind) {
+        (Some(p), crate::model::graph::OpKind::Attention) if p.chunk < opts.tokens.len() => {
+            &[tolerance::KV_CACHE_KEY]
+        }
+        _ => &[],
+    };
     let (tol, tolerance_basis) = tolerance::op_tolerance(
         th,
         opts.profile,
         &class,
         &weights,
+        cached,
         noise_iso.rel_l2.unwrap_or(0.0),
     );
     let bf_nf = stats["oracle_bf16"].non_finite();

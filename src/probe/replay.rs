@@ -154,6 +154,7 @@ impl<'a> Replayer<'a> {
         // the run's overrides are not the replay's: each evaluation sets its hypothesis's
         let mut shared = Shared::new(ckpt, cfg, opts.tokens.clone(), opts.profile);
         shared.faults = opts.loader_faults.clone();
+        shared.prefill = opts.prefill.clone();
         shared.set_backend(opts.backend.clone());
         Ok(Replayer {
             cap,
@@ -374,6 +375,20 @@ impl Replayer<'_> {
             .iter()
             .any(|(ob, o)| ob == base && *o == Override::NibbleSwap)
     }
+    /// Whether the served path prefills this op in an engine's chunks (`--served-chunk`).
+    pub fn prefills_in_chunks(&self) -> bool {
+        self.shared.prefill.is_some() && crate::probe::prefill::splits(&self.cap.op)
+    }
+
+    /// [`Replayer::eval`] without patches, the prompt prefilled whole (no `--served-chunk`):
+    /// what the op would compute without the engine's chunk boundaries.
+    pub fn eval_prefilled_whole(&mut self) -> Result<Eval> {
+        let p = self.shared.prefill.take();
+        let r = self.eval(&[]);
+        self.shared.prefill = p;
+        r
+    }
+
     /// Evaluate the op's served numerics with `patches` on (base, patch) pairs: the patches
     /// become the linears' overrides, the oracle-patched (and unquantized) weights run in the BF16
     /// oracle's numerics, and bases with re-read stored block scales or a layout repair are pinned
@@ -414,7 +429,7 @@ impl Replayer<'_> {
             kind: PathKind::Served,
             shared: &mut self.shared,
         };
-        let outputs = exec(&self.cap.op, &refs, &mut env);
+        let outputs = crate::probe::prefill::exec(&self.cap.op, &refs, &mut env);
         let trace = self.shared.replay.take().unwrap_or_default();
         let outputs = outputs?;
         let vs_bf16 = Compare::of(&outputs[0].data, &self.cap.oracle_bf16[0].data);

@@ -15,7 +15,6 @@ use super::{
 use crate::backend::run::RunHooks;
 use crate::checkpoint::Checkpoint;
 use crate::model::env::ChunkAt;
-use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op};
 use crate::model::layers::LayerRange;
 use crate::model::ModelConfig;
@@ -293,7 +292,7 @@ fn exec_as(
     shared.carry_slot = slot;
     let mut env = PathEnv { kind, shared };
     let _s = crate::profile::span(span);
-    exec(op, inputs, &mut env)
+    super::prefill::exec(op, inputs, &mut env)
 }
 
 /// What one op's executions made: every propagated path's outputs, and for a reported op the
@@ -359,7 +358,10 @@ pub(super) fn execs(
         });
     }
     let bf_inputs = inputs_of(op, &maps[1])?;
-    let quantized = touched.iter().any(|t| shared.is_quantized(t));
+    // the served numerics differ from the BF16 oracle's where a weight is quantized, and
+    // where the engine's chunked prefill changes the op (`--served-chunk`)
+    let quantized = touched.iter().any(|t| shared.is_quantized(t))
+        || (shared.prefill.is_some() && super::prefill::splits(op));
     let iso: Vec<Tensor> = if quantized {
         let span = "exec: served isolated";
         exec_as(shared, op, &bf_inputs, PathKind::Served, 3, span)?

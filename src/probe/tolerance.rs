@@ -115,19 +115,28 @@ impl Thresholds {
     }
 }
 
+/// The format key of what an attention reads from an engine's FP8 KV cache
+/// (`--served-chunk`: the keys of earlier prefill chunks).
+pub const KV_CACHE_KEY: &str = "fp8-kv-cache";
+
 /// An op's isolated tolerance and where it comes from:
 /// max(noise_multiplier × its BF16-vs-FP32 noise on the same inputs, the table's expected error
-/// of the formats it reads, min_rel_l2).
+/// of the formats it reads (its weights' and `cached`, the keys of an engine cache it reads,
+/// e.g. [`KV_CACHE_KEY`]), min_rel_l2).
 pub fn op_tolerance(
     th: &Thresholds,
     profile: Profile,
     class: &str,
     weights: &[(String, String)],
+    cached: &[&'static str],
     noise_iso: f64,
 ) -> (f64, String) {
     let mut expected: Option<(f64, &str)> = None;
-    for (_, s) in weights {
-        let Some(k) = scheme_key(s) else { continue };
+    let keys = weights
+        .iter()
+        .filter_map(|(_, s)| scheme_key(s))
+        .chain(cached.iter().copied());
+    for k in keys {
         if let Some(v) = th.isolated_expected(class, k, profile) {
             if expected.is_none_or(|(e, _)| v > e) {
                 expected = Some((v, k));
@@ -206,6 +215,7 @@ mod tests {
             Profile::BlackwellW4a4,
             "Linear",
             &w(&["nvfp4-modelopt"]),
+            &[],
             1e-4,
         );
         assert_eq!(
@@ -213,8 +223,36 @@ mod tests {
             th.isolated_expected("Linear", "nvfp4", Profile::BlackwellW4a4)
         );
         assert!(basis.contains("nvfp4"), "{basis}");
-        let (t, basis) = op_tolerance(&th, Profile::BlackwellW4a4, "Norm", &w(&["bf16"]), 1e-2);
+        let (t, basis) = op_tolerance(
+            &th,
+            Profile::BlackwellW4a4,
+            "Norm",
+            &w(&["bf16"]),
+            &[],
+            1e-2,
+        );
         assert_eq!(t, th.noise_multiplier * 1e-2);
         assert!(basis.contains("noise"), "{basis}");
+    }
+
+    #[test]
+    fn an_attention_reading_the_fp8_kv_cache_has_its_row() {
+        let th = Thresholds::default();
+        let kv = th
+            .isolated_expected("Attention", KV_CACHE_KEY, Profile::HopperW4a16)
+            .expect("a row for the FP8 KV cache");
+        let (t, basis) = op_tolerance(
+            &th,
+            Profile::HopperW4a16,
+            "Attention",
+            &[],
+            &[KV_CACHE_KEY],
+            1e-4,
+        );
+        assert_eq!(t, kv);
+        assert!(basis.contains(KV_CACHE_KEY), "{basis}");
+        // without the cache the attention's numerics are the oracle's: the floor
+        let (t, _) = op_tolerance(&th, Profile::HopperW4a16, "Attention", &[], &[], 1e-5);
+        assert_eq!(t, th.min_rel_l2);
     }
 }

@@ -46,6 +46,12 @@ pub struct RunMeta {
     pub probe: crate::probe::spec::ProbeSpec,
     pub served_profile: String,
     pub loader_faults: Vec<String>,
+    /// `--served-chunk`: the served path prefilled in chunks of this many tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_chunk: Option<usize>,
+    /// `--engine-fault`s at those chunks' boundaries.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub engine_faults: Vec<String>,
     pub layers: [usize; 2],
     pub seconds: f64,
     pub bytes_read: u64,

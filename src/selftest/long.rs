@@ -533,5 +533,24 @@ fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Re
         &got.into_vec(),
         &want,
     ));
+
+    // earlier prefill chunks' keys read back from the FP8 KV cache (--served-chunk): rows of
+    // magnitudes 1e-6 to 1e3 (a row below the 1e-4 amax floor), and a width whose quantized part
+    // ends inside a 64-column group
+    for (rows, cols, nope) in [(37usize, 512usize, 448usize), (11, 200, 150)] {
+        let mut x = normals(rng, rows * cols, 1.0);
+        for (r, row) in x.chunks_mut(cols).enumerate() {
+            let m = 10f32.powi(r as i32 % 10 - 6);
+            row.iter_mut().for_each(|v| *v *= m);
+        }
+        let xd = dev_only(g, &x)?;
+        let got = g.kv_cache_fp8(&xd, cols, nope)?;
+        let want = crate::numerics::fp8_block::fake_quant_kv_cache(&x, rows, cols, nope);
+        out.push(exact(
+            &format!("FP8 KV cache reading ({rows} rows of {cols}, {nope} quantized)"),
+            &got.into_vec(),
+            &want,
+        ));
+    }
     Ok(())
 }

@@ -17,6 +17,7 @@ use crate::numerics::nvfp4::{self, Convention, QuantHealth};
 use crate::numerics::{e2m1, e4m3, fp8_block, swizzle};
 use crate::Result;
 
+pub mod engine;
 pub mod faults;
 pub mod linears;
 pub mod profile;
