@@ -151,7 +151,7 @@ pub(crate) fn attention(
             let kv0 = at.start + t - kv.rows();
             let nk = c0.saturating_sub(kv0).min(kv.rows());
             // compressed row b is complete once token (b + 1)·ratio − 1 is
-            let nc = if ratio > 0 { c0 / ratio } else { 0 }.min(cmp.rows());
+            let nc = c0.checked_div(ratio).unwrap_or(0).min(cmp.rows());
             (
                 cached_prefix(env, &kv, nk, nope)?,
                 cached_prefix(env, &cmp, nc, nope)?,
