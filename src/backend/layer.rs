@@ -159,7 +159,11 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
     ) -> Result<Tensor> {
         let dev = &self.dev;
         let sel = keys.sel.map(|s| (&s.data, s.cols()));
+        // the work of the two products (the floor the profile states)
+        let n_keys = dims.keys(keys.ratio, sel.map(|s| s.1));
+        let flops = 4.0 * (dims.h * dims.dh) as f64 * n_keys as f64;
         let y = dev.with(|g| {
+            crate::backend::cuda::Work::add(&g.work.attention, flops);
             g.attention(
                 &q.data, &kv.data, &cmp.data, keys.ratio, sel, sink, dims, nope, tab, chunk,
                 dev.round,
@@ -203,9 +207,11 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         d: IndexerDims,
     ) -> Result<Tensor> {
         let rows = kern::score_block_rows(d.n_c);
-        let sel = self
-            .dev
-            .with(|g| g.indexer_topk(&q.data, &ki.data, &w.data, w_scale, d, rows))?;
+        let flops = 2.0 * (d.hi * d.di) as f64 * d.scored() as f64;
+        let sel = self.dev.with(|g| {
+            crate::backend::cuda::Work::add(&g.work.indexer, flops);
+            g.indexer_topk(&q.data, &ki.data, &w.data, w_scale, d, rows)
+        })?;
         Ok(Tensor::new(vec![d.t, d.kk], sel))
     }
 

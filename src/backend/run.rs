@@ -236,14 +236,48 @@ fn publish_routing(
     }
 }
 
+/// The run's physical floors, on stderr: its GEMM-class work (`Gpu::work`) at the device's f64
+/// GEMM rate and the bytes it uploaded at the pinned host → device rate, both rates measured
+/// now (a DGEMM of 4096³, the staging buffer's copy).
+fn print_floors(g: &mut Gpu) {
+    let (rate, rate32, h2d) = match (g.dgemm_rate(4096), g.sgemm_rate(4096), g.pinned_h2d_rate())
+    {
+        (Ok(r), Ok(r32), Ok(h)) => (r, r32, h),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+            eprintln!("floors: not measured ({e})");
+            return;
+        }
+    };
+    let w = &g.work;
+    let tf = |v: f64| v / 1e12;
+    let bytes = g.counters.bytes_uploaded as f64;
+    eprintln!(
+        "floors: GEMM-class work {:.3} TFLOP (exact f64 GEMMs {:.3}, routed experts {:.3}, attention {:.3}, indexer scores {:.3}, FP32/BF16 GEMMs {:.3}) at the measured FP64 DGEMM rate {:.1} TFLOP/s = {:.3} s (at the FP32 SGEMM rate {:.1} TFLOP/s: {:.3} s); host→device {:.2} GB uploaded at the measured pinned rate {:.1} GB/s = {:.3} s",
+        tf(w.total()),
+        tf(w.dgemm.get()),
+        tf(w.experts.get()),
+        tf(w.attention.get()),
+        tf(w.indexer.get()),
+        tf(w.native.get()),
+        rate / 1e12,
+        w.total() / rate,
+        rate32 / 1e12,
+        w.total() / rate32,
+        bytes / 1e9,
+        h2d / 1e9,
+        bytes / h2d
+    );
+}
+
 /// `NVFP4_PROBE_PROFILE=1`: the device's counters, the loader's statistics and the device time
 /// per op kind, per slow step and per kernel, on stderr.
 fn print_profile(g: &Mutex<Gpu>, ops: &[Op], stage_stats: Option<&StageStats>) {
-    if let Ok(g) = g.lock() {
+    if let Ok(mut g) = g.lock() {
         eprintln!(
             "gpu counters: {}",
             serde_json::to_string(&g.counters).unwrap_or_default()
         );
+        print_floors(&mut g);
         if let Some(s) = stage_stats {
             let dropped: Vec<String> = s
                 .dropped_at

@@ -214,6 +214,23 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
+    /// Keys the call's queries attend to, summed (the work of the attention's two products is
+    /// 4 · h · dh per key): each query's window rows, then its causal compressed rows (ratio > 0)
+    /// or at most `kk` of them (the indexer's selection, `kk` = Some).
+    pub fn keys(&self, ratio: usize, kk: Option<usize>) -> u64 {
+        (0..self.t)
+            .map(|i| {
+                let p = self.q0 + i;
+                let win = (p + 1).min(self.win);
+                let cmp = match ratio {
+                    0 => 0,
+                    r => ((p + 1) / r).min(self.n_c),
+                };
+                (win + kk.map_or(cmp, |k| cmp.min(k))) as u64
+            })
+            .sum()
+    }
+
     /// The dims of the queries [a, b) of this call's queries (local indices; positions
     /// q0 + a .. q0 + b): their kv rows start at the first one's window, never before this
     /// call's kv0 (every later query's window starts no earlier), so the part's keys, their
@@ -486,6 +503,12 @@ pub struct IndexerDims {
 }
 
 impl IndexerDims {
+    /// Compressed rows scored, summed over the call's queries (each its causal rows: the work of
+    /// the scores is 2 · hi · di per row).
+    pub fn scored(&self) -> u64 {
+        (0..self.t).map(|i| self.causal(i) as u64).sum()
+    }
+
     /// The compressed rows query `i` of this call (at position q0 + i) may see:
     /// min((q0 + i + 1) / ratio, n_c).
     #[inline]
@@ -679,6 +702,42 @@ pub fn topk_order(sa: f32, a: usize, sb: f32, b: usize) -> std::cmp::Ordering {
         .partial_cmp(&k(sa))
         .unwrap_or(std::cmp::Ordering::Equal)
         .then(a.cmp(&b))
+}
+
+#[cfg(test)]
+mod work_tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_scored_rows_count_by_hand() {
+        let d = AttnDims {
+            t: 5,
+            h: 1,
+            dh: 8,
+            n_c: 2,
+            win: 3,
+            scale: 1.0,
+            q0: 0,
+            kv0: 0,
+        };
+        // window min(p + 1, 3): 1 2 3 3 3
+        assert_eq!(d.keys(0, None), 12);
+        // + causal compressed rows min((p + 1) / 2, 2): 0 1 1 2 2
+        assert_eq!(d.keys(2, None), 18);
+        // + at most one selected: 0 1 1 1 1
+        assert_eq!(d.keys(2, Some(1)), 16);
+        let i = IndexerDims {
+            t: 5,
+            hi: 2,
+            di: 4,
+            n_c: 10,
+            ratio: 4,
+            kk: 3,
+            q0: 3,
+        };
+        // positions 3..8: (p + 1) / 4 = 1 1 1 1 2
+        assert_eq!(i.scored(), 6);
+    }
 }
 
 #[cfg(test)]

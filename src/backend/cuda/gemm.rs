@@ -50,6 +50,7 @@ impl Gpu {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        Work::add(&self.work.dgemm, 2.0 * (m * n * k) as f64);
         let bf = (ty == Ty::Bf16) as i32;
         if m <= 8 {
             // one warp per four output columns
@@ -156,6 +157,7 @@ impl Gpu {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        Work::add(&self.work.native, 2.0 * (m * n * k) as f64);
         if k == 0 {
             for r in 0..m {
                 self.memset(y + (r * ldy * 4) as u64, 0, n * 4)?;
@@ -203,5 +205,97 @@ impl Gpu {
             )
             .map_err(|e| cuda_err(&format!("GEMM {m}x{n}x{k} {ty:?}"), e))
         })
+    }
+
+    /// The device's f64 GEMM rate in flops per second: cuBLAS DGEMM of f64 operands
+    /// [n, n] · [n, n]ᵀ, the median of three after a warm-up (the FLOP floor's rate).
+    pub fn dgemm_rate(&mut self, n: usize) -> Result<f64> {
+        let bytes = n * n * 8;
+        let (a, b, c) = (self.alloc(bytes)?, self.alloc(bytes)?, self.alloc(bytes)?);
+        self.memset(a.ptr, 0x3F, bytes)?;
+        self.memset(b.ptr, 0x3F, bytes)?;
+        let (alpha, beta) = (1.0f64, 0.0f64);
+        let call = |g: &Gpu| {
+            unsafe {
+                blas::gemm_ex(
+                    *g.blas.handle(),
+                    bsys::cublasOperation_t::CUBLAS_OP_T,
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    n as i32,
+                    n as i32,
+                    &alpha as *const f64 as *const _,
+                    b.ptr as *const _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    n as i32,
+                    a.ptr as *const _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    n as i32,
+                    &beta as *const f64 as *const _,
+                    c.ptr as *mut _,
+                    bsys::cudaDataType::CUDA_R_64F,
+                    n as i32,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_err("DGEMM rate", e))
+        };
+        call(self)?;
+        self.sync()?;
+        let mut ts = Vec::new();
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            call(self)?;
+            self.sync()?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(2.0 * (n as f64).powi(3) / ts[1])
+    }
+
+    /// The device's FP32 GEMM rate in flops per second (the hardware GEMM the runner uses
+    /// without exact f64 accumulation, [`Gpu::gemm_native`]; no TF32): [n, n] · [n, n]ᵀ, the
+    /// median of three after a warm-up. Not counted as the run's work.
+    pub fn sgemm_rate(&mut self, n: usize) -> Result<f64> {
+        let bytes = n * n * 4;
+        let (a, b, c) = (self.alloc(bytes)?, self.alloc(bytes)?, self.alloc(bytes)?);
+        self.memset(a.ptr, 0x3F, bytes)?;
+        self.memset(b.ptr, 0x3F, bytes)?;
+        let before = self.work.native.get();
+        let call = |g: &Gpu| g.gemm_native(Ty::F32, a.ptr, n, b.ptr, c.ptr, n, n, n, n);
+        call(self)?;
+        self.sync()?;
+        let mut ts = Vec::new();
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            call(self)?;
+            self.sync()?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        self.work.native.set(before);
+        ts.sort_by(f64::total_cmp);
+        Ok(2.0 * (n as f64).powi(3) / ts[1])
+    }
+
+    /// The host → device rate from pinned memory in bytes per second (the staging buffer, median
+    /// of three): the host→device floor's rate.
+    pub fn pinned_h2d_rate(&mut self) -> Result<f64> {
+        let n = self.pinned.first().map_or(0, |p| p.1);
+        if n == 0 {
+            return Ok(f64::NAN);
+        }
+        let d = self.alloc(n)?;
+        self.copy_pinned_to(d.ptr)?;
+        self.sync()?;
+        let mut ts = Vec::new();
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            self.copy_pinned_to(d.ptr)?;
+            self.sync()?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(n as f64 / ts[1])
     }
 }

@@ -296,6 +296,8 @@ impl Gpu {
                 tiles.len()
             )));
         }
+        let rows: usize = tiles.iter().map(|t| t.rows as usize).sum();
+        super::Work::add(&self.work.experts, 2.0 * (rows * n * k) as f64);
         let tb = self.upload(tiles)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(MOE_C).min(65_535) as u32, tiles.len() as u32, 1),

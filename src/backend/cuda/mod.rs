@@ -95,6 +95,33 @@ pub enum Ty {
 
 pub use crate::served::LinearCtx;
 
+/// GEMM-class work given to the device, in flops (a multiply and an add are two), by kind: the
+/// exact f64 GEMMs of the linears (`Gpu::gemm`), the grouped routed experts (`moe_gemm_f64`),
+/// the hardware FP32/BF16 GEMMs, the attention's two products and the indexer's scores. The
+/// profile (`NVFP4_PROBE_PROFILE=1`) states the run against it: the FLOP floor.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct Work {
+    pub dgemm: std::cell::Cell<f64>,
+    pub experts: std::cell::Cell<f64>,
+    pub native: std::cell::Cell<f64>,
+    pub attention: std::cell::Cell<f64>,
+    pub indexer: std::cell::Cell<f64>,
+}
+
+impl Work {
+    pub fn add(c: &std::cell::Cell<f64>, flops: f64) {
+        c.set(c.get() + flops);
+    }
+
+    pub fn total(&self) -> f64 {
+        self.dgemm.get()
+            + self.experts.get()
+            + self.native.get()
+            + self.attention.get()
+            + self.indexer.get()
+    }
+}
+
 /// Device timing and traffic counters (for benchmarks).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GpuCounters {
@@ -131,6 +158,8 @@ pub struct Gpu {
     /// Whether the large set is lent out.
     lent: bool,
     pub counters: GpuCounters,
+    /// GEMM-class work given to the device ([`Work`]).
+    pub work: Work,
     /// Accumulate every GEMM in f64 (bit-equal to the CPU reference); false = hardware GEMMs.
     pub exact64: bool,
     /// Launch the faster `dequant_nvfp4_v2` / `aq_kernel` (same arguments, same output
@@ -296,6 +325,7 @@ impl Gpu {
             pinned_spare,
             lent: false,
             counters: GpuCounters::default(),
+            work: Work::default(),
             exact64: true,
             v2: std::env::var("NVFP4_PROBE_KERNELS")
                 .ok()
