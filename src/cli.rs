@@ -201,12 +201,13 @@ pub struct InspectArgs {
 pub struct SynthArgs {
     /// A model family other than DeepSeek-V4, in its release's layout and transformers' names:
     /// qwen3-moe (formats bf16, ct-nvfp4, modelopt-nvfp4), deepseek-v3 (those and fp8-block,
-    /// DeepSeek's FP8 release) or gpt-oss (bf16, mxfp4: OpenAI's release, fused experts). Only
-    /// --preset tiny.
+    /// DeepSeek's FP8 release) or gpt-oss (bf16, mxfp4: OpenAI's release, fused experts);
+    /// --preset tiny, or release (deepseek-v3 only).
     #[arg(long, value_name = "FAMILY")]
     pub family: Option<String>,
-    /// Model size: tiny (5 small layers, tens of MB; 4 layers for a --family) or flash-layer
-    /// (1 layer of V4-Flash dimensions, GBs).
+    /// Model size: tiny (5 small layers, tens of MB; 4 layers for a --family), flash-layer
+    /// (1 layer of V4-Flash dimensions, GBs) or release (--family deepseek-v3: 2 layers of the
+    /// released dimensions, one dense and one of 256 experts; about 8 GB in NVFP4).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// On-disk format: bf16, ct-nvfp4, modelopt-nvfp4, official-mixed, mxfp4 or mxfp8

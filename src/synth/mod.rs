@@ -199,7 +199,7 @@ pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
     let (dims, blocks) = match opts.family {
         Some(k) => {
             let f = family::spec(k)?;
-            let fd = f.dims(opts.layers)?;
+            let fd = f.dims(opts.preset, opts.layers)?;
             (fd.gen_dims(), f.blocks(&fd))
         }
         None => {
@@ -293,9 +293,9 @@ impl<'a> Ctx<'a> {
                 )));
             }
         };
-        if opts.preset != Preset::Tiny {
+        if opts.preset == Preset::FlashLayer {
             return Err(Error::usage(format!(
-                "synth --family {}: only --preset tiny",
+                "synth --family {}: --preset tiny or release (flash-layer is DeepSeek-V4's)",
                 kind.label()
             )));
         }
@@ -305,7 +305,7 @@ impl<'a> Ctx<'a> {
                 kind.label()
             )));
         }
-        let fd = f.dims(opts.layers)?;
+        let fd = f.dims(opts.preset, opts.layers)?;
         let blocks = f.blocks(&fd);
         let (config, hf_quant) = f.config_files(&fd, format, &blocks);
         let ctx = Ctx {
@@ -350,6 +350,7 @@ impl<'a> Ctx<'a> {
                 match opts.preset {
                     Preset::Tiny => "tiny",
                     Preset::FlashLayer => "flash-layer",
+                    Preset::Release => "release",
                 }
             ),
         };
@@ -402,7 +403,7 @@ impl<'a> Ctx<'a> {
         match self.opts.preset {
             // Small shards so the tiny model exercises the sharded layout and its index.
             Preset::Tiny => 8 << 20,
-            Preset::FlashLayer => 2 << 30,
+            Preset::FlashLayer | Preset::Release => 2 << 30,
         }
     }
 
@@ -459,7 +460,7 @@ impl<'a> Ctx<'a> {
     fn write_all(&self, w: &mut ShardWriter) -> Result<(usize, u64)> {
         match self.opts.preset {
             Preset::Tiny => self.write_in_memory(w),
-            Preset::FlashLayer => self.write_streaming(w),
+            Preset::FlashLayer | Preset::Release => self.write_streaming(w),
         }
     }
 

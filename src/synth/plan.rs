@@ -13,6 +13,8 @@ use crate::{Error, Result};
 pub enum Preset {
     Tiny,
     FlashLayer,
+    /// A model family's released dimensions (`synth --family deepseek-v3 --preset release`).
+    Release,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,8 +96,9 @@ impl Preset {
         match s {
             "tiny" => Ok(Preset::Tiny),
             "flash-layer" => Ok(Preset::FlashLayer),
+            "release" => Ok(Preset::Release),
             _ => Err(Error::usage(format!(
-                "unknown preset `{s}` (known: tiny, flash-layer)"
+                "unknown preset `{s}` (known: tiny, flash-layer, release)"
             ))),
         }
     }
@@ -322,12 +325,17 @@ impl Dims {
     pub fn new(preset: Preset, layers: Option<usize>) -> Result<Dims> {
         let n = layers.unwrap_or(match preset {
             Preset::Tiny => 5,
-            Preset::FlashLayer => 1,
+            Preset::FlashLayer | Preset::Release => 1,
         });
         if n == 0 || n > 64 {
             return Err(Error::usage(format!("--layers {n}: must be in 1..=64")));
         }
         Ok(match preset {
+            Preset::Release => {
+                return Err(Error::usage(
+                    "--preset release is a model family's (--family deepseek-v3); DeepSeek-V4's released layer is --preset flash-layer",
+                ))
+            }
             // Tiny keeps the real structure (docs/DSV4-LAYER.md §6): sliding, HCA and CSA layers, a
             // hash layer, the grouped output projection, 512-wide heads with 64 rope dims. Its
             // HCA layers compress 16 tokens per row, not 128: the model code takes any ratio

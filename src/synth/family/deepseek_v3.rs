@@ -18,6 +18,8 @@ pub(super) static SPEC: Spec = Spec {
     ],
     tiny: v3_tiny,
     tiny_layers: 4,
+    release: Some(v3_release),
+    release_layers: 2,
     layer: v3_layer,
     // NVIDIA's DeepSeek-R1-FP4 (ModelOpt) quantizes the MLPs only, attention stays as released
     quantizes: |f, r| match f {
@@ -50,6 +52,34 @@ fn v3_tiny(layers: usize) -> FamDims {
         dense_inter: 512,
         n_group: 4,
         topk_group: 2,
+        routed_scaling: 2.5,
+    }
+}
+
+/// DeepSeek-V3 / R1 as released (its `config.json`): hidden 7168, 128 heads of 128 + 64 (rope)
+/// with values of 128, q LoRA 1536, KV latent 512, 256 routed experts of 2048 (top 8 in 4 of 8
+/// groups, ×2.5), one shared expert, the vocabulary of 129,280. Its first three layers are dense
+/// (MLP 18,432); here the first of `layers` is, so that two layers hold one dense and one MoE layer.
+fn v3_release(layers: usize) -> FamDims {
+    FamDims {
+        hidden: 7168,
+        layers,
+        vocab: 129280,
+        heads: 128,
+        kv_heads: 128,
+        head_dim: 192,
+        rope_dim: 64,
+        v_head: 128,
+        q_lora: 1536,
+        kv_lora: 512,
+        experts: 256,
+        topk: 8,
+        inter: 2048,
+        shared: 1,
+        first_dense: 1.min(layers),
+        dense_inter: 18432,
+        n_group: 8,
+        topk_group: 4,
         routed_scaling: 2.5,
     }
 }

@@ -28,6 +28,8 @@ pub(super) static SPEC: Spec = Spec {
     formats: &[Format::Bf16, Format::Mxfp4],
     tiny: oss_tiny,
     tiny_layers: 4,
+    release: None,
+    release_layers: 0,
     layer: oss_layer,
     // the release quantizes the routed experts only (`modules_to_not_convert`: attention, router,
     // embedding, head)

@@ -44,6 +44,10 @@ pub struct Spec {
     tiny: fn(usize) -> FamDims,
     /// Layers of the tiny preset without `--layers`.
     pub tiny_layers: usize,
+    /// The released model's dimensions at `layers` layers (`--preset release`), if synthesized.
+    release: Option<fn(usize) -> FamDims>,
+    /// Layers of the release preset without `--layers`.
+    release_layers: usize,
     /// One layer's canonical tensors (the model-level block is shared: [`model_block`]).
     layer: fn(&FamDims, usize) -> Block,
     /// Whether `format` quantizes a linear of this role (routers and the head never are).
@@ -146,12 +150,23 @@ impl FamDims {
 }
 
 impl Spec {
-    pub fn dims(&self, layers: Option<usize>) -> Result<FamDims> {
-        let n = layers.unwrap_or(self.tiny_layers);
+    /// The dimensions of `preset` (tiny, or the release's) at `layers` layers.
+    pub fn dims(&self, preset: plan::Preset, layers: Option<usize>) -> Result<FamDims> {
+        let (make, default) = match (preset, self.release) {
+            (plan::Preset::Release, Some(r)) => (r, self.release_layers),
+            (plan::Preset::Release, None) => {
+                return Err(Error::usage(format!(
+                    "synth --family {}: no --preset release yet (tiny only)",
+                    self.kind.label()
+                )))
+            }
+            _ => (self.tiny, self.tiny_layers),
+        };
+        let n = layers.unwrap_or(default);
         if n == 0 || n > 64 {
             return Err(Error::usage(format!("--layers {n}: must be in 1..=64")));
         }
-        Ok((self.tiny)(n))
+        Ok(make(n))
     }
 
     /// The canonical tensor list: the model-level block, then one block per layer.

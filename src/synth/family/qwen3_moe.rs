@@ -12,6 +12,8 @@ pub(super) static SPEC: Spec = Spec {
     formats: &[Format::Bf16, Format::CtNvfp4, Format::ModelOptNvfp4],
     tiny: qwen3_tiny,
     tiny_layers: 4,
+    release: None,
+    release_layers: 0,
     layer: qwen3_layer,
     // llm-compressor's and ModelOpt's recipes quantize every Linear but the routers and lm_head
     quantizes: |f, _| f != Format::Bf16,
