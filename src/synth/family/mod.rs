@@ -394,7 +394,7 @@ mod tests {
     #[test]
     fn names_round_trip_and_configs_parse() {
         for s in TABLE {
-            let d = s.dims(None).unwrap();
+            let d = s.dims(plan::Preset::Tiny, None).unwrap();
             let bl = s.blocks(&d);
             let mut names: Vec<String> = bl
                 .iter()
@@ -451,6 +451,37 @@ mod tests {
         );
     }
 
+    /// `--preset release` of DeepSeek-V3: the released dimensions in a config the reader takes
+    /// (two layers: one dense, one of 256 experts × 2048, top 8), every weight the graph reads
+    /// planned; the other families refuse it.
+    #[test]
+    fn deepseek_v3_release_preset_has_the_released_dimensions() {
+        let s = spec(Kind::DeepseekV3).unwrap();
+        let d = s.dims(plan::Preset::Release, None).unwrap();
+        let bl = s.blocks(&d);
+        let (cfg, _) = s.config_files(&d, Format::ModelOptNvfp4, &bl);
+        let mc = ModelConfig::from_json(&serde_json::from_str(&cfg).unwrap()).unwrap();
+        assert_eq!(mc.num_hidden_layers, 2);
+        assert_eq!(mc.hidden_size, 7168);
+        assert_eq!(mc.n_routed_experts, 256);
+        assert_eq!(mc.num_experts_per_tok, 8);
+        assert_eq!(mc.moe_intermediate_size, 2048);
+        assert_eq!(mc.num_attention_heads, 128);
+        assert_eq!(mc.vocab_size, 129280);
+        let experts: Vec<String> = plan::all_linears(&bl)
+            .into_iter()
+            .filter(|l| l.base.starts_with("layers.1.ffn.experts."))
+            .map(|l| l.base)
+            .collect();
+        assert_eq!(experts.len(), 256 * 3);
+        assert!(!plan::all_linears(&bl)
+            .iter()
+            .any(|l| l.base.starts_with("layers.0.ffn.experts.")));
+        for k in [Kind::Qwen3Moe, Kind::GptOss] {
+            assert!(spec(k).unwrap().dims(plan::Preset::Release, None).is_err());
+        }
+    }
+
     /// gpt-oss's fused experts, written and read back: every canonical tensor the plan has (per
     /// expert `w13`, `w2`, their biases and block scales) is one the reader finds in the release's
     /// fused tensors, and nothing else is there.
@@ -458,7 +489,7 @@ mod tests {
     fn gpt_oss_fused_experts_read_back_per_expert() {
         use crate::synth::{synth_to_memory, SynthOptions};
         let g = spec(Kind::GptOss).unwrap();
-        let d = g.dims(Some(2)).unwrap();
+        let d = g.dims(plan::Preset::Tiny, Some(2)).unwrap();
         for (format, leaves) in [
             (Format::Bf16, &["weight"][..]),
             (Format::Mxfp4, &["weight", "weight_scale"][..]),
