@@ -240,8 +240,7 @@ fn publish_routing(
 /// GEMM rate and the bytes it uploaded at the pinned host → device rate, both rates measured
 /// now (a DGEMM of 4096³, the staging buffer's copy).
 fn print_floors(g: &mut Gpu) {
-    let (rate, rate32, h2d) = match (g.dgemm_rate(4096), g.sgemm_rate(4096), g.pinned_h2d_rate())
-    {
+    let (rate, rate32, h2d) = match (g.dgemm_rate(4096), g.sgemm_rate(4096), g.pinned_h2d_rate()) {
         (Ok(r), Ok(r32), Ok(h)) => (r, r32, h),
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
             eprintln!("floors: not measured ({e})");
