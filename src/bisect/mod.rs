@@ -689,17 +689,7 @@ fn explain(
     // gpt-oss's fused experts: gate/up row order, unread MXFP4 scales
     hyps.extend(experts::hypotheses(&rp, &rec.id, &rec.weights)?);
     // the engine's chunked prefill: the op prefilled whole (`--served-chunk`)
-    let mut ranked: Vec<Ranked> = Vec::new();
-    if let Some(h) = prefill::hypothesis(&rp) {
-        let ev = rp.eval_prefilled_whole()?;
-        cost.evals += 1;
-        let ok = restores(&ev.vs_bf16, rec.tolerance, th.amax_ratio);
-        ranked.push(Ranked {
-            hypothesis: h,
-            after: ev.vs_bf16,
-            restores: ok,
-        });
-    }
+    hyps.extend(prefill::hypothesis(&rp));
     // the known root cause's kind first; stop there when it restores the op
     if let Some(k) = hint {
         hyps.sort_by_key(|h| h.kind != k);
@@ -707,6 +697,7 @@ fn explain(
     let mut note = None;
     // one evaluation per distinct patch set
     let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut ranked: Vec<Ranked> = Vec::new();
     for h in hyps {
         if let Some(k) = hint {
             if h.kind != k && ranked.iter().any(|r| r.restores) {
@@ -716,11 +707,15 @@ fn explain(
                 break;
             }
         }
+        let whole = h.param.family == Family::ChunkState;
         let key = format!("{:?}", h.patches);
-        if h.patches.is_empty() || !seen.insert(key) {
+        if !whole && (h.patches.is_empty() || !seen.insert(key)) {
             continue;
         }
-        let ev = rp.eval(&h.patches)?;
+        let ev = match whole {
+            true => rp.eval_prefilled_whole()?,
+            false => rp.eval(&h.patches)?,
+        };
         cost.evals += 1;
         let ok = restores(&ev.vs_bf16, rec.tolerance, th.amax_ratio);
         ranked.push(Ranked {

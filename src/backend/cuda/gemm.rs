@@ -76,31 +76,7 @@ impl Gpu {
         if k == 0 {
             self.memset(yd, 0, m * n * 8)?;
         } else {
-            let (alpha, beta) = (1.0f64, 0.0f64);
-            self.timed("cuBLAS DGEMM", || unsafe {
-                blas::gemm_ex(
-                    *self.blas.handle(),
-                    bsys::cublasOperation_t::CUBLAS_OP_T,
-                    bsys::cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    m as i32,
-                    k as i32,
-                    &alpha as *const f64 as *const _,
-                    wd as *const _,
-                    bsys::cudaDataType::CUDA_R_64F,
-                    k as i32,
-                    xd as *const _,
-                    bsys::cudaDataType::CUDA_R_64F,
-                    k as i32,
-                    &beta as *const f64 as *const _,
-                    yd as *mut _,
-                    bsys::cudaDataType::CUDA_R_64F,
-                    n as i32,
-                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-                .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))
-            })?;
+            self.timed("cuBLAS DGEMM", || self.dgemm(xd, wd, yd, m, n, k))?;
         }
         self.kern()
             .from_f64((m * n) as u64, yd, m as u64, n as u64, ldy as u64, y)
@@ -207,95 +183,84 @@ impl Gpu {
         })
     }
 
+    /// y[m, n] = x[m, k] · w[n, k]ᵀ on contiguous row-major f64 operands (cuBLAS DGEMM).
+    fn dgemm(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
+        let (alpha, beta) = (1.0f64, 0.0f64);
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                bsys::cublasOperation_t::CUBLAS_OP_T,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f64 as *const _,
+                w as *const _,
+                bsys::cudaDataType::CUDA_R_64F,
+                k as i32,
+                x as *const _,
+                bsys::cudaDataType::CUDA_R_64F,
+                k as i32,
+                &beta as *const f64 as *const _,
+                y as *mut _,
+                bsys::cudaDataType::CUDA_R_64F,
+                n as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))
+    }
+
+    /// Seconds of `f`'s work on the stream: the median of three after a warm-up.
+    fn median_secs(&mut self, mut f: impl FnMut(&mut Gpu) -> Result<()>) -> Result<f64> {
+        f(self)?;
+        self.sync()?;
+        let mut ts = Vec::new();
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            f(self)?;
+            self.sync()?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(ts[1])
+    }
+
     /// The device's f64 GEMM rate in flops per second: cuBLAS DGEMM of f64 operands
-    /// [n, n] · [n, n]ᵀ, the median of three after a warm-up (the FLOP floor's rate).
+    /// [n, n] · [n, n]ᵀ (the FLOP floor's rate).
     pub fn dgemm_rate(&mut self, n: usize) -> Result<f64> {
         let bytes = n * n * 8;
         let (a, b, c) = (self.alloc(bytes)?, self.alloc(bytes)?, self.alloc(bytes)?);
         self.memset(a.ptr, 0x3F, bytes)?;
         self.memset(b.ptr, 0x3F, bytes)?;
-        let (alpha, beta) = (1.0f64, 0.0f64);
-        let call = |g: &Gpu| {
-            unsafe {
-                blas::gemm_ex(
-                    *g.blas.handle(),
-                    bsys::cublasOperation_t::CUBLAS_OP_T,
-                    bsys::cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    n as i32,
-                    n as i32,
-                    &alpha as *const f64 as *const _,
-                    b.ptr as *const _,
-                    bsys::cudaDataType::CUDA_R_64F,
-                    n as i32,
-                    a.ptr as *const _,
-                    bsys::cudaDataType::CUDA_R_64F,
-                    n as i32,
-                    &beta as *const f64 as *const _,
-                    c.ptr as *mut _,
-                    bsys::cudaDataType::CUDA_R_64F,
-                    n as i32,
-                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| cuda_err("DGEMM rate", e))
-        };
-        call(self)?;
-        self.sync()?;
-        let mut ts = Vec::new();
-        for _ in 0..3 {
-            let t = std::time::Instant::now();
-            call(self)?;
-            self.sync()?;
-            ts.push(t.elapsed().as_secs_f64());
-        }
-        ts.sort_by(f64::total_cmp);
-        Ok(2.0 * (n as f64).powi(3) / ts[1])
+        let s = self.median_secs(|g| g.dgemm(a.ptr, b.ptr, c.ptr, n, n, n))?;
+        Ok(2.0 * (n as f64).powi(3) / s)
     }
 
     /// The device's FP32 GEMM rate in flops per second (the hardware GEMM the runner uses
-    /// without exact f64 accumulation, [`Gpu::gemm_native`]; no TF32): [n, n] · [n, n]ᵀ, the
-    /// median of three after a warm-up. Not counted as the run's work.
+    /// without exact f64 accumulation, [`Gpu::gemm_native`]; no TF32): [n, n] · [n, n]ᵀ. Not
+    /// counted as the run's work.
     pub fn sgemm_rate(&mut self, n: usize) -> Result<f64> {
         let bytes = n * n * 4;
         let (a, b, c) = (self.alloc(bytes)?, self.alloc(bytes)?, self.alloc(bytes)?);
         self.memset(a.ptr, 0x3F, bytes)?;
         self.memset(b.ptr, 0x3F, bytes)?;
         let before = self.work.native.get();
-        let call = |g: &Gpu| g.gemm_native(Ty::F32, a.ptr, n, b.ptr, c.ptr, n, n, n, n);
-        call(self)?;
-        self.sync()?;
-        let mut ts = Vec::new();
-        for _ in 0..3 {
-            let t = std::time::Instant::now();
-            call(self)?;
-            self.sync()?;
-            ts.push(t.elapsed().as_secs_f64());
-        }
+        let s = self.median_secs(|g| g.gemm_native(Ty::F32, a.ptr, n, b.ptr, c.ptr, n, n, n, n));
         self.work.native.set(before);
-        ts.sort_by(f64::total_cmp);
-        Ok(2.0 * (n as f64).powi(3) / ts[1])
+        Ok(2.0 * (n as f64).powi(3) / s?)
     }
 
-    /// The host → device rate from pinned memory in bytes per second (the staging buffer, median
-    /// of three): the host→device floor's rate.
+    /// The host → device rate from pinned memory in bytes per second (the staging buffer): the
+    /// host→device floor's rate.
     pub fn pinned_h2d_rate(&mut self) -> Result<f64> {
         let n = self.pinned.first().map_or(0, |p| p.1);
         if n == 0 {
             return Ok(f64::NAN);
         }
         let d = self.alloc(n)?;
-        self.copy_pinned_to(d.ptr)?;
-        self.sync()?;
-        let mut ts = Vec::new();
-        for _ in 0..3 {
-            let t = std::time::Instant::now();
-            self.copy_pinned_to(d.ptr)?;
-            self.sync()?;
-            ts.push(t.elapsed().as_secs_f64());
-        }
-        ts.sort_by(f64::total_cmp);
-        Ok(n as f64 / ts[1])
+        let s = self.median_secs(|g| g.copy_pinned_to(d.ptr).map(|_| ()))?;
+        Ok(n as f64 / s)
     }
 }
