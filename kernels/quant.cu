@@ -429,11 +429,13 @@ extern "C" __global__ void act_quant_fp8(const float* x, u64 rows, u64 cols, int
     }
 }
 
-// An engine's FP8 KV cache as read back (vLLM's fp8_ds_mla): columns [0, nope) of each row
-// quantize-dequantized per 64 with the power-of-two scale of act_quant_fp8, columns [nope, cols)
-// copied. One thread per (row, group): groups 0..ceil(nope/64) quantize, the last one copies.
-extern "C" __global__ void kv_cache_fp8(const float* x, u64 rows, u64 cols, u64 nope, float* out) {
-    u64 qg = (nope + 63) / 64, groups = qg + 1;
+// An engine's FP8 cache as read back (the attention's, vLLM's fp8_ds_mla: group 64 over the 448
+// non-RoPE dims; the indexer's keys: group 128 over all): columns [0, nope) of each row
+// quantize-dequantized per `group` with the power-of-two scale of act_quant_fp8, columns
+// [nope, cols) copied. One thread per (row, group): groups 0..ceil(nope/group) quantize, the last
+// one copies.
+extern "C" __global__ void kv_cache_fp8(const float* x, u64 rows, u64 cols, u64 nope, u64 group, float* out) {
+    u64 qg = (nope + group - 1) / group, groups = qg + 1;
     const float inv448 = 1.0f / 448.0f;
     GRID_STRIDE(t, rows * groups) {
         u64 r = t / groups, gi = t % groups;
@@ -443,7 +445,7 @@ extern "C" __global__ void kv_cache_fp8(const float* x, u64 rows, u64 cols, u64 
             for (u64 c = nope; c < cols; c++) orow[c] = xr[c];
             continue;
         }
-        u64 g0 = gi * 64, g1 = g0 + 64 < nope ? g0 + 64 : nope;
+        u64 g0 = gi * group, g1 = g0 + group < nope ? g0 + group : nope;
         float a = 0.0f;
         for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
         float s = pow2_ceil(__fmul_rn(fmaxf(a, 1e-4f), inv448));

@@ -100,7 +100,8 @@ pub struct EngineArgs {
     /// Prefill the served path as a serving engine's chunked prefill does, N tokens at a time:
     /// each chunk's attention reads the earlier chunks' keys from an FP8 KV cache (vLLM's
     /// fp8_ds_mla: 448 dims E4M3 per 64 with power-of-two scales, 64 RoPE dims BF16), the
-    /// compressors carry their pending rows across chunks. A chunk-boundary bug then diverges
+    /// indexer its keys from an FP8 cache (one scale per key), the compressors carry their
+    /// pending rows across chunks. A chunk-boundary bug then diverges
     /// at the first op after a boundary. The oracles run the whole prompt. DeepSeek-V4 only.
     #[arg(long, value_name = "N")]
     pub served_chunk: Option<usize>,

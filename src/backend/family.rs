@@ -33,11 +33,18 @@ impl Gpu {
         Ok(self.output(ob, n, exact))
     }
 
-    /// Rows of x [.., cols] as an engine's FP8 KV cache gives them back (`Device::kv_cache_fp8`):
-    /// columns [0, nope) quantize-dequantized per 64 with a power-of-two scale, the rest copied.
-    pub fn kv_cache_fp8(&mut self, x: &Data, cols: usize, nope: usize) -> Result<Data> {
+    /// Rows of x [.., cols] as an engine's FP8 cache gives them back (`Device::kv_cache_fp8`):
+    /// columns [0, nope) quantize-dequantized per `group` with a power-of-two scale, the rest
+    /// copied.
+    pub fn kv_cache_fp8(
+        &mut self,
+        x: &Data,
+        cols: usize,
+        nope: usize,
+        group: usize,
+    ) -> Result<Data> {
         let rows = x.len() / cols.max(1);
-        if nope > cols || rows * cols != x.len() {
+        if nope > cols || group == 0 || rows * cols != x.len() {
             return Err(Error::Backend(format!(
                 "cuda: kv cache of {nope} quantized dims of {} values in rows of {cols}",
                 x.len()
@@ -45,13 +52,14 @@ impl Gpu {
         }
         let xb = self.input(x)?;
         let ob = self.out(rows * cols * 4)?;
-        let groups = nope.div_ceil(64) + 1;
+        let groups = nope.div_ceil(group) + 1;
         self.kern().kv_cache_fp8(
             (rows * groups) as u64,
             xb.ptr,
             rows as u64,
             cols as u64,
             nope as u64,
+            group as u64,
             ob.ptr,
         )?;
         Ok(self.output(ob, rows * cols, false))

@@ -263,11 +263,13 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         Ok(Tensor::new(shape, y))
     }
 
-    fn kv_cache_fp8(&self, x: &Tensor, nope: usize) -> Result<Tensor> {
-        if nope > x.cols() {
-            return self.host.kv_cache_fp8(x, nope);
+    fn kv_cache_fp8(&self, x: &Tensor, nope: usize, group: usize) -> Result<Tensor> {
+        if nope > x.cols() || group == 0 {
+            return self.host.kv_cache_fp8(x, nope, group);
         }
-        let y = self.dev.with(|g| g.kv_cache_fp8(&x.data, x.cols(), nope))?;
+        let y = self
+            .dev
+            .with(|g| g.kv_cache_fp8(&x.data, x.cols(), nope, group))?;
         Ok(Tensor::new(x.shape.clone(), y))
     }
 

@@ -341,14 +341,15 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         Ok(Tensor::new(shape, data))
     }
 
-    fn kv_cache_fp8(&self, x: &Tensor, nope: usize) -> Result<Tensor> {
+    fn kv_cache_fp8(&self, x: &Tensor, nope: usize, group: usize) -> Result<Tensor> {
         let cols = x.cols();
-        if nope > cols {
+        if nope > cols || group == 0 {
             return Err(Error::usage(format!(
-                "kv cache: {nope} quantized dims of rows of {cols}"
+                "kv cache: {nope} quantized dims of rows of {cols} in groups of {group}"
             )));
         }
-        let y = crate::numerics::fp8_block::fake_quant_kv_cache(&x.data, x.rows(), cols, nope);
+        let y =
+            crate::numerics::fp8_block::fake_quant_kv_cache(&x.data, x.rows(), cols, nope, group);
         Ok(Tensor::new(x.shape.clone(), y))
     }
 

@@ -185,10 +185,10 @@ pub trait Device {
     /// token chunks joins, the rows carried from earlier chunks (a window's last rows, the
     /// compressed rows so far) and the chunk's own.
     fn cat_rows(&self, parts: &[(&Tensor, std::ops::Range<usize>)]) -> Result<Tensor>;
-    /// Rows x [n, dh] as an engine's FP8 KV cache gives them back (`--served-chunk`: the keys of
-    /// earlier prefill chunks): dims [0, nope) quantize-dequantized per row and per 64 with a
-    /// power-of-two scale, the rest as they are (`numerics::fp8_block::fake_quant_kv_cache`).
-    fn kv_cache_fp8(&self, x: &Tensor, nope: usize) -> Result<Tensor>;
+    /// Rows x [n, dh] as an engine's FP8 cache gives them back (`--served-chunk`: the keys of
+    /// earlier prefill chunks): dims [0, nope) quantize-dequantized per row and per `group` with
+    /// a power-of-two scale, the rest as they are (`numerics::fp8_block::fake_quant_kv_cache`).
+    fn kv_cache_fp8(&self, x: &Tensor, nope: usize, group: usize) -> Result<Tensor>;
 }
 
 /// The shape and row width of [`Device::cat_rows`]'s output, or why the parts do not join.

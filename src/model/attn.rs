@@ -13,6 +13,7 @@ use super::ModelConfig;
 use crate::device::kern::{AttnDims, IndexerDims};
 use crate::device::ops::RopeTable;
 use crate::device::CmpRows;
+use crate::numerics::fp8_block::{INDEXER_KEY_GROUP, KV_GROUP};
 use crate::{Error, Result, Tensor};
 
 /// Selected compressed-row indices per query, [T, index_topk] as f32 with −1 for none, sorted
@@ -74,6 +75,15 @@ pub(crate) fn indexer(
     env.cache_store(&format!("L{layer}.attn.indexer.kv"), &mut ki);
     // the keys of the chunks before this one, then this chunk's
     let ki = history(env, &format!("{}.ki", op.id), ki, at)?;
+    // the keys of earlier prefill chunks as the engine's FP8 indexer cache gives them back
+    // (`--served-chunk`: one scale per 128-wide key)
+    let ki = match env.cached_before() {
+        Some(c0) => {
+            let n = (c0 / ratio).min(ki.rows());
+            cached_prefix(env, &ki, n, di, INDEXER_KEY_GROUP)?
+        }
+        None => ki,
+    };
 
     let mut q = linear_checked(env, &format!("{}.wq_b", op.id), qr, weight(op, 0)?, hi * di)?;
     env.store(&mut q);
@@ -153,8 +163,8 @@ pub(crate) fn attention(
             // compressed row b is complete once token (b + 1)·ratio − 1 is
             let nc = c0.checked_div(ratio).unwrap_or(0).min(cmp.rows());
             (
-                cached_prefix(env, &kv, nk, nope)?,
-                cached_prefix(env, &cmp, nc, nope)?,
+                cached_prefix(env, &kv, nk, nope, KV_GROUP)?,
+                cached_prefix(env, &cmp, nc, nope, KV_GROUP)?,
             )
         }
         None => (kv, cmp),
@@ -354,12 +364,21 @@ fn rows(env: &dyn OpEnv, x: &Tensor, r: std::ops::Range<usize>) -> Result<Tensor
     env.device().cat_rows(&[(x, r)])
 }
 
-/// `x` with its first `n` rows read back from the engine's FP8 KV cache (`Device::kv_cache_fp8`).
-fn cached_prefix(env: &dyn OpEnv, x: &Tensor, n: usize, nope: usize) -> Result<Tensor> {
+/// `x` with its first `n` rows read back from an engine's FP8 cache (`Device::kv_cache_fp8`: dims
+/// [0, nope) per `group`).
+fn cached_prefix(
+    env: &dyn OpEnv,
+    x: &Tensor,
+    n: usize,
+    nope: usize,
+    group: usize,
+) -> Result<Tensor> {
     if n == 0 {
         return Ok(x.clone());
     }
-    let head = env.device().kv_cache_fp8(&rows(env, x, 0..n)?, nope)?;
+    let head = env
+        .device()
+        .kv_cache_fp8(&rows(env, x, 0..n)?, nope, group)?;
     join(env, &head, &rows(env, x, n..x.rows())?)
 }
 

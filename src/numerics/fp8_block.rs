@@ -131,29 +131,40 @@ pub fn fake_quant_act_1x128(x: &[f32], rows: usize, cols: usize, which: ActScale
     out
 }
 
-/// Columns per scale of an engine's FP8 KV cache ([`fake_quant_kv_cache`]).
+/// Columns per scale of an engine's FP8 KV cache ([`fake_quant_kv_cache`]): vLLM's
+/// `fp8_ds_mla` layout of the attention's keys.
 pub const KV_GROUP: usize = 64;
 
-/// What an engine's FP8 KV cache gives back for rows x `[rows, cols]` (vLLM's `fp8_ds_mla`
-/// layout, docs/DSV4-LAYER.md §3.4 step 5): columns [0, nope) quantize-dequantized per token and
-/// per 64 columns with DeepSeek's power-of-two scale (as [`fake_quant_act_1x128`] with
-/// [`ActScale::DeepSeekPow2`]), columns [nope, cols) (the RoPE part, stored BF16) as they are.
+/// Columns per scale of the indexer's FP8 key cache (one scale per 128-wide key, as vLLM's
+/// sparse-attention indexer stores it).
+pub const INDEXER_KEY_GROUP: usize = 128;
+
+/// What an engine's FP8 cache gives back for rows x `[rows, cols]`: columns [0, nope)
+/// quantize-dequantized per token and per `group` columns with DeepSeek's power-of-two scale (as
+/// [`fake_quant_act_1x128`] with [`ActScale::DeepSeekPow2`]), columns [nope, cols) as they are.
+/// The attention's KV cache (vLLM's `fp8_ds_mla`, docs/DSV4-LAYER.md §3.4 step 5): nope = 448,
+/// group [`KV_GROUP`], the RoPE part stored BF16; the indexer's keys: every column, group
+/// [`INDEXER_KEY_GROUP`].
 ///
 /// # Panics
-/// If `x.len() != rows·cols` or `nope > cols`.
-pub fn fake_quant_kv_cache(x: &[f32], rows: usize, cols: usize, nope: usize) -> Vec<f32> {
+/// If `x.len() != rows·cols`, `nope > cols` or `group == 0`.
+pub fn fake_quant_kv_cache(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    nope: usize,
+    group: usize,
+) -> Vec<f32> {
     assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
     assert!(nope <= cols, "nope {nope} > cols {cols}");
+    assert!(group > 0, "group 0");
     let inv448 = 1.0f32 / e4m3::MAX;
     let mut out = x.to_vec();
     if cols == 0 {
         return out;
     }
     for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        for (xg, og) in xr[..nope]
-            .chunks(KV_GROUP)
-            .zip(or[..nope].chunks_mut(KV_GROUP))
-        {
+        for (xg, og) in xr[..nope].chunks(group).zip(or[..nope].chunks_mut(group)) {
             let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
             let s = pow2_ceil(a.max(1e-4) * inv448);
             for (&xv, o) in xg.iter().zip(og.iter_mut()) {
@@ -181,7 +192,7 @@ mod tests {
         x[64] = 1.0;
         x[65] = 0.3; // 0.3·256 = 76.8 → e4m3 (step 8 in [64, 128)) 80 → 0.3125
         x[128..132].copy_from_slice(&[0.1, -7.7, 1e-3, 123.456]);
-        let y = fake_quant_kv_cache(&x, 1, cols, nope);
+        let y = fake_quant_kv_cache(&x, 1, cols, nope, KV_GROUP);
         assert_eq!(y[0], 896.0);
         assert_eq!(y[1], 3.0);
         assert_eq!(y[2], 2.25);
@@ -191,6 +202,12 @@ mod tests {
         // the nope part of a group equals the 1×128 quantizer applied to that group alone
         let g = fake_quant_act_1x128(&x[64..128], 1, 64, ActScale::DeepSeekPow2);
         assert_eq!(&y[64..128], &g[..]);
+        // the indexer's keys: every column, one scale per 128 = the 1×128 quantizer
+        let k = fake_quant_kv_cache(&x[..128], 1, 128, 128, INDEXER_KEY_GROUP);
+        let a = fake_quant_act_1x128(&x[..128], 1, 128, ActScale::DeepSeekPow2);
+        assert_eq!(k, a);
+        // 0.3 beside 896 in one group of 128 (scale 2): 0.15 → e4m3 0.15625 → 0.3125
+        assert_eq!(k[65], 0.3125);
     }
 
     #[test]

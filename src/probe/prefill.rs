@@ -2,8 +2,8 @@
 //! `served::engine`): the ops whose rows depend on earlier tokens (the compressors, the indexer,
 //! the attention) run over the engine's chunks of N tokens one after the other, each chunk
 //! taking what the chunk before left (`OpEnv::take_carry`, as a run in token chunks does,
-//! `probe::chunked`) and its attention reading the earlier chunks' keys from the FP8 KV cache
-//! (`OpEnv::cached_before`, `model::attn`). The engine faults (`--engine-fault`) change what
+//! `probe::chunked`), its attention and its indexer reading the earlier chunks' keys from their
+//! FP8 caches (`OpEnv::cached_before`, `model::attn`). The engine faults (`--engine-fault`) change what
 //! crosses a boundary. Every other op, and the oracles, run as they would without it. Inside a
 //! run in token chunks the engine's chunks are cut at the same multiples of N.
 

@@ -537,17 +537,22 @@ fn later_chunk(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Re
     // earlier prefill chunks' keys read back from the FP8 KV cache (--served-chunk): rows of
     // magnitudes 1e-6 to 1e3 (a row below the 1e-4 amax floor), and a width whose quantized part
     // ends inside a 64-column group
-    for (rows, cols, nope) in [(37usize, 512usize, 448usize), (11, 200, 150)] {
+    let cases = [
+        (37usize, 512usize, 448usize, 64usize),
+        (11, 200, 150, 64),
+        (23, 128, 128, 128),
+    ];
+    for (rows, cols, nope, group) in cases {
         let mut x = normals(rng, rows * cols, 1.0);
         for (r, row) in x.chunks_mut(cols).enumerate() {
             let m = 10f32.powi(r as i32 % 10 - 6);
             row.iter_mut().for_each(|v| *v *= m);
         }
         let xd = dev_only(g, &x)?;
-        let got = g.kv_cache_fp8(&xd, cols, nope)?;
-        let want = crate::numerics::fp8_block::fake_quant_kv_cache(&x, rows, cols, nope);
+        let got = g.kv_cache_fp8(&xd, cols, nope, group)?;
+        let want = crate::numerics::fp8_block::fake_quant_kv_cache(&x, rows, cols, nope, group);
         out.push(exact(
-            &format!("FP8 KV cache reading ({rows} rows of {cols}, {nope} quantized)"),
+            &format!("FP8 cache reading ({rows} rows of {cols}, {nope} quantized per {group})"),
             &got.into_vec(),
             &want,
         ));

@@ -6,7 +6,7 @@
 //! cache's format (vLLM's `fp8_ds_mla` for DeepSeek-V4: the 448 non-RoPE dims in FP8 E4M3 with a
 //! power-of-two scale per 64, the 64 RoPE dims in BF16), and its own chunk's keys as computed;
 //! the compressors keep the rows of a block that is not complete yet in a state cache, and the
-//! indexer its compressed keys. The served path emulates that (`probe::prefill`), so a bug at a
+//! indexer its compressed keys in an FP8 cache (E4M3, one power-of-two scale per 128-wide key). The served path emulates that (`probe::prefill`), so a bug at a
 //! chunk boundary shows as a divergence at the first op after one. The oracles always run the
 //! whole prompt.
 
