@@ -190,15 +190,25 @@ pub fn compare_named(
             }
         }
     }
-    for key in ["served_profile", "backend"] {
-        let b = base.get(key).and_then(Value::as_str);
-        let c = cur.get(key).and_then(Value::as_str);
+    // how the served path ran: a difference is said, not refused (a gate may compare a change
+    // of profile or of the engine's chunked prefill on purpose)
+    for key in [
+        "served_profile",
+        "backend",
+        "loader_faults",
+        "served_chunk",
+        "engine_faults",
+    ] {
+        let show = |v: Option<&Value>| match v {
+            None | Some(Value::Null) => "(none)".to_string(),
+            Some(Value::Array(a)) if a.is_empty() => "(none)".to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => v.to_string(),
+        };
+        let (b, c) = (show(base.get(key)), show(cur.get(key)));
         if b != c {
-            rep.notes.push(format!(
-                "`{key}` differs: baseline {} vs current {}",
-                b.unwrap_or("(none)"),
-                c.unwrap_or("(none)")
-            ));
+            rep.notes
+                .push(format!("`{key}` differs: baseline {b} vs current {c}"));
         }
     }
 
@@ -700,6 +710,45 @@ fn ratio_used(need: f64, allowed: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn how_the_served_path_ran_is_noted_when_it_differs() {
+        let run = |extra: Value| {
+            let mut v = serde_json::json!({
+                "schema": "nvfp4-probe.run/1",
+                "served_profile": "blackwell-w4a4",
+                "backend": "cpu",
+                "loader_faults": [],
+                "ops": []
+            });
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            v
+        };
+        let base = run(serde_json::json!({}));
+        let cur = run(
+            serde_json::json!({"served_chunk": 1024, "engine_faults": ["compressor-state-lost"]}),
+        );
+        let rep = compare(&base, &cur, &Tolerances::default(), false).unwrap();
+        assert!(
+            rep.notes
+                .iter()
+                .any(|n| n == "`served_chunk` differs: baseline (none) vs current 1024"),
+            "{:?}",
+            rep.notes
+        );
+        assert!(
+            rep.notes
+                .iter()
+                .any(|n| n.contains("`engine_faults` differs")
+                    && n.contains("compressor-state-lost")),
+            "{:?}",
+            rep.notes
+        );
+        let same = compare(&base, &base, &Tolerances::default(), false).unwrap();
+        assert!(same.notes.is_empty(), "{:?}", same.notes);
+    }
 
     #[test]
     fn rounding_is_away_from_failing() {
