@@ -24,7 +24,6 @@ use super::spec::Thresholds;
 use super::{OpRecord, RunOptions};
 use crate::checkpoint::Checkpoint;
 use crate::metrics::{Compare, Stats};
-use crate::model::exec::exec;
 use crate::model::graph::{build_graph, Op};
 use crate::served::PathKind;
 use crate::{Error, Result, Tensor};
@@ -288,7 +287,8 @@ fn run_op(
         })
         .collect::<Result<_>>()?;
     let mut env = PathEnv { kind, shared };
-    let outs = exec(op, &inputs, &mut env)?;
+    // the served path as the run's (`--served-chunk`: in the engine's prefill chunks)
+    let outs = super::prefill::exec(op, &inputs, &mut env)?;
     if outs.len() != op.outputs.len() {
         return Err(Error::usage(format!(
             "internal: op {} returned {} outputs for {} ids",
