@@ -276,7 +276,6 @@ fn print_profile(g: &Mutex<Gpu>, ops: &[Op], stage_stats: Option<&StageStats>) {
             "gpu counters: {}",
             serde_json::to_string(&g.counters).unwrap_or_default()
         );
-        print_floors(&mut g);
         if let Some(s) = stage_stats {
             let dropped: Vec<String> = s
                 .dropped_at
@@ -336,5 +335,7 @@ fn print_profile(g: &Mutex<Gpu>, ops: &[Op], stage_stats: Option<&StageStats>) {
                     top.join(", ")
                 );
         }
+        // last: its own GEMMs and copies must not count as the run's (kernel times above)
+        print_floors(&mut g);
     }
 }
