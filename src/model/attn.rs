@@ -379,7 +379,11 @@ fn cached_prefix(
     let head = env
         .device()
         .kv_cache_fp8(&rows(env, x, 0..n)?, nope, group)?;
-    join(env, &head, &rows(env, x, n..x.rows())?)
+    if n == x.rows() {
+        return Ok(head);
+    }
+    // the rest straight from x (one copy)
+    env.device().cat_rows(&[(&head, 0..n), (x, n..x.rows())])
 }
 
 /// `a`'s rows then `b`'s.

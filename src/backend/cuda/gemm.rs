@@ -151,41 +151,62 @@ impl Gpu {
             ),
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
-        // column-major view: Yᵀ[n, m] = W[k, n]ᵀ · Xᵀ[k, m]
         let what = if ty == Ty::F32 {
             "cuBLAS GEMM f32"
         } else {
             "cuBLAS GEMM bf16"
         };
-        self.timed(what, || unsafe {
-            blas::gemm_ex(
-                *self.blas.handle(),
-                bsys::cublasOperation_t::CUBLAS_OP_T,
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                dt,
-                k as i32,
-                x as *const _,
-                dt,
-                ldx as i32,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                bsys::cudaDataType::CUDA_R_32F,
-                ldy as i32,
-                ct,
-                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-            .map_err(|e| cuda_err(&format!("GEMM {m}x{n}x{k} {ty:?}"), e))
+        let err = format!("GEMM {m}x{n}x{k} {ty:?}");
+        let cfg = (dt, bsys::cudaDataType::CUDA_R_32F, ct);
+        let scal = ((&alpha as *const f32).cast(), (&beta as *const f32).cast());
+        self.timed(what, || {
+            self.gemm_nt(x, ldx, w, y, ldy, (m, n, k), cfg, scal, &err)
         })
     }
 
     /// y[m, n] = x[m, k] · w[n, k]ᵀ on contiguous row-major f64 operands (cuBLAS DGEMM).
     fn dgemm(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
         let (alpha, beta) = (1.0f64, 0.0f64);
+        let f64t = bsys::cudaDataType::CUDA_R_64F;
+        let cfg = (f64t, f64t, bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F);
+        let scal = ((&alpha as *const f64).cast(), (&beta as *const f64).cast());
+        self.gemm_nt(
+            x,
+            k,
+            w,
+            y,
+            n,
+            (m, n, k),
+            cfg,
+            scal,
+            &format!("DGEMM {m}x{n}x{k}"),
+        )
+    }
+
+    /// cuBLAS `gemm_ex` of row-major y[m, n] (row stride `ldy`) = x[m, k] (row stride `ldx`) ·
+    /// w[n, k]ᵀ, as the column-major Yᵀ[n, m] = W[k, n]ᵀ · Xᵀ[k, m]: `cfg` = (operand type,
+    /// output type, compute type), `scal` = pointers to alpha = 1 and beta = 0 of the compute
+    /// type; `what` names a failure.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_nt(
+        &self,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        (m, n, k): (usize, usize, usize),
+        cfg: (
+            bsys::cudaDataType,
+            bsys::cudaDataType,
+            bsys::cublasComputeType_t,
+        ),
+        scal: (*const std::ffi::c_void, *const std::ffi::c_void),
+        what: &str,
+    ) -> Result<()> {
+        let (dt, dt_y, ct) = cfg;
+        // SAFETY: the pointers are device allocations of the shapes given (the callers' checks)
+        // and `scal` points at host scalars of the compute type that outlive the call.
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -194,22 +215,22 @@ impl Gpu {
                 n as i32,
                 m as i32,
                 k as i32,
-                &alpha as *const f64 as *const _,
+                scal.0,
                 w as *const _,
-                bsys::cudaDataType::CUDA_R_64F,
+                dt,
                 k as i32,
                 x as *const _,
-                bsys::cudaDataType::CUDA_R_64F,
-                k as i32,
-                &beta as *const f64 as *const _,
+                dt,
+                ldx as i32,
+                scal.1,
                 y as *mut _,
-                bsys::cudaDataType::CUDA_R_64F,
-                n as i32,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                dt_y,
+                ldy as i32,
+                ct,
                 bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| cuda_err(&format!("DGEMM {m}x{n}x{k}"), e))
+        .map_err(|e| cuda_err(what, e))
     }
 
     /// Seconds of `f`'s work on the stream: the median of three after a warm-up.
