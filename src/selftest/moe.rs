@@ -9,7 +9,7 @@
 
 use super::{exact, exact_u, nvfp4_scale_bytes, Check};
 use crate::backend::cuda::{
-    ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
+    ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MMA_R, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
 use crate::device::gemm::matmul_nt;
 use crate::model::mem_env::Rng;
@@ -30,9 +30,10 @@ struct Expert {
 type Mode = (&'static str, u32, u32, f32, f32, bool);
 
 pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Result<()> {
-    // five experts; row counts that leave partial tiles and split one expert over three tiles
-    let rows = [1usize, 3, MOE_R, 5, 2 * MOE_R + 1];
-    let (n, k) = (72 * s + 3, 544); // n not a multiple of the 8-column groups
+    // row counts that leave partial tiles of both kernels (MOE_R and MMA_R rows), fill one
+    // 8-row fragment exactly, and split experts over three FMA tiles and two tensor-core ones
+    let rows = [1usize, 3, MOE_R, 5, 2 * MOE_R + 1, 8, 17, 33, MMA_R + 6];
+    let (n, k) = (72 * s + 3, 544); // n not a multiple of the 8- or 64-column groups
     let starts: Vec<usize> = rows
         .iter()
         .scan(0, |a, &r| {
@@ -66,7 +67,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 packed: (0..n * k / 2).map(|_| rng.next_u64() as u8).collect(),
                 nv_scales,
                 mx_scales,
-                global: [1234.567f32, 3.1e-4, 448.0 * 6.0, 0.731, 17.0][e],
+                global: [1234.567f32, 3.1e-4, 448.0 * 6.0, 0.731, 17.0, 2.5, 0.05, 99.0, 1.0][e],
             }
         })
         .collect();
@@ -109,16 +110,20 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         ("mxfp4, f32, bf16(y) epilogue", 3, MT_EPI, 1.0, 1.0, false),
         ("mxfp4, BF16 operands", 3, MT_WBF16, 1.0, 1.0, true),
     ];
-    for (name, conv, flags, post, mul, xbf) in modes {
+    let kernels = [("moe_gemm_f64", false, MOE_R), ("moe_mma_f64", true, MMA_R)];
+    for ((name, conv, flags, post, mul, xbf), (kname, mma, per)) in modes
+        .iter()
+        .flat_map(|&m| kernels.iter().map(move |&kn| (m, kn)))
+    {
         let mut tiles = Vec::new();
         for (e, ex) in experts.iter().enumerate() {
             let (p, nv, mx) = &dev[e];
-            for a in (0..rows[e]).step_by(MOE_R) {
+            for a in (0..rows[e]).step_by(per) {
                 tiles.push(MoeTile {
                     packed: p.ptr,
                     scales: if conv == 3 { mx.ptr } else { nv.ptr },
                     row0: (starts[e] + a) as u32,
-                    rows: MOE_R.min(rows[e] - a) as u32,
+                    rows: per.min(rows[e] - a) as u32,
                     global: ex.global,
                     post,
                     mul,
@@ -144,9 +149,9 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let y = g.alloc(total * n * 4)?;
         g.memset(y.ptr, 0xFF, total * n * 4)?;
         let xp = if xbf { x16b.ptr } else { xb.ptr };
-        g.moe_gemm(xp, xbf, k, &tiles, n, k, y.ptr, n)?;
+        g.moe_gemm_with(mma, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
         let got: Vec<f32> = g.download(y.ptr, total * n)?;
-        let mut c = exact(&format!("grouped experts GEMM: {name}"), &got, &want);
+        let mut c = exact(&format!("grouped experts GEMM ({kname}): {name}"), &got, &want);
         c.note = format!(
             "{} experts of {rows:?} rows in {} tiles, [{n}, {k}] weights; {finite} finite outputs",
             rows.len(),

@@ -214,7 +214,12 @@ impl Gpu {
             grouped_ok: self.grouped_experts
                 && self.exact64
                 && self.v2
-                && most_rows <= GROUPED_MAX_ROWS,
+                && if self.moe_mma {
+                    // the tiles of one linear fit one launch's grid
+                    total / MMA_R + used.len() <= 65_535
+                } else {
+                    most_rows <= GROUPED_MAX_ROWS
+                },
             grouped: false,
             launched: 0,
             params: Vec::with_capacity(used.len()),
@@ -432,13 +437,14 @@ impl Gpu {
         limit: f32,
     ) -> Result<Vec<(usize, [Option<Nvfp4Params>; 3])>> {
         let round = kind != PathKind::OracleFp32;
+        let per = self.moe_tile_rows();
         let tiles = |plan: &[(MoeTile, Option<Nvfp4Params>)]| -> Vec<MoeTile> {
             let mut v = Vec::new();
             for (&(r0, rows), (t, _)) in segs.iter().zip(plan) {
-                for a in (0..rows).step_by(MOE_R) {
+                for a in (0..rows).step_by(per) {
                     v.push(MoeTile {
                         row0: (r0 + a) as u32,
-                        rows: MOE_R.min(rows - a) as u32,
+                        rows: per.min(rows - a) as u32,
                         ..*t
                     });
                 }

@@ -81,6 +81,12 @@ pub const MOE_R: usize = 4;
 /// Output columns per CUDA block of `moe_gemm_f64` (`MOE_C`).
 const MOE_C: usize = 8;
 
+/// Rows per [`MoeTile`] of `moe_mma_f64` (`MMA_R` in kernels/stats.cu).
+pub const MMA_R: usize = 64;
+
+/// Output columns per CUDA block of `moe_mma_f64` (`MMA_C`).
+const MMA_C: usize = 64;
+
 pub const MT_POST: u32 = 4;
 
 pub const MT_SWAP: u32 = 8;
@@ -266,9 +272,16 @@ impl Gpu {
         )
     }
 
-    /// `moe_gemm_f64`: for every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and
-    /// rounded once (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`,
-    /// y f32 with row stride `ldy`. Needs k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
+    /// Rows per [`MoeTile`] of the grouped experts' GEMM this backend launches.
+    pub fn moe_tile_rows(&self) -> usize {
+        if self.moe_mma {
+            MMA_R
+        } else {
+            MOE_R
+        }
+    }
+
+    /// The grouped experts' GEMM of this backend ([`Gpu::moe_gemm_with`] with `self.moe_mma`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm(
         &self,
@@ -281,32 +294,66 @@ impl Gpu {
         y: u64,
         ldy: usize,
     ) -> Result<()> {
+        self.moe_gemm_with(self.moe_mma, x, xbf, ldx, tiles, n, k, y, ldy)
+    }
+
+    /// For every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and rounded once
+    /// (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`, y f32 with
+    /// row stride `ldy`: `moe_mma_f64` (FP64 tensor cores, tiles of up to [`MMA_R`] rows) when
+    /// `mma`, else `moe_gemm_f64` (tiles of up to [`MOE_R`] rows). Needs k % 16 == 0 (k % 32
+    /// for MXFP4) and 16-byte aligned rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm_with(
+        &self,
+        mma: bool,
+        x: u64,
+        xbf: bool,
+        ldx: usize,
+        tiles: &[MoeTile],
+        n: usize,
+        k: usize,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
         if tiles.is_empty() || n == 0 {
             return Ok(());
         }
+        let name = if mma { "moe_mma_f64" } else { "moe_gemm_f64" };
         let es = if xbf { 2 } else { 4 };
         if !k.is_multiple_of(16) || !(ldx * es).is_multiple_of(16) || !x.is_multiple_of(16) {
             return Err(Error::Backend(format!(
-                "cuda: moe_gemm_f64 needs k % 16 == 0 and 16-byte aligned rows (k {k}, ldx {ldx})"
+                "cuda: {name} needs k % 16 == 0 and 16-byte aligned rows (k {k}, ldx {ldx})"
             )));
         }
         if tiles.len() > 65_535 {
             return Err(Error::Backend(format!(
-                "cuda: moe_gemm_f64: {} tiles, at most 65535",
+                "cuda: {name}: {} tiles, at most 65535",
                 tiles.len()
+            )));
+        }
+        let (most, cols) = if mma { (MMA_R, MMA_C) } else { (MOE_R, MOE_C) };
+        if let Some(t) = tiles.iter().find(|t| t.rows as usize > most || t.rows == 0) {
+            return Err(Error::Backend(format!(
+                "cuda: {name}: a tile of {} rows (1 to {most})",
+                t.rows
             )));
         }
         let rows: usize = tiles.iter().map(|t| t.rows as usize).sum();
         super::Work::add(&self.work.experts, 2.0 * (rows * n * k) as f64);
         let tb = self.upload(tiles)?;
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(MOE_C).min(65_535) as u32, tiles.len() as u32, 1),
+            grid_dim: (n.div_ceil(cols).min(65_535) as u32, tiles.len() as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.kern().moe_gemm_f64(
-            cfg, x, xbf as i32, ldx as u64, tb.ptr, n as u64, k as u64, y, ldy as u64,
-        )
+        let (xbf, ldx, n, k, ldy) = (xbf as i32, ldx as u64, n as u64, k as u64, ldy as u64);
+        if mma {
+            self.kern()
+                .moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy)
+        } else {
+            self.kern()
+                .moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy)
+        }
     }
 
     /// act = silu(min(gt, L)) · clamp(up, ±L) over `n` elements, rounded to BF16 when `round`.

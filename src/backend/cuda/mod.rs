@@ -56,7 +56,7 @@ pub(crate) use super::stage::STAGE;
 pub use super::stage::{Buf, Mem};
 pub use image::KERNEL_SOURCE;
 pub use kernels::{
-    ActQuantOut, AqSeg, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MOE_R, MT_EPI,
+    ActQuantOut, AqSeg, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R, MOE_R, MT_EPI,
     MT_POST, MT_SWAP, MT_WBF16,
 };
 pub use moe::ExpertsOut;
@@ -176,6 +176,12 @@ pub struct Gpu {
     /// expert, NVFP4 grouped) or `loop`: whole MXFP4-expert runs of the tiny model matched the
     /// CPU reference under every profile through the grouped kernel on the H200.
     pub grouped_mx: bool,
+    /// The grouped experts' GEMM runs on the FP64 tensor cores (`moe_mma_f64`, tiles of
+    /// [`MMA_R`] rows, any number of rows per expert) rather than the FP64 FMA kernel
+    /// (`moe_gemm_f64`, tiles of [`MOE_R`] rows, experts of at most [`GROUPED_MAX_ROWS`] rows).
+    /// True unless `NVFP4_PROBE_MOE_KERNEL=fma` was set when the backend opened; the self-test
+    /// checks both.
+    pub moe_mma: bool,
     /// The pinned buffer small device → host reads go through.
     bounce: Arc<Bounce>,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
@@ -353,6 +359,11 @@ impl Gpu {
                     .map(str::trim),
                 Some("loop" | "loop-mx")
             ),
+            moe_mma: std::env::var("NVFP4_PROBE_MOE_KERNEL")
+                .ok()
+                .as_deref()
+                .map(str::trim)
+                != Some("fma"),
             bounce,
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),

@@ -9,8 +9,9 @@ use super::*;
 /// amax of the activation its w2 was fed (whatever the path; NaN-ignoring, as the CPU's fold).
 pub type ExpertsOut = crate::served::FusedExperts;
 
-/// The grouped experts op takes experts of up to this many rows; an op where some expert sees
-/// more tokens runs per expert (cuBLAS DGEMM for its many rows, one weight read per expert).
+/// With the FMA kernel (`NVFP4_PROBE_MOE_KERNEL=fma`) the grouped experts op takes experts of up
+/// to this many rows; an op where some expert sees more tokens runs per expert (cuBLAS DGEMM for
+/// its many rows). The tensor-core kernel takes any number of rows.
 pub(super) const GROUPED_MAX_ROWS: usize = 64;
 
 /// The `act_quant_nvfp4_seg` segments of rows (first row, row count) of a [.., k] activation:
