@@ -161,7 +161,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
     }
 
     // ---- act_quant_nvfp4_seg = act_quant_nvfp4_v3 segment by segment ----
-    let gs = [0.5f32, 37.0, 1234.5, 3.1e-4, 6.0];
+    let gs = [0.5f32, 37.0, 1234.5, 3.1e-4, 6.0, 2.0, 0.75, 99.0, 1e-2];
     let nbl = |r: usize| (r * k / 16) as u64;
     let mut xq = x.clone();
     xq[37] = f32::NAN;
