@@ -259,6 +259,88 @@ extern "C" __global__ void attn_core(const float* q, const float* kv, const floa
     }
 }
 
+// The attention of a block of queries as two batched DGEMMs (backend/attn.rs `attn_blas`): the
+// keys that attn_core visits, gathered per query and widened to f64, kg[ti, key, :] (rows past the
+// query's key count zero), and the count nk[ti]. One block per query; the list is made as attn_core
+// makes it (dynamic shared memory: max_keys ints).
+extern "C" __global__ void attn_gather(const float* kv, const float* cmp, const int* sel, u64 kk, int has_sel,
+                                       u64 ratio, u64 t, u64 dh, u64 n_c, u64 win, u64 max_keys, u64 q0,
+                                       u64 kv0, int* nk, double* kg) {
+    extern __shared__ int kl[];
+    __shared__ u32 nkeys;
+    u64 ti = blockIdx.x;
+    if (ti >= t) return;
+    u64 p = q0 + ti;
+    if (threadIdx.x == 0) {
+        u64 lo = (p + 1 > win) ? p + 1 - win : 0;
+        u64 nwin = win > 0 ? p + 1 - lo : 0;
+        u32 n = 0;
+        for (u64 k = 0; k < nwin; k++) kl[n++] = (int)(lo + k - kv0);
+        u64 m = 0;
+        if (ratio > 0) {
+            m = (p + 1) / ratio;
+            if (m > n_c) m = n_c;
+        }
+        if (has_sel) {
+            for (u64 e = 0; e < kk; e++) {
+                int v = sel[ti * kk + e];
+                if (v < 0) break;
+                if ((u64)v < m && n < max_keys) kl[n++] = -(v + 1);
+            }
+        } else {
+            for (u64 j = 0; j < m; j++) kl[n++] = -(int)(j + 1);
+        }
+        nkeys = n;
+        nk[ti] = (int)n;
+    }
+    __syncthreads();
+    u32 n = nkeys;
+    double* dst = kg + ti * max_keys * dh;
+    for (u64 key = 0; key < max_keys; key++) {
+        if (key < n) {
+            int kr = kl[key];
+            const float* kp = kr >= 0 ? kv + (u64)kr * dh : cmp + (u64)(-kr - 1) * dh;
+            for (u64 c = threadIdx.x; c < dh; c += blockDim.x) dst[key * dh + c] = (double)kp[c];
+        } else {
+            for (u64 c = threadIdx.x; c < dh; c += blockDim.x) dst[key * dh + c] = 0.0;
+        }
+    }
+}
+
+// attn_core's softmax over one (query, head) row of f64 scores s[row, 0..max_keys) (the first
+// nk[row / h] are the keys'): scores f32(s) * scale, probabilities f32(exp(s - max) / den) with the
+// f64 denominator exp(sink - max) + sum exp(s - max), written widened to f64 into pr (0 past the
+// keys). One block per row; dynamic shared memory: max_keys floats.
+extern "C" __global__ void attn_softmax(const double* s, const int* nk, const float* sink, u64 rows, u64 h,
+                                        u64 max_keys, float scale, double* pr) {
+    extern __shared__ float sc[];
+    __shared__ double red[32];
+    __shared__ float mxw[32];
+    u64 row = blockIdx.x;
+    if (row >= rows) return;
+    u32 n = (u32)nk[row / h];
+    const double* sr = s + row * max_keys;
+    double* pw = pr + row * max_keys;
+    float sk = sink[row % h];
+    float mx = sk;
+    for (u32 key = threadIdx.x; key < n; key += blockDim.x) {
+        float v = __fmul_rn(__double2float_rn(sr[key]), scale);
+        sc[key] = v;
+        mx = rmax(mx, v);
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = rmax(mx, __shfl_down_sync(0xffffffffu, mx, o));
+    u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
+    if (lane == 0) mxw[w] = mx;
+    __syncthreads();
+    mx = sk;
+    for (u32 i = 0; i < (blockDim.x >> 5); i++) mx = rmax(mx, mxw[i]);
+    double part = 0.0;
+    for (u32 key = threadIdx.x; key < n; key += blockDim.x) part = __dadd_rn(part, exp64(__fsub_rn(sc[key], mx)));
+    double den = __dadd_rn(exp64(__fsub_rn(sk, mx)), block_sum_d(part, red));
+    for (u64 key = threadIdx.x; key < max_keys; key += blockDim.x)
+        pw[key] = key < n ? (double)__double2float_rn(__ddiv_rn(exp64(__fsub_rn(sc[key], mx)), den)) : 0.0;
+}
+
 // ---- compressor --------------------------------------------------------------------------------
 
 // Gated softmax pooling (kern::compress_pool), one thread per (block b, channel ch): slots are the
@@ -352,6 +434,22 @@ extern "C" __global__ void indexer_scores(const float* q, const float* ki, const
             acc = __fadd_rn(acc, __fmul_rn(fmaxf(sf, 0.0f), w[ti * hi + hh]));
         }
         if (lane == 0) out[item] = acc;
+    }
+}
+
+// indexer_scores from f64 dot products already made (backend/attn.rs, batched as one DGEMM):
+// s[(ti * hi + hh) * m + j] = q[ti, hh].k[j] in f64; score[ti * ld + j] = sum_h relu(f32(s)) *
+// w[ti, h], heads in order from +0 in f32. One thread per (ti, j).
+extern "C" __global__ void indexer_reduce(const double* s, const float* w, u64 t, u64 hi, u64 m, u64 ld,
+                                          float* out) {
+    GRID_STRIDE(i, t * m) {
+        u64 ti = i / m, j = i % m;
+        float acc = 0.0f;
+        for (u64 hh = 0; hh < hi; hh++) {
+            float sf = __double2float_rn(s[(ti * hi + hh) * m + j]);
+            acc = __fadd_rn(acc, __fmul_rn(fmaxf(sf, 0.0f), w[ti * hi + hh]));
+        }
+        out[ti * ld + j] = acc;
     }
 }
 

@@ -29,6 +29,17 @@ fn attn_smem(max_keys: usize) -> Option<usize> {
     (smem <= SMEM_DEFAULT).then_some(smem)
 }
 
+/// Device bytes the batched-DGEMM attention (`attn_blas`) uses for one block of queries at
+/// most: their gathered f64 keys, f64 scores and probabilities, f64 queries and outputs.
+pub const ATTN_BLAS_BYTES: usize = 192 << 20;
+
+/// Queries per block of the batched-DGEMM attention for `max_keys` keys per query: as many as
+/// fit [`ATTN_BLAS_BYTES`] (at least one).
+pub fn attn_blas_block(h: usize, dh: usize, max_keys: usize) -> usize {
+    let per = 8 * (max_keys * dh + 2 * h * max_keys + 2 * h * dh) + 4;
+    (ATTN_BLAS_BYTES / per).max(1)
+}
+
 /// Keys per tile of `gqa_attn`'s scores in shared memory (`GQA_TILE` in kernels/layer.cu).
 const GQA_TILE: usize = 1024;
 
@@ -100,6 +111,117 @@ impl Gpu {
             a.scale,
             l.out,
         )
+    }
+
+    /// The attention core of the queries of `a` as attn_core computes it, on the FP64 tensor
+    /// cores: per block of queries ([`attn_blas_block`]) their keys gathered and widened
+    /// (`attn_gather`), the scores of every head as one batched DGEMM (queries as the batch,
+    /// [h, dh] · [keys, dh]ᵀ), attn_core's softmax per (query, head) row (`attn_softmax`), the
+    /// outputs as a second batched DGEMM ([h, keys] · [keys, dh]), rounded once to f32. The
+    /// products are exact and the sums f64, as in attn_core, so the f32 results are the same.
+    fn attn_blas_launch(&mut self, l: &AttnLaunch, a: AttnDims) -> Result<()> {
+        let (h, dh, mk) = (a.h, a.dh, l.max_keys);
+        if a.t == 0 || h == 0 {
+            return Ok(());
+        }
+        let hd = h * dh;
+        let bq = attn_blas_block(h, dh, mk).min(a.t);
+        let kg = self.scratch("attn_kg", bq * mk * dh.max(1) * 8)?;
+        let sd = self.scratch("attn_s", bq * h * mk.max(1) * 8)?;
+        let pd = self.scratch("attn_p", bq * h * mk.max(1) * 8)?;
+        let qd = self.scratch("attn_q", bq * hd.max(1) * 8)?;
+        let od = self.scratch("attn_o", bq * hd.max(1) * 8)?;
+        let nk = self.scratch("attn_nk", bq * 4)?;
+        let smem = (mk.max(1) * 4) as u32;
+        for (b0, b1) in kern::chunks(a.t, bq) {
+            let part = a.sub(b0, b1);
+            let rows = b1 - b0;
+            let kv = row_at(l.kv, part.kv0 - a.kv0, dh);
+            let sel = if l.kk > 0 {
+                row_at(l.sel, b0, l.kk)
+            } else {
+                l.sel
+            };
+            self.kern().attn_gather(
+                LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: smem,
+                },
+                kv,
+                l.cmp,
+                sel,
+                l.kk as u64,
+                l.has_sel as i32,
+                l.ratio as u64,
+                rows as u64,
+                dh as u64,
+                part.n_c as u64,
+                part.win as u64,
+                mk as u64,
+                part.q0 as u64,
+                part.kv0 as u64,
+                nk,
+                kg,
+            )?;
+            self.kern().to_f64(
+                (rows * hd) as u64,
+                row_at(l.q, b0, hd),
+                0,
+                rows as u64,
+                hd as u64,
+                hd as u64,
+                qd,
+            )?;
+            if mk > 0 && dh > 0 {
+                // scores: column-major Sᵀ[keys, h] = Kg[dh, keys]ᵀ · Qᵀ[dh, h] per query
+                self.dgemm_batched(
+                    (true, false),
+                    (mk, h, dh),
+                    (kg, dh, mk * dh),
+                    (qd, dh, hd),
+                    (sd, mk, h * mk),
+                    rows,
+                )?;
+            }
+            self.kern().attn_softmax(
+                LaunchConfig {
+                    grid_dim: ((rows * h) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: smem,
+                },
+                sd,
+                nk,
+                l.sink,
+                (rows * h) as u64,
+                h as u64,
+                mk as u64,
+                a.scale,
+                pd,
+            )?;
+            if mk > 0 && dh > 0 {
+                // outputs: column-major Oᵀ[dh, h] = Kg[dh, keys] · Pᵀ[keys, h] per query
+                self.dgemm_batched(
+                    (false, false),
+                    (dh, h, mk),
+                    (kg, dh, mk * dh),
+                    (pd, mk, h * mk),
+                    (od, dh, hd),
+                    rows,
+                )?;
+            } else {
+                self.memset(od, 0, rows * hd * 8)?;
+            }
+            self.kern().from_f64(
+                (rows * hd) as u64,
+                od,
+                rows as u64,
+                hd as u64,
+                hd as u64,
+                row_at(l.out, b0, hd),
+            )?;
+        }
+        Ok(())
     }
 
     /// The attention core (`kern::attention_core`) of one block of queries, None when a query's
@@ -262,7 +384,11 @@ impl Gpu {
                 max_keys,
                 smem,
             };
-            self.attn_core_launch(&l, part)?;
+            if self.attn_blas {
+                self.attn_blas_launch(&l, part)?;
+            } else {
+                self.attn_core_launch(&l, part)?;
+            }
             let rows = q1 - q0;
             self.round_in_place(l.out, rows * hd, round)?;
             if half > 0 {
@@ -459,9 +585,29 @@ impl Gpu {
             .scale_round((t * hi) as u64, wb.ptr, (t * hi) as u64, w_scale, 0)?;
         let m_max = d.causal(t - 1);
         let sb = self.alloc(if m_max > kk { rows * m_max * 4 } else { 0 })?;
+        // the keys widened to f64 once, for the batched DGEMM scores
+        let kd = if self.attn_blas && m_max > kk {
+            let kd = self.scratch("idx_k", m_max * di.max(1) * 8)?;
+            self.kern().to_f64(
+                (m_max * di) as u64,
+                kb.ptr,
+                0,
+                m_max as u64,
+                di as u64,
+                di as u64,
+                kd,
+            )?;
+            Some(kd)
+        } else {
+            None
+        };
         for (t0, t1) in kern::chunks(t, rows) {
             let (nq, m_b) = (t1 - t0, d.causal(t1 - 1));
-            if m_b > kk {
+            if let (Some(kd), true) = (kd, m_b > kk) {
+                let q = row_at(qb.ptr, t0, hi * di);
+                let w = row_at(wb.ptr, t0, hi);
+                self.indexer_blas(q, kd, w, (nq, hi, di, m_b), sb.ptr)?;
+            } else if m_b > kk {
                 self.kern().indexer_scores(
                     (nq * m_b * 32) as u64,
                     row_at(qb.ptr, t0, hi * di),
@@ -480,6 +626,54 @@ impl Gpu {
             self.topk_launch(sb.ptr, nq, m_b, q0 + t0, ratio, n_c, kk, base)?;
         }
         Ok(self.output(ob, t * kk, false))
+    }
+
+    /// `indexer_scores` of `nq` queries against the first `m` keys, the dot products as DGEMMs:
+    /// per sub-block of queries (at most [`ATTN_BLAS_BYTES`] of f64 products) q [nq·hi, di]
+    /// widened, times the f64 keys `kd` [m, di]ᵀ, then `indexer_reduce` (relu, f32, weighted sum
+    /// over the heads in order) into scores [nq, m] at `out`.
+    fn indexer_blas(
+        &mut self,
+        q: u64,
+        kd: u64,
+        w: u64,
+        (nq, hi, di, m): (usize, usize, usize, usize),
+        out: u64,
+    ) -> Result<()> {
+        if nq == 0 || m == 0 || hi == 0 {
+            return Ok(());
+        }
+        let ns = (ATTN_BLAS_BYTES / (hi * m * 8).max(1)).clamp(1, nq);
+        let qd = self.scratch("idx_q", ns * hi * di.max(1) * 8)?;
+        let sd = self.scratch("idx_s", ns * hi * m * 8)?;
+        for (a, b) in kern::chunks(nq, ns) {
+            let r = (b - a) * hi;
+            self.kern().to_f64(
+                (r * di) as u64,
+                row_at(q, a, hi * di),
+                0,
+                r as u64,
+                di as u64,
+                di as u64,
+                qd,
+            )?;
+            if di == 0 {
+                self.memset(sd, 0, r * m * 8)?;
+            } else {
+                self.timed("cuBLAS DGEMM", || self.dgemm(qd, kd, sd, r, m, di))?;
+            }
+            self.kern().indexer_reduce(
+                ((b - a) * m) as u64,
+                sd,
+                row_at(w, a, hi),
+                (b - a) as u64,
+                hi as u64,
+                m as u64,
+                m as u64,
+                row_at(out, a, m),
+            )?;
+        }
+        Ok(())
     }
 
     /// The `indexer_topk` kernel alone on given scores (for the self-test): query i of `rows`

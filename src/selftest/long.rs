@@ -169,13 +169,21 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
         let sc = ((di as f64).powf(-0.5) * (hi as f64).powf(-0.5)) as f32;
         let ws: Vec<f32> = w.iter().map(|v| v * sc).collect();
         let (qd, kd, wd) = (dev_only(g, &q)?, dev_only(g, &ki)?, dev_only(g, &w)?);
-        for rows in [7usize, kern::score_block_rows(n_c)] {
+        let default_blas = g.attn_blas;
+        for (rows, blas) in [7usize, kern::score_block_rows(n_c)]
+            .into_iter()
+            .flat_map(|r| [(r, true), (r, false)])
+        {
             let want = kern::indexer_topk(&q, &ki, &ws, d, rows);
-            let got = g.indexer_topk(&qd, &kd, &wd, sc, d, rows)?;
+            g.attn_blas = blas;
+            let got = g.indexer_topk(&qd, &kd, &wd, sc, d, rows);
+            g.attn_blas = default_blas;
+            let got = got?;
             let stayed = !got.on_host() && !qd.on_host() && !kd.on_host() && !wd.on_host();
             let mut c = exact(
                 &format!(
-                    "indexer selection on the device ({} keys, blocks of {rows} queries)",
+                    "indexer selection on the device ({}; {} keys, blocks of {rows} queries)",
+                    if blas { "DGEMM scores" } else { "indexer_scores" },
                     if pooled { "11 distinct" } else { "repeated" }
                 ),
                 &got.into_vec(),
@@ -275,11 +283,18 @@ fn attention_op(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> R
                 dev_only(g, &cmp)?,
                 dev_only(g, &sel)?,
             );
-            for chunk in [1usize, 7, 64, t] {
+            let default_blas = g.attn_blas;
+            for (chunk, blas) in [1usize, 7, 64, t]
+                .into_iter()
+                .flat_map(|c| [(c, true), (c, false)])
+            {
                 let sel_d = use_sel.then_some((&sd, kk));
+                g.attn_blas = blas;
                 let got = g.attention(
                     &qd, &kvd, &cd, ratio, sel_d, &sink, dims, nope, &tab, chunk, round,
-                )?;
+                );
+                g.attn_blas = default_blas;
+                let got = got?;
                 let Some(got) = got else {
                     out.push(holds(
                         "attention op on the device",
@@ -291,7 +306,8 @@ fn attention_op(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> R
                 };
                 let stayed = !got.on_host() && !sd.on_host() && !qd.on_host();
                 let name = format!(
-                    "attention op, device-resident {} in chunks of {chunk}{}",
+                    "attention op ({}), device-resident {} in chunks of {chunk}{}",
+                    if blas { "batched DGEMM" } else { "attn_core" },
                     match (ratio, use_sel) {
                         (0, _) => "window",
                         (_, false) => "window + compressed",

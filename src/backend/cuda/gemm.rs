@@ -165,7 +165,7 @@ impl Gpu {
     }
 
     /// y[m, n] = x[m, k] · w[n, k]ᵀ on contiguous row-major f64 operands (cuBLAS DGEMM).
-    fn dgemm(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
+    pub(crate) fn dgemm(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
         let (alpha, beta) = (1.0f64, 0.0f64);
         let f64t = bsys::cudaDataType::CUDA_R_64F;
         let cfg = (f64t, f64t, bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F);
@@ -231,6 +231,66 @@ impl Gpu {
             )
         }
         .map_err(|e| cuda_err(what, e))
+    }
+
+    /// `batch` column-major f64 products C_b[m, n] = op(A_b) · op(B_b) (cuBLAS strided batched
+    /// DGEMM): `ta` / `tb` transpose A / B; (pointer, leading dimension, stride between batches)
+    /// per operand. Every product of two f32-valued operands is exact in f64 and the sum is f64,
+    /// as in [`Gpu::gemm`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dgemm_batched(
+        &self,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        a: (u64, usize, usize),
+        b: (u64, usize, usize),
+        c: (u64, usize, usize),
+        batch: usize,
+    ) -> Result<()> {
+        if batch == 0 || m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (alpha, beta) = (1.0f64, 0.0f64);
+        let f64t = bsys::cudaDataType::CUDA_R_64F;
+        let op = |t: bool| {
+            if t {
+                bsys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                bsys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: the pointers are device allocations holding `batch` operands of the shapes and
+        // strides given (the caller's layout); alpha and beta outlive the call.
+        self.timed("cuBLAS DGEMM batched", || {
+            unsafe {
+                blas::gemm_strided_batched_ex(
+                    *self.blas.handle(),
+                    op(ta),
+                    op(tb),
+                    m as i32,
+                    n as i32,
+                    k as i32,
+                    (&alpha as *const f64).cast(),
+                    a.0 as *const _,
+                    f64t,
+                    a.1 as i32,
+                    a.2 as i64,
+                    b.0 as *const _,
+                    f64t,
+                    b.1 as i32,
+                    b.2 as i64,
+                    (&beta as *const f64).cast(),
+                    c.0 as *mut _,
+                    f64t,
+                    c.1 as i32,
+                    c.2 as i64,
+                    batch as i32,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_err(&format!("DGEMM batched {batch}x{m}x{n}x{k}"), e))
+        })
     }
 
     /// Seconds of `f`'s work on the stream: the median of three after a warm-up.

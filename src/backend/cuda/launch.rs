@@ -132,7 +132,10 @@ kernels! {
     "layer.cu" fn hc_wsum(x: ptr, coef: ptr, t: u64, hc: u64, d: u64, round: i32, y: ptr);
     "layer.cu" fn hc_post(y: ptr, x: ptr, post: ptr, comb: ptr, t: u64, hc: u64, d: u64, round: i32, out: ptr);
     "layer.cu" fn attn_core(q: ptr, kv: ptr, cmp: ptr, sel: ptr, kk: u64, has_sel: i32, ratio: u64, sink: ptr, t: u64, h: u64, dh: u64, n_c: u64, win: u64, max_keys: u64, q0: u64, kv0: u64, scale: f32, out: ptr);
+    "layer.cu" fn attn_gather(kv: ptr, cmp: ptr, sel: ptr, kk: u64, has_sel: i32, ratio: u64, t: u64, dh: u64, n_c: u64, win: u64, max_keys: u64, q0: u64, kv0: u64, nk: ptr, kg: ptr);
+    "layer.cu" fn attn_softmax(s: ptr, nk: ptr, sink: ptr, rows: u64, h: u64, max_keys: u64, scale: f32, pr: ptr);
     "layer.cu" fn compress_pool(a: ptr, g: ptr, ape: ptr, n_c: u64, dc: u64, ratio: u64, out: ptr);
+    "layer.cu" fn indexer_reduce(s: ptr, w: ptr, t: u64, hi: u64, m: u64, ld: u64, out: ptr);
     "layer.cu" fn indexer_scores(q: ptr, ki: ptr, w: ptr, t: u64, hi: u64, di: u64, n_c: u64, out: ptr);
     /// One CUDA block of 256 threads per query of the block (`Grid::Cfg`).
     "layer.cu" fn indexer_topk(sc: ptr, rows: u64, ld: u64, t0: u64, ratio: u64, n_c: u64, kk: u64, out: ptr);

@@ -182,6 +182,10 @@ pub struct Gpu {
     /// True unless `NVFP4_PROBE_MOE_KERNEL=fma` was set when the backend opened; the self-test
     /// checks both.
     pub moe_mma: bool,
+    /// The V4 attention op runs as batched DGEMMs around a softmax kernel (`attn_blas`, FP64
+    /// tensor cores) rather than one `attn_core` block per (query, head). True unless
+    /// `NVFP4_PROBE_ATTN=kernel` was set when the backend opened; the self-test checks both.
+    pub attn_blas: bool,
     /// The pinned buffer small device → host reads go through.
     bounce: Arc<Bounce>,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
@@ -364,6 +368,11 @@ impl Gpu {
                 .as_deref()
                 .map(str::trim)
                 != Some("fma"),
+            attn_blas: std::env::var("NVFP4_PROBE_ATTN")
+                .ok()
+                .as_deref()
+                .map(str::trim)
+                != Some("kernel"),
             bounce,
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
@@ -442,7 +451,7 @@ impl Gpu {
     }
 
     /// A grow-only scratch buffer by name.
-    fn scratch(&mut self, name: &'static str, bytes: usize) -> Result<u64> {
+    pub(crate) fn scratch(&mut self, name: &'static str, bytes: usize) -> Result<u64> {
         if self.scratch.get(name).is_none_or(|b| b.bytes < bytes) {
             self.scratch.remove(name);
             let b = self.alloc(bytes.next_power_of_two().max(1 << 16))?;

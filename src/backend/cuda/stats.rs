@@ -52,7 +52,7 @@ pub struct PendingMetrics {
 
 impl Gpu {
     /// Run `f` (work enqueued on the stream) between two timing events when the kernel timer is on.
-    pub(super) fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    pub(crate) fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let Some(t) = &self.ktimer else {
             return f();
         };
