@@ -261,49 +261,60 @@ extern "C" __global__ void attn_core(const float* q, const float* kv, const floa
 
 // The attention of a block of queries as two batched DGEMMs (backend/attn.rs `attn_blas`): the
 // keys that attn_core visits, gathered per query and widened to f64, kg[ti, key, :] (rows past the
-// query's key count zero), and the count nk[ti]. One block per query; the list is made as attn_core
-// makes it (dynamic shared memory: max_keys ints).
+// query's key count zero), and the count nk[ti]. The keys are attn_core's list: the window rows,
+// then the compressed rows below the causal count m, from the selection when there is one. The
+// selection lists here are sel_lists' (ascending, then -1), so the rows attn_core keeps from them
+// are a prefix of the list (found by binary search) and key i of the query is found without making
+// the list. Grid: x = query, y = groups of ATTN_GATHER_KEYS keys; every thread copies elements.
+#define ATTN_GATHER_KEYS 16
 extern "C" __global__ void attn_gather(const float* kv, const float* cmp, const int* sel, u64 kk, int has_sel,
                                        u64 ratio, u64 t, u64 dh, u64 n_c, u64 win, u64 max_keys, u64 q0,
                                        u64 kv0, int* nk, double* kg) {
-    extern __shared__ int kl[];
-    __shared__ u32 nkeys;
+    __shared__ u64 geo[3];  // window start, window rows, compressed rows
     u64 ti = blockIdx.x;
     if (ti >= t) return;
     u64 p = q0 + ti;
     if (threadIdx.x == 0) {
         u64 lo = (p + 1 > win) ? p + 1 - win : 0;
         u64 nwin = win > 0 ? p + 1 - lo : 0;
-        u32 n = 0;
-        for (u64 k = 0; k < nwin; k++) kl[n++] = (int)(lo + k - kv0);
         u64 m = 0;
         if (ratio > 0) {
             m = (p + 1) / ratio;
             if (m > n_c) m = n_c;
         }
+        u64 room = max_keys > nwin ? max_keys - nwin : 0;
+        u64 nc = m;
         if (has_sel) {
-            for (u64 e = 0; e < kk; e++) {
-                int v = sel[ti * kk + e];
-                if (v < 0) break;
-                if ((u64)v < m && n < max_keys) kl[n++] = -(v + 1);
+            // the length of the prefix of entries v with 0 <= v < m
+            const int* sl = sel + ti * kk;
+            u64 a = 0, b = kk;
+            while (a < b) {
+                u64 mid = (a + b) / 2;
+                int v = sl[mid];
+                if (v >= 0 && (u64)v < m) a = mid + 1; else b = mid;
             }
-        } else {
-            for (u64 j = 0; j < m; j++) kl[n++] = -(int)(j + 1);
+            nc = a;
         }
-        nkeys = n;
-        nk[ti] = (int)n;
+        if (nc > room) nc = room;
+        geo[0] = lo; geo[1] = nwin; geo[2] = nc;
+        if (blockIdx.y == 0) nk[ti] = (int)(nwin + nc);
     }
     __syncthreads();
-    u32 n = nkeys;
+    const u64 lo = geo[0], nwin = geo[1], n = nwin + geo[2];
+    const u64 k0 = (u64)blockIdx.y * ATTN_GATHER_KEYS;
     double* dst = kg + ti * max_keys * dh;
-    for (u64 key = 0; key < max_keys; key++) {
-        if (key < n) {
-            int kr = kl[key];
-            const float* kp = kr >= 0 ? kv + (u64)kr * dh : cmp + (u64)(-kr - 1) * dh;
-            for (u64 c = threadIdx.x; c < dh; c += blockDim.x) dst[key * dh + c] = (double)kp[c];
-        } else {
-            for (u64 c = threadIdx.x; c < dh; c += blockDim.x) dst[key * dh + c] = 0.0;
+    for (u64 e = threadIdx.x; e < ATTN_GATHER_KEYS * dh; e += blockDim.x) {
+        u64 key = k0 + e / dh, c = e % dh;
+        if (key >= max_keys) break;
+        double v = 0.0;
+        if (key < nwin) {
+            v = (double)kv[(lo + key - kv0) * dh + c];
+        } else if (key < n) {
+            u64 j = key - nwin;
+            u64 row = has_sel ? (u64)sel[ti * kk + j] : j;
+            v = (double)cmp[row * dh + c];
         }
+        dst[key * dh + c] = v;
     }
 }
 

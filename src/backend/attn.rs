@@ -29,12 +29,16 @@ fn attn_smem(max_keys: usize) -> Option<usize> {
     (smem <= SMEM_DEFAULT).then_some(smem)
 }
 
-/// Device bytes the batched-DGEMM attention (`attn_blas`) uses for one block of queries at
-/// most: their gathered f64 keys, f64 scores and probabilities, f64 queries and outputs.
-pub const ATTN_BLAS_BYTES: usize = 192 << 20;
+/// Device bytes the batched-DGEMM attention (`attn_blas`) and indexer scores use for one block
+/// of queries at most ([`kern::BLAS_BLOCK_BYTES`]).
+const ATTN_BLAS_BYTES: usize = kern::BLAS_BLOCK_BYTES;
+
+/// Keys per CUDA block of `attn_gather` (`ATTN_GATHER_KEYS` in kernels/layer.cu).
+const ATTN_GATHER_KEYS: usize = 16;
 
 /// Queries per block of the batched-DGEMM attention for `max_keys` keys per query: as many as
-/// fit [`ATTN_BLAS_BYTES`] (at least one).
+/// fit [`ATTN_BLAS_BYTES`] (gathered f64 keys, f64 scores and probabilities, f64 queries and
+/// outputs; at least one).
 pub fn attn_blas_block(h: usize, dh: usize, max_keys: usize) -> usize {
     let per = 8 * (max_keys * dh + 2 * h * max_keys + 2 * h * dh) + 4;
     (ATTN_BLAS_BYTES / per).max(1)
@@ -144,9 +148,9 @@ impl Gpu {
             };
             self.kern().attn_gather(
                 LaunchConfig {
-                    grid_dim: (rows as u32, 1, 1),
+                    grid_dim: (rows as u32, mk.div_ceil(ATTN_GATHER_KEYS).max(1) as u32, 1),
                     block_dim: (256, 1, 1),
-                    shared_mem_bytes: smem,
+                    shared_mem_bytes: 0,
                 },
                 kv,
                 l.cmp,

@@ -455,6 +455,17 @@ pub fn compress_pool(
 /// blocks of rows, so the indexer's memory is O(block·n_c), never O(t·n_c).
 const SCORE_BLOCK_BYTES: usize = 64 << 20;
 
+/// The most bytes of f64 work a device's batched-DGEMM attention or indexer scoring holds for
+/// one block of queries (gathered keys, scores, probabilities; the indexer's per-head products).
+pub const BLAS_BLOCK_BYTES: usize = 192 << 20;
+
+/// Device bytes the batched-DGEMM attention and indexer keep beside the activations, for
+/// prompts of `n_c` compressed rows of indexer keys `di` wide: both blocks (each allocation
+/// rounded up to a power of two) and the f64 keys.
+pub fn blas_scratch_bytes(n_c: usize, di: usize) -> usize {
+    4 * BLAS_BLOCK_BYTES + (n_c * di * 8).next_power_of_two()
+}
+
 /// Rows per scoring block for n_c compressed rows (at least one).
 pub fn score_block_rows(n_c: usize) -> usize {
     (SCORE_BLOCK_BYTES / 4 / n_c.max(1)).max(1)

@@ -327,9 +327,15 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     } else {
         0.0
     };
+    // the batched-DGEMM attention's and indexer's blocks and f64 keys (backend/attn.rs)
+    let blas = if csa {
+        crate::device::kern::blas_scratch_bytes((t / 4.0) as usize, cfg.index_head_dim)
+    } else {
+        2 * crate::device::kern::BLAS_BLOCK_BYTES
+    } as f64;
     let device = plan
         .device
-        .then_some(DEVICE_ACTIVATIONS * activations + attention + stage + held);
+        .then_some(DEVICE_ACTIVATIONS * activations + attention + stage + held + blas);
     // the CUDA backend's host side: the pinned staging buffers and the rows read back
     let host_rows = if plan.device {
         stage + DEVICE_HOST_ROWS * rows * resid * 4.0 + streams

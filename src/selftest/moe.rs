@@ -9,7 +9,7 @@
 
 use super::{exact, exact_u, nvfp4_scale_bytes, Check};
 use crate::backend::cuda::{
-    ActQuantOut, AqSeg, Gpu, MoeTile, H_SLOTS, MMA_R, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
+    ActQuantOut, AqSeg, Gpu, MoeKernel, MoeTile, H_SLOTS, MMA_R, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
 use crate::device::gemm::matmul_nt;
 use crate::model::mem_env::Rng;
@@ -110,11 +110,11 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         ("mxfp4, f32, bf16(y) epilogue", 3, MT_EPI, 1.0, 1.0, false),
         ("mxfp4, BF16 operands", 3, MT_WBF16, 1.0, 1.0, true),
     ];
-    let kernels = [("moe_gemm_f64", false, MOE_R), ("moe_mma_f64", true, MMA_R)];
-    for ((name, conv, flags, post, mul, xbf), (kname, mma, per)) in modes
+    for ((name, conv, flags, post, mul, xbf), kernel) in modes
         .iter()
-        .flat_map(|&m| kernels.iter().map(move |&kn| (m, kn)))
+        .flat_map(|&m| MoeKernel::ALL.into_iter().map(move |kn| (m, kn)))
     {
+        let (kname, per) = (kernel.name(), kernel.tile_rows());
         let mut tiles = Vec::new();
         for (e, ex) in experts.iter().enumerate() {
             let (p, nv, mx) = &dev[e];
@@ -149,7 +149,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let y = g.alloc(total * n * 4)?;
         g.memset(y.ptr, 0xFF, total * n * 4)?;
         let xp = if xbf { x16b.ptr } else { xb.ptr };
-        g.moe_gemm_with(mma, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
+        g.moe_gemm_with(kernel, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
         let got: Vec<f32> = g.download(y.ptr, total * n)?;
         let mut c = exact(&format!("grouped experts GEMM ({kname}): {name}"), &got, &want);
         c.note = format!(

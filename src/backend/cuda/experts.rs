@@ -214,7 +214,7 @@ impl Gpu {
             grouped_ok: self.grouped_experts
                 && self.exact64
                 && self.v2
-                && if self.moe_mma {
+                && if self.moe_kernel != MoeKernel::Fma {
                     // the tiles of one linear fit one launch's grid
                     total / MMA_R + used.len() <= 65_535
                 } else {

@@ -84,8 +84,56 @@ const MOE_C: usize = 8;
 /// Rows per [`MoeTile`] of `moe_mma_f64` (`MMA_R` in kernels/stats.cu).
 pub const MMA_R: usize = 64;
 
-/// Output columns per CUDA block of `moe_mma_f64` (`MMA_C`).
-const MMA_C: usize = 64;
+/// The grouped experts' GEMM kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeKernel {
+    /// `moe_gemm_f64`: FP64 FMA units, tiles of [`MOE_R`] rows, 8 columns per block.
+    Fma,
+    /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 64 columns per block.
+    Mma,
+    /// `moe_mma_f64_wide`: as `Mma` with 128 columns per block (4 fragments per warp).
+    MmaWide,
+}
+
+impl MoeKernel {
+    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::MmaWide];
+
+    /// The kernel's name in kernels/stats.cu.
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeKernel::Fma => "moe_gemm_f64",
+            MoeKernel::Mma => "moe_mma_f64",
+            MoeKernel::MmaWide => "moe_mma_f64_wide",
+        }
+    }
+
+    /// Rows per tile.
+    pub fn tile_rows(self) -> usize {
+        match self {
+            MoeKernel::Fma => MOE_R,
+            _ => MMA_R,
+        }
+    }
+
+    /// Output columns per CUDA block.
+    fn cols(self) -> usize {
+        match self {
+            MoeKernel::Fma => MOE_C,
+            MoeKernel::Mma => 64,
+            MoeKernel::MmaWide => 128,
+        }
+    }
+
+    /// `NVFP4_PROBE_MOE_KERNEL` (`fma`, `mma`, `wide`), else the default.
+    pub fn from_env() -> MoeKernel {
+        match std::env::var("NVFP4_PROBE_MOE_KERNEL").ok().as_deref().map(str::trim) {
+            Some("fma") => MoeKernel::Fma,
+            Some("wide") => MoeKernel::MmaWide,
+            Some("mma") => MoeKernel::Mma,
+            _ => MoeKernel::Mma,
+        }
+    }
+}
 
 pub const MT_POST: u32 = 4;
 
@@ -274,14 +322,10 @@ impl Gpu {
 
     /// Rows per [`MoeTile`] of the grouped experts' GEMM this backend launches.
     pub fn moe_tile_rows(&self) -> usize {
-        if self.moe_mma {
-            MMA_R
-        } else {
-            MOE_R
-        }
+        self.moe_kernel.tile_rows()
     }
 
-    /// The grouped experts' GEMM of this backend ([`Gpu::moe_gemm_with`] with `self.moe_mma`).
+    /// The grouped experts' GEMM of this backend ([`Gpu::moe_gemm_with`] with `self.moe_kernel`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm(
         &self,
@@ -294,18 +338,17 @@ impl Gpu {
         y: u64,
         ldy: usize,
     ) -> Result<()> {
-        self.moe_gemm_with(self.moe_mma, x, xbf, ldx, tiles, n, k, y, ldy)
+        self.moe_gemm_with(self.moe_kernel, x, xbf, ldx, tiles, n, k, y, ldy)
     }
 
     /// For every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and rounded once
     /// (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`, y f32 with
-    /// row stride `ldy`: `moe_mma_f64` (FP64 tensor cores, tiles of up to [`MMA_R`] rows) when
-    /// `mma`, else `moe_gemm_f64` (tiles of up to [`MOE_R`] rows). Needs k % 16 == 0 (k % 32
-    /// for MXFP4) and 16-byte aligned rows.
+    /// row stride `ldy`, by `kernel` (tiles of at most its [`MoeKernel::tile_rows`]). Needs
+    /// k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm_with(
         &self,
-        mma: bool,
+        kernel: MoeKernel,
         x: u64,
         xbf: bool,
         ldx: usize,
@@ -318,7 +361,7 @@ impl Gpu {
         if tiles.is_empty() || n == 0 {
             return Ok(());
         }
-        let name = if mma { "moe_mma_f64" } else { "moe_gemm_f64" };
+        let name = kernel.name();
         let es = if xbf { 2 } else { 4 };
         if !k.is_multiple_of(16) || !(ldx * es).is_multiple_of(16) || !x.is_multiple_of(16) {
             return Err(Error::Backend(format!(
@@ -331,7 +374,7 @@ impl Gpu {
                 tiles.len()
             )));
         }
-        let (most, cols) = if mma { (MMA_R, MMA_C) } else { (MOE_R, MOE_C) };
+        let (most, cols) = (kernel.tile_rows(), kernel.cols());
         if let Some(t) = tiles.iter().find(|t| t.rows as usize > most || t.rows == 0) {
             return Err(Error::Backend(format!(
                 "cuda: {name}: a tile of {} rows (1 to {most})",
@@ -347,12 +390,11 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (xbf, ldx, n, k, ldy) = (xbf as i32, ldx as u64, n as u64, k as u64, ldy as u64);
-        if mma {
-            self.kern()
-                .moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy)
-        } else {
-            self.kern()
-                .moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy)
+        let kn = self.kern();
+        match kernel {
+            MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
+            MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
+            MoeKernel::MmaWide => kn.moe_mma_f64_wide(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 

@@ -56,7 +56,7 @@ pub(crate) use super::stage::STAGE;
 pub use super::stage::{Buf, Mem};
 pub use image::KERNEL_SOURCE;
 pub use kernels::{
-    ActQuantOut, AqSeg, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R, MOE_R, MT_EPI,
+    ActQuantOut, AqSeg, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R, MOE_R, MT_EPI, MoeKernel,
     MT_POST, MT_SWAP, MT_WBF16,
 };
 pub use moe::ExpertsOut;
@@ -176,12 +176,12 @@ pub struct Gpu {
     /// expert, NVFP4 grouped) or `loop`: whole MXFP4-expert runs of the tiny model matched the
     /// CPU reference under every profile through the grouped kernel on the H200.
     pub grouped_mx: bool,
-    /// The grouped experts' GEMM runs on the FP64 tensor cores (`moe_mma_f64`, tiles of
-    /// [`MMA_R`] rows, any number of rows per expert) rather than the FP64 FMA kernel
-    /// (`moe_gemm_f64`, tiles of [`MOE_R`] rows, experts of at most [`GROUPED_MAX_ROWS`] rows).
-    /// True unless `NVFP4_PROBE_MOE_KERNEL=fma` was set when the backend opened; the self-test
-    /// checks both.
-    pub moe_mma: bool,
+    /// The grouped experts' GEMM kernel: on the FP64 tensor cores (`moe_mma_f64`, tiles of
+    /// [`MMA_R`] rows, any number of rows per expert) unless `NVFP4_PROBE_MOE_KERNEL` says
+    /// otherwise when the backend opened (`fma`: `moe_gemm_f64`, tiles of [`MOE_R`] rows,
+    /// experts of at most [`GROUPED_MAX_ROWS`] rows; `wide`: `moe_mma_f64_wide`); the self-test
+    /// checks each.
+    pub moe_kernel: MoeKernel,
     /// The V4 attention op runs as batched DGEMMs around a softmax kernel (`attn_blas`, FP64
     /// tensor cores) rather than one `attn_core` block per (query, head). True unless
     /// `NVFP4_PROBE_ATTN=kernel` was set when the backend opened; the self-test checks both.
@@ -363,11 +363,7 @@ impl Gpu {
                     .map(str::trim),
                 Some("loop" | "loop-mx")
             ),
-            moe_mma: std::env::var("NVFP4_PROBE_MOE_KERNEL")
-                .ok()
-                .as_deref()
-                .map(str::trim)
-                != Some("fma"),
+            moe_kernel: MoeKernel::from_env(),
             attn_blas: std::env::var("NVFP4_PROBE_ATTN")
                 .ok()
                 .as_deref()
