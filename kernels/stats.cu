@@ -391,7 +391,8 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // x[r, k] * w_e[c, k], with moe_gemm_f64's decodes, exact f64 products, f64 sums, one rounding
 // to f32 and its epilogue: only the order of the f64 sum differs (as between cuBLAS's DGEMM and
 // the CPU). A block of MMA_WARPS warps computes 32 * NF output columns of one tile (NF 8-column
-// fragments per warp: moe_mma_f64 NF = 2, moe_mma_f64_wide NF = 4), stepping k by 16 (one NVFP4
+// fragments per warp; moe_mma_f64 takes NF = 2: NF = 4 ran 20 % slower on the H200, BENCHMARKS.md
+// session 26), stepping k by 16 (one NVFP4
 // block, half an MXFP4 one): each step's x rows (converted to f64 once per block) and decoded
 // weight rows (decoded once per block and step, not once per row) are staged in shared memory,
 // then every warp runs mma.m8n8k4.f64 over its columns and the tile's 8-row fragments (MF of
@@ -547,8 +548,3 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
     moe_mma<2>(x, xbf, ldx, tiles, n, k, y, ldy, ws);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
-moe_mma_f64_wide(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    __shared__ double ws[128][MMA_LD];
-    moe_mma<4>(x, xbf, ldx, tiles, n, k, y, ldy, ws);
-}

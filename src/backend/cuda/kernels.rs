@@ -91,19 +91,16 @@ pub enum MoeKernel {
     Fma,
     /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 64 columns per block.
     Mma,
-    /// `moe_mma_f64_wide`: as `Mma` with 128 columns per block (4 fragments per warp).
-    MmaWide,
 }
 
 impl MoeKernel {
-    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::MmaWide];
+    pub const ALL: [MoeKernel; 2] = [MoeKernel::Fma, MoeKernel::Mma];
 
     /// The kernel's name in kernels/stats.cu.
     pub fn name(self) -> &'static str {
         match self {
             MoeKernel::Fma => "moe_gemm_f64",
             MoeKernel::Mma => "moe_mma_f64",
-            MoeKernel::MmaWide => "moe_mma_f64_wide",
         }
     }
 
@@ -120,16 +117,13 @@ impl MoeKernel {
         match self {
             MoeKernel::Fma => MOE_C,
             MoeKernel::Mma => 64,
-            MoeKernel::MmaWide => 128,
         }
     }
 
-    /// `NVFP4_PROBE_MOE_KERNEL` (`fma`, `mma`, `wide`), else the default.
+    /// `NVFP4_PROBE_MOE_KERNEL=fma`, else the tensor-core kernel.
     pub fn from_env() -> MoeKernel {
         match std::env::var("NVFP4_PROBE_MOE_KERNEL").ok().as_deref().map(str::trim) {
             Some("fma") => MoeKernel::Fma,
-            Some("wide") => MoeKernel::MmaWide,
-            Some("mma") => MoeKernel::Mma,
             _ => MoeKernel::Mma,
         }
     }
@@ -394,7 +388,6 @@ impl Gpu {
         match kernel {
             MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
-            MoeKernel::MmaWide => kn.moe_mma_f64_wide(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 
