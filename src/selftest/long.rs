@@ -183,7 +183,11 @@ fn indexer_selection(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>)
             let mut c = exact(
                 &format!(
                     "indexer selection on the device ({}; {} keys, blocks of {rows} queries)",
-                    if blas { "DGEMM scores" } else { "indexer_scores" },
+                    if blas {
+                        "DGEMM scores"
+                    } else {
+                        "indexer_scores"
+                    },
                     if pooled { "11 distinct" } else { "repeated" }
                 ),
                 &got.into_vec(),

@@ -9,7 +9,8 @@
 
 use super::{exact, exact_u, nvfp4_scale_bytes, Check};
 use crate::backend::cuda::{
-    ActQuantOut, AqSeg, Gpu, MoeKernel, MoeTile, H_SLOTS, MMA_R, MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
+    ActQuantOut, AqSeg, Gpu, MoeKernel, MoeTile, H_SLOTS, MMA_R, MOE_R, MT_EPI, MT_POST, MT_SWAP,
+    MT_WBF16,
 };
 use crate::device::gemm::matmul_nt;
 use crate::model::mem_env::Rng;
@@ -67,7 +68,17 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 packed: (0..n * k / 2).map(|_| rng.next_u64() as u8).collect(),
                 nv_scales,
                 mx_scales,
-                global: [1234.567f32, 3.1e-4, 448.0 * 6.0, 0.731, 17.0, 2.5, 0.05, 99.0, 1.0][e],
+                global: [
+                    1234.567f32,
+                    3.1e-4,
+                    448.0 * 6.0,
+                    0.731,
+                    17.0,
+                    2.5,
+                    0.05,
+                    99.0,
+                    1.0,
+                ][e],
             }
         })
         .collect();
@@ -151,7 +162,11 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let xp = if xbf { x16b.ptr } else { xb.ptr };
         g.moe_gemm_with(kernel, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
         let got: Vec<f32> = g.download(y.ptr, total * n)?;
-        let mut c = exact(&format!("grouped experts GEMM ({kname}): {name}"), &got, &want);
+        let mut c = exact(
+            &format!("grouped experts GEMM ({kname}): {name}"),
+            &got,
+            &want,
+        );
         c.note = format!(
             "{} experts of {rows:?} rows in {} tiles, [{n}, {k}] weights; {finite} finite outputs",
             rows.len(),

@@ -122,7 +122,11 @@ impl MoeKernel {
 
     /// `NVFP4_PROBE_MOE_KERNEL=fma`, else the tensor-core kernel.
     pub fn from_env() -> MoeKernel {
-        match std::env::var("NVFP4_PROBE_MOE_KERNEL").ok().as_deref().map(str::trim) {
+        match std::env::var("NVFP4_PROBE_MOE_KERNEL")
+            .ok()
+            .as_deref()
+            .map(str::trim)
+        {
             Some("fma") => MoeKernel::Fma,
             _ => MoeKernel::Mma,
         }

@@ -56,8 +56,8 @@ pub(crate) use super::stage::STAGE;
 pub use super::stage::{Buf, Mem};
 pub use image::KERNEL_SOURCE;
 pub use kernels::{
-    ActQuantOut, AqSeg, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R, MOE_R, MT_EPI, MoeKernel,
-    MT_POST, MT_SWAP, MT_WBF16,
+    ActQuantOut, AqSeg, MoeKernel, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R,
+    MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
 pub use moe::ExpertsOut;
 pub use stats::{KernelTimer, PendingMetrics};
