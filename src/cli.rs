@@ -107,7 +107,8 @@ pub struct EngineArgs {
     pub served_chunk: Option<usize>,
     /// Emulate an engine bug at the --served-chunk boundaries: KIND or KIND@Ln (one layer).
     /// compressor-state-lost: the compressors' pending rows read as zeros after a boundary;
-    /// window-context-zeroed: the sliding window's KV rows of the chunk before read as zeros.
+    /// window-context-zeroed: the sliding window's KV rows of the chunk before read as zeros;
+    /// rope-position-reset: q_rope / kv_rope positions counted from each chunk's first token.
     #[arg(
         long = "engine-fault",
         value_name = "KIND[@Ln]",

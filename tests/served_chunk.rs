@@ -209,6 +209,7 @@ fn engine_faults_diverge_after_a_boundary_and_bisect_names_the_chunk_state() {
     for (fault, op) in [
         ("compressor-state-lost@L3", "L3.attn.compressor"),
         ("window-context-zeroed@L2", "L2.attn.core"),
+        ("rope-position-reset@L1", "L1.attn.q_rope"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let jp = d.path().join("bisect.json");
@@ -231,7 +232,11 @@ fn engine_faults_diverge_after_a_boundary_and_bisect_names_the_chunk_state() {
 
 #[test]
 fn the_runs_own_token_chunks_do_not_change_a_chunked_prefill() {
-    let f = ["compressor-state-lost", "window-context-zeroed@L1"];
+    let f = [
+        "compressor-state-lost",
+        "window-context-zeroed@L1",
+        "rope-position-reset@L2",
+    ];
     let base = without_consequence(records(&run_opts(300, prefill(64, &f), None, false)));
     for chunk in [50usize, 128] {
         let r = run_opts(300, prefill(64, &f), Some(chunk), false);

@@ -4,7 +4,8 @@
 //! taking what the chunk before left (`OpEnv::take_carry`, as a run in token chunks does,
 //! `probe::chunked`), its attention and its indexer reading the earlier chunks' keys from their
 //! FP8 caches (`OpEnv::cached_before`, `model::attn`). The engine faults (`--engine-fault`) change what
-//! crosses a boundary. Every other op, and the oracles, run as they would without it. Inside a
+//! crosses a boundary (`rope-position-reset` also splits the RoPE ops it targets, their positions
+//! counted from each engine chunk's start). Every other op, and the oracles, run as they would without it. Inside a
 //! run in token chunks the engine's chunks are cut at the same multiples of N.
 
 use super::env::PathEnv;
@@ -16,12 +17,20 @@ use crate::served::engine::{EngineFaultKind, Prefill};
 use crate::served::PathKind;
 use crate::{Error, Result, Tensor};
 
-/// True for the ops whose served numerics change when the prompt is prefilled in chunks.
-pub fn splits(op: &Op) -> bool {
+/// True for the ops whose served numerics change when the prompt is prefilled in chunks of
+/// `prefill`: those whose rows depend on earlier tokens, and the RoPE ops of a layer that
+/// [`EngineFaultKind::RopePositionReset`] targets.
+pub fn splits(op: &Op, prefill: &Prefill) -> bool {
     matches!(
         op.kind,
         OpKind::Compressor | OpKind::Indexer | OpKind::Attention
-    )
+    ) || resets_positions(op, prefill)
+}
+
+/// A RoPE op whose positions the engine counts from each chunk's start (`rope-position-reset`).
+fn resets_positions(op: &Op, prefill: &Prefill) -> bool {
+    matches!(op.kind, OpKind::QRope | OpKind::KvRope)
+        && prefill.has(EngineFaultKind::RopePositionReset, op.layer.unwrap_or(0))
 }
 
 /// The engine chunks of `prefill` inside the tokens `at`: cut at the multiples of its size.
@@ -45,9 +54,10 @@ pub fn engine_chunks(prefill: &Prefill, at: ChunkAt) -> Vec<ChunkAt> {
 /// joined.
 pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut PathEnv) -> Result<Vec<Tensor>> {
     let prefill = match (&env.shared.prefill, env.kind) {
-        (Some(p), PathKind::Served) if splits(op) => p.clone(),
+        (Some(p), PathKind::Served) if splits(op, p) => p.clone(),
         _ => return crate::model::exec(op, inputs, env),
     };
+    let reset = resets_positions(op, &prefill);
     let t = inputs.first().map_or(0, |x| x.rows());
     let outer = env.shared.at;
     let at = outer.unwrap_or(ChunkAt {
@@ -69,7 +79,17 @@ pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut PathEnv) -> Result<Vec<Tensor
         if sub.start > 0 && sub.start == prefill.chunk_start(sub.start) {
             boundary_faults(env, op, &prefill, layer);
         }
-        env.shared.at = Some(sub);
+        env.shared.at = Some(if reset {
+            // the engine's positions: from its chunk's first token
+            let c0 = prefill.chunk_start(sub.start);
+            ChunkAt {
+                start: sub.start - c0,
+                end: sub.end - c0,
+                total: sub.total,
+            }
+        } else {
+            sub
+        });
         let r = crate::model::exec(op, &refs, env);
         env.shared.at = outer;
         parts.push(r?);

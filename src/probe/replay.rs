@@ -377,7 +377,10 @@ impl Replayer<'_> {
     }
     /// Whether the served path prefills this op in an engine's chunks (`--served-chunk`).
     pub fn prefills_in_chunks(&self) -> bool {
-        self.shared.prefill.is_some() && crate::probe::prefill::splits(&self.cap.op)
+        self.shared
+            .prefill
+            .as_ref()
+            .is_some_and(|p| crate::probe::prefill::splits(&self.cap.op, p))
     }
 
     /// [`Replayer::eval`] without patches, the prompt prefilled whole (no `--served-chunk`):

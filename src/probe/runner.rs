@@ -361,7 +361,10 @@ pub(super) fn execs(
     // the served numerics differ from the BF16 oracle's where a weight is quantized, and
     // where the engine's chunked prefill changes the op (`--served-chunk`)
     let quantized = touched.iter().any(|t| shared.is_quantized(t))
-        || (shared.prefill.is_some() && super::prefill::splits(op));
+        || shared
+            .prefill
+            .as_ref()
+            .is_some_and(|p| super::prefill::splits(op, p));
     let iso: Vec<Tensor> = if quantized {
         let span = "exec: served isolated";
         exec_as(shared, op, &bf_inputs, PathKind::Served, 3, span)?

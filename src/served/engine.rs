@@ -21,18 +21,24 @@ pub enum EngineFaultKind {
     /// The sliding window's KV rows of the chunk before read as zeros (cache slots never
     /// written, as a slot-mapping bug leaves them).
     WindowContextZeroed,
+    /// RoPE positions counted from each chunk's first token instead of the prompt's (a
+    /// positions tensor built per chunk without its offset): the queries' and keys' rotations
+    /// of every later chunk start again at position 0.
+    RopePositionReset,
 }
 
 impl EngineFaultKind {
-    pub const ALL: [EngineFaultKind; 2] = [
+    pub const ALL: [EngineFaultKind; 3] = [
         EngineFaultKind::CompressorStateLost,
         EngineFaultKind::WindowContextZeroed,
+        EngineFaultKind::RopePositionReset,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
             EngineFaultKind::CompressorStateLost => "compressor-state-lost",
             EngineFaultKind::WindowContextZeroed => "window-context-zeroed",
+            EngineFaultKind::RopePositionReset => "rope-position-reset",
         }
     }
 
@@ -41,6 +47,7 @@ impl EngineFaultKind {
         match self {
             EngineFaultKind::CompressorStateLost => "the compressors' state cache is not carried across a chunk boundary: the rows of the block still pending (ratio 4: and of the block before, which the overlapping pool reads) read as zeros",
             EngineFaultKind::WindowContextZeroed => "the sliding window's KV rows of the chunk before read as zeros (cache slots never written, as a slot-mapping bug leaves them): the first queries of each chunk attend to zero keys",
+            EngineFaultKind::RopePositionReset => "RoPE positions counted from each chunk's first token instead of the prompt's (a positions tensor built per chunk without its offset): the q and kv rotations (q_rope, kv_rope) of every later chunk start again at 0",
         }
     }
 
