@@ -160,7 +160,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let y = g.alloc(total * n * 4)?;
         g.memset(y.ptr, 0xFF, total * n * 4)?;
         let xp = if xbf { x16b.ptr } else { xb.ptr };
-        g.moe_gemm_with(kernel, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
+        g.moe_gemm(kernel, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
         let got: Vec<f32> = g.download(y.ptr, total * n)?;
         let mut c = exact(
             &format!("grouped experts GEMM ({kname}): {name}"),

@@ -458,13 +458,24 @@ impl Gpu {
         for (j, out) in [(0usize, gt), (1, up)] {
             let (xp, xbf) =
                 self.moe_act(acts[j], xs, total, d, segs, &plans[j], &|ui| health(ui, j))?;
-            self.moe_gemm(xp, xbf, d, &tiles(&plans[j]), inter, d, out, inter)?;
+            let kn = self.moe_kernel;
+            self.moe_gemm(kn, xp, xbf, d, &tiles(&plans[j]), inter, d, out, inter)?;
         }
         self.swiglu_store(gt, up, act, n_el, limit, round)?;
         let (xp, xbf) = self.moe_act(acts[2], act, total, inter, segs, &plans[2], &|ui| {
             health(ui, 2)
         })?;
-        self.moe_gemm(xp, xbf, inter, &tiles(&plans[2]), d, inter, ys, d)?;
+        self.moe_gemm(
+            self.moe_kernel,
+            xp,
+            xbf,
+            inter,
+            &tiles(&plans[2]),
+            d,
+            inter,
+            ys,
+            d,
+        )?;
         if plans[2].iter().all(|(_, p)| p.is_none()) {
             // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7), as
             // the per-expert sequence counts it

@@ -323,28 +323,12 @@ impl Gpu {
         self.moe_kernel.tile_rows()
     }
 
-    /// The grouped experts' GEMM of this backend ([`Gpu::moe_gemm_with`] with `self.moe_kernel`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_gemm(
-        &self,
-        x: u64,
-        xbf: bool,
-        ldx: usize,
-        tiles: &[MoeTile],
-        n: usize,
-        k: usize,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        self.moe_gemm_with(self.moe_kernel, x, xbf, ldx, tiles, n, k, y, ldy)
-    }
-
     /// For every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and rounded once
     /// (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`, y f32 with
     /// row stride `ldy`, by `kernel` (tiles of at most its [`MoeKernel::tile_rows`]). Needs
     /// k % 16 == 0 (k % 32 for MXFP4) and 16-byte aligned rows.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_gemm_with(
+    pub fn moe_gemm(
         &self,
         kernel: MoeKernel,
         x: u64,
