@@ -36,14 +36,6 @@ const ATTN_BLAS_BYTES: usize = kern::BLAS_BLOCK_BYTES;
 /// Keys per CUDA block of `attn_gather` (`ATTN_GATHER_KEYS` in kernels/layer.cu).
 const ATTN_GATHER_KEYS: usize = 16;
 
-/// Queries per block of the batched-DGEMM attention for `max_keys` keys per query: as many as
-/// fit [`ATTN_BLAS_BYTES`] (gathered f64 keys, f64 scores and probabilities, f64 queries and
-/// outputs; at least one).
-pub fn attn_blas_block(h: usize, dh: usize, max_keys: usize) -> usize {
-    let per = 8 * (max_keys * dh + 2 * h * max_keys + 2 * h * dh) + 4;
-    (ATTN_BLAS_BYTES / per).max(1)
-}
-
 /// Keys per tile of `gqa_attn`'s scores in shared memory (`GQA_TILE` in kernels/layer.cu).
 const GQA_TILE: usize = 1024;
 
@@ -129,7 +121,7 @@ impl Gpu {
             return Ok(());
         }
         let hd = h * dh;
-        let bq = attn_blas_block(h, dh, mk).min(a.t);
+        let bq = kern::attn_blas_block(h, dh, mk).min(a.t);
         let kg = self.scratch("attn_kg", bq * mk * dh.max(1) * 8)?;
         let sd = self.scratch("attn_s", bq * h * mk.max(1) * 8)?;
         let pd = self.scratch("attn_p", bq * h * mk.max(1) * 8)?;

@@ -459,11 +459,34 @@ const SCORE_BLOCK_BYTES: usize = 64 << 20;
 /// one block of queries (gathered keys, scores, probabilities; the indexer's per-head products).
 pub const BLAS_BLOCK_BYTES: usize = 192 << 20;
 
-/// Device bytes the batched-DGEMM attention and indexer keep beside the activations, for
-/// prompts of `n_c` compressed rows of indexer keys `di` wide: both blocks (each allocation
-/// rounded up to a power of two) and the f64 keys.
-pub fn blas_scratch_bytes(n_c: usize, di: usize) -> usize {
-    4 * BLAS_BLOCK_BYTES + (n_c * di * 8).next_power_of_two()
+/// Queries per block of a device's batched-DGEMM attention for `max_keys` keys per query: as
+/// many as fit [`BLAS_BLOCK_BYTES`] (gathered f64 keys, f64 scores and probabilities, f64
+/// queries and outputs; at least one).
+pub fn attn_blas_block(h: usize, dh: usize, max_keys: usize) -> usize {
+    (BLAS_BLOCK_BYTES / attn_blas_query_bytes(h, dh, max_keys)).max(1)
+}
+
+fn attn_blas_query_bytes(h: usize, dh: usize, max_keys: usize) -> usize {
+    8 * (max_keys * dh + 2 * h * max_keys + 2 * h * dh) + 4
+}
+
+/// Device bytes the batched-DGEMM attention and indexer scoring keep beside the activations
+/// for calls of at most `rows` queries of `h` heads of `dh` over at most `max_keys` keys, and
+/// (CSA layers) `hi` indexer heads of `di` over `n_c` compressed rows: each block at most
+/// [`BLAS_BLOCK_BYTES`], every allocation counted twice (scratch buffers are rounded up to a
+/// power of two), and the indexer's f64 keys.
+pub fn blas_scratch_bytes(
+    rows: usize,
+    (h, dh, max_keys): (usize, usize, usize),
+    index: Option<(usize, usize, usize)>,
+) -> usize {
+    let attn = (rows * attn_blas_query_bytes(h, dh, max_keys)).min(BLAS_BLOCK_BYTES);
+    let idx = index.map_or(0, |(hi, di, n_c)| {
+        let s = (rows * hi * n_c * 8).min(BLAS_BLOCK_BYTES);
+        let sub = (BLAS_BLOCK_BYTES / (hi * n_c * 8).max(1)).clamp(1, rows.max(1));
+        s + sub * hi * di * 8 + n_c * di * 8
+    });
+    2 * (attn + idx)
 }
 
 /// Rows per scoring block for n_c compressed rows (at least one).
@@ -754,6 +777,34 @@ mod work_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_dgemm_attention_blocks_fit_their_bound() {
+        // V4-Flash CSA at 4k: 64 heads of 512 over 128 window + 512 selected keys; per query
+        // 8 · (640·512 + 2·64·640 + 2·64·512) + 4 bytes
+        let per = 8 * (640 * 512 + 2 * 64 * 640 + 2 * 64 * 512) + 4;
+        let b = attn_blas_block(64, 512, 640);
+        assert!(
+            b * per <= BLAS_BLOCK_BYTES && (b + 1) * per > BLAS_BLOCK_BYTES,
+            "{b}"
+        );
+        assert_eq!(attn_blas_block(64, 512, 1 << 30), 1);
+        // small calls count what they hold, twice (power-of-two scratch): 10 queries of 4 heads
+        // of 8 over 20 keys, 2 indexer heads of 4 over 5 rows
+        let attn = 10 * (8 * (20 * 8 + 2 * 4 * 20 + 2 * 4 * 8) + 4);
+        assert_eq!(blas_scratch_bytes(10, (4, 8, 20), None), 2 * attn);
+        let idx = 10 * 2 * 5 * 8 + 10 * 2 * 4 * 8 + 5 * 4 * 8;
+        assert_eq!(
+            blas_scratch_bytes(10, (4, 8, 20), Some((2, 4, 5))),
+            2 * (attn + idx)
+        );
+        // long prompts: each block at its bound
+        let big = blas_scratch_bytes(16384, (64, 512, 640), Some((64, 128, 32768)));
+        assert!(
+            big >= 4 * BLAS_BLOCK_BYTES && big <= 6 * BLAS_BLOCK_BYTES,
+            "{big}"
+        );
+    }
 
     /// Uniform values in [−1, 1) from a fixed LCG (never exactly zero is not needed here).
     fn lcg(seed: u64, n: usize) -> Vec<f32> {

@@ -327,12 +327,24 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     } else {
         0.0
     };
-    // the batched-DGEMM attention's and indexer's blocks and f64 keys (backend/attn.rs)
-    let blas = if csa {
-        crate::device::kern::blas_scratch_bytes((t / 4.0) as usize, cfg.index_head_dim)
-    } else {
-        2 * crate::device::kern::BLAS_BLOCK_BYTES
-    } as f64;
+    // the batched-DGEMM attention's and indexer's blocks and f64 keys (backend/attn.rs): keys
+    // per query, the window and the most compressed rows a layer's query reads
+    let tokens = plan.tokens as usize;
+    let max_keys = cfg.sliding_window
+        + ratios
+            .iter()
+            .map(|&r| match r {
+                0 => 0,
+                4 => cfg.index_topk.min(tokens / 4),
+                r => tokens / r,
+            })
+            .max()
+            .unwrap_or(0);
+    let blas = crate::device::kern::blas_scratch_bytes(
+        rows as usize,
+        (cfg.num_attention_heads, cfg.head_dim, max_keys),
+        csa.then_some((cfg.index_n_heads, cfg.index_head_dim, tokens / 4)),
+    ) as f64;
     let device = plan
         .device
         .then_some(DEVICE_ACTIVATIONS * activations + attention + stage + held + blas);
