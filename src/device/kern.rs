@@ -801,7 +801,7 @@ mod tests {
         // long prompts: each block at its bound
         let big = blas_scratch_bytes(16384, (64, 512, 640), Some((64, 128, 32768)));
         assert!(
-            big >= 4 * BLAS_BLOCK_BYTES && big <= 6 * BLAS_BLOCK_BYTES,
+            (4 * BLAS_BLOCK_BYTES..=6 * BLAS_BLOCK_BYTES).contains(&big),
             "{big}"
         );
     }
