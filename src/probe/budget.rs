@@ -12,8 +12,9 @@
 //!
 //! Available host memory is the least of /proc/meminfo's MemAvailable, the cgroup's limit minus
 //! its usage (v2 and v1; reclaimable page cache counted as free) and RLIMIT_AS minus the address
-//! space already mapped; on CUDA the token-dependent part (activations, attention, the loader's
-//! staging cap) is checked against the device's memory as well.
+//! space already mapped; on CUDA the token-dependent part (activations, attention, the DGEMM
+//! attention's and indexer's blocks, the loader's staging cap) is checked against the device's
+//! memory as well.
 
 use crate::model::ModelConfig;
 use crate::{Error, Result};
