@@ -29,10 +29,6 @@ fn attn_smem(max_keys: usize) -> Option<usize> {
     (smem <= SMEM_DEFAULT).then_some(smem)
 }
 
-/// Device bytes the batched-DGEMM attention (`attn_blas`) and indexer scores use for one block
-/// of queries at most ([`kern::BLAS_BLOCK_BYTES`]).
-const ATTN_BLAS_BYTES: usize = kern::BLAS_BLOCK_BYTES;
-
 /// Keys per CUDA block of `attn_gather` (`ATTN_GATHER_KEYS` in kernels/layer.cu).
 const ATTN_GATHER_KEYS: usize = 16;
 
@@ -110,7 +106,7 @@ impl Gpu {
     }
 
     /// The attention core of the queries of `a` as attn_core computes it, on the FP64 tensor
-    /// cores: per block of queries ([`attn_blas_block`]) their keys gathered and widened
+    /// cores: per block of queries ([`kern::attn_blas_block`]) their keys gathered and widened
     /// (`attn_gather`), the scores of every head as one batched DGEMM (queries as the batch,
     /// [h, dh] · [keys, dh]ᵀ), attn_core's softmax per (query, head) row (`attn_softmax`), the
     /// outputs as a second batched DGEMM ([h, keys] · [keys, dh]), rounded once to f32. The
@@ -160,15 +156,7 @@ impl Gpu {
                 nk,
                 kg,
             )?;
-            self.kern().to_f64(
-                (rows * hd) as u64,
-                row_at(l.q, b0, hd),
-                0,
-                rows as u64,
-                hd as u64,
-                hd as u64,
-                qd,
-            )?;
+            self.widen(row_at(l.q, b0, hd), 0, rows, hd, hd, qd)?;
             if mk > 0 && dh > 0 {
                 // scores: column-major Sᵀ[keys, h] = Kg[dh, keys]ᵀ · Qᵀ[dh, h] per query
                 self.dgemm_batched(
@@ -208,14 +196,7 @@ impl Gpu {
             } else {
                 self.memset(od, 0, rows * hd * 8)?;
             }
-            self.kern().from_f64(
-                (rows * hd) as u64,
-                od,
-                rows as u64,
-                hd as u64,
-                hd as u64,
-                row_at(l.out, b0, hd),
-            )?;
+            self.narrow(od, rows, hd, hd, row_at(l.out, b0, hd))?;
         }
         Ok(())
     }
@@ -584,15 +565,7 @@ impl Gpu {
         // the keys widened to f64 once, for the batched DGEMM scores
         let kd = if self.attn_blas && m_max > kk {
             let kd = self.scratch("idx_k", m_max * di.max(1) * 8)?;
-            self.kern().to_f64(
-                (m_max * di) as u64,
-                kb.ptr,
-                0,
-                m_max as u64,
-                di as u64,
-                di as u64,
-                kd,
-            )?;
+            self.widen(kb.ptr, 0, m_max, di, di, kd)?;
             Some(kd)
         } else {
             None
@@ -625,7 +598,7 @@ impl Gpu {
     }
 
     /// `indexer_scores` of `nq` queries against the first `m` keys, the dot products as DGEMMs:
-    /// per sub-block of queries (at most [`ATTN_BLAS_BYTES`] of f64 products) q [nq·hi, di]
+    /// per sub-block of queries (at most [`kern::BLAS_BLOCK_BYTES`] of f64 products) q [nq·hi, di]
     /// widened, times the f64 keys `kd` [m, di]ᵀ, then `indexer_reduce` (relu, f32, weighted sum
     /// over the heads in order) into scores [nq, m] at `out`.
     fn indexer_blas(
@@ -639,20 +612,12 @@ impl Gpu {
         if nq == 0 || m == 0 || hi == 0 {
             return Ok(());
         }
-        let ns = (ATTN_BLAS_BYTES / (hi * m * 8).max(1)).clamp(1, nq);
+        let ns = (kern::BLAS_BLOCK_BYTES / (hi * m * 8).max(1)).clamp(1, nq);
         let qd = self.scratch("idx_q", ns * hi * di.max(1) * 8)?;
         let sd = self.scratch("idx_s", ns * hi * m * 8)?;
         for (a, b) in kern::chunks(nq, ns) {
             let r = (b - a) * hi;
-            self.kern().to_f64(
-                (r * di) as u64,
-                row_at(q, a, hi * di),
-                0,
-                r as u64,
-                di as u64,
-                di as u64,
-                qd,
-            )?;
+            self.widen(row_at(q, a, hi * di), 0, r, di, di, qd)?;
             if di == 0 {
                 self.memset(sd, 0, r * m * 8)?;
             } else {

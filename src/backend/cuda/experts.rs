@@ -437,7 +437,8 @@ impl Gpu {
         limit: f32,
     ) -> Result<Vec<(usize, [Option<Nvfp4Params>; 3])>> {
         let round = kind != PathKind::OracleFp32;
-        let per = self.moe_tile_rows();
+        let kn = self.moe_kernel;
+        let per = kn.tile_rows();
         let tiles = |plan: &[(MoeTile, Option<Nvfp4Params>)]| -> Vec<MoeTile> {
             let mut v = Vec::new();
             for (&(r0, rows), (t, _)) in segs.iter().zip(plan) {
@@ -458,24 +459,13 @@ impl Gpu {
         for (j, out) in [(0usize, gt), (1, up)] {
             let (xp, xbf) =
                 self.moe_act(acts[j], xs, total, d, segs, &plans[j], &|ui| health(ui, j))?;
-            let kn = self.moe_kernel;
             self.moe_gemm(kn, xp, xbf, d, &tiles(&plans[j]), inter, d, out, inter)?;
         }
         self.swiglu_store(gt, up, act, n_el, limit, round)?;
         let (xp, xbf) = self.moe_act(acts[2], act, total, inter, segs, &plans[2], &|ui| {
             health(ui, 2)
         })?;
-        self.moe_gemm(
-            self.moe_kernel,
-            xp,
-            xbf,
-            inter,
-            &tiles(&plans[2]),
-            d,
-            inter,
-            ys,
-            d,
-        )?;
+        self.moe_gemm(kn, xp, xbf, inter, &tiles(&plans[2]), d, inter, ys, d)?;
         if plans[2].iter().all(|(_, p)| p.is_none()) {
             // no served NVFP4 quantization observed w2's activation: its amax alone (slot 7), as
             // the per-expert sequence counts it

@@ -6,7 +6,7 @@ use super::*;
 
 impl Gpu {
     /// f32 or BF16-bits [rows, cols] with row stride `ld` → contiguous f64.
-    fn widen(
+    pub(crate) fn widen(
         &self,
         src: u64,
         bf: i32,
@@ -19,6 +19,25 @@ impl Gpu {
             (rows * cols) as u64,
             src,
             bf,
+            rows as u64,
+            cols as u64,
+            ld as u64,
+            dst,
+        )
+    }
+
+    /// Contiguous f64 [rows, cols] → f32 with row stride `ld`, each value rounded once.
+    pub(crate) fn narrow(
+        &self,
+        src: u64,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        dst: u64,
+    ) -> Result<()> {
+        self.kern().from_f64(
+            (rows * cols) as u64,
+            src,
             rows as u64,
             cols as u64,
             ld as u64,
@@ -78,8 +97,7 @@ impl Gpu {
         } else {
             self.timed("cuBLAS DGEMM", || self.dgemm(xd, wd, yd, m, n, k))?;
         }
-        self.kern()
-            .from_f64((m * n) as u64, yd, m as u64, n as u64, ldy as u64, y)
+        self.narrow(yd, m, n, ldy, y)
     }
 
     /// [`Gpu::gemm`] over `groups` blocks: x block g (m rows from row g·m) times weight rows

@@ -318,11 +318,6 @@ impl Gpu {
         )
     }
 
-    /// Rows per [`MoeTile`] of the grouped experts' GEMM this backend launches.
-    pub fn moe_tile_rows(&self) -> usize {
-        self.moe_kernel.tile_rows()
-    }
-
     /// For every tile, y[rows, n] = x[rows, k] · decode(w)ᵀ accumulated in f64 and rounded once
     /// (then the tile's epilogue), x f32 or BF16 bits (`xbf`) with row stride `ldx`, y f32 with
     /// row stride `ldy`, by `kernel` (tiles of at most its [`MoeKernel::tile_rows`]). Needs
