@@ -390,17 +390,17 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // For every tile (up to MMA_R consecutive rows that one routed expert sees) y[r, c] = sum_k
 // x[r, k] * w_e[c, k], with moe_gemm_f64's decodes, exact f64 products, f64 sums, one rounding
 // to f32 and its epilogue: only the order of the f64 sum differs (as between cuBLAS's DGEMM and
-// the CPU). A block of MMA_WARPS warps computes 32 * NF output columns of one tile (NF 8-column
-// fragments per warp; moe_mma_f64 takes NF = 2: NF = 4 ran 20 % slower on the H200, BENCHMARKS.md
-// session 26), stepping k by 16 (one NVFP4
-// block, half an MXFP4 one): each step's x rows (converted to f64 once per block) and decoded
-// weight rows (decoded once per block and step, not once per row) are staged in shared memory,
-// then every warp runs mma.m8n8k4.f64 over its columns and the tile's 8-row fragments (MF of
-// them). The next step's global loads are issued before this step's products. Rows past the
-// tile's and columns past n are staged as zeros and never stored.
-// Thread i stages x row i / 2 and weight rows (output columns) c0 + i / 2 + 64 j (j < NF / 2),
-// elements 8 (i % 2)..+8 of the step.
+// the CPU). A block of MMA_WARPS warps computes MMA_C output columns of one tile, two 8-column
+// fragments per warp (four ran 20 % slower on the H200, BENCHMARKS.md session 26), stepping k by
+// 16 (one NVFP4 block, half an MXFP4 one): each step's x rows (converted to f64 once per block)
+// and decoded weight rows (decoded once per block and step, not once per row) are staged in
+// shared memory, then every warp runs mma.m8n8k4.f64 over its columns and the tile's 8-row
+// fragments (MF of them). The next step's global loads are issued before this step's products.
+// Rows past the tile's and columns past n are staged as zeros and never stored.
+// Thread i stages x row i / 2 and weight row (output column) c0 + i / 2, elements 8 (i % 2)..+8
+// of the step.
 #define MMA_R 64
+#define MMA_C 64
 #define MMA_WARPS 4
 #define MMA_LD 20  // a staged row's stride in doubles (20 = 4 mod 16: a half warp's f64 loads hit 32 banks once)
 __device__ __forceinline__ void dmma(double (&c)[2], double a, double b) {
@@ -409,14 +409,12 @@ __device__ __forceinline__ void dmma(double (&c)[2], double a, double b) {
                  : "d"(a), "d"(b));
 }
 // What one thread reads from global memory for one step.
-template <int NF>
 struct MmaFetch {
     float xv[8];
-    u32 pk[NF / 2];  // 8 e2m1 codes per weight row
-    u32 sc[NF / 2];  // their scale byte; > 255: a column past n
+    u32 pk;  // 8 e2m1 codes of its weight row
+    u32 sc;  // their scale byte; > 255: a column past n
 };
-template <int NF>
-__device__ __forceinline__ void mma_fetch(MmaFetch<NF>& f, const void* x, int xbf, u64 ldx,
+__device__ __forceinline__ void mma_fetch(MmaFetch& f, const void* x, int xbf, u64 ldx,
                                           const MoeTile& t, u32 xrows, u64 c0, u64 n, u64 k,
                                           u64 k0, bool mx) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
@@ -437,21 +435,17 @@ __device__ __forceinline__ void mma_fetch(MmaFetch<NF>& f, const void* x, int xb
             f.xv[4] = b.x; f.xv[5] = b.y; f.xv[6] = b.z; f.xv[7] = b.w;
         }
     }
-#pragma unroll
-    for (int j = 0; j < NF / 2; j++) {
-        const u64 c = c0 + r + 64 * j;
-        if (c < n) {
-            u64 e0 = c * k + k0 + 8 * half;
-            f.pk[j] = *(const u32*)((const u8*)t.packed + e0 / 2);
-            f.sc[j] = ((const u8*)t.scales)[mx ? e0 / 32 : e0 / 16];
-        } else {
-            f.pk[j] = 0u;
-            f.sc[j] = 256u;
-        }
+    const u64 c = c0 + r;
+    if (c < n) {
+        u64 e0 = c * k + k0 + 8 * half;
+        f.pk = *(const u32*)((const u8*)t.packed + e0 / 2);
+        f.sc = ((const u8*)t.scales)[mx ? e0 / 32 : e0 / 16];
+    } else {
+        f.pk = 0u;
+        f.sc = 256u;
     }
 }
-template <int NF>
-__device__ __forceinline__ void mma_stage(const MmaFetch<NF>& f, const MoeTile& t, u32 xrows,
+__device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u32 xrows,
                                           const float* mq, const float2* me,
                                           double (*xs)[MMA_LD], double (*ws)[MMA_LD]) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
@@ -461,50 +455,47 @@ __device__ __forceinline__ void mma_stage(const MmaFetch<NF>& f, const MoeTile& 
 #pragma unroll
         for (int j = 0; j < 8; j++) xs[r][8 * half + j] = live ? (double)f.xv[j] : 0.0;
     }
+    const float q = f.sc < 256u ? mq[f.sc] : 0.0f;
 #pragma unroll
-    for (int j = 0; j < NF / 2; j++) {
-        const float q = f.sc[j] < 256u ? mq[f.sc[j]] : 0.0f;
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-            float2 e = me[(f.pk[j] >> (8 * b)) & 0xFFu];
-            float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
-            if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
-            if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
-            ws[r + 64 * j][8 * half + 2 * b] = (double)w0;
-            ws[r + 64 * j][8 * half + 2 * b + 1] = (double)w1;
-        }
+    for (int b = 0; b < 4; b++) {
+        float2 e = me[(f.pk >> (8 * b)) & 0xFFu];
+        float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
+        if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
+        if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
+        ws[r][8 * half + 2 * b] = (double)w0;
+        ws[r][8 * half + 2 * b + 1] = (double)w1;
     }
 }
-template <int MF, int NF>
+template <int MF>
 __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
                                          u64 k, float* y, u64 ldy, const float* mq,
                                          const float2* me, double (*xs)[MMA_LD],
                                          double (*ws)[MMA_LD]) {
     const bool mx = (t.flags & MT_CONV) == 3u;
     const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
-    const u32 xrows = 8 * MF, cols = 32 * NF;
-    for (u64 c0 = (u64)blockIdx.x * cols; c0 < n; c0 += (u64)gridDim.x * cols) {
-        double acc[MF][NF][2];
+    const u32 xrows = 8 * MF;
+    for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
+        double acc[MF][2][2];
 #pragma unroll
         for (int m = 0; m < MF; m++)
 #pragma unroll
-            for (int j = 0; j < NF; j++) acc[m][j][0] = acc[m][j][1] = 0.0;
-        MmaFetch<NF> f;
-        mma_fetch<NF>(f, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
+            for (int j = 0; j < 2; j++) acc[m][j][0] = acc[m][j][1] = 0.0;
+        MmaFetch f;
+        mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
         for (u64 k0 = 0; k0 < k; k0 += 16) {
-            mma_stage<NF>(f, t, xrows, mq, me, xs, ws);
+            mma_stage(f, t, xrows, mq, me, xs, ws);
             __syncthreads();
-            if (k0 + 16 < k) mma_fetch<NF>(f, x, xbf, ldx, t, xrows, c0, n, k, k0 + 16, mx);
+            if (k0 + 16 < k) mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, k0 + 16, mx);
 #pragma unroll
             for (int kk = 0; kk < 16; kk += 4) {
-                double b[NF];
+                double b[2];
 #pragma unroll
-                for (int j = 0; j < NF; j++) b[j] = ws[wid * 8 * NF + 8 * j + g][kk + tq];
+                for (int j = 0; j < 2; j++) b[j] = ws[wid * 16 + 8 * j + g][kk + tq];
 #pragma unroll
                 for (int m = 0; m < MF; m++) {
                     double a = xs[8 * m + g][kk + tq];
 #pragma unroll
-                    for (int j = 0; j < NF; j++) dmma(acc[m][j], a, b[j]);
+                    for (int j = 0; j < 2; j++) dmma(acc[m][j], a, b[j]);
                 }
             }
             __syncthreads();
@@ -514,10 +505,10 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
             const u32 r = 8 * m + g;
             if (r >= t.rows) continue;
 #pragma unroll
-            for (int j = 0; j < NF; j++) {
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const u64 c = c0 + wid * 8 * NF + 8 * j + 2 * tq + h;
+                    const u64 c = c0 + wid * 16 + 8 * j + 2 * tq + h;
                     if (c >= n) continue;
                     float o = __double2float_rn(acc[m][j][h]);
                     if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
@@ -528,23 +519,16 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
     }
 }
 
-template <int NF>
-__device__ __forceinline__ void moe_mma(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n,
-                                        u64 k, float* y, u64 ldy, double (*ws)[MMA_LD]) {
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
+    __shared__ double ws[MMA_C][MMA_LD];
     __shared__ float mq[256];
     __shared__ float2 me[256];
     __shared__ double xs[MMA_R][MMA_LD];
     const MoeTile t = tiles[blockIdx.y];
     moe_tables(t, mq, me);
-    if (t.rows <= 8) mma_tile<1, NF>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else if (t.rows <= 16) mma_tile<2, NF>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else if (t.rows <= 32) mma_tile<4, NF>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else mma_tile<8, NF>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    if (t.rows <= 8) mma_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    else if (t.rows <= 16) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    else if (t.rows <= 32) mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    else mma_tile<8>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
 }
-
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
-moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    __shared__ double ws[64][MMA_LD];
-    moe_mma<2>(x, xbf, ldx, tiles, n, k, y, ldy, ws);
-}
-
