@@ -179,6 +179,30 @@ extern "C" __global__ void hc_post(const float* y, const float* x, const float* 
 
 // ---- attention ---------------------------------------------------------------------------------
 
+// The keys of the query at position p (attn_core, attn_gather): its window rows [lo, lo + nwin)
+// and the count of compressed rows below its causal bound, min((p + 1) / ratio, n_c) (0 when
+// ratio = 0).
+__device__ __forceinline__ void attn_window(u64 p, u64 win, u64* lo, u64* nwin) {
+    *lo = (p + 1 > win) ? p + 1 - win : 0;
+    *nwin = win > 0 ? p + 1 - *lo : 0;
+}
+__device__ __forceinline__ u64 attn_causal(u64 p, u64 ratio, u64 n_c) {
+    u64 m = 0;
+    if (ratio > 0) {
+        m = (p + 1) / ratio;
+        if (m > n_c) m = n_c;
+    }
+    return m;
+}
+
+// The softmax denominator of attn_core's scores sc[0..n) with the sink's logit sk, both less the
+// max mx: exp(sk - mx) + sum exp(s - mx) in f64 (the block's threads split the keys).
+__device__ __forceinline__ double attn_den(const float* sc, u32 n, float mx, float sk, double* red) {
+    double part = 0.0;
+    for (u32 key = threadIdx.x; key < n; key += blockDim.x) part = __dadd_rn(part, exp64(__fsub_rn(sc[key], mx)));
+    return __dadd_rn(exp64(__fsub_rn(sk, mx)), block_sum_d(part, red));
+}
+
 // One block per (query ti, head); blockDim.x a multiple of 32. Query ti sits at position p = q0 + ti.
 // Keys: the window [p - win + 1, p] of kv (kv's row 0 is position kv0), then the compressed rows of cmp
 // [n_c, dh] below the causal count m = min((p + 1) / ratio, n_c) (none when ratio = 0): with a selection
@@ -198,18 +222,14 @@ extern "C" __global__ void attn_core(const float* q, const float* kv, const floa
     u64 ti = task / h, head = task % h;
     u64 p = q0 + ti;
     const float* qv = q + (ti * h + head) * dh;
-    u64 lo = (p + 1 > win) ? p + 1 - win : 0;
-    u64 nwin = win > 0 ? p + 1 - lo : 0;
+    u64 lo, nwin;
+    attn_window(p, win, &lo, &nwin);
     // list the keys (thread 0; cheap next to the dot products)
     __shared__ u32 nkeys;
     if (threadIdx.x == 0) {
         u32 n = 0;
         for (u64 k = 0; k < nwin; k++) kidx[n++] = (int)(lo + k - kv0);
-        u64 m = 0;
-        if (ratio > 0) {
-            m = (p + 1) / ratio;
-            if (m > n_c) m = n_c;
-        }
+        u64 m = attn_causal(p, ratio, n_c);
         if (has_sel) {
             for (u64 e = 0; e < kk; e++) {
                 int v = sel[ti * kk + e];
@@ -242,9 +262,7 @@ extern "C" __global__ void attn_core(const float* q, const float* kv, const floa
     }
     __syncthreads();
     float mx = mxs;
-    double part = 0.0;
-    for (u32 key = threadIdx.x; key < nk; key += blockDim.x) part = __dadd_rn(part, exp64(__fsub_rn(sc[key], mx)));
-    double den = __dadd_rn(exp64(__fsub_rn(sk, mx)), block_sum_d(part, red));
+    double den = attn_den(sc, nk, mx, sk, red);
     for (u32 key = threadIdx.x; key < nk; key += blockDim.x)
         sc[key] = __double2float_rn(__ddiv_rn(exp64(__fsub_rn(sc[key], mx)), den));
     __syncthreads();
@@ -275,13 +293,9 @@ extern "C" __global__ void attn_gather(const float* kv, const float* cmp, const 
     if (ti >= t) return;
     u64 p = q0 + ti;
     if (threadIdx.x == 0) {
-        u64 lo = (p + 1 > win) ? p + 1 - win : 0;
-        u64 nwin = win > 0 ? p + 1 - lo : 0;
-        u64 m = 0;
-        if (ratio > 0) {
-            m = (p + 1) / ratio;
-            if (m > n_c) m = n_c;
-        }
+        u64 lo, nwin;
+        attn_window(p, win, &lo, &nwin);
+        u64 m = attn_causal(p, ratio, n_c);
         u64 room = max_keys > nwin ? max_keys - nwin : 0;
         u64 nc = m;
         if (has_sel) {
@@ -345,9 +359,7 @@ extern "C" __global__ void attn_softmax(const double* s, const int* nk, const fl
     __syncthreads();
     mx = sk;
     for (u32 i = 0; i < (blockDim.x >> 5); i++) mx = rmax(mx, mxw[i]);
-    double part = 0.0;
-    for (u32 key = threadIdx.x; key < n; key += blockDim.x) part = __dadd_rn(part, exp64(__fsub_rn(sc[key], mx)));
-    double den = __dadd_rn(exp64(__fsub_rn(sk, mx)), block_sum_d(part, red));
+    double den = attn_den(sc, n, mx, sk, red);
     for (u64 key = threadIdx.x; key < max_keys; key += blockDim.x)
         pw[key] = key < n ? (double)__double2float_rn(__ddiv_rn(exp64(__fsub_rn(sc[key], mx)), den)) : 0.0;
 }
