@@ -214,12 +214,7 @@ impl Gpu {
             grouped_ok: self.grouped_experts
                 && self.exact64
                 && self.v2
-                && if self.moe_kernel != MoeKernel::Fma {
-                    // the tiles of one linear fit one launch's grid
-                    total / MMA_R + used.len() <= 65_535
-                } else {
-                    most_rows <= GROUPED_MAX_ROWS
-                },
+                && self.moe_kernel.takes(most_rows, total, used.len()),
             grouped: false,
             launched: 0,
             params: Vec::with_capacity(used.len()),

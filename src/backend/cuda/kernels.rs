@@ -112,6 +112,17 @@ impl MoeKernel {
         }
     }
 
+    /// Whether one grouped launch per linear takes an op of `total` gathered rows over `experts`
+    /// experts, the busiest with `most_rows`: the FMA kernel only experts of at most
+    /// [`GROUPED_MAX_ROWS`](super::moe::GROUPED_MAX_ROWS) rows (more run per expert through
+    /// cuBLAS), the tensor-core kernel any, as long as the tiles fit one launch's grid.
+    pub fn takes(self, most_rows: usize, total: usize, experts: usize) -> bool {
+        match self {
+            MoeKernel::Fma => most_rows <= super::moe::GROUPED_MAX_ROWS,
+            MoeKernel::Mma => total / MMA_R + experts <= 65_535,
+        }
+    }
+
     /// Output columns per CUDA block.
     fn cols(self) -> usize {
         match self {

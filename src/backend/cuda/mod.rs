@@ -65,7 +65,7 @@ pub use transfer::{Bounce, DevRef, DevTensor};
 
 use launch::KERNELS;
 use linear::WRows;
-use moe::{aq_segs, MoeAct, GROUPED_MAX_ROWS};
+use moe::{aq_segs, MoeAct};
 use served_weight::{served_key, PreparedLayout, ServedDev};
 use weights::{DevFmt, DevWeight};
 
@@ -179,7 +179,7 @@ pub struct Gpu {
     /// The grouped experts' GEMM kernel: on the FP64 tensor cores (`moe_mma_f64`, tiles of
     /// [`MMA_R`] rows, any number of rows per expert) unless `NVFP4_PROBE_MOE_KERNEL` says
     /// otherwise when the backend opened (`fma`: `moe_gemm_f64`, tiles of [`MOE_R`] rows,
-    /// experts of at most [`GROUPED_MAX_ROWS`] rows); the self-test checks both.
+    /// experts of at most [`GROUPED_MAX_ROWS`](moe::GROUPED_MAX_ROWS) rows); the self-test checks both.
     pub moe_kernel: MoeKernel,
     /// The V4 attention op runs as batched DGEMMs around a softmax kernel (`attn_blas`, FP64
     /// tensor cores) rather than one `attn_core` block per (query, head). True unless
