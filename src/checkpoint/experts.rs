@@ -9,7 +9,7 @@ use std::path::Path;
 
 use super::naming::FusedPart;
 use super::shard::RawEntry;
-use super::{Dtype, Source};
+use super::{convert, Dtype, Source};
 use crate::{Error, Result};
 
 /// The experts a fused tensor holds (its first dimension), at most what a config may declare:
@@ -78,7 +78,10 @@ pub(super) fn stacked(
 
 /// The canonical pieces of an interleaved-layout fused tensor (gpt-oss): expert e's slice is
 /// `{prefix}.ffn.experts.{e}.{leaf}`. A weight stored [E, in, out] (`Transposed`) must be a 3-D
-/// float tensor; every other must have an expert dimension and at least one more.
+/// float tensor or 3-D bytes (ModelOpt's NVFP4 data and block scales); a tensor scale may be one
+/// per expert ([E]) or one for all (a scalar, `[]` or `[1]`: [`FusedPart::Shared`], as many
+/// experts as `experts` — the projection's fused weight — holds); every other must have an
+/// expert dimension and at least one more.
 pub(super) fn per_expert(
     name: &str,
     e: &RawEntry,
@@ -86,16 +89,24 @@ pub(super) fn per_expert(
     prefix: &str,
     leaf: &str,
     part: FusedPart,
+    experts: Option<usize>,
 ) -> Result<Vec<(String, Source)>> {
+    let scalar_leaf = leaf.ends_with("weight_scale_2") || leaf.ends_with("input_scale");
+    let shared = scalar_leaf && e.shape.iter().product::<usize>() == 1 && e.shape.len() <= 1;
     let ok = match part {
         FusedPart::Transposed => {
-            e.shape.len() == 3 && matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+            e.shape.len() == 3
+                && (matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+                    || convert::elem_size(e.dtype) == Some(1))
         }
+        _ if scalar_leaf => e.shape.len() <= 1 && matches!(e.dtype, Dtype::F32 | Dtype::BF16),
         _ => e.shape.len() >= 2,
     };
     if !ok {
         let want = if part == FusedPart::Transposed {
-            "a 3-D BF16/F16/F32 [E, in, out]"
+            "a 3-D BF16/F16/F32 [E, in, out] or a 3-D byte tensor [E, in/2, out]"
+        } else if scalar_leaf {
+            "an F32 scalar or one F32 per expert [E]"
         } else {
             "[E, …] with at least two dimensions"
         };
@@ -108,7 +119,19 @@ pub(super) fn per_expert(
             ),
         ));
     }
-    Ok((0..experts_of(name, e, file)?)
+    let (n, part) = if shared {
+        let n = experts.ok_or_else(|| {
+            Error::bad(
+                file,
+                Some(name),
+                "a scale shared by every expert of a projection, but the checkpoint holds no fused weight of that projection to count the experts by",
+            )
+        })?;
+        (n, FusedPart::Shared)
+    } else {
+        (experts_of(name, e, file)?, part)
+    };
+    Ok((0..n)
         .map(|ex| {
             (
                 format!("{prefix}.ffn.experts.{ex}.{leaf}"),
@@ -129,6 +152,8 @@ pub(super) fn shape(s: &[usize], part: FusedPart) -> Vec<usize> {
         FusedPart::Gate | FusedPart::Up => vec![s[1] / 2, s[2]],
         FusedPart::Down => vec![s[1], s[2]],
         FusedPart::Transposed => vec![s[2], s[1]],
+        FusedPart::Shared => vec![],
+        FusedPart::Whole if s.len() == 1 => vec![],
         FusedPart::Whole if s.len() == 2 => vec![s[1]],
         FusedPart::Whole => vec![s[1], s[2..].iter().product()],
     }
@@ -137,12 +162,17 @@ pub(super) fn shape(s: &[usize], part: FusedPart) -> Vec<usize> {
 /// (byte offset from the fused tensor's start, byte length) of one expert's `part`, elements of
 /// `es` bytes.
 pub(super) fn bytes(s: &[usize], es: usize, expert: usize, part: FusedPart) -> (usize, usize) {
+    if part == FusedPart::Shared {
+        return (0, es);
+    }
     let per_expert = s[1..].iter().product::<usize>() * es;
     let start = expert * per_expert;
     match part {
         FusedPart::Gate => (start, per_expert / 2),
         FusedPart::Up => (start + per_expert / 2, per_expert / 2),
-        FusedPart::Down | FusedPart::Whole | FusedPart::Transposed => (start, per_expert),
+        FusedPart::Down | FusedPart::Whole | FusedPart::Transposed | FusedPart::Shared => {
+            (start, per_expert)
+        }
     }
 }
 
@@ -154,8 +184,21 @@ pub(super) fn label(raw: &str, s: &[usize], expert: usize, part: FusedPart) -> S
         FusedPart::Up => format!("{raw}[{expert}, {}..{}]", s[1] / 2, s[1]),
         FusedPart::Down => format!("{raw}[{expert}, 0..{}]", s[1]),
         FusedPart::Whole => format!("{raw}[{expert}]"),
+        FusedPart::Shared => format!("{raw} (every expert)"),
         FusedPart::Transposed => format!("{raw}[{expert}]ᵀ"),
     }
+}
+
+/// The transpose of a row-major [rows, cols] byte matrix: [cols, rows] (ModelOpt's NVFP4 expert
+/// bytes stored [in/2, out] → [out, in/2]: a byte holds two elements of one output row).
+pub(super) fn transpose_bytes(v: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = vec![0u8; v.len()];
+    for (r, row) in v.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (c, &x) in row.iter().enumerate() {
+            out[c * rows + r] = x;
+        }
+    }
+    out
 }
 
 /// The transpose of a row-major [rows, cols] matrix: [cols, rows].
@@ -212,6 +255,7 @@ mod tests {
             "layers.0",
             "w13.bias",
             FusedPart::Whole,
+            None,
         )
         .unwrap_err()
         .to_string();
@@ -235,7 +279,8 @@ mod tests {
                 f,
                 "layers.0",
                 "w2.bias",
-                FusedPart::Whole
+                FusedPart::Whole,
+                None
             )
             .unwrap()
             .len(),

@@ -16,6 +16,7 @@ pub mod quant;
 mod shard;
 pub mod writer;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,7 +40,7 @@ pub enum Span<'a> {
         offset: u64,
         len: usize,
     },
-    Mem(&'a [u8]),
+    Mem(Cow<'a, [u8]>),
 }
 
 impl Span<'_> {
@@ -360,7 +361,14 @@ impl Checkpoint {
                     }
                 }
                 Canon::PerExpert { prefix, leaf, part } => {
-                    for (c, src) in experts::per_expert(name, e, file, &prefix, &leaf, part)? {
+                    // a scale shared by the projection's experts counts them by its fused weight
+                    let fused_weight = ["gate_up_proj", "down_proj"].iter().find_map(|p| {
+                        let at = name.rfind(p)? + p.len();
+                        raw.get(&name[..at]).and_then(|w| w.shape.first().copied())
+                    });
+                    for (c, src) in
+                        experts::per_expert(name, e, file, &prefix, &leaf, part, fused_weight)?
+                    {
                         insert(c, src, name, file)?;
                     }
                 }
@@ -505,25 +513,48 @@ impl Checkpoint {
     /// Whether a canonical tensor is stored as its transpose (gpt-oss's BF16 fused experts,
     /// [in, out]): its bytes ([`Checkpoint::canonical_bytes`]) are in that stored order, while
     /// [`Checkpoint::canonical_info`], [`Checkpoint::tensor_f32`] and `weight` give [out, in].
+    /// Byte tensors stored transposed (ModelOpt's NVFP4 experts of gpt-oss) are not: their
+    /// bytes come transposed back to [out, in/2] ([`Checkpoint::canonical_bytes`]).
     pub fn stored_transposed(&self, canonical: &str) -> bool {
-        matches!(
-            self.canon.get(canonical),
+        match self.canon.get(canonical) {
             Some(Source::Slice {
+                raw,
                 part: FusedPart::Transposed,
                 ..
-            })
-        )
+            }) => convert::elem_size(self.raw[raw].dtype) != Some(1),
+            _ => false,
+        }
     }
 
-    /// Bytes of a canonical tensor as stored; a fused-expert slice touches only that expert's
-    /// rows.
-    pub fn canonical_bytes(&self, canonical: &str) -> Result<&[u8]> {
+    /// The [rows, cols] a byte tensor stored transposed per expert has as stored ([in/2, out]),
+    /// None for every other tensor (its bytes are canonical as stored).
+    fn byte_transposed(&self, canonical: &str) -> Option<(usize, usize)> {
+        match self.canon.get(canonical)? {
+            Source::Slice {
+                raw,
+                part: FusedPart::Transposed,
+                ..
+            } => {
+                let e = &self.raw[raw];
+                (convert::elem_size(e.dtype) == Some(1)).then(|| (e.shape[1], e.shape[2]))
+            }
+            _ => None,
+        }
+    }
+
+    /// Bytes of a canonical tensor; a fused-expert slice touches only that expert's rows. As
+    /// stored (borrowed from the mapping), but for byte tensors stored transposed per expert,
+    /// which come as a transposed copy in canonical order.
+    pub fn canonical_bytes(&self, canonical: &str) -> Result<Cow<'_, [u8]>> {
         let (shard_i, start, len) = self.locate(canonical)?;
         let shard = &self.shards[shard_i];
         shard.prefetch(start, len);
         let b = &shard.buf()[start..start + len];
         self.note_read(b.len());
-        Ok(b)
+        Ok(match self.byte_transposed(canonical) {
+            Some((rows, cols)) => Cow::Owned(experts::transpose_bytes(b, rows, cols)),
+            None => Cow::Borrowed(b),
+        })
     }
 
     /// (shard, byte offset, length) of a canonical tensor; a fused-expert slice is that expert's
@@ -564,6 +595,9 @@ impl Checkpoint {
     /// shards (backends read it with large positioned reads, which get the kernel's readahead
     /// where page faults on the mapping would not), the bytes themselves for in-memory shards.
     pub fn canonical_span(&self, canonical: &str) -> Result<Span<'_>> {
+        if self.byte_transposed(canonical).is_some() {
+            return Ok(Span::Mem(self.canonical_bytes(canonical)?));
+        }
         let (shard_i, start, len) = self.locate(canonical)?;
         let shard = &self.shards[shard_i];
         Ok(if shard.is_mapped() {
@@ -573,7 +607,7 @@ impl Checkpoint {
                 len,
             }
         } else {
-            Span::Mem(&shard.buf()[start..start + len])
+            Span::Mem(Cow::Borrowed(&shard.buf()[start..start + len]))
         })
     }
 
@@ -604,7 +638,7 @@ impl Checkpoint {
             ));
         }
         let mut data = convert::to_f32(
-            self.canonical_bytes(canonical)?,
+            &self.canonical_bytes(canonical)?,
             info.dtype,
             &info.file,
             &raw,

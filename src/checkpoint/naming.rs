@@ -66,8 +66,12 @@ pub enum FusedPart {
     /// [E, n] → [n], MXFP4 blocks [E, out, in/32, 16] → [out, in/2], scales [E, out, in/32]).
     Whole,
     /// Expert E's whole slice of a tensor stored [E, in, out] (gpt-oss's BF16 `gate_up_proj`,
-    /// `down_proj`): the canonical weight is its transpose, [out, in].
+    /// `down_proj`; ModelOpt's NVFP4 bytes [E, in/2, out] and block scales [E, in/16, out]): the
+    /// canonical tensor is its transpose, [out, in].
     Transposed,
+    /// A tensor stored once for every expert (ModelOpt's scalar `gate_up_proj_weight_scale_2`,
+    /// `_input_scale`): each expert's piece is the whole tensor, a scalar.
+    Shared,
 }
 
 /// How a family's transformers class fuses its routed experts (`model::family::Kind`).
@@ -129,13 +133,21 @@ fn interleaved(tail: &str) -> Option<(String, FusedPart)> {
         "_bias" => ("bias".to_string(), FusedPart::Whole),
         _ => super::formats::TABLE.iter().find_map(|s| {
             let f = s.tensors.fused_experts.as_ref()?;
+            let t = &s.tensors;
+            let data = if f.transposed {
+                FusedPart::Transposed
+            } else {
+                FusedPart::Whole
+            };
             if rest == f.data_suffix {
-                Some((s.tensors.weight_leaf.to_string(), FusedPart::Whole))
+                Some((t.weight_leaf.to_string(), data))
             } else if rest == f.scale_suffix {
-                Some((
-                    s.tensors.scale_leaves.first()?.to_string(),
-                    FusedPart::Whole,
-                ))
+                Some((t.scale_leaves.first()?.to_string(), data))
+            } else if Some(rest) == f.global_suffix {
+                // a scalar for every expert, or one per expert: `experts::per_expert` decides
+                Some((t.global_leaf?.to_string(), FusedPart::Whole))
+            } else if Some(rest) == f.input_suffix {
+                Some((t.input_leaf?.to_string(), FusedPart::Whole))
             } else {
                 None
             }

@@ -115,30 +115,30 @@ pub enum RawFormat<'a> {
     /// Raw little-endian elements of `dtype` (BF16/F16/F32).
     Dense {
         dtype: Dtype,
-        bytes: &'a [u8],
+        bytes: std::borrow::Cow<'a, [u8]>,
     },
     Fp8Block {
-        bytes: &'a [u8],
+        bytes: std::borrow::Cow<'a, [u8]>,
         scales: Vec<f32>,
         scale_kind: Fp8ScaleKind,
-        scale_raw: &'a [u8],
+        scale_raw: std::borrow::Cow<'a, [u8]>,
         block: [usize; 2],
     },
     Mxfp4 {
-        packed: &'a [u8],
-        scales: &'a [u8],
+        packed: std::borrow::Cow<'a, [u8]>,
+        scales: std::borrow::Cow<'a, [u8]>,
     },
     Nvfp4 {
-        packed: &'a [u8],
-        scales: &'a [u8],
+        packed: std::borrow::Cow<'a, [u8]>,
+        scales: std::borrow::Cow<'a, [u8]>,
         convention: Convention,
         weight_global: f32,
         input_global: Option<f32>,
     },
     Blocked {
         scheme: Scheme,
-        codes: &'a [u8],
-        scales: &'a [u8],
+        codes: std::borrow::Cow<'a, [u8]>,
+        scales: std::borrow::Cow<'a, [u8]>,
     },
 }
 
@@ -736,7 +736,7 @@ impl Checkpoint {
         let RawWeight { meta: m, format } = self.weight_raw(base)?;
         let format = match format {
             RawFormat::Dense { dtype, bytes } => {
-                let mut values = convert::to_f32(bytes, dtype, &m.file, &m.tensors.weight)?;
+                let mut values = convert::to_f32(&bytes, dtype, &m.file, &m.tensors.weight)?;
                 if transposed {
                     // stored [in, out] (gpt-oss's fused experts)
                     values = super::experts::transpose(&values, m.in_features, m.out_features);
@@ -918,7 +918,7 @@ impl Checkpoint {
 
     /// The stored bytes of a weight's block scales (this weight's own: an expert's slice of a
     /// fused scale tensor); None without block scales.
-    pub fn block_scale_bytes(&self, meta: &WeightMeta) -> Result<Option<&[u8]>> {
+    pub fn block_scale_bytes(&self, meta: &WeightMeta) -> Result<Option<std::borrow::Cow<'_, [u8]>>> {
         match self.scale_canonical(meta) {
             Some(c) => Ok(Some(self.canonical_bytes(&c)?)),
             None => Ok(None),
@@ -948,7 +948,7 @@ impl Checkpoint {
             } else {
                 ScaleKind::Ue8m0
             };
-            let st = byte_stats(b, kind == ScaleKind::E4m3);
+            let st = byte_stats(&b, kind == ScaleKind::E4m3);
             (zero, x7e, nan, xff) = (st.zero, st.x7e, st.nan, st.ff);
             if let Some(code) = st.max_code {
                 max = match kind {
@@ -957,7 +957,7 @@ impl Checkpoint {
                 };
             }
         } else {
-            let v = convert::to_f32(b, dtype, &file, sraw)?;
+            let v = convert::to_f32(&b, dtype, &file, sraw)?;
             count = v.len();
             kind = ScaleKind::F32;
             for &x in &v {

@@ -288,12 +288,13 @@ fn block_scales(cx: &Cx, meta: &WeightMeta, out: &mut Vec<Finding>) -> crate::Re
     let mut first_neg = None;
     let mut zero_rows = Vec::new();
     let (mut max_s, mut min_s) = (0f32, f32::INFINITY);
-    let bytes: Option<&[u8]> = if kind == "F32" {
+    let bytes: Option<std::borrow::Cow<'_, [u8]>> = if kind == "F32" {
         None
     } else {
         // this weight's own scales (an expert's slice of a fused scale tensor)
         cx.ck.block_scale_bytes(meta)?
     };
+    let bytes = bytes.as_deref();
     let len_err = |got: usize| {
         Error::bad(
             &sfile,

@@ -27,6 +27,8 @@ struct Unpaired {
     data: String,
     scale: String,
     data_present: bool,
+    /// The format whose fused pair it is.
+    spec: &'static crate::checkpoint::formats::FormatSpec,
 }
 
 /// The (layer prefix, projection) a fused raw name stands for, through the reader's own mapping.
@@ -49,14 +51,26 @@ fn unpaired(cx: &Cx) -> Vec<Unpaired> {
         if cx.ck.canonical_of(n).is_some() {
             continue;
         }
-        for f in TABLE
+        for (spec, f) in TABLE
             .iter()
-            .filter_map(|s| s.tensors.fused_experts.as_ref())
+            .filter_map(|s| Some((s, s.tensors.fused_experts.as_ref()?)))
         {
-            let (stem, data_present) = if let Some(s) = n.strip_suffix(f.data_suffix) {
-                (s, true)
-            } else if let Some(s) = n.strip_suffix(f.scale_suffix) {
+            // a data tensor named as the fused weight itself (ModelOpt's NVFP4) is that format's
+            // only when it holds its packed bytes
+            let bytes_of_spec = || {
+                cx.ck
+                    .info(n)
+                    .is_some_and(|i| spec.tensors.weight_dtypes.contains(&i.dtype))
+            };
+            let (stem, data_present) = if let Some(s) = n.strip_suffix(f.scale_suffix) {
                 (s, false)
+            } else if let Some(s) = n.strip_suffix(f.data_suffix) {
+                if f.data_suffix.is_empty()
+                    && !(PROJ.iter().any(|(_, p)| n.ends_with(p)) && bytes_of_spec())
+                {
+                    continue;
+                }
+                (s, true)
             } else {
                 continue;
             };
@@ -75,6 +89,7 @@ fn unpaired(cx: &Cx) -> Vec<Unpaired> {
                     data,
                     scale,
                     data_present,
+                    spec,
                 });
             }
         }
@@ -111,17 +126,28 @@ pub(crate) fn fused_findings(cx: &Cx, findings: &mut Vec<Finding>) {
             (&p.scale, &p.data)
         };
         let file = cx.ck.info(present).map(|i| i.file).unwrap_or_default();
+        let (fmt, code) = (p.spec.name, p.spec.decode.map_or("block", |d| d.scale.name()));
+        let nvfp4 = p.spec.tensors.fused_experts.as_ref().is_some_and(|f| f.transposed);
         let (rule, ev, fix) = if p.data_present {
             (
                 "scale.missing",
-                format!("`{}` (every expert's MXFP4 data of this projection) is stored without `{}`, its E8M0 block scales: an engine fails to load it or reads every block with scale 1 (E8M0 127)", p.data, p.scale),
-                "Export `_scales` beside `_blocks` for every fused expert projection, as the gpt-oss release does.",
+                format!("`{}` (every expert's {fmt} data of this projection) is stored without `{}`, its {code} block scales: an engine fails to load it or reads every block with its scale parameter's initial value{}", p.data, p.scale,
+                    if nvfp4 { " (vLLM #46641: ModelOpt's underscore scale keys dropped → NaN logits, \"!!!!\" output)" } else { " (scale 1, E8M0 127)" }),
+                if nvfp4 {
+                    "Export `_weight_scale`, `_weight_scale_2` and `_input_scale` beside every fused NVFP4 expert projection, as ModelOpt's export of gpt-oss does."
+                } else {
+                    "Export `_scales` beside `_blocks` for every fused expert projection, as the gpt-oss release does."
+                },
             )
         } else {
             (
                 "weight.missing",
-                format!("`{}` (every expert's E8M0 block scales of this projection) is stored without `{}`, the MXFP4 data they scale", p.scale, p.data),
-                "Export `_blocks` beside `_scales` for every fused expert projection, as the gpt-oss release does.",
+                format!("`{}` (every expert's {code} block scales of this projection) is stored without `{}`, the {fmt} data they scale", p.scale, p.data),
+                if nvfp4 {
+                    "Export the packed NVFP4 weight beside its `_weight_scale` for every fused expert projection."
+                } else {
+                    "Export `_blocks` beside `_scales` for every fused expert projection, as the gpt-oss release does."
+                },
             )
         };
         findings.extend(cx.finding(rule, E, absent, &file, &base, ev, fix));

@@ -275,7 +275,7 @@ impl Replayer<'_> {
                 }
                 Ok((
                     b.to_string(),
-                    repaired_scale_bytes(bytes, rows, nb).map(Arc::new),
+                    repaired_scale_bytes(&bytes, rows, nb).map(Arc::new),
                 ))
             })
             .collect::<Result<_>>()?;

@@ -391,8 +391,8 @@ pub fn pinned_nvfp4(
     let faults = super::faults::hitting(ctx.faults, base);
     let ovs = super::overrides_of(ctx.overrides, base);
     let p = super::nvfp4_params_of(ckpt, m, conv, ctx.fuse_pairs, &faults, &ovs);
-    let sc = match scales {
-        Some(s) => s,
+    let sc: std::borrow::Cow<'_, [u8]> = match scales {
+        Some(s) => s.into(),
         None => {
             let name = lay.scale.as_deref().ok_or_else(|| {
                 Error::bad(

@@ -142,19 +142,24 @@ fn swizzled(scales: &[u8], rows: usize, cols: usize) -> (Vec<u8>, Vec<usize>) {
     (swizzle::swizzle_128x4(scales, rows, cols), vec![rp, cp])
 }
 
-/// Encode one group (members share an NVFP4 tensor scale). `faults` are those of the run; each
-/// member takes the ones that hit it.
+/// Encode one group (members share an NVFP4 tensor scale, made from their largest |w|, or from
+/// `shared_amax` when the scale spans more than the group: ModelOpt's one scale for all of a
+/// gpt-oss projection's experts). `faults` are those of the run; each member takes the ones that
+/// hit it.
 pub fn encode_group(
     members: &[LinIn],
     scheme: WScheme,
     naming: Naming,
     faults: &[Fault],
+    shared_amax: Option<f32>,
 ) -> Result<Vec<RawT>> {
     let mut out = Vec::new();
-    let group_amax = members
-        .iter()
-        .map(|m| nvfp4::amax(m.w))
-        .fold(0f32, f32::max);
+    let group_amax = shared_amax.unwrap_or_else(|| {
+        members
+            .iter()
+            .map(|m| nvfp4::amax(m.w))
+            .fold(0f32, f32::max)
+    });
     for m in members {
         let mut kinds = Vec::new();
         // gpt-oss's fused-layout kinds are planted when its experts are fused

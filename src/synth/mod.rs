@@ -439,7 +439,15 @@ impl<'a> Ctx<'a> {
         w.add(&name, t.dtype, &t.shape, t.bytes)
     }
 
-    fn encode(&self, g: &Group, ws: &[&[f32]], amax: &[f32]) -> Result<Vec<RawT>> {
+    /// Encode a group; `shared`: the (|w| amax, activation amax) its tensor scales are made of
+    /// when they span more than the group ([`Synth::shared_scales`]).
+    fn encode(
+        &self,
+        g: &Group,
+        ws: &[&[f32]],
+        amax: &[f32],
+        shared: Option<(f32, f32)>,
+    ) -> Result<Vec<RawT>> {
         let members: Vec<LinIn> = g
             .members
             .iter()
@@ -450,11 +458,52 @@ impl<'a> Ctx<'a> {
                 w,
                 out: l.out,
                 inp: l.inp,
-                act_amax: a,
+                act_amax: shared.map_or(a, |s| s.1),
             })
             .collect();
         let scheme = self.scheme(&g.members[0].base);
-        encode_group(&members, scheme, self.opts.naming, &self.opts.faults)
+        encode_group(
+            &members,
+            scheme,
+            self.opts.naming,
+            &self.opts.faults,
+            shared.map(|s| s.0),
+        )
+    }
+
+    /// ModelOpt's export of gpt-oss quantizes each fused expert projection as one tensor (one
+    /// weight quantizer, one input quantizer for all of a layer's experts): per (layer,
+    /// projection), the largest |w| and activation amax over its experts. Empty otherwise.
+    fn shared_scales(
+        &self,
+        linears: &HashMap<String, Tensor>,
+        amax: &HashMap<String, f32>,
+    ) -> HashMap<(usize, String), (f32, f32)> {
+        let mut m: HashMap<(usize, String), (f32, f32)> = HashMap::new();
+        let one_per_projection = self.family.is_some_and(|f| f.fuse.is_some())
+            && self.opts.format == Choice::Builtin(Format::ModelOptNvfp4);
+        if !one_per_projection {
+            return m;
+        }
+        for b in &self.blocks {
+            for l in b.experts.iter().flatten().flat_map(|g| &g.members) {
+                if let Some((layer, proj)) = family::gpt_oss::projection_of(&l.base) {
+                    let w = crate::numerics::nvfp4::amax(&linears[&l.base].data);
+                    let a = calib::amax_for(amax, &l.base);
+                    let e = m.entry((layer, proj.to_string())).or_insert((0.0, 0.0));
+                    *e = (e.0.max(w), e.1.max(a));
+                }
+            }
+        }
+        m
+    }
+
+    fn shared_of(
+        shared: &HashMap<(usize, String), (f32, f32)>,
+        g: &Group,
+    ) -> Option<(f32, f32)> {
+        let (layer, proj) = family::gpt_oss::projection_of(&g.members.first()?.base)?;
+        shared.get(&(layer, proj.to_string())).copied()
     }
 
     fn write_all(&self, w: &mut ShardWriter) -> Result<(usize, u64)> {
@@ -507,6 +556,7 @@ impl<'a> Ctx<'a> {
             .iter()
             .flat_map(|b| b.groups.iter().chain(b.experts.iter().flatten()))
             .collect();
+        let shared = self.shared_scales(&linears, &amax);
         let encoded: Vec<Vec<RawT>> = groups
             .par_iter()
             .map(|g| {
@@ -520,7 +570,7 @@ impl<'a> Ctx<'a> {
                     .iter()
                     .map(|l| calib::amax_for(&amax, &l.base))
                     .collect();
-                self.encode(g, &ws, &am)
+                self.encode(g, &ws, &am, Self::shared_of(&shared, g))
             })
             .collect::<Result<_>>()?;
         let mut encoded = encoded.into_iter();
@@ -632,7 +682,7 @@ impl<'a> Ctx<'a> {
                 } else {
                     vec![1.0; g.members.len()]
                 };
-                for t in self.encode(g, &refs, &am)? {
+                for t in self.encode(g, &refs, &am, None)? {
                     self.put(w, t, &mut n, &mut bytes)?;
                 }
             }
@@ -668,8 +718,8 @@ impl<'a> Ctx<'a> {
         } else {
             (1.0, 1.0)
         };
-        let mut v = self.encode(&ex[0], &r13, &[a13, a13])?;
-        v.extend(self.encode(&ex[1], &r2, &[a2])?);
+        let mut v = self.encode(&ex[0], &r13, &[a13, a13], None)?;
+        v.extend(self.encode(&ex[1], &r2, &[a2], None)?);
         Ok(v)
     }
 }

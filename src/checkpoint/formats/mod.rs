@@ -124,10 +124,19 @@ pub struct Tensors {
 /// The suffixes of a format's fused expert tensors (gpt-oss's MXFP4: `gate_up_proj_blocks`
 /// [E, out, in/32, 16] and `gate_up_proj_scales` [E, out, in/32]): expert e's slice of the first
 /// is its weight's data tensor (`weight_leaf`, the trailing dims flattened), of the second its
-/// block scale (the first of `scale_leaves`).
+/// block scale (the first of `scale_leaves`). ModelOpt's NVFP4 export of gpt-oss keeps the
+/// fused weight's own name and [E, in, out] orientation (`gate_up_proj` U8 [E, in/2, out],
+/// `gate_up_proj_weight_scale` [E, in/16, out]: `transposed`) and stores the tensor scales once
+/// per projection under underscore keys (`gate_up_proj_weight_scale_2`, `_input_scale`: a
+/// scalar shared by every expert, or one per expert).
 pub struct FusedExperts {
     pub data_suffix: &'static str,
     pub scale_suffix: &'static str,
+    /// Suffixes of the weight's tensor scale and static activation scale (NVFP4).
+    pub global_suffix: Option<&'static str>,
+    pub input_suffix: Option<&'static str>,
+    /// Each expert's data and block scale stored [in, out] (bytes transposed per expert).
+    pub transposed: bool,
 }
 
 /// Element code of a block-scaled format.

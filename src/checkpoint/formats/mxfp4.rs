@@ -23,6 +23,9 @@ pub static SPEC: FormatSpec = FormatSpec {
         fused_experts: Some(FusedExperts {
             data_suffix: "_blocks",
             scale_suffix: "_scales",
+            global_suffix: None,
+            input_suffix: None,
+            transposed: false,
         }),
     },
     decode: Some(Decode {

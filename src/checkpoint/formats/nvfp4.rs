@@ -56,7 +56,14 @@ pub static MODELOPT: FormatSpec = FormatSpec {
         global_leaf: Some("weight_scale_2"),
         input_leaf: Some("input_scale"),
         generic: false,
-        fused_experts: None,
+        // ModelOpt's export of gpt-oss's fused experts (vLLM #46641)
+        fused_experts: Some(FusedExperts {
+            data_suffix: "",
+            scale_suffix: "_weight_scale",
+            global_suffix: Some("_weight_scale_2"),
+            input_suffix: Some("_input_scale"),
+            transposed: true,
+        }),
     },
     decode: Some(Decode {
         global: Global::Multiply,

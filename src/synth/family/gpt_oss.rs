@@ -25,15 +25,19 @@ use crate::{Error, Result};
 
 pub(super) static SPEC: Spec = Spec {
     kind: Kind::GptOss,
-    formats: &[Format::Bf16, Format::Mxfp4],
+    formats: &[Format::Bf16, Format::Mxfp4, Format::ModelOptNvfp4],
     tiny: oss_tiny,
     tiny_layers: 4,
     release: None,
     release_layers: 0,
     layer: oss_layer,
     // the release quantizes the routed experts only (`modules_to_not_convert`: attention, router,
-    // embedding, head)
-    quantizes: |f, r| f == Format::Mxfp4 && matches!(r, Role::Expert(_)),
+    // embedding, head); ModelOpt's NVFP4_DEFAULT_CFG every linear but the router and the head
+    quantizes: |f, r| match f {
+        Format::Mxfp4 => matches!(r, Role::Expert(_)),
+        Format::ModelOptNvfp4 => true,
+        _ => false,
+    },
     config: oss_config,
     renames: &[
         ("ffn.gate.weight", "mlp.router.weight"),
@@ -202,8 +206,10 @@ pub fn check_fault(f: &Fault, lins: &[LinSpec], format: Format) -> Result<()> {
     if !f.kind.is_fused_expert() {
         return Ok(());
     }
-    if f.kind == FaultKind::MissingBlockScales && format != Format::Mxfp4 {
-        return refuse("needs the MXFP4 release (`*_scales` beside `*_blocks`): --format mxfp4");
+    if f.kind == FaultKind::MissingBlockScales
+        && !matches!(format, Format::Mxfp4 | Format::ModelOptNvfp4)
+    {
+        return refuse("needs fused block scales (MXFP4 `*_scales`, ModelOpt NVFP4 `*_weight_scale`): --format mxfp4 or modelopt-nvfp4");
     }
     let hit: Vec<&LinSpec> = lins.iter().filter(|l| f.hits(&l.base)).collect();
     if !hit.iter().any(|l| l.base.contains(".ffn.experts.")) {
@@ -226,7 +232,7 @@ pub fn check_fault(f: &Fault, lins: &[LinSpec], format: Format) -> Result<()> {
 }
 
 /// (layer, projection) of a routed expert's base: `layers.1.ffn.experts.3.w13` → (1, "w13").
-fn projection_of(base: &str) -> Option<(usize, &str)> {
+pub(crate) fn projection_of(base: &str) -> Option<(usize, &str)> {
     let rest = base.strip_prefix("layers.")?;
     let (n, tail) = rest.split_once(".ffn.experts.")?;
     let (_, proj) = tail.split_once('.')?;
@@ -295,9 +301,12 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
     // (projection, fused name, rows = out features, cols = in features)
     for (proj, name, rows, cols) in [("w13", "gate_up_proj", 2 * i, d), ("w2", "down_proj", d, i)] {
         let mxfp4 = f.format == Format::Mxfp4;
+        let modelopt = f.format == Format::ModelOptNvfp4;
         let mut data = Vec::new();
         let mut scales = Vec::new();
         let mut biases = Vec::new();
+        // ModelOpt's tensor scales, per expert (None: an expert's input_scale left out)
+        let (mut globals, mut inputs) = (Vec::new(), Vec::new());
         for ex in 0..e {
             let w = find(&f.experts, &format!("{}.weight", base(ex, proj)))?;
             let w = order(ex, proj, w, rows);
@@ -305,6 +314,15 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
                 data.extend(w);
                 let s = find(&f.experts, &format!("{}.weight_scale", base(ex, proj)))?;
                 scales.extend(order(ex, proj, s, rows));
+            } else if modelopt {
+                // ModelOpt quantizes each expert's [out, in] and stores the packed bytes and
+                // block scales transposed back to transformers' [in, out]: [in/2, out], [in/16, out]
+                data.extend(transpose_bytes(&w, rows, cols / 2));
+                let s = find(&f.experts, &format!("{}.weight_scale", base(ex, proj)))?;
+                let nb = cols / crate::numerics::nvfp4::BLOCK;
+                scales.extend(transpose_bytes(&order(ex, proj, s, rows), rows, nb));
+                globals.push(find(&f.experts, &format!("{}.weight_scale_2", base(ex, proj)))?);
+                inputs.push(find(&f.experts, &format!("{}.input_scale", base(ex, proj))).ok());
             } else {
                 // transformers' BF16 layout is each expert's [out, in] transposed: [in, out]
                 data.extend(transpose_bf16(&w, rows, cols));
@@ -330,6 +348,30 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
             if !every(FaultKind::MissingBlockScales, proj) {
                 out.push(t("_scales", Dtype::U8, vec![e, rows, nb], scales));
             }
+        } else if modelopt {
+            let nb = cols / crate::numerics::nvfp4::BLOCK;
+            out.push(t("", Dtype::U8, vec![e, cols / 2, rows], data));
+            // vLLM #46641: the underscore scale keys a loader must map, all left out here
+            if !every(FaultKind::MissingBlockScales, proj) {
+                out.push(t(
+                    "_weight_scale",
+                    Dtype::F8_E4M3,
+                    vec![e, nb, rows],
+                    scales,
+                ));
+                out.push(shared_scalar(t, "_weight_scale_2", globals)?);
+                if inputs.iter().all(Option::is_some) {
+                    out.push(shared_scalar(
+                        t,
+                        "_input_scale",
+                        inputs.into_iter().flatten().collect(),
+                    )?);
+                } else if inputs.iter().any(Option::is_some) {
+                    return Err(Error::usage(format!(
+                        "synth: {prefix}.{name}_input_scale is one tensor for every expert: a missing input scale must hit all of them (L{l}.ffn.experts)"
+                    )));
+                }
+            }
         } else {
             out.push(t("", Dtype::BF16, vec![e, cols, rows], data));
         }
@@ -338,6 +380,37 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
         }
     }
     Ok(out)
+}
+
+/// ModelOpt's tensor scale of a fused projection: one F32 scalar when every expert's is the same
+/// (one quantizer for the whole tensor, as ModelOpt calibrates it), else one per expert [E] (a
+/// fault planted in some experts only).
+fn shared_scalar(
+    t: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> RawT,
+    suffix: &str,
+    per_expert: Vec<Vec<u8>>,
+) -> Result<RawT> {
+    let first = per_expert
+        .first()
+        .cloned()
+        .ok_or_else(|| Error::usage("synth: a fused projection without experts"))?;
+    Ok(if per_expert.iter().all(|b| *b == first) {
+        t(suffix, Dtype::F32, vec![], first)
+    } else {
+        let n = per_expert.len();
+        t(suffix, Dtype::F32, vec![n], per_expert.concat())
+    })
+}
+
+/// The bytes of a row-major byte matrix [rows, cols] transposed to [cols, rows].
+fn transpose_bytes(b: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = vec![0u8; b.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = b[r * cols + c];
+        }
+    }
+    out
 }
 
 /// The bytes of a row-major BF16 [rows, cols] matrix transposed to [cols, rows].

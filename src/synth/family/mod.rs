@@ -216,7 +216,10 @@ impl Spec {
             plan::all_linears(blocks)
                 .iter()
                 .filter(|l| self.scheme(format, &l.base) == WScheme::Bf16)
-                .map(|l| plan::raw_module(&l.base, Naming::Hf))
+                .map(|l| {
+                    let w = self.raw_name(&format!("{}.weight", l.base));
+                    w.strip_suffix(".weight").map(str::to_string).unwrap_or(w)
+                })
                 .collect()
         };
         let mut hq = None;
