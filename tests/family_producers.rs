@@ -140,6 +140,54 @@ fn gpt_oss_mxfp4_as_released() {
     lint_clean(&d, "gpt_oss/mxfp4");
 }
 
+/// gpt-oss as ModelOpt exports it in NVFP4 (`gpt_oss/modelopt-nvfp4`, made with ModelOpt 0.47.0's
+/// own `NVFP4QTensor` in the steps of its BMM-experts export): the fused `gate_up_proj` U8
+/// [E, in/2, out] and `_weight_scale` [E, in/16, out] with one `_weight_scale_2` / `_input_scale`
+/// scalar per projection resolve to per-expert ModelOpt NVFP4 weights whose dequantization equals
+/// ModelOpt's own (kept [E, out, in]), value by value; the attention's plain NVFP4 linears too;
+/// lint finds nothing.
+#[test]
+fn gpt_oss_modelopt_nvfp4_fused_experts() {
+    let d = dir("gpt_oss", "modelopt-nvfp4");
+    let ck = Checkpoint::open(&d).unwrap();
+    let bytes = std::fs::read(d.join("dequant-layer1.safetensors")).unwrap();
+    let deq = SafeTensors::deserialize(&bytes).unwrap();
+    let mut n = 0;
+    for (fused, proj) in [("gate_up_proj", "w13"), ("down_proj", "w2")] {
+        let t = deq
+            .tensor(&format!("model.layers.1.mlp.experts.{fused}"))
+            .unwrap();
+        let (experts, outf, inf) = (t.shape()[0], t.shape()[1], t.shape()[2]);
+        let theirs = f32s(&t);
+        for e in 0..experts {
+            let w = ck
+                .weight(&format!("layers.1.ffn.experts.{e}.{proj}"))
+                .unwrap();
+            assert_eq!(w.scheme(), "nvfp4-modelopt", "{proj} of expert {e}");
+            assert_eq!((w.out_features, w.in_features), (outf, inf));
+            let got = w.dequantize().unwrap();
+            let part = &theirs[e * outf * inf..(e + 1) * outf * inf];
+            let bad = got.data.iter().zip(part).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                bad, 0,
+                "{proj} of expert {e}: values differ from ModelOpt's"
+            );
+            n += 1;
+        }
+    }
+    assert_eq!(n, 4);
+    for m in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+        let t = deq
+            .tensor(&format!("model.layers.1.self_attn.{m}.weight"))
+            .unwrap();
+        let w = ck.weight(&format!("layers.1.attn.{m}")).unwrap();
+        assert_eq!(w.scheme(), "nvfp4-modelopt", "{m}");
+        assert_eq!(w.dequantize().unwrap().data.to_vec(), f32s(&t), "{m}");
+    }
+    assert_eq!(ck.weight("layers.1.ffn.gate").unwrap().scheme(), "bf16");
+    lint_clean(&d, "gpt_oss/modelopt-nvfp4");
+}
+
 /// The command line runs the released-layout checkpoint on the CPU: exit 0, every layer, the
 /// routed experts of each read as MXFP4 (the attention BF16), no op diverging and no finding.
 #[test]

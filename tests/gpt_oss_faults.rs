@@ -408,6 +408,36 @@ fn an_unpaired_blocks_or_scales_is_one_error_naming_both() {
         .contains("model.layers.1.mlp.experts.down_proj_scales"));
 }
 
+/// ModelOpt's NVFP4 export of gpt-oss with its underscore scale keys left out (what vLLM #46641's
+/// loader silently dropped: NaN logits, "!!!!" output): one error per fused projection naming
+/// the packed weight and its missing `_weight_scale`; the export as ModelOpt writes it is clean
+/// and runs without a finding.
+#[test]
+fn modelopt_nvfp4_without_its_underscore_scale_keys_is_one_error_per_projection() {
+    let clean = synth_dir(Format::ModelOptNvfp4, &[]);
+    let (code, f) = lint(clean.path(), None);
+    assert_eq!((code, errors(&f).len()), (0, 0), "{}", show(&f));
+    let d = synth_dir(
+        Format::ModelOptNvfp4,
+        &["missing-block-scales@L2.ffn.experts"],
+    );
+    let (code, f) = lint(d.path(), None);
+    assert_eq!(code, 1);
+    let e = errors(&f);
+    assert_eq!(e.len(), 2, "{}", show(&f));
+    for (proj, f) in ["down_proj", "gate_up_proj"].iter().zip(&e) {
+        let ev = f["evidence"].as_str().unwrap();
+        let w = format!("model.layers.2.mlp.experts.{proj}");
+        assert!(
+            ev.contains(&format!("`{w}`")) && ev.contains(&format!("{w}_weight_scale")),
+            "{ev}"
+        );
+        assert!(ev.contains("NVFP4") && ev.contains("#46641"), "{ev}");
+        assert_eq!(f["tensor"], format!("{w}_weight_scale"));
+        assert_eq!(f["rule"], "scale.missing");
+    }
+}
+
 /// `quantization_config.modules_to_not_convert` against the tensors: a listed module stored
 /// MXFP4, and an unlisted module (the attention, with its entry dropped) stored BF16, are each
 /// a `config.ignore` error naming the tensor; the release's own list is clean.

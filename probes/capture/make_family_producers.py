@@ -27,6 +27,9 @@ routed experts only experts 0 and 1):
   Encoder: one E8M0 exponent per 32 inputs, 2^ceil(log2(amax/6)) (the scale rounding triton_kernels'
   `downcast_to_mxfp_torch` uses by default), E2M1 round-to-nearest-even, low nibble = even element.
   The reference dequantization is transformers' own `convert_moe_packed_tensors` (its gpt-oss loader).
+- modelopt-nvfp4 (gpt_oss): ModelOpt's export of the fused experts, step by step as its
+  `_export_quantized_weight` does for `GptOssExperts` (see `gpt_oss_modelopt_nvfp4`); the
+  dequantization kept for the experts is ModelOpt's own, [E, out, in], experts 0 and 1.
 
 Calibration: the activation amax of each linear's input is read from the family's FP32 trace
 (trace-fp32.safetensors: the input norm's output for q/k/v and q_a/kv_a, the q_a/kv_a norms' for
@@ -184,6 +187,64 @@ def modelopt_nvfp4(family, sd, cfg, tr, out):
     write(out, cfg, qc, new, deq, {"producer": "modelopt", "producer_version": "0.47.0"}, hq)
 
 
+def gpt_oss_modelopt_nvfp4(family, sd, cfg, tr, out):
+    """ModelOpt's NVFP4 export of gpt-oss, step by step as its `_export_quantized_weight` does it for a
+    BMM-style expert module (`GptOssExperts`): the fused [E, in, out] weight transposed to [E, out, in],
+    one weight_scale_2 for the whole tensor (one weight quantizer per projection: amax over every
+    expert / 2688), `NVFP4QTensor.quantize` along `in`, then packed bytes and block scales transposed
+    back: `gate_up_proj` U8 [E, in/2, out], `gate_up_proj_weight_scale` [E, in/16, out],
+    `_weight_scale_2` and `_input_scale` F32 scalars (one input quantizer per projection). Every other
+    Linear but the router and lm_head as a plain NVFP4 linear (q/k/v sharing weight_scale_2)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    new, deq = {k: v for k, v in sd.items()}, {}
+    lim, alpha = cfg.get("swiglu_limit", 7.0), 1.702
+    for k, v in sd.items():
+        if not (k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")):
+            continue
+        layer = k[: k.index(".mlp.")]
+        x = tr[layer + ".mlp.experts:input"].float()
+        x = x.reshape(-1, x.shape[-1])
+        if k.endswith("gate_up_proj"):
+            amax_x = x.abs().amax()
+        else:  # the down projection's input: every expert's clamped SwiGLU on every token
+            gu_w, gu_b = sd[layer + ".mlp.experts.gate_up_proj"].float(), sd[layer + ".mlp.experts.gate_up_proj_bias"].float()
+            gu = torch.einsum("td,edn->etn", x, gu_w) + gu_b[:, None, :]
+            g, u = gu[..., ::2].clamp(max=lim), gu[..., 1::2].clamp(-lim, lim)
+            amax_x = ((u + 1) * g * torch.sigmoid(g * alpha)).abs().amax()
+        W = v.transpose(-2, -1).contiguous()  # [E, out, in]
+        s2 = (W.float().abs().amax() / (E2M1_MAX * E4M3_MAX)).float()
+        qt, ws, ws2 = NVFP4QTensor.quantize(W, 16, weights_scaling_factor_2=s2)
+        new[k] = qt._quantized_data.transpose(-2, -1).contiguous()
+        new[k + "_weight_scale"] = ws.transpose(-2, -1).contiguous()
+        new[k + "_weight_scale_2"] = ws2.float().reshape(()).contiguous()
+        new[k + "_input_scale"] = (amax_x / (E2M1_MAX * E4M3_MAX)).float().reshape(()).contiguous()
+        if ".layers.1." in k:  # experts 0 and 1, [E, out, in] as ModelOpt dequantizes them
+            d = qt.dequantize(dtype=torch.float32, scale=ws, double_scale=ws2, block_sizes={-1: 16})
+            deq[k] = d[:2].contiguous()
+    qs = [m for m in linears(sd, family) if not m.endswith("mlp.router")]
+    amax_w = {m: sd[m + ".weight"].float().abs().amax() for m in qs}
+    amax_x = {m: input_amax(m, tr, sd, cfg) for m in qs}
+    for m in qs:
+        grp = [x for x in fused_group(m) if x in amax_w]
+        s2 = torch.stack([amax_w[x] for x in grp]).amax() / (E2M1_MAX * E4M3_MAX)
+        qt, ws, ws2 = NVFP4QTensor.quantize(sd[m + ".weight"], 16, weights_scaling_factor_2=s2.float())
+        new[m + ".weight"] = qt._quantized_data.contiguous()
+        new[m + ".weight_scale"] = ws.contiguous()
+        new[m + ".weight_scale_2"] = ws2.float().reshape(()).contiguous()
+        new[m + ".input_scale"] = (torch.stack([amax_x[x] for x in grp]).amax() / (E2M1_MAX * E4M3_MAX)).float().reshape(()).contiguous()
+        if keep_deq(m):
+            deq[m + ".weight"] = qt.dequantize(dtype=torch.float32, scale=ws, double_scale=ws2,
+                                               block_sizes={-1: 16}).contiguous()
+    exclude = ["lm_head"] + sorted({k[: -len(".weight")] for k in sd if k.endswith("mlp.router.weight")})
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+          "exclude_modules": exclude}
+    hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
+          "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                           "exclude_modules": exclude}}
+    write(out, cfg, qc, new, deq, {"producer": "modelopt", "producer_version": "0.47.0"}, hq)
+
+
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
@@ -261,6 +322,7 @@ def main():
         tr = trace(d)
         if fam == "gpt_oss":
             mxfp4(fam, sd, cfg, tr, os.path.join(d, "mxfp4"))
+            gpt_oss_modelopt_nvfp4(fam, sd, cfg, tr, os.path.join(d, "modelopt-nvfp4"))
         else:
             ct_nvfp4(fam, sd, cfg, tr, os.path.join(d, "ct-nvfp4"))
             modelopt_nvfp4(fam, sd, cfg, tr, os.path.join(d, "modelopt-nvfp4"))

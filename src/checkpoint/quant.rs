@@ -918,7 +918,10 @@ impl Checkpoint {
 
     /// The stored bytes of a weight's block scales (this weight's own: an expert's slice of a
     /// fused scale tensor); None without block scales.
-    pub fn block_scale_bytes(&self, meta: &WeightMeta) -> Result<Option<std::borrow::Cow<'_, [u8]>>> {
+    pub fn block_scale_bytes(
+        &self,
+        meta: &WeightMeta,
+    ) -> Result<Option<std::borrow::Cow<'_, [u8]>>> {
         match self.scale_canonical(meta) {
             Some(c) => Ok(Some(self.canonical_bytes(&c)?)),
             None => Ok(None),

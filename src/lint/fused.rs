@@ -126,8 +126,16 @@ pub(crate) fn fused_findings(cx: &Cx, findings: &mut Vec<Finding>) {
             (&p.scale, &p.data)
         };
         let file = cx.ck.info(present).map(|i| i.file).unwrap_or_default();
-        let (fmt, code) = (p.spec.name, p.spec.decode.map_or("block", |d| d.scale.name()));
-        let nvfp4 = p.spec.tensors.fused_experts.as_ref().is_some_and(|f| f.transposed);
+        let (fmt, code) = (
+            p.spec.name,
+            p.spec.decode.map_or("block", |d| d.scale.name()),
+        );
+        let nvfp4 = p
+            .spec
+            .tensors
+            .fused_experts
+            .as_ref()
+            .is_some_and(|f| f.transposed);
         let (rule, ev, fix) = if p.data_present {
             (
                 "scale.missing",

@@ -498,10 +498,7 @@ impl<'a> Ctx<'a> {
         m
     }
 
-    fn shared_of(
-        shared: &HashMap<(usize, String), (f32, f32)>,
-        g: &Group,
-    ) -> Option<(f32, f32)> {
+    fn shared_of(shared: &HashMap<(usize, String), (f32, f32)>, g: &Group) -> Option<(f32, f32)> {
         let (layer, proj) = family::gpt_oss::projection_of(&g.members.first()?.base)?;
         shared.get(&(layer, proj.to_string())).copied()
     }

@@ -321,7 +321,10 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
                 let s = find(&f.experts, &format!("{}.weight_scale", base(ex, proj)))?;
                 let nb = cols / crate::numerics::nvfp4::BLOCK;
                 scales.extend(transpose_bytes(&order(ex, proj, s, rows), rows, nb));
-                globals.push(find(&f.experts, &format!("{}.weight_scale_2", base(ex, proj)))?);
+                globals.push(find(
+                    &f.experts,
+                    &format!("{}.weight_scale_2", base(ex, proj)),
+                )?);
                 inputs.push(find(&f.experts, &format!("{}.input_scale", base(ex, proj))).ok());
             } else {
                 // transformers' BF16 layout is each expert's [out, in] transposed: [in, out]

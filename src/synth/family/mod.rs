@@ -496,6 +496,10 @@ mod tests {
         for (format, leaves) in [
             (Format::Bf16, &["weight"][..]),
             (Format::Mxfp4, &["weight", "weight_scale"][..]),
+            (
+                Format::ModelOptNvfp4,
+                &["weight", "weight_scale", "weight_scale_2", "input_scale"][..],
+            ),
         ] {
             let mut o = SynthOptions::family(Kind::GptOss, format, 1);
             o.layers = Some(2);
@@ -506,8 +510,11 @@ mod tests {
                 .flat_map(|b| b.params.iter().map(|p| p.name.clone()))
                 .collect();
             for l in plan::all_linears(&g.blocks(&d)) {
+                // ModelOpt quantizes the attention too (not the router)
+                let quantized = l.base.contains(".ffn.experts.")
+                    || (format == Format::ModelOptNvfp4 && l.base.contains(".attn."));
                 for leaf in leaves {
-                    if *leaf == "weight" || l.base.contains(".ffn.experts.") {
+                    if *leaf == "weight" || quantized {
                         want.push(format!("{}.{leaf}", l.base));
                     }
                 }
@@ -518,6 +525,58 @@ mod tests {
             assert_eq!(got, want, "{format:?}");
             let raw = ck.tensor_names();
             assert!(raw.contains(&"model.layers.1.mlp.experts.gate_up_proj_bias".to_string()));
+        }
+    }
+
+    /// ModelOpt's gpt-oss layout read back: each expert's weight equals the same expert encoded
+    /// alone (the per-expert NVFP4 of `synth` with the projection's shared tensor scale), so the
+    /// transposed bytes and block scales come back in [out, in] order, and the scalars are shared.
+    #[test]
+    fn gpt_oss_modelopt_experts_equal_their_unfused_encoding() {
+        use crate::numerics::e2m1;
+        use crate::synth::{synth_to_memory, SynthOptions};
+        let mut o = SynthOptions::family(Kind::GptOss, Format::ModelOptNvfp4, 3);
+        o.layers = Some(2);
+        let ck = synth_to_memory(&o).unwrap();
+        let gs = |e: usize, leaf: &str| {
+            ck.tensor_f32(&format!("layers.1.ffn.experts.{e}.w13.{leaf}"))
+                .unwrap()
+                .data[0]
+        };
+        for e in 1..8 {
+            assert_eq!(gs(e, "weight_scale_2"), gs(0, "weight_scale_2"));
+            assert_eq!(gs(e, "input_scale"), gs(0, "input_scale"));
+        }
+        let d = spec(Kind::GptOss)
+            .unwrap()
+            .dims(plan::Preset::Tiny, Some(2))
+            .unwrap();
+        let (rows, cols) = (2 * d.inter, d.hidden);
+        for e in [0, 5] {
+            let base = format!("layers.1.ffn.experts.{e}.w13");
+            let w = ck.weight(&base).unwrap();
+            assert_eq!(w.scheme(), "nvfp4-modelopt");
+            assert_eq!((w.out_features, w.in_features), (rows, cols));
+            assert_eq!(
+                ck.raw_label(&format!("{base}.weight")).unwrap(),
+                format!("model.layers.1.mlp.experts.gate_up_proj[{e}]ᵀ")
+            );
+            // the reference: the stored [in/2, out] bytes and [in/16, out] scales read by hand
+            let packed = ck.bytes("model.layers.1.mlp.experts.gate_up_proj").unwrap();
+            let scales = ck
+                .bytes("model.layers.1.mlp.experts.gate_up_proj_weight_scale")
+                .unwrap();
+            let (pe, se) = (cols / 2 * rows, cols / 16 * rows);
+            let got = w.dequantize().unwrap().data;
+            for r in 0..rows {
+                for c in 0..cols {
+                    let byte = packed[e * pe + (c / 2) * rows + r];
+                    let code = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                    let s = crate::numerics::e4m3::decode(scales[e * se + (c / 16) * rows + r]);
+                    let want = e2m1::decode(code) * (s * gs(e, "weight_scale_2"));
+                    assert_eq!(got[r * cols + c], want, "expert {e} [{r}, {c}]");
+                }
+            }
         }
     }
 
