@@ -616,6 +616,43 @@ fn gpt_oss_loader_faults_are_attributed_by_bisect() {
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
+/// vLLM #46641 as a loader fault: ModelOpt's underscore scale keys of gpt-oss's fused NVFP4
+/// experts not loaded (block, tensor and activation scales left at 1.0). On synth's export and on
+/// ModelOpt's own, bisect stops at that layer's experts and names the stored scales with the
+/// engine's mapping as the fix; without the fault it finds nothing.
+#[test]
+fn dropped_modelopt_scale_keys_are_attributed_by_bisect() {
+    let modelopt = || {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf-families/gpt_oss/modelopt-nvfp4")
+    };
+    for (ck, vocab) in [
+        (
+            synth::synth_to_memory(&opts(Format::ModelOptNvfp4, &[])).unwrap(),
+            512,
+        ),
+        (Checkpoint::open(&modelopt()).unwrap(), 256),
+    ] {
+        let clean = bisect::bisect(&ck, &bisect_opts(3, vocab, vec![])).unwrap();
+        assert!(
+            !clean.has_findings(),
+            "{:?}",
+            clean.divergence.map(|d| d.op)
+        );
+        let f = Fault::parse("missing-block-scales@L1.ffn.experts").unwrap();
+        let r = bisect::bisect(&ck, &bisect_opts(1, vocab, vec![f])).unwrap();
+        let d = r.divergence.as_ref().expect("a divergence");
+        assert_eq!(d.op, "L1.ffn.experts");
+        let v = d.verdict.as_ref().expect("a verdict");
+        assert_eq!(v.kind, "stored-nvfp4-scales");
+        assert_eq!(v.param.family, Family::BlockScales);
+        assert_eq!(
+            v.param.tensors.first().map(String::as_str),
+            Some("model.layers.1.mlp.experts.gate_up_proj_weight_scale")
+        );
+        assert_eq!(v.param.bases.len(), 16, "{:?}", v.param.bases);
+    }
+}
+
 /// Without a fault, bisect finds nothing on either release, synth's or the producer's.
 #[test]
 fn clean_gpt_oss_checkpoints_give_no_bisect_finding() {

@@ -58,7 +58,7 @@ pub(super) fn hypotheses(
     }
     let mx: Vec<String> = weights
         .iter()
-        .filter(|(b, s)| b.contains(".ffn.experts.") && s == "mxfp4")
+        .filter(|(b, s)| b.contains(".ffn.experts.") && (s == "mxfp4" || s == "nvfp4-modelopt"))
         .map(|(b, _)| b.clone())
         .collect();
     let mut units = vec![("w13, w2", mx.clone())];
@@ -79,15 +79,20 @@ pub(super) fn hypotheses(
         } else {
             "w13"
         };
+        let nvfp4 = meta.scheme == crate::checkpoint::Scheme::Nvfp4ModelOpt;
         out.push(hypothesis(
-            "stored-mxfp4-scales",
+            if nvfp4 {
+                "stored-nvfp4-scales"
+            } else {
+                "stored-mxfp4-scales"
+            },
             format!("all experts of {layer} ({roles}; {} weights)", bases.len()),
-            "the MXFP4 block scales in use are not the stored `*_scales` (decoding the blocks with them restores the op)",
+            "the block scales in use are not the stored ones (MXFP4 `*_scales`; ModelOpt NVFP4's underscore keys `*_weight_scale`, `*_weight_scale_2`, `*_input_scale`): decoding with them restores the op",
             Family::BlockScales,
             &bases,
             meta.tensors.block_scale.into_iter().collect(),
             format!("{proj}_weight_scale"),
-            Override::StoredMxfp4Scales,
+            Override::StoredBlockScales,
             7,
         ));
     }

@@ -484,6 +484,7 @@ fn fix_text(kind: &str, p: &ParamRef) -> String {
         "stored-block-scales" => format!("re-read {t} from the checkpoint (non-finite bytes: re-export the weight; ModelOpt #1633)"),
         "gate-up-interleave" | "gate-up-deinterleave" => format!("read {t} as the release stores it: gate row i at row 2i, up row i at row 2i + 1 (the GLU reads interleaved pairs); convert to another kernel layout exactly once"),
         "stored-mxfp4-scales" => format!("load {t} beside the `_blocks` and decode each block with its E8M0 scale (2^(s − 127))"),
+        "stored-nvfp4-scales" => format!("map ModelOpt's underscore scale keys ({t}, `_weight_scale_2`, `_input_scale`) onto the fused experts' parameters (a scalar broadcast to every expert), as vLLM #46645 does"),
         "input-calibrated" => format!(
             "recalibrate the activation scale: {t}{} gives {}, the activations the oracle feeds this op need {to} (2688/amax)",
             p.stored.map(|v| format!(" = {}", fmt_v(Some(v)))).unwrap_or_default(),

@@ -151,7 +151,7 @@ impl FaultKind {
             FaultKind::SwappedQkNorm => "Qwen3 per-head q_norm and k_norm weights stored under each other's names (checkpoint only; lint --reference finds it)",
             FaultKind::GateUpDeinterleaved => "gpt-oss w13 (gate/up interleaved) taken for the stacked layout and de-interleaved: every GLU pair reads the wrong rows (synth: stored stacked)",
             FaultKind::GateUpInterleavedTwice => "gpt-oss w13 interleaved again although the release already interleaves gate and up (synth: stored interleaved twice)",
-            FaultKind::MissingBlockScales => "MXFP4 `*_scales` left out beside `*_blocks` (synth), or not loaded: every block read with scale 1 (E8M0 127)",
+            FaultKind::MissingBlockScales => "gpt-oss's fused expert block scales left out (synth) or not loaded: MXFP4 `*_scales` (every block read with scale 1, E8M0 127); ModelOpt NVFP4's underscore keys `*_weight_scale`, `*_weight_scale_2`, `*_input_scale` (block, tensor and activation scales left at 1.0: vLLM #46641's NaN / \"!!!!\")",
             FaultKind::MissingExpertBias => "gpt-oss expert biases `*_bias` left out of the export (checkpoint only; lint: weight.missing)",
             FaultKind::ZeroedExpertBias => "gpt-oss expert biases exported as zeros, as a loader that never loaded them would hold them (checkpoint only; lint --reference finds it)",
         }
@@ -226,7 +226,7 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
         return s.spec().served == Served::Fp8Act;
     }
     if kind == FaultKind::MissingBlockScales {
-        return s == Scheme::Mxfp4;
+        return matches!(s, Scheme::Mxfp4 | Scheme::Nvfp4ModelOpt);
     }
     match s.spec().served {
         Served::Nvfp4 => kind != FaultKind::NonPow2Ue8m0,
@@ -335,7 +335,7 @@ pub fn fused_expert_reading(
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     let (rows, cols) = (qw.out_features, qw.in_features);
     let mut w: Option<Vec<f32>> = None;
-    if has(FaultKind::MissingBlockScales) && !overrides.contains(&Override::StoredMxfp4Scales) {
+    if has(FaultKind::MissingBlockScales) && !overrides.contains(&Override::StoredBlockScales) {
         if let crate::checkpoint::WeightFormat::Mxfp4 { packed, .. } = &qw.format {
             let ones = vec![crate::numerics::ue8m0::BIAS as u8; rows * cols / 32];
             w = Some(crate::numerics::mxfp4::dequantize(

@@ -49,11 +49,12 @@ pub enum Override {
     Unswizzle,
     UnshiftRows,
     /// gpt-oss's `w13` rows re-ordered after the loader's reading (`faults::interleave` /
-    /// `faults::deinterleave`), and MXFP4 blocks decoded with their stored `_scales`
-    /// (`faults::fused_expert_reading`).
+    /// `faults::deinterleave`), and blocks decoded with their stored scales (MXFP4 `_scales`:
+    /// `faults::fused_expert_reading`; ModelOpt NVFP4's underscore keys `_weight_scale`,
+    /// `_weight_scale_2`, `_input_scale`: [`nvfp4_scale_layout`], [`nvfp4_params_of`]).
     InterleaveGateUp,
     DeinterleaveGateUp,
-    StoredMxfp4Scales,
+    StoredBlockScales,
 }
 
 /// How the served path turned the stored NVFP4 fields into kernel parameters; reported by bisect.
@@ -183,6 +184,10 @@ pub fn resolve_nvfp4_named(
         }
     }
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    if has(FaultKind::MissingBlockScales) {
+        // the scale keys never loaded: the engine's parameters keep their initial 1.0
+        (wg, ig) = (1.0, 1.0);
+    }
     if has(FaultKind::ZeroInputScale) || has(FaultKind::MissingInputScale) {
         ig = 0.0;
     }
@@ -234,6 +239,10 @@ pub fn nvfp4_scale_layout(
     let ov = |o: &Override| overrides.contains(o);
     let nb = cols / nvfp4::BLOCK;
     let mut sc: Vec<u8> = scales.to_vec();
+    if has(FaultKind::MissingBlockScales) && !ov(&Override::StoredBlockScales) {
+        // `_weight_scale` never loaded: every block decodes with scale 1.0 (E4M3 0x38)
+        sc.iter_mut().for_each(|b| *b = 0x38);
+    }
     if has(FaultKind::SwizzledScales) {
         // the engine believes the linear bytes are swizzled and unswizzles them
         let padded_rows = rows.div_ceil(128) * 128;
@@ -283,12 +292,23 @@ pub fn nvfp4_params_of(
         meta.weight_global.unwrap_or(f32::NAN),
         meta.input_global,
         fuse_pairs,
-        faults,
+        &read_faults(faults, overrides),
     );
     for o in overrides {
         p.apply(o);
     }
     p
+}
+
+/// The loader faults a reading still has once bisect's repairs apply: re-reading the stored
+/// block scales (ModelOpt's underscore keys) restores the tensor scales with them.
+fn read_faults<'a>(faults: &[&'a Fault], overrides: &[Override]) -> Vec<&'a Fault> {
+    let reread = overrides.contains(&Override::StoredBlockScales);
+    faults
+        .iter()
+        .filter(|f| !(reread && f.kind == FaultKind::MissingBlockScales))
+        .copied()
+        .collect()
 }
 
 /// True when a loader fault or a hypothesis rearranges an NVFP4 weight's block scales (the served
@@ -297,7 +317,10 @@ pub fn nvfp4_layout_changed(faults: &[&Fault], overrides: &[Override]) -> bool {
     faults.iter().any(|f| {
         matches!(
             f.kind,
-            FaultKind::SwizzledScales | FaultKind::ShiftedScaleRows | FaultKind::NanBlockScale
+            FaultKind::SwizzledScales
+                | FaultKind::ShiftedScaleRows
+                | FaultKind::NanBlockScale
+                | FaultKind::MissingBlockScales
         )
     }) || overrides
         .iter()
@@ -422,7 +445,7 @@ pub fn prepare(
                 *weight_global,
                 *input_global,
                 fuse_pairs,
-                faults,
+                &read_faults(faults, overrides),
             );
             for o in overrides {
                 p.apply(o);
