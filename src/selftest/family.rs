@@ -230,6 +230,10 @@ fn models(seed: u64) -> Result<Vec<(&'static str, Checkpoint)>> {
             fam(Kind::DeepseekV3, Format::ModelOptNvfp4)?,
         ),
         ("gpt-oss bf16", gpt_oss_tiny(seed)?),
+        (
+            "gpt-oss modelopt-nvfp4",
+            fam(Kind::GptOss, Format::ModelOptNvfp4)?,
+        ),
     ])
 }
 
