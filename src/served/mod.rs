@@ -314,17 +314,26 @@ fn read_faults<'a>(faults: &[&'a Fault], overrides: &[Override]) -> Vec<&'a Faul
 /// True when a loader fault or a hypothesis rearranges an NVFP4 weight's block scales (the served
 /// reading then needs [`nvfp4_scale_layout`]; otherwise it decodes the stored bytes).
 pub fn nvfp4_layout_changed(faults: &[&Fault], overrides: &[Override]) -> bool {
-    faults.iter().any(|f| {
-        matches!(
-            f.kind,
-            FaultKind::SwizzledScales
-                | FaultKind::ShiftedScaleRows
-                | FaultKind::NanBlockScale
-                | FaultKind::MissingBlockScales
-        )
-    }) || overrides
-        .iter()
-        .any(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows))
+    faults.iter().any(|f| is_layout_fault(f.kind)) || overrides.iter().any(is_layout_repair)
+}
+
+/// The loader faults that change an NVFP4 weight's block-scale bytes ([`nvfp4_scale_layout`]).
+pub fn is_layout_fault(k: FaultKind) -> bool {
+    matches!(
+        k,
+        FaultKind::SwizzledScales
+            | FaultKind::ShiftedScaleRows
+            | FaultKind::NanBlockScale
+            | FaultKind::MissingBlockScales
+    )
+}
+
+/// The repairs that change them back ([`nvfp4_scale_layout`]).
+pub fn is_layout_repair(o: &Override) -> bool {
+    matches!(
+        o,
+        Override::Unswizzle | Override::UnshiftRows | Override::StoredBlockScales
+    )
 }
 
 /// How a backend that keeps an NVFP4 weight's stored bytes serves it under these loader faults and

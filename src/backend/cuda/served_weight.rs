@@ -30,20 +30,14 @@ pub(super) enum ServedDev {
 
 /// What an NVFP4 weight's rearranged block scales depend on: its layout faults and repairs.
 fn layout_key(faults: &[&Fault], overrides: &[Override]) -> String {
-    use crate::served::faults::FaultKind as K;
-    let f: Vec<&K> = faults
+    let f: Vec<_> = faults
         .iter()
-        .map(|f| &f.kind)
-        .filter(|k| {
-            matches!(
-                k,
-                K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
-            )
-        })
+        .map(|f| f.kind)
+        .filter(|&k| served::is_layout_fault(k))
         .collect();
     let o: Vec<&Override> = overrides
         .iter()
-        .filter(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows))
+        .filter(|o| served::is_layout_repair(o))
         .collect();
     format!("{f:?}{o:?}")
 }
