@@ -157,18 +157,16 @@ def ct_nvfp4(family, sd, cfg, tr, out):
     write(out, cfg, qc, new, deq, {"producer": "compressed-tensors", "producer_version": "0.20.0"})
 
 
-def modelopt_nvfp4(family, sd, cfg, tr, out):
+def modelopt_linears(qs, sd, amax_w, amax_x, new, deq):
+    """ModelOpt's NVFP4 of plain linears: `weight_scale_2` shared across a fused group (max amax),
+    `input_scale` = amax / (6 · 448) (max over the group), as ModelOpt's export does; its
+    dequantization kept for `keep_deq`'s weights."""
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
-    qs = [m for m in linears(sd, family) if family != "deepseek_v3" or ".mlp." in m]
-    amax_w = {m: sd[m + ".weight"].float().abs().amax() for m in qs}
-    amax_x = {m: input_amax(m, tr, sd, cfg) for m in qs}
-    new, deq = {k: v for k, v in sd.items()}, {}
     for m in qs:
-        W = sd[m + ".weight"]
         grp = [x for x in fused_group(m) if x in amax_w]
         s2 = torch.stack([amax_w[x] for x in grp]).amax() / (E2M1_MAX * E4M3_MAX)
-        qt, ws, ws2 = NVFP4QTensor.quantize(W, 16, weights_scaling_factor_2=s2.float())
+        qt, ws, ws2 = NVFP4QTensor.quantize(sd[m + ".weight"], 16, weights_scaling_factor_2=s2.float())
         new[m + ".weight"] = qt._quantized_data.contiguous()
         new[m + ".weight_scale"] = ws.contiguous()
         new[m + ".weight_scale_2"] = ws2.float().reshape(()).contiguous()
@@ -176,15 +174,30 @@ def modelopt_nvfp4(family, sd, cfg, tr, out):
         if keep_deq(m):
             deq[m + ".weight"] = qt.dequantize(dtype=torch.float32, scale=ws, double_scale=ws2,
                                                block_sizes={-1: 16}).contiguous()
-    exclude = ["lm_head"] + sorted({".".join(k.split(".")[:-1]) for k in sd if k.endswith(".weight")
-                                    and k.startswith("model.layers.") and ".".join(k.split(".")[:-1]) not in qs
-                                    and (k.endswith("mlp.gate.weight") or "_proj" in k)})
+
+
+def modelopt_write(out, cfg, new, deq, exclude):
+    """A ModelOpt checkpoint: `quantization_config` and hf_quant_config.json of NVFP4."""
     qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
           "exclude_modules": exclude}
     hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
           "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
                            "exclude_modules": exclude}}
     write(out, cfg, qc, new, deq, {"producer": "modelopt", "producer_version": "0.47.0"}, hq)
+
+
+def modelopt_nvfp4(family, sd, cfg, tr, out):
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    qs = [m for m in linears(sd, family) if family != "deepseek_v3" or ".mlp." in m]
+    amax_w = {m: sd[m + ".weight"].float().abs().amax() for m in qs}
+    amax_x = {m: input_amax(m, tr, sd, cfg) for m in qs}
+    new, deq = {k: v for k, v in sd.items()}, {}
+    modelopt_linears(qs, sd, amax_w, amax_x, new, deq)
+    exclude = ["lm_head"] + sorted({".".join(k.split(".")[:-1]) for k in sd if k.endswith(".weight")
+                                    and k.startswith("model.layers.") and ".".join(k.split(".")[:-1]) not in qs
+                                    and (k.endswith("mlp.gate.weight") or "_proj" in k)})
+    modelopt_write(out, cfg, new, deq, exclude)
 
 
 def gpt_oss_modelopt_nvfp4(family, sd, cfg, tr, out):
@@ -225,24 +238,9 @@ def gpt_oss_modelopt_nvfp4(family, sd, cfg, tr, out):
     qs = [m for m in linears(sd, family) if not m.endswith("mlp.router")]
     amax_w = {m: sd[m + ".weight"].float().abs().amax() for m in qs}
     amax_x = {m: input_amax(m, tr, sd, cfg) for m in qs}
-    for m in qs:
-        grp = [x for x in fused_group(m) if x in amax_w]
-        s2 = torch.stack([amax_w[x] for x in grp]).amax() / (E2M1_MAX * E4M3_MAX)
-        qt, ws, ws2 = NVFP4QTensor.quantize(sd[m + ".weight"], 16, weights_scaling_factor_2=s2.float())
-        new[m + ".weight"] = qt._quantized_data.contiguous()
-        new[m + ".weight_scale"] = ws.contiguous()
-        new[m + ".weight_scale_2"] = ws2.float().reshape(()).contiguous()
-        new[m + ".input_scale"] = (torch.stack([amax_x[x] for x in grp]).amax() / (E2M1_MAX * E4M3_MAX)).float().reshape(()).contiguous()
-        if keep_deq(m):
-            deq[m + ".weight"] = qt.dequantize(dtype=torch.float32, scale=ws, double_scale=ws2,
-                                               block_sizes={-1: 16}).contiguous()
+    modelopt_linears(qs, sd, amax_w, amax_x, new, deq)
     exclude = ["lm_head"] + sorted({k[: -len(".weight")] for k in sd if k.endswith("mlp.router.weight")})
-    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-          "exclude_modules": exclude}
-    hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
-          "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                           "exclude_modules": exclude}}
-    write(out, cfg, qc, new, deq, {"producer": "modelopt", "producer_version": "0.47.0"}, hq)
+    modelopt_write(out, cfg, new, deq, exclude)
 
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
