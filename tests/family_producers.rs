@@ -90,6 +90,55 @@ fn deepseek_v3_modelopt() {
     check("deepseek_v3", "modelopt-nvfp4", "nvfp4-modelopt", 9);
 }
 
+/// gpt-oss's layer-1 experts whose producer dequantization is kept beside the checkpoint (one
+/// tensor per fused projection, [E, in, out] when `kept_in_out`, else [E, out, in]): each expert's
+/// `w13` (rows gate/up interleaved as stored) and `w2` resolve to a weight of `scheme` whose
+/// dequantization equals it value by value. Returns the weights checked.
+fn layer1_experts_match(d: &Path, ck: &Checkpoint, scheme: &str, kept_in_out: bool) -> usize {
+    let bytes = std::fs::read(d.join("dequant-layer1.safetensors")).unwrap();
+    let deq = SafeTensors::deserialize(&bytes).unwrap();
+    let mut n = 0;
+    for (fused, proj) in [("gate_up_proj", "w13"), ("down_proj", "w2")] {
+        let t = deq
+            .tensor(&format!("model.layers.1.mlp.experts.{fused}"))
+            .unwrap();
+        let (experts, a, b) = (t.shape()[0], t.shape()[1], t.shape()[2]);
+        let (outf, inf) = if kept_in_out { (b, a) } else { (a, b) };
+        let theirs = f32s(&t);
+        for e in 0..experts {
+            let w = ck
+                .weight(&format!("layers.1.ffn.experts.{e}.{proj}"))
+                .unwrap();
+            assert_eq!(w.scheme(), scheme, "{proj} of expert {e}");
+            assert_eq!((w.out_features, w.in_features), (outf, inf));
+            if scheme == "mxfp4" {
+                assert_eq!(
+                    w.tensors.weight,
+                    format!("model.layers.1.mlp.experts.{fused}_blocks[{e}]")
+                );
+            }
+            let got = w.dequantize().unwrap();
+            let at = |o: usize, i: usize| {
+                if kept_in_out {
+                    (e * inf + i) * outf + o
+                } else {
+                    (e * outf + o) * inf + i
+                }
+            };
+            let bad = (0..outf)
+                .flat_map(|o| (0..inf).map(move |i| (o, i)))
+                .filter(|&(o, i)| got.data[o * inf + i] != theirs[at(o, i)])
+                .count();
+            assert_eq!(
+                bad, 0,
+                "{proj} of expert {e}: values differ from the producer's"
+            );
+            n += 1;
+        }
+    }
+    n
+}
+
 /// gpt-oss as released: `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32] per fused
 /// projection. Experts 0 and 1 of layer 1 resolve to per-expert MXFP4 weights (`w13`, its rows
 /// gate/up interleaved as stored; `w2`) whose dequantization equals transformers'
@@ -98,41 +147,7 @@ fn deepseek_v3_modelopt() {
 fn gpt_oss_mxfp4_as_released() {
     let d = dir("gpt_oss", "mxfp4");
     let ck = Checkpoint::open(&d).unwrap();
-    let bytes = std::fs::read(d.join("dequant-layer1.safetensors")).unwrap();
-    let deq = SafeTensors::deserialize(&bytes).unwrap();
-    let mut n = 0;
-    for (fused, proj) in [("gate_up_proj", "w13"), ("down_proj", "w2")] {
-        let t = deq
-            .tensor(&format!("model.layers.1.mlp.experts.{fused}"))
-            .unwrap();
-        let (experts, inf, outf) = (t.shape()[0], t.shape()[1], t.shape()[2]);
-        let theirs = f32s(&t);
-        for e in 0..experts {
-            let w = ck
-                .weight(&format!("layers.1.ffn.experts.{e}.{proj}"))
-                .unwrap();
-            assert_eq!(w.scheme(), "mxfp4", "{proj} of expert {e}");
-            assert_eq!((w.out_features, w.in_features), (outf, inf));
-            assert_eq!(
-                w.tensors.weight,
-                format!("model.layers.1.mlp.experts.{fused}_blocks[{e}]")
-            );
-            let got = w.dequantize().unwrap();
-            let mut bad = 0;
-            for o in 0..outf {
-                for i in 0..inf {
-                    if got.data[o * inf + i] != theirs[(e * inf + i) * outf + o] {
-                        bad += 1;
-                    }
-                }
-            }
-            assert_eq!(
-                bad, 0,
-                "{proj} of expert {e}: values differ from transformers'"
-            );
-            n += 1;
-        }
-    }
+    let n = layer1_experts_match(&d, &ck, "mxfp4", true);
     assert_eq!(n, 4);
     // the rest is BF16 as released: attention, router, embedding, head
     assert_eq!(ck.weight("layers.1.attn.q_proj").unwrap().scheme(), "bf16");
@@ -150,32 +165,10 @@ fn gpt_oss_mxfp4_as_released() {
 fn gpt_oss_modelopt_nvfp4_fused_experts() {
     let d = dir("gpt_oss", "modelopt-nvfp4");
     let ck = Checkpoint::open(&d).unwrap();
+    let n = layer1_experts_match(&d, &ck, "nvfp4-modelopt", false);
+    assert_eq!(n, 4);
     let bytes = std::fs::read(d.join("dequant-layer1.safetensors")).unwrap();
     let deq = SafeTensors::deserialize(&bytes).unwrap();
-    let mut n = 0;
-    for (fused, proj) in [("gate_up_proj", "w13"), ("down_proj", "w2")] {
-        let t = deq
-            .tensor(&format!("model.layers.1.mlp.experts.{fused}"))
-            .unwrap();
-        let (experts, outf, inf) = (t.shape()[0], t.shape()[1], t.shape()[2]);
-        let theirs = f32s(&t);
-        for e in 0..experts {
-            let w = ck
-                .weight(&format!("layers.1.ffn.experts.{e}.{proj}"))
-                .unwrap();
-            assert_eq!(w.scheme(), "nvfp4-modelopt", "{proj} of expert {e}");
-            assert_eq!((w.out_features, w.in_features), (outf, inf));
-            let got = w.dequantize().unwrap();
-            let part = &theirs[e * outf * inf..(e + 1) * outf * inf];
-            let bad = got.data.iter().zip(part).filter(|(a, b)| a != b).count();
-            assert_eq!(
-                bad, 0,
-                "{proj} of expert {e}: values differ from ModelOpt's"
-            );
-            n += 1;
-        }
-    }
-    assert_eq!(n, 4);
     for m in ["q_proj", "k_proj", "v_proj", "o_proj"] {
         let t = deq
             .tensor(&format!("model.layers.1.self_attn.{m}.weight"))
