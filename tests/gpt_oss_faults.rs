@@ -370,24 +370,33 @@ fn gpt_oss_checkpoint_faults_are_found_by_lint() {
     assert_eq!(code, 0, "{}", show(&f));
 }
 
-/// A fused pair with one half missing is one error naming both tensors, not eight experts'
-/// missing pieces under names no file holds; the same for `_blocks` without `_scales`.
-#[test]
-fn an_unpaired_blocks_or_scales_is_one_error_naming_both() {
-    let d = synth_dir(Format::Mxfp4, &["missing-block-scales@L2.ffn.experts"]);
+/// `missing-block-scales@L2.ffn.experts` planted in `format`: one `scale.missing` error per fused
+/// projection of layer 2 on the scale tensor (`{proj}{scale}`), naming the data tensor
+/// (`{proj}{data}`) beside it. Returns the evidences.
+fn unpaired_scales(format: Format, data: &str, scale: &str) -> Vec<String> {
+    let d = synth_dir(format, &["missing-block-scales@L2.ffn.experts"]);
     let (code, f) = lint(d.path(), None);
     assert_eq!(code, 1);
     let e = errors(&f);
     assert_eq!(e.len(), 2, "{}", show(&f));
+    let mut out = Vec::new();
     for (proj, f) in ["down_proj", "gate_up_proj"].iter().zip(&e) {
         let ev = f["evidence"].as_str().unwrap();
-        let (blocks, scales) = (
-            format!("model.layers.2.mlp.experts.{proj}_blocks"),
-            format!("model.layers.2.mlp.experts.{proj}_scales"),
-        );
-        assert!(ev.contains(&blocks) && ev.contains(&scales), "{ev}");
-        assert_eq!(f["tensor"], scales);
+        let w = format!("model.layers.2.mlp.experts.{proj}");
+        let (data, scale) = (format!("`{w}{data}`"), format!("{w}{scale}"));
+        assert!(ev.contains(&data) && ev.contains(&scale), "{ev}");
+        assert_eq!(f["tensor"], scale);
+        assert_eq!(f["rule"], "scale.missing");
+        out.push(ev.to_string());
     }
+    out
+}
+
+/// A fused pair with one half missing is one error naming both tensors, not eight experts'
+/// missing pieces under names no file holds; the same for `_blocks` without `_scales`.
+#[test]
+fn an_unpaired_blocks_or_scales_is_one_error_naming_both() {
+    unpaired_scales(Format::Mxfp4, "_blocks", "_scales");
     // the reverse: `_blocks` taken out of the producer's checkpoint, its `_scales` left
     let src = producer();
     let r = strip(&src, &["model.layers.1.mlp.experts.down_proj_blocks"]);
@@ -410,31 +419,15 @@ fn an_unpaired_blocks_or_scales_is_one_error_naming_both() {
 
 /// ModelOpt's NVFP4 export of gpt-oss with its underscore scale keys left out (what vLLM #46641's
 /// loader silently dropped: NaN logits, "!!!!" output): one error per fused projection naming
-/// the packed weight and its missing `_weight_scale`; the export as ModelOpt writes it is clean
-/// and runs without a finding.
+/// the packed weight and its missing `_weight_scale`; the export as ModelOpt writes it lints
+/// clean.
 #[test]
 fn modelopt_nvfp4_without_its_underscore_scale_keys_is_one_error_per_projection() {
     let clean = synth_dir(Format::ModelOptNvfp4, &[]);
     let (code, f) = lint(clean.path(), None);
     assert_eq!((code, errors(&f).len()), (0, 0), "{}", show(&f));
-    let d = synth_dir(
-        Format::ModelOptNvfp4,
-        &["missing-block-scales@L2.ffn.experts"],
-    );
-    let (code, f) = lint(d.path(), None);
-    assert_eq!(code, 1);
-    let e = errors(&f);
-    assert_eq!(e.len(), 2, "{}", show(&f));
-    for (proj, f) in ["down_proj", "gate_up_proj"].iter().zip(&e) {
-        let ev = f["evidence"].as_str().unwrap();
-        let w = format!("model.layers.2.mlp.experts.{proj}");
-        assert!(
-            ev.contains(&format!("`{w}`")) && ev.contains(&format!("{w}_weight_scale")),
-            "{ev}"
-        );
+    for ev in unpaired_scales(Format::ModelOptNvfp4, "", "_weight_scale") {
         assert!(ev.contains("NVFP4") && ev.contains("#46641"), "{ev}");
-        assert_eq!(f["tensor"], format!("{w}_weight_scale"));
-        assert_eq!(f["rule"], "scale.missing");
     }
 }
 
