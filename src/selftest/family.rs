@@ -411,12 +411,13 @@ mod tests {
     fn every_family_model_runs_and_reports_a_line() {
         let profiles = ["blackwell-w4a4".to_string()];
         let r = runs(Backend::Cpu, &profiles, 12, 1).unwrap();
-        assert_eq!(r.len(), 4);
+        assert_eq!(r.len(), 5);
         for (x, name) in r.iter().zip([
             "qwen3-moe",
             "deepseek-v3 fp8",
             "deepseek-v3 modelopt",
-            "gpt-oss",
+            "gpt-oss bf16",
+            "gpt-oss modelopt",
         ]) {
             assert!(x.pass, "{}", x.line);
             assert!(

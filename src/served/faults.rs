@@ -543,9 +543,14 @@ mod tests {
         assert!(!loader_fault_applies(g, "nvfp4-ct") && !loader_fault_applies(g, "bf16"));
         assert!(loader_fault_applies(FaultKind::MissingBlockScales, "mxfp4"));
         assert!(!loader_fault_applies(FaultKind::MissingBlockScales, "bf16"));
-        assert!(!loader_fault_applies(
+        // ModelOpt's underscore scale keys of gpt-oss's fused NVFP4 experts (vLLM #46641)
+        assert!(loader_fault_applies(
             FaultKind::MissingBlockScales,
             "nvfp4-modelopt"
+        ));
+        assert!(!loader_fault_applies(
+            FaultKind::MissingBlockScales,
+            "nvfp4-ct"
         ));
         assert!(is_w13("layers.1.ffn.experts.3.w13") && !is_w13("layers.1.ffn.experts.3.w2"));
     }
