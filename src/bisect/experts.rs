@@ -10,7 +10,7 @@
 
 use super::{Family, Hypothesis, ParamRef};
 use crate::probe::replay::{Patch, Replayer};
-use crate::served::faults::is_w13;
+use crate::served::faults::{is_w13, loader_fault_applies, FaultKind};
 use crate::served::Override;
 use crate::Result;
 
@@ -58,7 +58,9 @@ pub(super) fn hypotheses(
     }
     let mx: Vec<String> = weights
         .iter()
-        .filter(|(b, s)| b.contains(".ffn.experts.") && (s == "mxfp4" || s == "nvfp4-modelopt"))
+        .filter(|(b, s)| {
+            b.contains(".ffn.experts.") && loader_fault_applies(FaultKind::MissingBlockScales, s)
+        })
         .map(|(b, _)| b.clone())
         .collect();
     let mut units = vec![("w13, w2", mx.clone())];

@@ -79,9 +79,9 @@ pub(super) fn stacked(
 /// The canonical pieces of an interleaved-layout fused tensor (gpt-oss): expert e's slice is
 /// `{prefix}.ffn.experts.{e}.{leaf}`. A weight stored [E, in, out] (`Transposed`) must be a 3-D
 /// float tensor or 3-D bytes (ModelOpt's NVFP4 data and block scales); a tensor scale may be one
-/// per expert ([E]) or one for all (a scalar, `[]` or `[1]`: [`FusedPart::Shared`], as many
-/// experts as `experts` — the projection's fused weight — holds); every other must have an
-/// expert dimension and at least one more.
+/// per expert ([E], read as `Whole`) or one for all (a scalar, `[]` or `[1]`:
+/// [`FusedPart::Shared`], as many experts as `experts` — the projection's fused weight — holds);
+/// every other must have an expert dimension and at least one more.
 pub(super) fn per_expert(
     name: &str,
     e: &RawEntry,
@@ -91,7 +91,8 @@ pub(super) fn per_expert(
     part: FusedPart,
     experts: Option<usize>,
 ) -> Result<Vec<(String, Source)>> {
-    let scalar_leaf = leaf.ends_with("weight_scale_2") || leaf.ends_with("input_scale");
+    // a tensor scale (`Shared` from the naming) is one for all experts, or one per expert [E]
+    let scalar_leaf = part == FusedPart::Shared;
     let shared = scalar_leaf && e.shape.iter().product::<usize>() == 1 && e.shape.len() <= 1;
     let ok = match part {
         FusedPart::Transposed => {
@@ -128,6 +129,8 @@ pub(super) fn per_expert(
             )
         })?;
         (n, FusedPart::Shared)
+    } else if scalar_leaf {
+        (experts_of(name, e, file)?, FusedPart::Whole)
     } else {
         (experts_of(name, e, file)?, part)
     };
@@ -162,16 +165,13 @@ pub(super) fn shape(s: &[usize], part: FusedPart) -> Vec<usize> {
 /// (byte offset from the fused tensor's start, byte length) of one expert's `part`, elements of
 /// `es` bytes.
 pub(super) fn bytes(s: &[usize], es: usize, expert: usize, part: FusedPart) -> (usize, usize) {
-    if part == FusedPart::Shared {
-        return (0, es);
-    }
-    let per_expert = s[1..].iter().product::<usize>() * es;
-    let start = expert * per_expert;
+    let per_expert = || s[1..].iter().product::<usize>() * es;
     match part {
-        FusedPart::Gate => (start, per_expert / 2),
-        FusedPart::Up => (start + per_expert / 2, per_expert / 2),
-        FusedPart::Down | FusedPart::Whole | FusedPart::Transposed | FusedPart::Shared => {
-            (start, per_expert)
+        FusedPart::Shared => (0, es),
+        FusedPart::Gate => (expert * per_expert(), per_expert() / 2),
+        FusedPart::Up => (expert * per_expert() + per_expert() / 2, per_expert() / 2),
+        FusedPart::Down | FusedPart::Whole | FusedPart::Transposed => {
+            (expert * per_expert(), per_expert())
         }
     }
 }
@@ -189,21 +189,11 @@ pub(super) fn label(raw: &str, s: &[usize], expert: usize, part: FusedPart) -> S
     }
 }
 
-/// The transpose of a row-major [rows, cols] byte matrix: [cols, rows] (ModelOpt's NVFP4 expert
-/// bytes stored [in/2, out] → [out, in/2]: a byte holds two elements of one output row).
-pub(super) fn transpose_bytes(v: &[u8], rows: usize, cols: usize) -> Vec<u8> {
-    let mut out = vec![0u8; v.len()];
-    for (r, row) in v.chunks_exact(cols.max(1)).enumerate().take(rows) {
-        for (c, &x) in row.iter().enumerate() {
-            out[c * rows + r] = x;
-        }
-    }
-    out
-}
-
-/// The transpose of a row-major [rows, cols] matrix: [cols, rows].
-pub(super) fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0f32; v.len()];
+/// The transpose of a row-major [rows, cols] matrix: [cols, rows] (f32 values of gpt-oss's BF16
+/// experts; ModelOpt's NVFP4 expert bytes stored [in/2, out] → [out, in/2], a byte holding two
+/// elements of one output row).
+pub fn transpose<T: Copy + Default>(v: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut out = vec![T::default(); v.len()];
     for (r, row) in v.chunks_exact(cols.max(1)).enumerate().take(rows) {
         for (c, &x) in row.iter().enumerate() {
             out[c * rows + r] = x;

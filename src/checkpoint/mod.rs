@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub use complete::MissingTensor;
+pub use experts::transpose;
 pub use guard::GuardCheckpoint;
 pub use naming::{FusedPart, Naming};
 pub use quant::{
@@ -552,7 +553,7 @@ impl Checkpoint {
         let b = &shard.buf()[start..start + len];
         self.note_read(b.len());
         Ok(match self.byte_transposed(canonical) {
-            Some((rows, cols)) => Cow::Owned(experts::transpose_bytes(b, rows, cols)),
+            Some((rows, cols)) => Cow::Owned(experts::transpose(b, rows, cols)),
             None => Cow::Borrowed(b),
         })
     }

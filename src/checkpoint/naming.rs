@@ -69,8 +69,9 @@ pub enum FusedPart {
     /// `down_proj`; ModelOpt's NVFP4 bytes [E, in/2, out] and block scales [E, in/16, out]): the
     /// canonical tensor is its transpose, [out, in].
     Transposed,
-    /// A tensor stored once for every expert (ModelOpt's scalar `gate_up_proj_weight_scale_2`,
-    /// `_input_scale`): each expert's piece is the whole tensor, a scalar.
+    /// A tensor scale of a fused projection (ModelOpt's `gate_up_proj_weight_scale_2`,
+    /// `_input_scale`): stored as a scalar, each expert's piece is the whole tensor; stored one
+    /// per expert [E], `experts::per_expert` reads it as [`FusedPart::Whole`].
     Shared,
 }
 
@@ -145,9 +146,9 @@ fn interleaved(tail: &str) -> Option<(String, FusedPart)> {
                 Some((t.scale_leaves.first()?.to_string(), data))
             } else if Some(rest) == f.global_suffix {
                 // a scalar for every expert, or one per expert: `experts::per_expert` decides
-                Some((t.global_leaf?.to_string(), FusedPart::Whole))
+                Some((t.global_leaf?.to_string(), FusedPart::Shared))
             } else if Some(rest) == f.input_suffix {
-                Some((t.input_leaf?.to_string(), FusedPart::Whole))
+                Some((t.input_leaf?.to_string(), FusedPart::Shared))
             } else {
                 None
             }

@@ -18,7 +18,7 @@ use super::super::plan::{
     lin, param, single, Block, Dims, Format, Group, LinSpec, PDtype, PKind, Role,
 };
 use super::{norms, FamDims, Spec};
-use crate::checkpoint::Dtype;
+use crate::checkpoint::{transpose, Dtype};
 use crate::model::family::Kind;
 use crate::served::faults::{deinterleave, interleave, Fault, FaultKind};
 use crate::{Error, Result};
@@ -317,10 +317,10 @@ pub fn fuse(f: &FuseIn) -> Result<Vec<RawT>> {
             } else if modelopt {
                 // ModelOpt quantizes each expert's [out, in] and stores the packed bytes and
                 // block scales transposed back to transformers' [in, out]: [in/2, out], [in/16, out]
-                data.extend(transpose_bytes(&w, rows, cols / 2));
+                data.extend(transpose(&w, rows, cols / 2));
                 let s = find(&f.experts, &format!("{}.weight_scale", base(ex, proj)))?;
                 let nb = cols / crate::numerics::nvfp4::BLOCK;
-                scales.extend(transpose_bytes(&order(ex, proj, s, rows), rows, nb));
+                scales.extend(transpose(&order(ex, proj, s, rows), rows, nb));
                 globals.push(find(
                     &f.experts,
                     &format!("{}.weight_scale_2", base(ex, proj)),
@@ -403,17 +403,6 @@ fn shared_scalar(
         let n = per_expert.len();
         t(suffix, Dtype::F32, vec![n], per_expert.concat())
     })
-}
-
-/// The bytes of a row-major byte matrix [rows, cols] transposed to [cols, rows].
-fn transpose_bytes(b: &[u8], rows: usize, cols: usize) -> Vec<u8> {
-    let mut out = vec![0u8; b.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = b[r * cols + c];
-        }
-    }
-    out
 }
 
 /// The bytes of a row-major BF16 [rows, cols] matrix transposed to [cols, rows].
