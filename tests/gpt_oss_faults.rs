@@ -370,6 +370,36 @@ fn gpt_oss_checkpoint_faults_are_found_by_lint() {
     assert_eq!(code, 0, "{}", show(&f));
 }
 
+/// A converter that stored ModelOpt's NVFP4 `w13` rows in the wrong order: the checkpoint's
+/// own numbers are consistent (lint is clean without a reference), the BF16 original shows the
+/// rows of the expert it hit moved (the tensor named as stored, transposed: `ᵀ`).
+#[test]
+fn modelopt_nvfp4_gate_up_order_is_found_against_the_reference() {
+    let reference = synth_dir(Format::Bf16, &[]);
+    for (fault, tensor) in [
+        (
+            "gate-up-deinterleaved@L1.ffn.expert.2",
+            "model.layers.1.mlp.experts.gate_up_proj[2]ᵀ",
+        ),
+        (
+            "gate-up-interleaved-twice@L3.ffn.expert.6",
+            "model.layers.3.mlp.experts.gate_up_proj[6]ᵀ",
+        ),
+    ] {
+        let d = synth_dir(Format::ModelOptNvfp4, &[fault]);
+        assert_eq!(lint(d.path(), None).0, 0, "{fault}");
+        let (code, f) = lint(d.path(), Some(reference.path()));
+        assert_eq!(code, 1, "{fault}: {}", show(&f));
+        let e = errors(&f);
+        assert!(
+            e.iter()
+                .any(|f| f["rule"] == "reference.row-order" && f["tensor"] == tensor),
+            "{fault}: {}",
+            show(&f)
+        );
+    }
+}
+
 /// `missing-block-scales@L2.ffn.experts` planted in `format`: one `scale.missing` error per fused
 /// projection of layer 2 on the scale tensor (`{proj}{scale}`), naming the data tensor
 /// (`{proj}{data}`) beside it. Returns the evidences.
@@ -483,12 +513,24 @@ fn modules_to_not_convert_is_checked_against_the_tensors() {
     );
 }
 
-/// (loader fault, on the producer's checkpoint instead of synth's, op, verdict kind, parameter
-/// family, tensor the verdict names, every base the verdict names starts with this and ends
-/// with `end`).
+/// Which checkpoint a bisect case runs on.
+#[derive(Clone, Copy, Debug)]
+enum Src {
+    /// `synth --family gpt-oss --format mxfp4`
+    SynthMxfp4,
+    /// the producer's MXFP4 release layout (tests/data/hf-families/gpt_oss/mxfp4)
+    Producer,
+    /// `synth --family gpt-oss --format modelopt-nvfp4`
+    SynthModelOpt,
+    /// ModelOpt's own NVFP4 export (tests/data/hf-families/gpt_oss/modelopt-nvfp4)
+    ModelOptExport,
+}
+
+/// (loader fault, checkpoint, op, verdict kind, parameter family, tensor the verdict names, every
+/// base the verdict names starts with this and ends with `end`).
 type BisectCase = (
     &'static str,
-    bool,
+    Src,
     &'static str,
     &'static str,
     Family,
@@ -500,7 +542,7 @@ type BisectCase = (
 const BISECT: &[BisectCase] = &[
     (
         "gate-up-deinterleaved@L1.ffn.experts",
-        false,
+        Src::SynthMxfp4,
         "L1.ffn.experts",
         "gate-up-interleave",
         Family::GateUpOrder,
@@ -510,7 +552,7 @@ const BISECT: &[BisectCase] = &[
     ),
     (
         "gate-up-interleaved-twice@L2.ffn.experts",
-        false,
+        Src::SynthMxfp4,
         "L2.ffn.experts",
         "gate-up-deinterleave",
         Family::GateUpOrder,
@@ -520,7 +562,7 @@ const BISECT: &[BisectCase] = &[
     ),
     (
         "missing-block-scales@L1.ffn.experts",
-        false,
+        Src::SynthMxfp4,
         "L1.ffn.experts",
         "stored-mxfp4-scales",
         Family::BlockScales,
@@ -531,7 +573,7 @@ const BISECT: &[BisectCase] = &[
     // one expert's w2 scales not loaded: the verdict names that projection alone
     (
         "missing-block-scales@L3.ffn.expert.4.w2",
-        false,
+        Src::SynthMxfp4,
         "L3.ffn.experts",
         "stored-mxfp4-scales",
         Family::BlockScales,
@@ -542,7 +584,7 @@ const BISECT: &[BisectCase] = &[
     // the released layout as the producer's script wrote it
     (
         "gate-up-deinterleaved@L1.ffn.experts",
-        true,
+        Src::Producer,
         "L1.ffn.experts",
         "gate-up-interleave",
         Family::GateUpOrder,
@@ -552,13 +594,44 @@ const BISECT: &[BisectCase] = &[
     ),
     (
         "missing-block-scales@L2.ffn.experts",
-        true,
+        Src::Producer,
         "L2.ffn.experts",
         "stored-mxfp4-scales",
         Family::BlockScales,
         "model.layers.2.mlp.experts.gate_up_proj_scales",
         "layers.2.ffn.experts.",
         "",
+    ),
+    // ModelOpt's NVFP4 experts: the rows move with their block scales, the scalars stay
+    (
+        "gate-up-deinterleaved@L1.ffn.experts",
+        Src::SynthModelOpt,
+        "L1.ffn.experts",
+        "gate-up-interleave",
+        Family::GateUpOrder,
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "layers.1.ffn.experts.",
+        ".w13",
+    ),
+    (
+        "gate-up-interleaved-twice@L1.ffn.experts",
+        Src::ModelOptExport,
+        "L1.ffn.experts",
+        "gate-up-deinterleave",
+        Family::GateUpOrder,
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "layers.1.ffn.experts.",
+        ".w13",
+    ),
+    (
+        "gate-up-deinterleaved@L1.ffn.experts",
+        Src::ModelOptExport,
+        "L1.ffn.experts",
+        "gate-up-interleave",
+        Family::GateUpOrder,
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "layers.1.ffn.experts.",
+        ".w13",
     ),
 ];
 
@@ -578,11 +651,15 @@ fn gpt_oss_loader_faults_are_attributed_by_bisect() {
     assert!(BISECT.len() >= 5);
     let bad: Vec<String> = BISECT
         .par_iter()
-        .filter_map(|&(fault, prod, op, kind, fam, tensor, prefix, end)| {
-            let (ck, vocab) = if prod {
-                (Checkpoint::open(&producer()).unwrap(), 256)
-            } else {
-                (synth::synth_to_memory(&opts(Format::Mxfp4, &[])).unwrap(), 512)
+        .filter_map(|&(fault, src, op, kind, fam, tensor, prefix, end)| {
+            let (ck, vocab) = match src {
+                Src::Producer => (Checkpoint::open(&producer()).unwrap(), 256),
+                Src::ModelOptExport => (Checkpoint::open(&modelopt_export()).unwrap(), 256),
+                Src::SynthMxfp4 => (synth::synth_to_memory(&opts(Format::Mxfp4, &[])).unwrap(), 512),
+                Src::SynthModelOpt => (
+                    synth::synth_to_memory(&opts(Format::ModelOptNvfp4, &[])).unwrap(),
+                    512,
+                ),
             };
             let f = Fault::parse(fault).unwrap();
             let r = bisect::bisect(&ck, &bisect_opts(layer_of(op), vocab, vec![f])).unwrap();
@@ -603,7 +680,7 @@ fn gpt_oss_loader_faults_are_attributed_by_bisect() {
                 if o == op && k == kind && *pf == fam && ts.first().map(String::as_str) == Some(tensor)
                     && !bases.is_empty()
                     && bases.iter().all(|b| b.starts_with(prefix) && b.ends_with(end)));
-            (!ok).then(|| format!("{fault} (producer: {prod}): {got:?}"))
+            (!ok).then(|| format!("{fault} ({src:?}): {got:?}"))
         })
         .collect();
     assert!(bad.is_empty(), "{bad:#?}");

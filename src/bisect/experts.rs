@@ -3,9 +3,10 @@
 //! them, one that interleaves them again scrambles them another way) and the MXFP4 `*_scales` a
 //! loader did not read (every block then decodes with scale 1).
 //!
-//! Why apart from the NVFP4 scale hypotheses: these weights have no tensor or activation scale
-//! to get wrong, so the NVFP4 set has nothing to say about them, while a wrong row order or
-//! unread block scales are exactly what an MXFP4 expert loader gets wrong. Each hypothesis is a
+//! Why apart from the NVFP4 scale hypotheses: no scale explains a wrong row order, and MXFP4
+//! weights have no tensor or activation scale to get wrong at all, while a wrong row order (on
+//! MXFP4 experts, and on ModelOpt's NVFP4 export, whose interleaved rows FlashInfer's kernels
+//! need de-interleaved) or unread block scales are what an expert loader gets wrong. Each is a
 //! repair of the loader's reading (`served::Override`), evaluated like the others.
 
 use super::{Family, Hypothesis, ParamRef};
@@ -15,7 +16,7 @@ use crate::served::Override;
 use crate::Result;
 
 /// The hypotheses for op `op` reading `weights` (base, scheme label): the two gate/up re-orderings
-/// over every routed `w13` not stored NVFP4, and the stored block scales over the MXFP4 experts
+/// over every routed quantized `w13` (MXFP4, NVFP4, FP8), and the stored block scales over the MXFP4 experts
 /// (all projections, then each).
 pub(super) fn hypotheses(
     rp: &Replayer,
@@ -25,7 +26,7 @@ pub(super) fn hypotheses(
     let layer = op.split('.').next().unwrap_or(op);
     let w13: Vec<String> = weights
         .iter()
-        .filter(|(b, s)| is_w13(b) && !s.starts_with("nvfp4"))
+        .filter(|(b, s)| is_w13(b) && loader_fault_applies(FaultKind::GateUpDeinterleaved, s))
         .map(|(b, _)| b.clone())
         .collect();
     let mut out = Vec::new();

@@ -14,6 +14,7 @@ use crate::device::ops::RopeTable;
 use crate::model::family::Kind;
 use crate::model::mem_env::Rng;
 use crate::model::rope::rope_freqs;
+use crate::served::faults::Fault;
 use crate::tensor::Data;
 use crate::Result;
 
@@ -215,24 +216,45 @@ pub struct FamilyRun {
     pub json: serde_json::Value,
 }
 
-/// The tiny models of the families: (name, checkpoint).
-fn models(seed: u64) -> Result<Vec<(&'static str, Checkpoint)>> {
+/// The tiny models of the families: (name, checkpoint, loader faults). The faulted runs hold the
+/// device's served reading of gpt-oss's fused experts to the CPU's where a loader re-orders
+/// `w13`'s rows or leaves MXFP4 `_scales` unread (values the host prepares, not the stored bytes).
+fn models(seed: u64) -> Result<Vec<(&'static str, Checkpoint, Vec<Fault>)>> {
     use crate::synth::{synth_to_memory, Format, SynthOptions};
     let fam = |k: Kind, f: Format| synth_to_memory(&SynthOptions::family(k, f, seed));
+    let fault = |s: &str| Fault::parse(s).map(|f| vec![f]);
     Ok(vec![
-        ("qwen3-moe ct-nvfp4", fam(Kind::Qwen3Moe, Format::CtNvfp4)?),
+        ("qwen3-moe ct-nvfp4", fam(Kind::Qwen3Moe, Format::CtNvfp4)?, vec![]),
         (
             "deepseek-v3 fp8-block",
             fam(Kind::DeepseekV3, Format::Fp8Block)?,
+            vec![],
         ),
         (
             "deepseek-v3 modelopt-nvfp4",
             fam(Kind::DeepseekV3, Format::ModelOptNvfp4)?,
+            vec![],
         ),
-        ("gpt-oss bf16", gpt_oss_tiny(seed)?),
+        ("gpt-oss bf16", gpt_oss_tiny(seed)?, vec![]),
         (
             "gpt-oss modelopt-nvfp4",
             fam(Kind::GptOss, Format::ModelOptNvfp4)?,
+            vec![],
+        ),
+        (
+            "gpt-oss modelopt-nvfp4 + gate-up-interleaved-twice@L1.ffn.experts",
+            fam(Kind::GptOss, Format::ModelOptNvfp4)?,
+            fault("gate-up-interleaved-twice@L1.ffn.experts")?,
+        ),
+        (
+            "gpt-oss mxfp4 + gate-up-deinterleaved@L1.ffn.experts",
+            fam(Kind::GptOss, Format::Mxfp4)?,
+            fault("gate-up-deinterleaved@L1.ffn.experts")?,
+        ),
+        (
+            "gpt-oss mxfp4 + missing-block-scales@L1.ffn.experts",
+            fam(Kind::GptOss, Format::Mxfp4)?,
+            fault("missing-block-scales@L1.ffn.experts")?,
         ),
     ])
 }
@@ -248,12 +270,13 @@ pub fn runs(
     seed: u64,
 ) -> Result<Vec<FamilyRun>> {
     let mut out = Vec::new();
-    for (name, ckpt) in models(seed)? {
+    for (name, ckpt, faults) in models(seed)? {
         let cfg = ckpt.model_config()?.clone();
         let tokens = crate::probe::synthetic_tokens(seq_len, cfg.vocab_size, seed);
         for profile in profiles {
             let mut opts = crate::probe::RunOptions {
                 profile: crate::served::Profile::parse(profile)?,
+                loader_faults: faults.clone(),
                 ..crate::probe::RunOptions::new((0, cfg.num_hidden_layers - 1), tokens.clone())
             };
             let cpu = crate::probe::run(&ckpt, &opts)?;
@@ -411,15 +434,24 @@ mod tests {
     fn every_family_model_runs_and_reports_a_line() {
         let profiles = ["blackwell-w4a4".to_string()];
         let r = runs(Backend::Cpu, &profiles, 12, 1).unwrap();
-        assert_eq!(r.len(), 5);
-        for (x, name) in r.iter().zip([
+        assert_eq!(r.len(), 8);
+        for (i, (x, name)) in r.iter().zip([
             "qwen3-moe",
             "deepseek-v3 fp8",
             "deepseek-v3 modelopt",
             "gpt-oss bf16",
             "gpt-oss modelopt",
-        ]) {
+            "gpt-oss modelopt-nvfp4 + gate-up-interleaved-twice",
+            "gpt-oss mxfp4 + gate-up-deinterleaved",
+            "gpt-oss mxfp4 + missing-block-scales",
+        ])
+        .enumerate()
+        {
             assert!(x.pass, "{}", x.line);
+            // the loader faults show (what the device is held to is a visible fault); the clean
+            // models diverge nowhere
+            let divergent = x.json["agreement"]["divergent_cpu"].as_u64().unwrap();
+            assert_eq!(divergent > 0, i >= 5, "{}", x.line);
             assert!(
                 x.line.contains(name) && x.line.contains("blackwell-w4a4"),
                 "{}",

@@ -223,7 +223,8 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
         return false;
     }
     if kind.is_gate_up_order() {
-        return s.spec().served == Served::Fp8Act;
+        // a row order is any quantized format's to get wrong; BF16 is served as the oracle reads it
+        return s.spec().served != Served::Dense;
     }
     if kind == FaultKind::MissingBlockScales {
         return matches!(s, Scheme::Mxfp4 | Scheme::Nvfp4ModelOpt);
@@ -325,17 +326,17 @@ pub fn interleave<T: Copy>(v: &[T], rows: usize) -> Vec<T> {
 /// are `dequant`), bisect's repairs applied after it: MXFP4 blocks read without their `_scales`
 /// (every scale 1, E8M0 127) unless the repair re-reads them, `w13`'s rows de-interleaved or
 /// interleaved again, then re-ordered by a repair. None when nothing applies (serve `dequant`).
+/// NVFP4 weights re-order their decoded operand with [`reorder_w13`] instead (their block scales
+/// are the served layout's business).
 pub fn fused_expert_reading(
     qw: &crate::checkpoint::QuantWeight,
     dequant: &[f32],
     faults: &[&Fault],
     overrides: &[super::Override],
 ) -> Option<Vec<f32>> {
-    use super::Override;
-    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     let (rows, cols) = (qw.out_features, qw.in_features);
     let mut w: Option<Vec<f32>> = None;
-    if has(FaultKind::MissingBlockScales) && !overrides.contains(&Override::StoredBlockScales) {
+    if reads_without_mxfp4_scales(qw.format.scheme(), faults, overrides) {
         if let crate::checkpoint::WeightFormat::Mxfp4 { packed, .. } = &qw.format {
             let ones = vec![crate::numerics::ue8m0::BIAS as u8; rows * cols / 32];
             w = Some(crate::numerics::mxfp4::dequantize(
@@ -343,22 +344,75 @@ pub fn fused_expert_reading(
             ));
         }
     }
-    if is_w13(&qw.canonical) && rows.is_multiple_of(2) {
-        let mut step = |f: fn(&[f32], usize) -> Vec<f32>| {
-            w = Some(f(w.as_deref().unwrap_or(dequant), rows));
-        };
-        if has(FaultKind::GateUpDeinterleaved) {
-            step(deinterleave);
-        }
-        if has(FaultKind::GateUpInterleavedTwice) {
-            step(interleave);
-        }
-        for o in overrides {
-            match o {
-                Override::InterleaveGateUp => step(interleave),
-                Override::DeinterleaveGateUp => step(deinterleave),
-                _ => {}
-            }
+    let src = w.as_deref().unwrap_or(dequant);
+    reorder_w13(&qw.canonical, rows, faults, overrides, src).or(w)
+}
+
+/// Whether an MXFP4 weight is read without its `_scales` (the loader fault, no re-reading repair).
+fn reads_without_mxfp4_scales(
+    scheme: crate::checkpoint::Scheme,
+    faults: &[&Fault],
+    overrides: &[super::Override],
+) -> bool {
+    scheme == crate::checkpoint::Scheme::Mxfp4
+        && faults
+            .iter()
+            .any(|f| f.kind == FaultKind::MissingBlockScales)
+        && !overrides.contains(&super::Override::StoredBlockScales)
+}
+
+/// Whether a loader fault or a repair re-orders the rows of weight `base` (gpt-oss's `w13`).
+pub fn reorders_w13(base: &str, faults: &[&Fault], overrides: &[super::Override]) -> bool {
+    use super::Override;
+    is_w13(base)
+        && (faults.iter().any(|f| f.kind.is_gate_up_order())
+            || overrides
+                .iter()
+                .any(|o| matches!(o, Override::InterleaveGateUp | Override::DeinterleaveGateUp)))
+}
+
+/// Whether the served reading of `base` (stored as `scheme`) is values the host prepares, not the
+/// stored bytes a device decodes: a `w13` whose rows a loader or a repair re-orders, MXFP4 blocks
+/// read without their scales.
+pub fn needs_host_reading(
+    base: &str,
+    scheme: crate::checkpoint::Scheme,
+    faults: &[&Fault],
+    overrides: &[super::Override],
+) -> bool {
+    reorders_w13(base, faults, overrides) || reads_without_mxfp4_scales(scheme, faults, overrides)
+}
+
+/// `w13`'s rows ([rows, len / rows] values `v`) as the loader reads them: de-interleaved or
+/// interleaved again by its fault, then re-ordered by bisect's repairs in their order. None when
+/// nothing re-orders `base`.
+pub fn reorder_w13<T: Copy>(
+    base: &str,
+    rows: usize,
+    faults: &[&Fault],
+    overrides: &[super::Override],
+    v: &[T],
+) -> Option<Vec<T>> {
+    use super::Override;
+    if !reorders_w13(base, faults, overrides) || !rows.is_multiple_of(2) {
+        return None;
+    }
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    let mut w: Option<Vec<T>> = None;
+    let mut step = |f: fn(&[T], usize) -> Vec<T>| {
+        w = Some(f(w.as_deref().unwrap_or(v), rows));
+    };
+    if has(FaultKind::GateUpDeinterleaved) {
+        step(deinterleave);
+    }
+    if has(FaultKind::GateUpInterleavedTwice) {
+        step(interleave);
+    }
+    for o in overrides {
+        match o {
+            Override::InterleaveGateUp => step(interleave),
+            Override::DeinterleaveGateUp => step(deinterleave),
+            _ => {}
         }
     }
     w

@@ -407,10 +407,14 @@ pub fn prepare(
 ) -> Result<ServedWeight> {
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     use crate::checkpoint::formats::Served;
-    // gpt-oss's fused-expert loader faults and their repairs change the decoded values
-    let read = faults::fused_expert_reading(qw, dequant_f32, faults, overrides);
+    let served = qw.format.scheme().spec().served;
+    // gpt-oss's fused-expert loader faults and their repairs change the decoded values (an NVFP4
+    // weight re-orders its decoded operand below)
+    let read = (served != Served::Nvfp4)
+        .then(|| faults::fused_expert_reading(qw, dequant_f32, faults, overrides))
+        .flatten();
     let dequant_f32 = read.as_deref().unwrap_or(dequant_f32);
-    Ok(match (&qw.format, qw.format.scheme().spec().served) {
+    Ok(match (&qw.format, served) {
         (_, Served::Dense) => ServedWeight::Dense {
             w: Arc::new(
                 dequant_f32
@@ -467,6 +471,9 @@ pub fn prepare(
                 faults,
                 overrides,
             );
+            // a w13 whose rows the loader re-orders: its rows move with their block scales
+            let wq = faults::reorder_w13(&qw.canonical, qw.out_features, faults, overrides, &wq)
+                .unwrap_or(wq);
             ServedWeight::Nvfp4 {
                 wq: Arc::new(wq),
                 p,

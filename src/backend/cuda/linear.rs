@@ -241,8 +241,14 @@ impl Gpu {
                     let xp = self.bf16_copy("x16", x, m * groups * k)?;
                     self.gemm_g(Ty::Bf16, xp, k, off(wq16, 2), y, ldy, m, nr, k, groups)?;
                 } else {
-                    let wp = self.scratch("w32", nk * 4)?;
-                    self.dequant(w, wp, Ty::F32, true, false, None)?;
+                    let wp = match host_w {
+                        Some(hp) => hp,
+                        None => {
+                            let wp = self.scratch("w32", nk * 4)?;
+                            self.dequant(w, wp, Ty::F32, true, false, None)?;
+                            wp
+                        }
+                    };
                     self.gemm_g(Ty::F32, x, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
                 }
                 self.epilogue(y, m, nr * groups, ldy, mul)?;

@@ -143,8 +143,8 @@ impl Gpu {
     /// How the served path reads a weight whose bytes are (or are being made) resident: NVFP4
     /// scalars as the loader resolves them with the faults and hypotheses of `lc`, the nibble
     /// order, and for NVFP4 layout faults/repairs the rearranged block-scale bytes (computed on
-    /// the host from the scale tensor alone). Only non-NVFP4 weights with layout faults are
-    /// prepared on the host in full.
+    /// the host from the scale tensor alone). Prepared on the host in full: non-NVFP4 weights
+    /// with layout faults, a `w13` whose rows are re-ordered, MXFP4 blocks read without scales.
     pub(super) fn served_reading(
         &mut self,
         lc: &LinearCtx,
@@ -160,10 +160,14 @@ impl Gpu {
         drop(sp);
         use crate::served::faults::FaultKind as K;
         let has = |k: K| faults.iter().any(|f| f.kind == k);
+        // a w13 whose rows a loader or a repair re-orders, MXFP4 blocks read without their
+        // scales: values the host prepares (`served::prepare`), not the stored bytes
+        let host = crate::served::faults::needs_host_reading(base, m.scheme, &faults, &overrides);
         let nvfp4 = matches!(
             m.scheme,
             Scheme::Mxfp4 | Scheme::Nvfp4Ct | Scheme::Nvfp4ModelOpt
-        ) && m.convention.is_some();
+        ) && m.convention.is_some()
+            && !host;
         if let (true, Some(conv)) = (nvfp4, m.convention) {
             // every NVFP4 layout fault and repair rearranges the scale bytes or the nibble order:
             // the device decodes the resident packed bytes with the rearranged scales. They
@@ -230,14 +234,16 @@ impl Gpu {
             });
         }
         // faults and hypotheses the device applies itself; the rest re-read the bytes on the host
-        let native = faults.iter().all(|f| {
-            !matches!(
-                f.kind,
-                K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
-            )
-        }) && overrides
-            .iter()
-            .all(|o| !matches!(o, Override::Unswizzle | Override::UnshiftRows));
+        let native = !host
+            && faults.iter().all(|f| {
+                !matches!(
+                    f.kind,
+                    K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
+                )
+            })
+            && overrides
+                .iter()
+                .all(|o| !matches!(o, Override::Unswizzle | Override::UnshiftRows));
         let served = if native {
             ServedDev::Native {
                 nv: None,
