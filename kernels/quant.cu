@@ -429,6 +429,30 @@ extern "C" __global__ void act_quant_fp8(const float* x, u64 rows, u64 cols, int
     }
 }
 
+// MXFP8 activation quantize-dequantize as TensorRT-LLM's cvt_warp_fp16_to_mxfp8 (FlashInfer's
+// mxfp8_quantize, gpt-oss W4A8 on Blackwell): one thread per (row, 32-column group).
+// s = 2^ceil(log2(amax * rcp.approx(448))) (UE8M0 rounded up, no floor); q = e4m3_satfinite(x / s)
+// (s a power of two: x * (1/s) exactly); out = q * s; a block whose amax is 0 stays 0.
+extern "C" __global__ void act_quant_mxfp8(const float* x, u64 rows, u64 cols, float* out) {
+    u64 groups = (cols + 31) / 32;
+    const float rcp448 = rcp_approx_ftz(448.0f);
+    GRID_STRIDE(t, rows * groups) {
+        u64 r = t / groups, g0 = (t % groups) * 32;
+        u64 g1 = g0 + 32 < cols ? g0 + 32 : cols;
+        const float* xr = x + r * cols;
+        float a = 0.0f;
+        for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
+        if (a == 0.0f) {
+            for (u64 c = g0; c < g1; c++) out[r * cols + c] = 0.0f;
+            continue;
+        }
+        float s = pow2_ceil(__fmul_rn(a, rcp448));
+        for (u64 c = g0; c < g1; c++) {
+            out[r * cols + c] = __fmul_rn(e4m3_decode(e4m3_encode_satfinite(__fdiv_rn(xr[c], s))), s);
+        }
+    }
+}
+
 // An engine's FP8 cache as read back (the attention's, vLLM's fp8_ds_mla: group 64 over the 448
 // non-RoPE dims; the indexer's keys: group 128 over all): columns [0, nope) of each row
 // quantize-dequantized per `group` with the power-of-two scale of act_quant_fp8, columns

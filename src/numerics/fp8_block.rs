@@ -131,6 +131,37 @@ pub fn fake_quant_act_1x128(x: &[f32], rows: usize, cols: usize, which: ActScale
     out
 }
 
+/// Elements per scale of an MXFP8 activation ([`fake_quant_act_mxfp8`]).
+pub const MX_GROUP: usize = 32;
+
+/// MXFP8 activation quantize-dequantize as TensorRT-LLM's / FlashInfer's `mxfp8_quantize` does it
+/// in front of an MXFP4 × MXFP8 MoE GEMM (gpt-oss W4A8 on Blackwell): per row, per 32 elements,
+/// s = 2^ceil(log2(amax · rcp(448))) with the kernel's approximate reciprocal
+/// (`reciprocal_approximate_ftz`, [`super::nvfp4::rcp_approx`]), UE8M0 rounded up, no floor;
+/// q = e4m3_satfinite(x / s) (s is a power of two: the same as x · (1/s)); out = q · s; a block
+/// whose amax is 0 stays 0.
+pub fn fake_quant_act_mxfp8(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
+    let mut out = vec![0f32; x.len()];
+    if cols == 0 {
+        return out;
+    }
+    let rcp448 = super::nvfp4::rcp_approx(e4m3::MAX);
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        for (xg, og) in xr.chunks(MX_GROUP).zip(or.chunks_mut(MX_GROUP)) {
+            let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+            if a == 0.0 {
+                continue;
+            }
+            let s = pow2_ceil(a * rcp448);
+            for (&xv, o) in xg.iter().zip(og.iter_mut()) {
+                *o = e4m3::decode(e4m3::encode_satfinite(xv / s)) * s;
+            }
+        }
+    }
+    out
+}
+
 /// Columns per scale of an engine's FP8 KV cache ([`fake_quant_kv_cache`]): vLLM's
 /// `fp8_ds_mla` layout of the attention's keys.
 pub const KV_GROUP: usize = 64;
@@ -179,6 +210,42 @@ pub fn fake_quant_kv_cache(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// MXFP8 by hand (E4M3 per 32, TensorRT-LLM's rounded-up UE8M0 scale). amax 1 → s = 2^-8
+    /// (1/448 = 2^-8.8): 0.3 · 256 = 76.8 → E4M3 80 → 0.3125, and 2.2e-5 · 256 = 2.88 subnormal
+    /// steps of 2^-9 → 3 → 3 · 2^-17. amax 1.75 = 448 · 2^-8 keeps s = 2^-8 (1.75 · rcp(448)
+    /// lands on 2^-8 exactly); one ulp more takes s = 2^-7, where 2.2e-5 is 1.44 steps → 2^-16.
+    /// amax 1e-8: s = 2^-35 (no floor; DeepSeek's 1x128 floors the amax at 1e-4), 343.6 → 352.
+    /// A zero block stays zero; the last block is partial; rows are independent.
+    #[test]
+    fn mxfp8_activation_matches_hand_values() {
+        let tiny = 2.2e-5f32;
+        let mut x = vec![0f32; 72];
+        x[..4].copy_from_slice(&[1.0, 0.3, -0.3, tiny]);
+        x[32] = 1.75;
+        x[33] = tiny;
+        x[64] = 1e-8;
+        let y = fake_quant_act_mxfp8(&x, 1, 72);
+        let step = |e: i32| 2f32.powi(e);
+        assert_eq!(&y[..4], &[1.0, 0.3125, -0.3125, 3.0 * step(-17)]);
+        assert_eq!((y[32], y[33]), (1.75, 3.0 * step(-17)));
+        assert_eq!(y[64], 352.0 * step(-35));
+        assert!(y[4..32]
+            .iter()
+            .chain(&y[34..64])
+            .chain(&y[65..])
+            .all(|&v| v == 0.0));
+        x[32] = f32::from_bits(1.75f32.to_bits() + 1);
+        let y = fake_quant_act_mxfp8(&x, 1, 72);
+        assert_eq!((y[32], y[33]), (1.75, step(-16)));
+        assert!(fake_quant_act_mxfp8(&[0.0; 40], 1, 40)
+            .iter()
+            .all(|&v| v == 0.0));
+        // amax 100 in the second row: s = 2^ceil(log2(100/448)) = 2^-2; 100 · 4 = 400 lies halfway
+        // between 384 and 416 → 384 (even mantissa) → 96; 0.3 · 4 = 1.2 → 1.25 → 0.3125
+        let two = fake_quant_act_mxfp8(&[1.0, 0.3, 100.0, 0.3], 2, 2);
+        assert_eq!(two, [1.0, 0.3125, 96.0, 0.3125]);
+    }
 
     #[test]
     fn kv_cache_rounds_the_nope_part_per_64_and_keeps_the_rope_part() {

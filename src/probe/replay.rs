@@ -585,10 +585,15 @@ mod tests {
             let (wq0, p0) = match &e.served {
                 ServedWeight::Nvfp4 { wq, p } => (wq, *p),
                 ServedWeight::Dense { w } => return Ok(ServedWeight::Dense { w: w.clone() }), // shared
-                ServedWeight::Fp8Act { w, non_pow2_act } => {
+                ServedWeight::Fp8Act {
+                    w,
+                    non_pow2_act,
+                    recipe,
+                } => {
                     return Ok(ServedWeight::Fp8Act {
                         w: w.clone(),
                         non_pow2_act: *non_pow2_act,
+                        recipe: *recipe,
                     })
                 }
             };

@@ -224,7 +224,11 @@ fn models(seed: u64) -> Result<Vec<(&'static str, Checkpoint, Vec<Fault>)>> {
     let fam = |k: Kind, f: Format| synth_to_memory(&SynthOptions::family(k, f, seed));
     let fault = |s: &str| Fault::parse(s).map(|f| vec![f]);
     Ok(vec![
-        ("qwen3-moe ct-nvfp4", fam(Kind::Qwen3Moe, Format::CtNvfp4)?, vec![]),
+        (
+            "qwen3-moe ct-nvfp4",
+            fam(Kind::Qwen3Moe, Format::CtNvfp4)?,
+            vec![],
+        ),
         (
             "deepseek-v3 fp8-block",
             fam(Kind::DeepseekV3, Format::Fp8Block)?,
@@ -435,17 +439,19 @@ mod tests {
         let profiles = ["blackwell-w4a4".to_string()];
         let r = runs(Backend::Cpu, &profiles, 12, 1).unwrap();
         assert_eq!(r.len(), 8);
-        for (i, (x, name)) in r.iter().zip([
-            "qwen3-moe",
-            "deepseek-v3 fp8",
-            "deepseek-v3 modelopt",
-            "gpt-oss bf16",
-            "gpt-oss modelopt",
-            "gpt-oss modelopt-nvfp4 + gate-up-interleaved-twice",
-            "gpt-oss mxfp4 + gate-up-deinterleaved",
-            "gpt-oss mxfp4 + missing-block-scales",
-        ])
-        .enumerate()
+        for (i, (x, name)) in r
+            .iter()
+            .zip([
+                "qwen3-moe",
+                "deepseek-v3 fp8",
+                "deepseek-v3 modelopt",
+                "gpt-oss bf16",
+                "gpt-oss modelopt",
+                "gpt-oss modelopt-nvfp4 + gate-up-interleaved-twice",
+                "gpt-oss mxfp4 + gate-up-deinterleaved",
+                "gpt-oss mxfp4 + missing-block-scales",
+            ])
+            .enumerate()
         {
             assert!(x.pass, "{}", x.line);
             // the loader faults show (what the device is held to is a visible fault); the clean

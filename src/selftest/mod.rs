@@ -671,6 +671,43 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         out.push(exact(name, &t.get_f32(&o, m * k)?, &want));
     }
 
+    // ---- MXFP8 activation quantization (gpt-oss W4A8) ----
+    // 690 columns: a partial last group; blocks whose amax is 448·2^j exactly (the rounded-up
+    // scale's boundary, where the approximate reciprocal decides), all zero, and below 1e-4
+    // (no floor, unlike DeepSeek's 1x128)
+    let (m, k) = (48 * s, 690);
+    let mut x = activations(&mut rng, m, k, true);
+    for r in 0..m {
+        let g = (r % 21) * 32;
+        match r % 4 {
+            0 => {
+                x[r * k + g..r * k + g + 32]
+                    .iter_mut()
+                    .for_each(|v| *v = bf16::round(*v * 1e-3));
+                x[r * k + g] = 1.75 * 2f32.powi(r as i32 % 9 - 4);
+            }
+            1 => x[r * k + g..r * k + g + 32].fill(0.0),
+            2 => x[r * k + g..r * k + g + 32]
+                .iter_mut()
+                .for_each(|v| *v = bf16::round(*v * 1e-6)),
+            _ => {}
+        }
+    }
+    let xb = t.up(&x)?;
+    let o = t.out(m * k * 4)?;
+    t.g.kern().act_quant_mxfp8(
+        (m * k.div_ceil(32)) as u64,
+        xb.ptr,
+        m as u64,
+        k as u64,
+        o.ptr,
+    )?;
+    out.push(exact(
+        "act quant mxfp8 1x32 (UE8M0 rounded up)",
+        &t.get_f32(&o, m * k)?,
+        &fp8_block::fake_quant_act_mxfp8(&x, m, k),
+    ));
+
     // ---- BF16 rounding and the GEMM epilogue ----
     let n = xs.len();
     let xb = t.up(&xs)?;

@@ -24,7 +24,9 @@ pub mod profile;
 
 use faults::{Fault, FaultKind};
 pub use linears::{CpuLinears, FusedExperts, LinearCtx, Linears, Observed};
-pub use profile::{ActQuant, Epilogue, PathKind, Profile, Recipe, WeightOperand};
+pub use profile::{
+    ActQuant, Epilogue, ExactAct, ExactRecipe, PathKind, Profile, Recipe, WeightOperand,
+};
 
 /// The overrides among (weight base, override) pairs that apply to weight `base`, in order.
 pub fn overrides_of(overrides: &[(String, Override)], base: &str) -> Vec<Override> {
@@ -92,10 +94,12 @@ impl Nvfp4Params {
 pub enum ServedWeight {
     /// BF16/F16/F32 weight: BF16 GEMM, f32 output (no rounding inside the linear).
     Dense { w: Arc<Vec<f32>> },
-    /// FP8 block / MXFP4: exact dequantized weight, FP8 1×128 activation quantization, BF16 output.
+    /// FP8 block / MXFP4: exact dequantized weight, the activation the family's engines give it
+    /// under the profile (`profile::ExactRecipe`), BF16 output.
     Fp8Act {
         w: Arc<Vec<f32>>,
         non_pow2_act: bool,
+        recipe: ExactRecipe,
     },
     /// NVFP4: `wq = e2m1 · s_w` (no tensor scale) plus the loader's scalars.
     Nvfp4 { wq: Arc<Vec<f32>>, p: Nvfp4Params },
@@ -107,9 +111,14 @@ impl ServedWeight {
         let sl = |w: &Arc<Vec<f32>>| Arc::new(w[r0 * k..(r0 + n) * k].to_vec());
         match self {
             ServedWeight::Dense { w } => ServedWeight::Dense { w: sl(w) },
-            ServedWeight::Fp8Act { w, non_pow2_act } => ServedWeight::Fp8Act {
+            ServedWeight::Fp8Act {
+                w,
+                non_pow2_act,
+                recipe,
+            } => ServedWeight::Fp8Act {
                 w: sl(w),
                 non_pow2_act: *non_pow2_act,
+                recipe: *recipe,
             },
             ServedWeight::Nvfp4 { wq, p } => ServedWeight::Nvfp4 { wq: sl(wq), p: *p },
         }
@@ -439,6 +448,7 @@ pub fn prepare(
             ServedWeight::Fp8Act {
                 w: Arc::new(w),
                 non_pow2_act: has(FaultKind::NonPow2Ue8m0),
+                recipe: ExactRecipe::in_checkpoint(ckpt, qw.format.scheme()),
             }
         }
         (
@@ -526,11 +536,19 @@ pub fn apply(
     let bf = crate::numerics::bf16::round;
     match sw {
         ServedWeight::Dense { w } => (matmul_nt(x, w, m, k, n), LinearObs::default()),
-        ServedWeight::Fp8Act { w, non_pow2_act } => {
-            let xq = if *non_pow2_act {
-                fake_quant_fp8_non_pow2(x, m, k)
-            } else {
-                fp8_block::fake_quant_act_1x128(x, m, k, fp8_block::ActScale::DeepSeekPow2)
+        ServedWeight::Fp8Act {
+            w,
+            non_pow2_act,
+            recipe,
+        } => {
+            let xq: std::borrow::Cow<[f32]> = match profile.exact_act(*recipe) {
+                ExactAct::Fp8x128 if *non_pow2_act => fake_quant_fp8_non_pow2(x, m, k).into(),
+                ExactAct::Fp8x128 => {
+                    fp8_block::fake_quant_act_1x128(x, m, k, fp8_block::ActScale::DeepSeekPow2)
+                        .into()
+                }
+                ExactAct::Mxfp8 => fp8_block::fake_quant_act_mxfp8(x, m, k).into(),
+                ExactAct::Bf16 => x.into(),
             };
             let mut y = matmul_nt(&xq, w, m, k, n);
             y.iter_mut().for_each(|v| *v = bf(*v));

@@ -126,6 +126,71 @@ impl Profile {
     }
 }
 
+/// How engines serve a weight whose served operand is its exact dequantized values (FP8 block,
+/// MXFP4: `formats::Served::Fp8Act`): which activation each profile multiplies it with. A model
+/// family's engines may differ here ([`ExactRecipe::of`]); the weight side and the `bf16(acc)`
+/// epilogue are the same for all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExactRecipe {
+    /// DeepSeek's own kernels and the block-FP8 engines: FP8 1×128 activations with power-of-two
+    /// scales under every profile.
+    DeepSeekFp8,
+    /// gpt-oss's MXFP4 experts: W4A8 on Blackwell (FlashInfer's TensorRT-LLM MoE, MXFP8
+    /// activations), W4A16 on Hopper (Marlin, triton_kernels' `matmul_ogs`: BF16 activations),
+    /// and W4A16 under emulation.
+    GptOssMxfp4,
+}
+
+/// The activation an [`ExactRecipe`] puts in front of the GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExactAct {
+    /// DeepSeek's FP8 1×128 quantize-dequantize (`fp8_block::fake_quant_act_1x128`).
+    Fp8x128,
+    /// MXFP8 quantize-dequantize, E4M3 per 32 with a UE8M0 scale rounded up
+    /// (`fp8_block::fake_quant_act_mxfp8`).
+    Mxfp8,
+    /// The stored BF16 activation as is.
+    Bf16,
+}
+
+impl ExactRecipe {
+    /// The recipe of a weight stored as `scheme` in a model of family `family` (None: V4).
+    pub fn of(
+        family: Option<crate::model::family::kind::Kind>,
+        scheme: crate::checkpoint::Scheme,
+    ) -> ExactRecipe {
+        use crate::model::family::kind::Kind;
+        match (family, scheme) {
+            (Some(Kind::GptOss), crate::checkpoint::Scheme::Mxfp4) => ExactRecipe::GptOssMxfp4,
+            _ => ExactRecipe::DeepSeekFp8,
+        }
+    }
+
+    /// The recipe of a weight stored as `scheme` in `ckpt` (the family its config names; V4's
+    /// when the config cannot be read, which the run reports on its own).
+    pub fn in_checkpoint(
+        ckpt: &crate::checkpoint::Checkpoint,
+        scheme: crate::checkpoint::Scheme,
+    ) -> ExactRecipe {
+        let family = ckpt
+            .model_config()
+            .ok()
+            .and_then(|c| c.family.as_ref().map(|f| f.kind));
+        ExactRecipe::of(family, scheme)
+    }
+}
+
+impl Profile {
+    /// What `recipe`'s activation is under this profile.
+    pub fn exact_act(self, recipe: ExactRecipe) -> ExactAct {
+        match (recipe, self) {
+            (ExactRecipe::DeepSeekFp8, _) => ExactAct::Fp8x128,
+            (ExactRecipe::GptOssMxfp4, Profile::BlackwellW4a4) => ExactAct::Mxfp8,
+            (ExactRecipe::GptOssMxfp4, Profile::HopperW4a16 | Profile::Emulation) => ExactAct::Bf16,
+        }
+    }
+}
+
 /// Which forward a path computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -142,6 +207,75 @@ impl PathKind {
             PathKind::OracleFp32 => "oracle_fp32",
             PathKind::OracleBf16 => "oracle_bf16",
             PathKind::Served => "served",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::Checkpoint;
+    use crate::checkpoint::Naming;
+    use crate::device::gemm::matmul_nt;
+    use crate::model::family::kind::Kind;
+    use crate::numerics::{bf16, fp8_block};
+    use crate::synth::{synth_to_memory, Format, Preset, SynthOptions};
+
+    /// An MXFP4 expert's served linear multiplies the exact weight with the activation its
+    /// family's engines give it: gpt-oss MXFP8 under blackwell-w4a4 (W4A8), the BF16 activation
+    /// under hopper-w4a16 and emulation (W4A16); V4's MXFP4 experts DeepSeek's FP8 1×128 under
+    /// every profile. Each is checked against the activation quantizer applied by hand and an f32
+    /// GEMM of the dequantized weight, rounded to BF16.
+    #[test]
+    fn exact_served_activation_follows_the_family_recipe() {
+        let oss = synth_to_memory(&SynthOptions::family(Kind::GptOss, Format::Mxfp4, 5)).unwrap();
+        let v4 = synth_to_memory(&SynthOptions::new(
+            Preset::Tiny,
+            Format::Mxfp4,
+            Naming::Hf,
+            5,
+        ))
+        .unwrap();
+        let cases: [(&Checkpoint, [ExactAct; 3]); 2] = [
+            (&oss, [ExactAct::Mxfp8, ExactAct::Bf16, ExactAct::Bf16]),
+            (&v4, [ExactAct::Fp8x128; 3]),
+        ];
+        for (ck, acts) in cases {
+            let base = "layers.1.ffn.experts.0.w2";
+            let qw = ck.weight(base).unwrap();
+            assert_eq!(qw.format.scheme(), crate::checkpoint::Scheme::Mxfp4);
+            let (n, k) = (qw.out_features, qw.in_features);
+            let w = qw.dequantize().unwrap().data.into_vec();
+            let sw = super::super::prepare(ck, &qw, &w, true, &[], &[]).unwrap();
+            let m = 5;
+            let mut rng = crate::model::mem_env::Rng::new(11);
+            // blocks of 32 a factor 2^8 apart: a 1x128 group's scale takes the smallest block's
+            // values into E4M3's subnormals, the MXFP8 block's own scale does not
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| {
+                    let tier = 2f64.powi(-8 * ((i % k) / 32 % 3) as i32);
+                    bf16::round((rng.normal() * 3.0 * tier) as f32)
+                })
+                .collect();
+            let quantized = |a: ExactAct| match a {
+                ExactAct::Mxfp8 => fp8_block::fake_quant_act_mxfp8(&x, m, k),
+                ExactAct::Bf16 => x.clone(),
+                ExactAct::Fp8x128 => {
+                    fp8_block::fake_quant_act_1x128(&x, m, k, fp8_block::ActScale::DeepSeekPow2)
+                }
+            };
+            // the three differ on these inputs, so each comparison below picks its recipe
+            let all = [ExactAct::Mxfp8, ExactAct::Bf16, ExactAct::Fp8x128].map(quantized);
+            assert!(all[0] != all[1] && all[1] != all[2] && all[0] != all[2]);
+            for (profile, act) in Profile::ALL.into_iter().zip(acts) {
+                let xq = quantized(act);
+                let want: Vec<f32> = matmul_nt(&xq, &w, m, k, n)
+                    .into_iter()
+                    .map(bf16::round)
+                    .collect();
+                let (y, _) = super::super::apply(&sw, profile, &x, m, k, n);
+                assert_eq!(y, want, "{} {act:?}", profile.name());
+            }
         }
     }
 }

@@ -113,6 +113,7 @@ kernels! {
     "quant.cu" fn act_quant_nvfp4_v3(x: ptr, nblocks: u64, g: f32, packed: ptr, scales: ptr, xq16: ptr, xhat: ptr, xhat_bf16: i32, health: ptr);
     "quant.cu" fn act_quant_nvfp4_seg(x: ptr, segs: ptr, packed: ptr, scales: ptr, xq16: ptr, xhat: ptr, xhat_bf16: i32);
     "quant.cu" fn act_quant_fp8(x: ptr, rows: u64, cols: u64, non_pow2: i32, out: ptr);
+    "quant.cu" fn act_quant_mxfp8(x: ptr, rows: u64, cols: u64, out: ptr);
     "quant.cu" fn kv_cache_fp8(x: ptr, rows: u64, cols: u64, nope: u64, group: u64, out: ptr);
     "stats.cu" fn fused_stats(x: ptr, r: ptr, n: u64, acc: ptr, cnt: ptr);
     "stats.cu" fn stats_pick(x: ptr, r: ptr, n: u64, cnt: ptr, out: ptr);

@@ -169,15 +169,7 @@ impl Gpu {
                     wp
                 }
             };
-            let xq = self.scratch("xq32", m * groups * k * 4)?;
-            self.kern().act_quant_fp8(
-                (m * groups * k.div_ceil(128)) as u64,
-                x,
-                (m * groups) as u64,
-                k as u64,
-                non_pow2 as i32,
-                xq,
-            )?;
+            let xq = self.exact_act(_lc.profile.exact_act(w.recipe), non_pow2, x, m * groups, k)?;
             self.gemm_g(Ty::F32, xq, k, off(wp, 4), y, ldy, m, nr, k, groups)?;
             self.epilogue(y, m, nr * groups, ldy, 1.0)?;
             return Ok(None);
@@ -255,6 +247,35 @@ impl Gpu {
             }
         }
         Ok(Some(p))
+    }
+
+    /// The activation an exact-served weight (FP8 block, MXFP4) multiplies: x [rows, k] (f32)
+    /// quantize-dequantized as `act` says (`served::apply`'s CPU reference), or x itself.
+    pub(super) fn exact_act(
+        &mut self,
+        act: crate::served::ExactAct,
+        non_pow2: bool,
+        x: u64,
+        rows: usize,
+        k: usize,
+    ) -> Result<u64> {
+        use crate::served::ExactAct;
+        let (r, c) = (rows as u64, k as u64);
+        Ok(match act {
+            ExactAct::Bf16 => x,
+            ExactAct::Fp8x128 => {
+                let xq = self.scratch("xq32", rows * k * 4)?;
+                self.kern()
+                    .act_quant_fp8(r * c.div_ceil(128), x, r, c, non_pow2 as i32, xq)?;
+                xq
+            }
+            ExactAct::Mxfp8 => {
+                let xq = self.scratch("xq32", rows * k * 4)?;
+                self.kern()
+                    .act_quant_mxfp8(r * c.div_ceil(32), x, r, c, xq)?;
+                xq
+            }
+        })
     }
 
     /// Observation of one served NVFP4 linear from its device counters.

@@ -47,8 +47,12 @@ pub(super) enum MoeAct {
     Nvfp4Emul,
     /// bf16(x), the amax and counters observed (served W4A16).
     Nvfp4W4a16,
-    /// FP8 1×128 fake quantization (served MXFP4 experts).
-    Fp8 { non_pow2: bool },
+    /// The exact-served experts' activation (served MXFP4 experts): FP8 1×128, MXFP8 or x as is,
+    /// as the family's recipe says under the profile (`Gpu::exact_act`).
+    Exact {
+        act: crate::served::ExactAct,
+        non_pow2: bool,
+    },
 }
 
 impl Gpu {
@@ -143,10 +147,11 @@ impl Gpu {
                     return None;
                 };
                 if mx {
-                    // dequant_mxfp4 of the served operand (no nibble-order flag), FP8 1x128
-                    // activations, bf16(y) epilogue
+                    // dequant_mxfp4 of the served operand (no nibble-order flag), the activation
+                    // of the family's recipe under the profile, bf16(y) epilogue
                     return Some((
-                        MoeAct::Fp8 {
+                        MoeAct::Exact {
+                            act: profile.exact_act(w.recipe),
                             non_pow2: *non_pow2,
                         },
                         MoeTile {
@@ -232,18 +237,7 @@ impl Gpu {
                 self.act_quant_nvfp4_seg(x, &aq(&gx), ActQuantOut::default())?;
                 (self.bf16_copy("x16", x, n)?, true)
             }
-            MoeAct::Fp8 { non_pow2 } => {
-                let xq = self.scratch("xq32", n * 4)?;
-                self.kern().act_quant_fp8(
-                    (total * k.div_ceil(128)) as u64,
-                    x,
-                    total as u64,
-                    k as u64,
-                    non_pow2 as i32,
-                    xq,
-                )?;
-                (xq, false)
-            }
+            MoeAct::Exact { act, non_pow2 } => (self.exact_act(act, non_pow2, x, total, k)?, false),
         })
     }
 

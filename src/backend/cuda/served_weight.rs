@@ -265,7 +265,9 @@ impl Gpu {
                     non_pow2: false,
                     dense: true,
                 },
-                ServedWeight::Fp8Act { w, non_pow2_act } => ServedDev::Host {
+                ServedWeight::Fp8Act {
+                    w, non_pow2_act, ..
+                } => ServedDev::Host {
                     w: self.upload(&w)?,
                     nv: None,
                     fp8_act: true,

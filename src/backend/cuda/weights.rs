@@ -55,6 +55,9 @@ pub(super) struct DevWeight {
     /// faults or hypotheses for this base recomputes the served reading and keeps the bytes.
     /// None: installed by [`Gpu::pin_nvfp4_served`], kept until [`Gpu::forget_served`].
     pub(super) served_key: Option<String>,
+    /// The activation its family's engines give an exact-served weight (FP8 block, MXFP4) per
+    /// profile.
+    pub(super) recipe: crate::served::ExactRecipe,
 }
 
 impl Gpu {
@@ -228,6 +231,7 @@ impl Gpu {
                 fmt,
                 served,
                 served_key: Some(key),
+                recipe: crate::served::ExactRecipe::in_checkpoint(lc.ckpt, m.scheme),
             },
         );
         Ok(())
