@@ -600,6 +600,44 @@ const BISECT: &[BisectCase] = &[
         Family::WeightScale,
         "layers.3.ffn.experts.",
     ),
+    // DeepSeek's FP8 block release served with FP8 1x128 activations: block scales applied
+    // twice, the activation scale packed without its mantissa
+    (
+        Kind::DeepseekV3,
+        Format::Fp8Block,
+        "double-scale@L1.attn.kv_b",
+        true,
+        "L1.attn.kv_b",
+        Family::BlockScales,
+        "layers.1.attn.kv_b_proj",
+    ),
+    (
+        Kind::DeepseekV3,
+        Format::Fp8Block,
+        "non-pow2-ue8m0@L1.attn.q_b",
+        true,
+        "L1.attn.q_b",
+        Family::ActScale,
+        "layers.1.attn.wq_b",
+    ),
+    (
+        Kind::DeepseekV3,
+        Format::Fp8Block,
+        "double-scale@L2.ffn.expert.1.w2",
+        true,
+        "L2.ffn.experts",
+        Family::BlockScales,
+        "layers.2.ffn.experts.",
+    ),
+    (
+        Kind::DeepseekV3,
+        Format::Fp8Block,
+        "non-pow2-ue8m0@L0.ffn.mlp",
+        true,
+        "L0.ffn.mlp",
+        Family::ActScale,
+        "layers.0.ffn.",
+    ),
 ];
 
 fn layer_of(op: &str) -> usize {

@@ -109,8 +109,9 @@ fn raw_of(rp: &Replayer, base: &str) -> String {
         .unwrap_or_else(|| base.to_string())
 }
 
+/// One hypothesis that applies override `o` to every base of `bases`.
 #[allow(clippy::too_many_arguments)]
-fn hypothesis(
+pub(super) fn hypothesis(
     kind: &str,
     unit: String,
     what: &str,

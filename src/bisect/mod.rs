@@ -12,6 +12,7 @@
 //! anomalies (zero or non-finite outputs, magnitude jumps across layers).
 
 mod experts;
+mod fp8;
 mod prefill;
 pub mod render;
 pub mod search;
@@ -55,6 +56,8 @@ pub enum Family {
     GateUpOrder,
     /// The state an engine carries across its chunked-prefill boundaries (`--served-chunk`).
     ChunkState,
+    /// The FP8 activation quantizer's scale (its power-of-two packing).
+    ActScale,
 }
 
 /// A named parameter: checkpoint tensor(s), the engine's name, values before and after the fix.
@@ -484,6 +487,8 @@ fn fix_text(kind: &str, p: &ParamRef) -> String {
         "stored-block-scales" => format!("re-read {t} from the checkpoint (non-finite bytes: re-export the weight; ModelOpt #1633)"),
         "gate-up-interleave" | "gate-up-deinterleave" => format!("read {t} as the release stores it: gate row i at row 2i, up row i at row 2i + 1 (the GLU reads interleaved pairs); convert to another kernel layout exactly once"),
         "stored-mxfp4-scales" => format!("load {t} beside the `_blocks` and decode each block with its E8M0 scale (2^(s − 127))"),
+        "fp8-act-pow2-scale" => "quantize the activation with the power-of-two scale the kernel keeps: round the f32 scale up to a power of two before dividing (DeepSeek's `act_quant` with `scale_fmt=\"ue8m0\"`; sglang #25704)".into(),
+        "fp8-block-scale-once" => format!("apply {t} once: either fold it into the dequantized weight or pass it to the GEMM as the block scale, not both"),
         "stored-nvfp4-scales" => format!("map ModelOpt's underscore scale keys ({t}, `_weight_scale_2`, `_input_scale`) onto the fused experts' parameters (a scalar broadcast to every expert), as vLLM #46645 does"),
         "input-calibrated" => format!(
             "recalibrate the activation scale: {t}{} gives {}, the activations the oracle feeds this op need {to} (2688/amax)",
@@ -689,6 +694,8 @@ fn explain(
     }
     // gpt-oss's fused experts: gate/up row order, unread MXFP4 scales
     hyps.extend(experts::hypotheses(&rp, &rec.id, &rec.weights)?);
+    // FP8-activation weights (block FP8, DeepSeek's MXFP4): activation scale, block scales
+    hyps.extend(fp8::hypotheses(&rp, &rec.id, &rec.weights)?);
     // the engine's chunked prefill: the op prefilled whole (`--served-chunk`)
     hyps.extend(prefill::hypothesis(&rp));
     // the known root cause's kind first; stop there when it restores the op
@@ -918,7 +925,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
             }
             Family::BlockScales => format!("{p}_weight_scale"),
             Family::NibbleOrder | Family::GateUpOrder => format!("{p}_weight"),
-            Family::ChunkState => String::new(),
+            Family::ChunkState | Family::ActScale => String::new(),
         };
     }
     match fam {
@@ -933,7 +940,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
                 "weight".into()
             }
         }
-        Family::ChunkState => String::new(),
+        Family::ChunkState | Family::ActScale => String::new(),
     }
 }
 
@@ -944,7 +951,7 @@ fn tensors_of(t: &WeightTensors, fam: Family) -> Vec<String> {
         Family::Alpha => vec![t.input_scale.as_ref(), t.global_scale.as_ref()],
         Family::BlockScales => vec![t.block_scale.as_ref()],
         Family::NibbleOrder | Family::GateUpOrder => vec![Some(&t.weight)],
-        Family::ChunkState => Vec::new(),
+        Family::ChunkState | Family::ActScale => Vec::new(),
     };
     v.into_iter().flatten().cloned().collect()
 }
@@ -1230,7 +1237,10 @@ fn sentence(op: &str, h: &Hypothesis, before: &Compare, after: &Compare) -> Stri
         .tensors
         .first()
         .map(|t| format!("`{t}`"))
-        .unwrap_or_else(|| "(computed at load)".into());
+        .unwrap_or_else(|| match p.family {
+            Family::ActScale => "(computed per token at run time)".into(),
+            _ => "(computed at load)".into(),
+        });
     let tensor = if p.family == Family::Alpha {
         format!(
             "(computed at load from {})",

@@ -169,6 +169,11 @@ impl<'a> Replayer<'a> {
         self.shared.ckpt
     }
 
+    /// The served profile the replay evaluates under.
+    pub fn profile(&self) -> crate::served::Profile {
+        self.shared.profile
+    }
+
     /// True when the replay evaluates on the CUDA device.
     pub fn on_device(&self) -> bool {
         self.shared.backend().on_device()

@@ -57,6 +57,10 @@ pub enum Override {
     InterleaveGateUp,
     DeinterleaveGateUp,
     StoredBlockScales,
+    /// FP8 1×128 activations quantized with the power-of-two scale the kernel keeps (repairs
+    /// `non-pow2-ue8m0`), and an FP8 block weight's scales applied once (repairs `double-scale`).
+    Pow2ActScale,
+    SingleBlockScale,
 }
 
 /// How the served path turned the stored NVFP4 fields into kernel parameters; reported by bisect.
@@ -434,7 +438,7 @@ pub fn prepare(
         },
         (_, Served::Fp8Act) => {
             let mut w = dequant_f32.to_vec();
-            if has(FaultKind::DoubleScale) {
+            if has(FaultKind::DoubleScale) && !overrides.contains(&Override::SingleBlockScale) {
                 if let WeightFormat::Fp8Block { scales, block, .. } = &qw.format {
                     let (rows, cols) = (qw.out_features, qw.in_features);
                     let sc = cols.div_ceil(block[1]);
@@ -447,7 +451,8 @@ pub fn prepare(
             }
             ServedWeight::Fp8Act {
                 w: Arc::new(w),
-                non_pow2_act: has(FaultKind::NonPow2Ue8m0),
+                non_pow2_act: has(FaultKind::NonPow2Ue8m0)
+                    && !overrides.contains(&Override::Pow2ActScale),
                 recipe: ExactRecipe::in_checkpoint(ckpt, qw.format.scheme()),
             }
         }

@@ -248,8 +248,10 @@ impl Gpu {
             ServedDev::Native {
                 nv: None,
                 swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
-                non_pow2: has(K::NonPow2Ue8m0),
-                double_scale: has(K::DoubleScale) && m.scheme == Scheme::Fp8Block,
+                non_pow2: has(K::NonPow2Ue8m0) && !overrides.contains(&Override::Pow2ActScale),
+                double_scale: has(K::DoubleScale)
+                    && m.scheme == Scheme::Fp8Block
+                    && !overrides.contains(&Override::SingleBlockScale),
                 scales: None,
             }
         } else {
