@@ -49,8 +49,9 @@ fn family(k: FaultKind) -> Option<&'static [Family]> {
             &[BlockScales]
         }
         FaultKind::NibbleSwap => &[NibbleOrder],
-        // FP8's, the checkpoint-only kinds and gpt-oss's fused-expert kinds (not in
-        // FaultKind::ALL, which this matrix runs; tests/gpt_oss_faults.rs has gpt-oss's)
+        // FP8's (tests/family_faults.rs), the checkpoint-only kinds, gpt-oss's fused-expert kinds
+        // and the engine's SwiGLU clamp (not in FaultKind::ALL, which this matrix runs;
+        // tests/gpt_oss_faults.rs has those)
         FaultKind::NonPow2Ue8m0
         | FaultKind::InfInputScale
         | FaultKind::MissingCorrectionBias
@@ -59,7 +60,8 @@ fn family(k: FaultKind) -> Option<&'static [Family]> {
         | FaultKind::GateUpInterleavedTwice
         | FaultKind::MissingBlockScales
         | FaultKind::MissingExpertBias
-        | FaultKind::ZeroedExpertBias => return None,
+        | FaultKind::ZeroedExpertBias
+        | FaultKind::SwigluUnclamped => return None,
     })
 }
 

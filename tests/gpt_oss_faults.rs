@@ -908,3 +908,119 @@ fn producer_mxfp4_checkpoint_with_a_fault_is_found_by_lint() {
     let (code, f) = lint(d.path(), None);
     assert_eq!(code, 0, "{}", show(&f));
 }
+
+// ---------------------------------------------------------------------------------------------
+// The experts' SwiGLU clamp left out by the engine (`swiglu-unclamped`).
+
+/// A synth checkpoint of `format` in `family` (None: V4's tiny preset).
+fn synth_dir_of(family: Option<Kind>, format: Format) -> TempDir {
+    let d = TempDir::new().unwrap();
+    let o = match family {
+        Some(k) => SynthOptions::family(k, format, SEED),
+        None => SynthOptions::new(
+            synth::Preset::Tiny,
+            format,
+            nvfp4_probe::checkpoint::Naming::Hf,
+            SEED,
+        ),
+    };
+    synth::synth_to_dir(&o, d.path()).unwrap();
+    d
+}
+
+/// [`synth_dir_of`] with the config's `swiglu_limit` set to `limit`: the tiny models' gate and
+/// up values stay within a few units, so their own limits (gpt-oss 7, V4 10) never bite; a
+/// tight limit makes the clamp part of the numbers.
+fn with_limit(family: Option<Kind>, format: Format, limit: f64) -> TempDir {
+    let d = synth_dir_of(family, format);
+    let p = d.path().join("config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    c["swiglu_limit"] = json!(limit);
+    std::fs::write(&p, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    d
+}
+
+/// An MoE kernel not given the config's `swiglu_limit`: where the clamp bites, the experts op
+/// (gpt-oss's routed experts; V4's routed and shared experts) is the first divergent op and
+/// bisect names the clamp with the config's value as the fix; where it never bites (the tiny
+/// models' own limits) nothing shows, and the clean run with the tight limit shows nothing
+/// either (every path clamps alike).
+#[test]
+fn unclamped_swiglu_is_attributed_by_bisect() {
+    let cases = [
+        (Some(Kind::GptOss), Format::Mxfp4, "L1.ffn.experts"),
+        (Some(Kind::GptOss), Format::ModelOptNvfp4, "L1.ffn.experts"),
+        (None, Format::CtNvfp4, "L1.ffn.experts"),
+        (None, Format::CtNvfp4, "L2.ffn.shared"),
+    ];
+    for (family, format, op) in cases {
+        let d = with_limit(family, format, 1.0);
+        let ck = Checkpoint::open(d.path()).unwrap();
+        let vocab = ck.model_config().unwrap().vocab_size;
+        let last = layer_of(op);
+        let clean = bisect::bisect(&ck, &bisect_opts(last, vocab, vec![])).unwrap();
+        assert!(!clean.has_findings(), "{family:?} {format:?}: clean");
+        let f = Fault::parse(&format!("swiglu-unclamped@{op}")).unwrap();
+        let r = bisect::bisect(&ck, &bisect_opts(last, vocab, vec![f.clone()])).unwrap();
+        let d0 = r.divergence.as_ref().expect("a divergence");
+        assert_eq!(d0.op, op, "{family:?} {format:?}");
+        let v = d0.verdict.as_ref().expect("a verdict");
+        assert_eq!(
+            (v.kind.as_str(), v.param.family),
+            ("swiglu-clamp", Family::SwigluClamp)
+        );
+        assert_eq!(v.param.corrected, Some(1.0));
+        // the model's own limit never bites here: the same fault shows nowhere
+        let own = Checkpoint::open(synth_dir_of(family, format).path()).unwrap();
+        let r = bisect::bisect(&own, &bisect_opts(last, vocab, vec![f])).unwrap();
+        assert!(r.divergence.is_none(), "{family:?} {format:?}: own limit");
+    }
+}
+
+/// `swiglu-unclamped` is refused up front (exit 2) where it cannot be: as a checkpoint fault, on
+/// one expert (the clamp is one argument for all of them), on a model without a clamp, on a BF16
+/// model (its served path is the BF16 oracle's).
+#[test]
+fn unclamped_swiglu_is_refused_where_it_cannot_apply() {
+    let tmp = TempDir::new().unwrap();
+    let out = bin()
+        .args([
+            "synth", "--family", "gpt-oss", "--format", "mxfp4", "--fault",
+        ])
+        .arg("swiglu-unclamped@L1.ffn.experts")
+        .arg("--out")
+        .arg(tmp.path().join("m"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("engine-only"));
+    assert!(!tmp.path().join("m").exists());
+    let run = |model: &Path, fault: &str| -> String {
+        let out = bin()
+            .args([
+                "run",
+                "--backend",
+                "cpu",
+                "--quiet",
+                "--loader-fault",
+                fault,
+                "--model",
+            ])
+            .arg(model)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{fault}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let mx = synth_dir(Format::Mxfp4, &[]);
+    let m = run(mx.path(), "swiglu-unclamped@L1.ffn.expert.2");
+    assert!(m.contains("one kernel argument"), "{m}");
+    let m = run(mx.path(), "swiglu-unclamped@L1.ffn.shared");
+    assert!(m.contains("Ln.ffn.experts"), "{m}");
+    let qw = synth_dir_of(Some(Kind::Qwen3Moe), Format::CtNvfp4);
+    let m = run(qw.path(), "swiglu-unclamped@L1.ffn.experts");
+    assert!(m.contains("no SwiGLU clamp"), "{m}");
+    let bf = synth_dir(Format::Bf16, &[]);
+    let m = run(bf.path(), "swiglu-unclamped@L1.ffn.experts");
+    assert!(m.contains("bf16"), "{m}");
+}

@@ -1,8 +1,13 @@
 //! The served path's W4A4 linear reproduces the serving kernel's numerics: docs/NVFP4.md §4.3 reference GEMM
 //! (exact per-block partials, f64 across blocks, bf16(alpha·acc)) on the §9 vectors and on random data.
 
+use nvfp4_probe::checkpoint::{Checkpoint, Naming};
+use nvfp4_probe::device::gemm::matmul_nt;
+use nvfp4_probe::model::family::kind::Kind;
+use nvfp4_probe::numerics::fp8_block;
 use nvfp4_probe::numerics::{bf16, e2m1, e4m3, nvfp4};
-use nvfp4_probe::served::{apply, Nvfp4Params, Profile, ServedWeight};
+use nvfp4_probe::served::{apply, prepare, ExactAct, Nvfp4Params, Profile, ServedWeight};
+use nvfp4_probe::synth::{synth_to_memory, Format, Preset, SynthOptions};
 
 fn wq_of(packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec<f32> {
     // e2m1 · s_w, straight from the format definition (docs/NVFP4.md §1, §3.1)
@@ -135,4 +140,62 @@ fn matmul_is_the_f64_sum_rounded_once() {
     }
     // an f64 rounding difference can move an f32 rounding only within ~1e-7 of a tie
     assert!(same + 2 >= m * n, "{same} of {} bit-equal", m * n);
+}
+
+/// An MXFP4 expert's served linear multiplies the exact weight with the activation its
+/// family's engines give it: gpt-oss MXFP8 under blackwell-w4a4 (W4A8), the BF16 activation
+/// under hopper-w4a16 and emulation (W4A16); V4's MXFP4 experts DeepSeek's FP8 1×128 under
+/// every profile. Each is checked against the activation quantizer applied by hand and an f32
+/// GEMM of the dequantized weight, rounded to BF16.
+#[test]
+fn exact_served_activation_follows_the_family_recipe() {
+    let oss = synth_to_memory(&SynthOptions::family(Kind::GptOss, Format::Mxfp4, 5)).unwrap();
+    let v4 = synth_to_memory(&SynthOptions::new(
+        Preset::Tiny,
+        Format::Mxfp4,
+        Naming::Hf,
+        5,
+    ))
+    .unwrap();
+    let cases: [(&Checkpoint, [ExactAct; 3]); 2] = [
+        (&oss, [ExactAct::Mxfp8, ExactAct::Bf16, ExactAct::Bf16]),
+        (&v4, [ExactAct::Fp8x128; 3]),
+    ];
+    for (ck, acts) in cases {
+        let base = "layers.1.ffn.experts.0.w2";
+        let qw = ck.weight(base).unwrap();
+        assert_eq!(qw.format.scheme(), nvfp4_probe::checkpoint::Scheme::Mxfp4);
+        let (n, k) = (qw.out_features, qw.in_features);
+        let w = qw.dequantize().unwrap().data.into_vec();
+        let sw = prepare(ck, &qw, &w, true, &[], &[]).unwrap();
+        let m = 5;
+        let mut rng = nvfp4_probe::model::mem_env::Rng::new(11);
+        // blocks of 32 a factor 2^8 apart: a 1x128 group's scale takes the smallest block's
+        // values into E4M3's subnormals, the MXFP8 block's own scale does not
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| {
+                let tier = 2f64.powi(-8 * ((i % k) / 32 % 3) as i32);
+                bf16::round((rng.normal() * 3.0 * tier) as f32)
+            })
+            .collect();
+        let quantized = |a: ExactAct| match a {
+            ExactAct::Mxfp8 => fp8_block::fake_quant_act_mxfp8(&x, m, k),
+            ExactAct::Bf16 => x.clone(),
+            ExactAct::Fp8x128 => {
+                fp8_block::fake_quant_act_1x128(&x, m, k, fp8_block::ActScale::DeepSeekPow2)
+            }
+        };
+        // the three differ on these inputs, so each comparison below picks its recipe
+        let all = [ExactAct::Mxfp8, ExactAct::Bf16, ExactAct::Fp8x128].map(quantized);
+        assert!(all[0] != all[1] && all[1] != all[2] && all[0] != all[2]);
+        for (profile, act) in Profile::ALL.into_iter().zip(acts) {
+            let xq = quantized(act);
+            let want: Vec<f32> = matmul_nt(&xq, &w, m, k, n)
+                .into_iter()
+                .map(bf16::round)
+                .collect();
+            let (y, _) = apply(&sw, profile, &x, m, k, n);
+            assert_eq!(y, want, "{} {act:?}", profile.name());
+        }
+    }
 }

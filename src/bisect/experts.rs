@@ -109,6 +109,43 @@ fn raw_of(rp: &Replayer, base: &str) -> String {
         .unwrap_or_else(|| base.to_string())
 }
 
+/// The experts' SwiGLU clamp restored (config.json's `swiglu_limit`) at a routed or shared
+/// experts op of a model whose experts clamp: one hypothesis over the op's weights (the clamp is
+/// one kernel argument for all of them).
+pub(super) fn clamp_hypothesis(
+    rp: &Replayer,
+    op: &str,
+    weights: &[(String, String)],
+) -> Option<Hypothesis> {
+    let limit = rp.ckpt().model_config().ok()?.swiglu_limit as f32;
+    if limit.is_nan()
+        || limit <= 0.0
+        || !(op.ends_with(".ffn.experts") || op.ends_with(".ffn.shared"))
+    {
+        return None;
+    }
+    let bases: Vec<String> = weights.iter().map(|(b, _)| b.clone()).collect();
+    if bases.is_empty() {
+        return None;
+    }
+    let layer = op.split('.').next().unwrap_or(op);
+    let mut h = hypothesis(
+        "swiglu-clamp",
+        format!("{op} ({} weights of {layer})", bases.len()),
+        "the experts' SwiGLU runs without its clamp (an MoE kernel not given the config's `swiglu_limit`): clamping gate ≤ limit and −limit ≤ up ≤ limit restores the op",
+        Family::SwigluClamp,
+        &bases,
+        Vec::new(),
+        "swiglu_limit".into(),
+        Override::SwigluClamp,
+        6,
+    );
+    h.param.current = Some(f32::INFINITY);
+    h.param.corrected = Some(limit);
+    h.param.stored = Some(limit);
+    Some(h)
+}
+
 /// One hypothesis that applies override `o` to every base of `bases`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn hypothesis(

@@ -58,6 +58,8 @@ pub enum Family {
     ChunkState,
     /// The FP8 activation quantizer's scale (its power-of-two packing).
     ActScale,
+    /// The experts' SwiGLU clamp (config.json's `swiglu_limit`, a kernel argument).
+    SwigluClamp,
 }
 
 /// A named parameter: checkpoint tensor(s), the engine's name, values before and after the fix.
@@ -488,6 +490,7 @@ fn fix_text(kind: &str, p: &ParamRef) -> String {
         "gate-up-interleave" | "gate-up-deinterleave" => format!("read {t} as the release stores it: gate row i at row 2i, up row i at row 2i + 1 (the GLU reads interleaved pairs); convert to another kernel layout exactly once"),
         "stored-mxfp4-scales" => format!("load {t} beside the `_blocks` and decode each block with its E8M0 scale (2^(s − 127))"),
         "fp8-act-pow2-scale" => "quantize the activation with the power-of-two scale the kernel keeps: round the f32 scale up to a power of two before dividing (DeepSeek's `act_quant` with `scale_fmt=\"ue8m0\"`; sglang #25704)".into(),
+        "swiglu-clamp" => format!("pass the config's `swiglu_limit` ({to}) to the experts' kernel: gate ≤ limit and −limit ≤ up ≤ limit before the GLU (vLLM's FusedMoE `swiglu_limit`)"),
         "fp8-block-scale-once" => format!("apply {t} once: either fold it into the dequantized weight or pass it to the GEMM as the block scale, not both"),
         "stored-nvfp4-scales" => format!("map ModelOpt's underscore scale keys ({t}, `_weight_scale_2`, `_input_scale`) onto the fused experts' parameters (a scalar broadcast to every expert), as vLLM #46645 does"),
         "input-calibrated" => format!(
@@ -696,6 +699,8 @@ fn explain(
     hyps.extend(experts::hypotheses(&rp, &rec.id, &rec.weights)?);
     // FP8-activation weights (block FP8, DeepSeek's MXFP4): activation scale, block scales
     hyps.extend(fp8::hypotheses(&rp, &rec.id, &rec.weights)?);
+    // the experts' SwiGLU clamp (gpt-oss, V4)
+    hyps.extend(experts::clamp_hypothesis(&rp, &rec.id, &rec.weights));
     // the engine's chunked prefill: the op prefilled whole (`--served-chunk`)
     hyps.extend(prefill::hypothesis(&rp));
     // the known root cause's kind first; stop there when it restores the op
@@ -925,7 +930,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
             }
             Family::BlockScales => format!("{p}_weight_scale"),
             Family::NibbleOrder | Family::GateUpOrder => format!("{p}_weight"),
-            Family::ChunkState | Family::ActScale => String::new(),
+            Family::ChunkState | Family::ActScale | Family::SwigluClamp => String::new(),
         };
     }
     match fam {
@@ -940,7 +945,7 @@ fn engine_name(base: &str, conv: Convention, fam: Family) -> String {
                 "weight".into()
             }
         }
-        Family::ChunkState | Family::ActScale => String::new(),
+        Family::ChunkState | Family::ActScale | Family::SwigluClamp => String::new(),
     }
 }
 
@@ -951,7 +956,7 @@ fn tensors_of(t: &WeightTensors, fam: Family) -> Vec<String> {
         Family::Alpha => vec![t.input_scale.as_ref(), t.global_scale.as_ref()],
         Family::BlockScales => vec![t.block_scale.as_ref()],
         Family::NibbleOrder | Family::GateUpOrder => vec![Some(&t.weight)],
-        Family::ChunkState | Family::ActScale => Vec::new(),
+        Family::ChunkState | Family::ActScale | Family::SwigluClamp => Vec::new(),
     };
     v.into_iter().flatten().cloned().collect()
 }
@@ -1239,6 +1244,7 @@ fn sentence(op: &str, h: &Hypothesis, before: &Compare, after: &Compare) -> Stri
         .map(|t| format!("`{t}`"))
         .unwrap_or_else(|| match p.family {
             Family::ActScale => "(computed per token at run time)".into(),
+            Family::SwigluClamp => "(config.json `swiglu_limit`)".into(),
             _ => "(computed at load)".into(),
         });
     let tensor = if p.family == Family::Alpha {

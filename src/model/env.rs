@@ -55,6 +55,12 @@ pub trait OpEnv {
         base: &str,
         groups: usize,
     ) -> Result<Tensor>;
+    /// The SwiGLU clamp of the experts op reading `weight` (any of its weights) on this path:
+    /// the config's `swiglu_limit` (the default; +inf means none), or what the path's engine
+    /// emulation uses (the served path under `swiglu-unclamped`).
+    fn swiglu_limit(&self, _weight: &str) -> f32 {
+        self.cfg().swiglu_limit as f32
+    }
     /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
     /// identity for the FP32 oracle.
     fn store(&self, t: &mut Tensor);

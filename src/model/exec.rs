@@ -363,8 +363,11 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
             per[ex].push((ti, wts.data[ti * k + j]));
         }
     }
-    let limit = cfg.swiglu_limit as f32;
     let bases: Vec<&str> = (0..3 * e).map(|i| weight(op, i)).collect::<Result<_>>()?;
+    let limit = match bases.first() {
+        Some(b) => env.swiglu_limit(b),
+        None => cfg.swiglu_limit as f32,
+    };
     if let Some(r) = env.experts_fused(layer, x, &per, k, &bases, limit) {
         return r;
     }
@@ -398,14 +401,8 @@ fn shared(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         return Ok(Tensor::zeros(vec![t, d]));
     }
     let sub = format!("L{layer}.ffn.shared");
-    let a = swiglu_hidden(
-        env,
-        &sub,
-        x,
-        weight(op, 0)?,
-        weight(op, 1)?,
-        cfg.swiglu_limit as f32,
-    )?;
+    let limit = env.swiglu_limit(weight(op, 0)?);
+    let a = swiglu_hidden(env, &sub, x, weight(op, 0)?, weight(op, 1)?, limit)?;
     let mut y = linear_checked(env, &format!("{sub}.w2"), &a, weight(op, 2)?, d)?;
     env.store(&mut y);
     Ok(y)

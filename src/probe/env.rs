@@ -344,6 +344,15 @@ impl OpEnv for PathEnv<'_, '_> {
     fn cfg(&self) -> &ModelConfig {
         &self.shared.cfg
     }
+    fn swiglu_limit(&self, weight: &str) -> f32 {
+        crate::served::faults::swiglu_limit(
+            self.shared.cfg.swiglu_limit as f32,
+            self.kind == PathKind::Served,
+            &self.shared.faults,
+            &self.shared.overrides,
+            weight,
+        )
+    }
     fn weight_file(&self, name: &str) -> Option<std::path::PathBuf> {
         Some(self.shared.ckpt.file_of(name))
     }

@@ -29,6 +29,7 @@ pub enum FaultKind {
     MissingBlockScales,
     MissingExpertBias,
     ZeroedExpertBias,
+    SwigluUnclamped,
 }
 
 impl FaultKind {
@@ -70,13 +71,18 @@ impl FaultKind {
         FaultKind::ZeroedExpertBias,
     ];
 
-    /// Every kind: [`FaultKind::ALL`], [`FaultKind::FUSED_EXPERTS`], then
-    /// [`FaultKind::CHECKPOINT_ONLY`].
+    /// Kinds of the engine's kernels, not of the checkpoint's tensors: `--loader-fault` emulates
+    /// them on the served path, `synth` has no bytes to plant them in.
+    pub const ENGINE_ONLY: [FaultKind; 1] = [FaultKind::SwigluUnclamped];
+
+    /// Every kind: [`FaultKind::ALL`], [`FaultKind::FUSED_EXPERTS`],
+    /// [`FaultKind::CHECKPOINT_ONLY`], then [`FaultKind::ENGINE_ONLY`].
     pub fn every() -> impl Iterator<Item = FaultKind> {
         FaultKind::ALL
             .into_iter()
             .chain(FaultKind::FUSED_EXPERTS)
             .chain(FaultKind::CHECKPOINT_ONLY)
+            .chain(FaultKind::ENGINE_ONLY)
     }
 
     /// Whether the kind belongs to gpt-oss's fused experts: [`FaultKind::FUSED_EXPERTS`] and the
@@ -126,6 +132,7 @@ impl FaultKind {
             FaultKind::MissingBlockScales => "missing-block-scales",
             FaultKind::MissingExpertBias => "missing-expert-bias",
             FaultKind::ZeroedExpertBias => "zeroed-expert-bias",
+            FaultKind::SwigluUnclamped => "swiglu-unclamped",
         }
     }
 
@@ -154,6 +161,7 @@ impl FaultKind {
             FaultKind::MissingBlockScales => "gpt-oss's fused expert block scales left out (synth) or not loaded: MXFP4 `*_scales` (every block read with scale 1, E8M0 127); ModelOpt NVFP4's underscore keys `*_weight_scale`, `*_weight_scale_2`, `*_input_scale` (block, tensor and activation scales left at 1.0: vLLM #46641's NaN / \"!!!!\")",
             FaultKind::MissingExpertBias => "gpt-oss expert biases `*_bias` left out of the export (checkpoint only; lint: weight.missing)",
             FaultKind::ZeroedExpertBias => "gpt-oss expert biases exported as zeros, as a loader that never loaded them would hold them (checkpoint only; lint --reference finds it)",
+            FaultKind::SwigluUnclamped => "the experts' SwiGLU run without the config's `swiglu_limit` (gpt-oss 7, DeepSeek-V4 10): an MoE kernel not given the clamp passes gate and up unclamped (engine only: run --loader-fault swiglu-unclamped@Ln.ffn.experts)",
         }
     }
 
@@ -209,10 +217,11 @@ pub fn hitting<'a>(faults: &'a [Fault], base: &str) -> Vec<&'a Fault> {
 /// Decided by the format's served recipe (the format table): every NVFP4 loader fault but the
 /// FP8 activation's; on the FP8-activation formats the non-power-of-two activation scale, and
 /// the double-applied scale where the scales are FP8 block's f32 multipliers.
-/// gpt-oss's kinds: the gate/up row orders on the weights served from their exact dequantized
-/// values (MXFP4, FP8; the reading permutes the decoded rows, and [`check_loader_faults`] also
-/// asks for a `w13`) — a BF16 weight is served as the BF16 oracle reads it, so the runner
-/// measures no loader fault on it —, unloaded block scales on MXFP4.
+/// gpt-oss's kinds: the gate/up row orders on every quantized weight (MXFP4, FP8 and NVFP4: the
+/// reading permutes the decoded rows, and [`check_loader_faults`] also asks for a `w13`) — a
+/// BF16 weight is served as the BF16 oracle reads it, so the runner measures no loader fault on
+/// it —, unloaded block scales on MXFP4 and ModelOpt NVFP4; the unclamped SwiGLU on the experts
+/// of any quantized format.
 pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     use crate::checkpoint::formats::Served;
     use crate::checkpoint::Scheme;
@@ -221,6 +230,11 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     };
     if !kind.has_loader_form() {
         return false;
+    }
+    if kind == FaultKind::SwigluUnclamped {
+        // the activation between the projections, whatever their quantized format (a BF16
+        // model's served path is the BF16 oracle's: there is no engine numerics to emulate)
+        return s.spec().served != Served::Dense;
     }
     if kind.is_gate_up_order() {
         // a row order is any quantized format's to get wrong; BF16 is served as the oracle reads it
@@ -259,6 +273,9 @@ pub fn check_loader_faults(
                 f.target
             )));
         }
+        if f.kind == FaultKind::SwigluUnclamped {
+            check_swiglu_target(ckpt, f)?;
+        }
         let hits: Vec<&String> = bases.iter().filter(|b| f.hits(b)).collect();
         if hits.is_empty() {
             return Err(Error::usage(format!(
@@ -288,6 +305,68 @@ pub fn check_loader_faults(
         }
     }
     Ok(())
+}
+
+/// `swiglu-unclamped` needs a model whose experts clamp (`swiglu_limit` > 0) and a whole op as its
+/// target: the clamp is one kernel argument for every expert of a layer (`Ln.ffn.experts`; V4's
+/// shared expert, `Ln.ffn.shared`, clamps too).
+fn check_swiglu_target(ckpt: &crate::checkpoint::Checkpoint, f: &Fault) -> crate::Result<()> {
+    let refuse = |why: String| {
+        Err(Error::usage(format!(
+            "loader fault {}@{}: {why}",
+            f.kind.name(),
+            f.target
+        )))
+    };
+    let cfg = ckpt.model_config()?;
+    if cfg.swiglu_limit.is_nan() || cfg.swiglu_limit <= 0.0 {
+        return refuse(
+            "the model's experts have no SwiGLU clamp (`swiglu_limit` absent or 0 in config.json)"
+                .into(),
+        );
+    }
+    let op = f.target.strip_prefix('L').and_then(|r| r.split_once('.'));
+    let ok = match op {
+        Some((n, rest)) => {
+            n.parse::<usize>().is_ok_and(|n| n < cfg.num_hidden_layers)
+                && (rest == "ffn.experts" || (rest == "ffn.shared" && cfg.family.is_none()))
+        }
+        None => false,
+    };
+    if !ok {
+        return refuse(format!(
+            "the clamp is one kernel argument for a layer's routed experts: target Ln.ffn.experts{} (n < {})",
+            if cfg.family.is_none() {
+                " or Ln.ffn.shared"
+            } else {
+                ""
+            },
+            cfg.num_hidden_layers
+        ));
+    }
+    Ok(())
+}
+
+/// The SwiGLU clamp path `served` uses for the op reading weight `weight` (`weight`: any of the
+/// op's weights; the fault targets the whole op): the config's `limit`, or none (+inf) on the
+/// served path under `swiglu-unclamped`, unless bisect's repair restores it.
+pub fn swiglu_limit(
+    limit: f32,
+    served: bool,
+    faults: &[Fault],
+    overrides: &[(String, super::Override)],
+    weight: &str,
+) -> f32 {
+    let unclamped = served
+        && hitting(faults, weight)
+            .iter()
+            .any(|f| f.kind == FaultKind::SwigluUnclamped)
+        && !super::overrides_of(overrides, weight).contains(&super::Override::SwigluClamp);
+    if unclamped {
+        f32::INFINITY
+    } else {
+        limit
+    }
 }
 
 /// Whether `base` is gpt-oss's fused gate/up projection of a routed expert (`….experts.3.w13`).
@@ -594,7 +673,10 @@ mod tests {
         }
         let g = FaultKind::GateUpDeinterleaved;
         assert!(loader_fault_applies(g, "mxfp4") && loader_fault_applies(g, "fp8-block"));
-        assert!(!loader_fault_applies(g, "nvfp4-ct") && !loader_fault_applies(g, "bf16"));
+        // a row order is any quantized format's to get wrong (ModelOpt's NVFP4 gpt-oss export
+        // too); BF16 is served as the oracles read it
+        assert!(loader_fault_applies(g, "nvfp4-modelopt") && loader_fault_applies(g, "nvfp4-ct"));
+        assert!(!loader_fault_applies(g, "bf16"));
         assert!(loader_fault_applies(FaultKind::MissingBlockScales, "mxfp4"));
         assert!(!loader_fault_applies(FaultKind::MissingBlockScales, "bf16"));
         // ModelOpt's underscore scale keys of gpt-oss's fused NVFP4 experts (vLLM #46641)

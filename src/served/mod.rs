@@ -61,6 +61,8 @@ pub enum Override {
     /// `non-pow2-ue8m0`), and an FP8 block weight's scales applied once (repairs `double-scale`).
     Pow2ActScale,
     SingleBlockScale,
+    /// The experts' SwiGLU with the config's clamp (repairs `swiglu-unclamped`).
+    SwigluClamp,
 }
 
 /// How the served path turned the stored NVFP4 fields into kernel parameters; reported by bisect.

@@ -74,6 +74,13 @@ pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
                  (alpha = d_x·d_w is computed at load time); use `run --loader-fault missing-alpha@TARGET`",
             ))
         }
+        SwigluUnclamped => {
+            return Err(Error::usage(
+                "fault swiglu-unclamped is an engine-only fault: a checkpoint has no clamp to leave \
+                 out (the limit is config.json's `swiglu_limit`, passed to the MoE kernel at load); \
+                 use `run --loader-fault swiglu-unclamped@Ln.ffn.experts`",
+            ))
+        }
         InvertedInputScale | InputAmaxX64 | ZeroInputScale | MissingInputScale | NanInputScale
         | InfInputScale | DoubleScale => nv,
         InvertedWeightScale => nv || matches!(scheme, WScheme::Fp8 | WScheme::Fp8F32),

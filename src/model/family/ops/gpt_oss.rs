@@ -61,7 +61,7 @@ pub fn experts(
             per[v as usize].push((ti, wts.data[ti * k + j]));
         }
     }
-    let limit = cfg.swiglu_limit as f32;
+    let limit = env.swiglu_limit(weight(op, 0)?);
     let mut acc = vec![0.0f32; t * d];
     for (ex, toks) in per.iter().enumerate() {
         if toks.is_empty() {
