@@ -43,5 +43,30 @@ for case in mxfp4:gate-up-deinterleaved mxfp4:missing-block-scales modelopt-nvfp
   timeout 300 $B bisect --model $d --backend cuda --layers 0..1 --loader-fault $k@L1.ffn.experts > $OUT/f-bisect.txt 2>&1
   echo "bisect $fmt $k cuda rc=$?: $(grep -m1 -E 'gate-up|stored-' $OUT/f-bisect.txt | cut -c1-140)"
 done
+# the engine's SwiGLU without its clamp (a tight swiglu_limit so that it bites on the tiny models)
+# and DeepSeek-V3's FP8 faults: CPU vs CUDA reports, bisect's verdict on CUDA
+for case in gpt-oss:mxfp4:1.5:L1.ffn.experts v4:ct-nvfp4:1.0:L2.ffn.shared; do
+  IFS=: read fam fmt lim op <<< "$case"; d=$OUT/ckpt-clamp-$fam-$fmt
+  if [ $fam = v4 ]; then $B synth --format $fmt --out $d > /dev/null 2>&1; else $B synth --family $fam --format $fmt --out $d > /dev/null 2>&1; fi
+  python3 -c "import json;p='$d/config.json';c=json.load(open(p));c['swiglu_limit']=$lim;json.dump(c,open(p,'w'))"
+  for be in cpu cuda; do
+    timeout 300 $B run --model $d --layers 0..2 --seq-len 64 --backend $be --quiet --loader-fault swiglu-unclamped@$op --json $OUT/c-$be.json > $OUT/c-$fam-$be.txt 2>&1
+    echo "$fam $fmt swiglu-unclamped@$op $be rc=$?"
+  done
+  python3 probes/device/run_diff.py $OUT/c-cpu.json $OUT/c-cuda.json > $OUT/c-$fam-diff.txt 2>&1 || fail=1
+  echo "$fam $fmt swiglu-unclamped cpu vs cuda: $(head -3 $OUT/c-$fam-diff.txt | tr '\n' ' ')"
+  timeout 300 $B bisect --model $d --backend cuda --layers 0..2 --loader-fault swiglu-unclamped@$op > $OUT/c-bisect.txt 2>&1
+  echo "bisect $fam swiglu-unclamped cuda rc=$?: $(grep -m1 -E 'swiglu-clamp' $OUT/c-bisect.txt | cut -c1-140)"
+done
+d=$OUT/ckpt-deepseek-v3-fp8-block
+for f in double-scale@L1.attn.kv_b non-pow2-ue8m0@L2.ffn.experts; do
+  for be in cpu cuda; do
+    timeout 300 $B run --model $d --layers 0..2 --seq-len 64 --backend $be --quiet --loader-fault $f --json $OUT/p-$be.json > /dev/null 2>&1
+  done
+  python3 probes/device/run_diff.py $OUT/p-cpu.json $OUT/p-cuda.json > $OUT/p-diff.txt 2>&1 || fail=1
+  echo "deepseek-v3 fp8-block $f cpu vs cuda: $(head -3 $OUT/p-diff.txt | tr '\n' ' ')"
+  timeout 300 $B bisect --model $d --backend cuda --layers 0..2 --loader-fault $f > $OUT/p-bisect.txt 2>&1
+  echo "bisect $f cuda rc=$?: $(grep -m1 -E 'fp8-' $OUT/p-bisect.txt | cut -c1-140)"
+done
 echo "family check: $([ $fail = 0 ] && echo all equal || echo DIFFERENCES, see $OUT)"
 exit $fail
