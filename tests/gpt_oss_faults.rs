@@ -743,6 +743,25 @@ fn clean_gpt_oss_checkpoints_give_no_bisect_finding() {
     }
 }
 
+/// `run --loader-fault FAULT` on `model`, which must refuse it up front (exit 2): its message.
+fn refused_run(model: &Path, fault: &str) -> String {
+    let out = bin()
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--quiet",
+            "--loader-fault",
+            fault,
+            "--model",
+        ])
+        .arg(model)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{fault}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// What does not apply is refused up front (exit 2), naming why; nothing is written.
 #[test]
 fn gpt_oss_faults_that_do_not_apply_are_refused() {
@@ -784,23 +803,7 @@ fn gpt_oss_faults_that_do_not_apply_are_refused() {
     let m = refused(None, "mxfp4", "missing-expert-bias@L1.ffn.experts");
     assert!(m.contains("synth --family gpt-oss"), "{m}");
     // loader faults: checkpoint-only kinds, formats served as the oracle reads them, non-w13
-    let run = |model: &Path, fault: &str| -> String {
-        let out = bin()
-            .args([
-                "run",
-                "--backend",
-                "cpu",
-                "--quiet",
-                "--loader-fault",
-                fault,
-                "--model",
-            ])
-            .arg(model)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(2), "{fault}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
+    let run = refused_run;
     let mx = synth_dir(Format::Mxfp4, &[]);
     let bf = synth_dir(Format::Bf16, &[]);
     let m = run(mx.path(), "missing-expert-bias@L1.ffn.experts");
@@ -995,23 +998,7 @@ fn unclamped_swiglu_is_refused_where_it_cannot_apply() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("engine-only"));
     assert!(!tmp.path().join("m").exists());
-    let run = |model: &Path, fault: &str| -> String {
-        let out = bin()
-            .args([
-                "run",
-                "--backend",
-                "cpu",
-                "--quiet",
-                "--loader-fault",
-                fault,
-                "--model",
-            ])
-            .arg(model)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(2), "{fault}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
+    let run = refused_run;
     let mx = synth_dir(Format::Mxfp4, &[]);
     let m = run(mx.path(), "swiglu-unclamped@L1.ffn.expert.2");
     assert!(m.contains("one kernel argument"), "{m}");
