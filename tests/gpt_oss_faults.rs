@@ -831,6 +831,16 @@ fn modelopt_export() -> PathBuf {
 /// Rewrite a single-file checkpoint's model.safetensors: tensors named in `drop` left out, and
 /// `edit` applied to each remaining (name, bytes).
 fn rewrite(src: &Path, drop: &[&str], edit: impl Fn(&str, &mut Vec<u8>)) -> TempDir {
+    rewrite_named(src, drop, |k| k.to_string(), edit)
+}
+
+/// [`rewrite`] with each kept tensor stored under `rename(name)`.
+fn rewrite_named(
+    src: &Path,
+    drop: &[&str],
+    rename: impl Fn(&str) -> String,
+    edit: impl Fn(&str, &mut Vec<u8>),
+) -> TempDir {
     let d = TempDir::new().unwrap();
     std::fs::copy(src.join("config.json"), d.path().join("config.json")).unwrap();
     let b = std::fs::read(src.join("model.safetensors")).unwrap();
@@ -852,7 +862,7 @@ fn rewrite(src: &Path, drop: &[&str], edit: impl Fn(&str, &mut Vec<u8>)) -> Temp
         let start = data.len();
         data.extend(t);
         header.insert(
-            k.clone(),
+            rename(k),
             json!({"dtype": v["dtype"], "shape": v["shape"], "data_offsets": [start, data.len()]}),
         );
     }
@@ -1010,4 +1020,33 @@ fn unclamped_swiglu_is_refused_where_it_cannot_apply() {
     let bf = synth_dir(Format::Bf16, &[]);
     let m = run(bf.path(), "swiglu-unclamped@L1.ffn.experts");
     assert!(m.contains("bf16"), "{m}");
+}
+
+/// gpt-oss's experts as llm-compressor's `LinearExperts` store them (separate gate/up/down
+/// linears under `mlp.experts.experts.E`): refused up front (exit 2) by `lint` and `run`, naming
+/// the layout and a tensor, instead of every fused tensor of the layer reported missing.
+#[test]
+fn linear_experts_layout_is_refused_naming_it() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf-families/gpt_oss");
+    let d = rewrite_named(
+        &src,
+        &[],
+        |k| {
+            k.replace(
+                "mlp.experts.down_proj_bias",
+                "mlp.experts.experts.0.down_proj.bias",
+            )
+        },
+        |_, _| {},
+    );
+    for cmd in ["lint", "run"] {
+        let out = bin().args([cmd, "--model"]).arg(d.path()).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{cmd}");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            e.contains("LinearExperts")
+                && e.contains("model.layers.0.mlp.experts.experts.0.down_proj.bias"),
+            "{cmd}: {e}"
+        );
+    }
 }

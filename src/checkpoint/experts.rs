@@ -12,6 +12,34 @@ use super::shard::RawEntry;
 use super::{convert, Dtype, Source};
 use crate::{Error, Result};
 
+/// gpt-oss's experts as separate linears — llm-compressor's `LinearExperts`, which its
+/// `convert_model_for_quantization_gptoss` puts in place of the fused experts before
+/// quantizing: `mlp.experts.experts.E.{gate,up,down}_proj` with gate and up de-interleaved —
+/// are refused up front naming the first such tensor: the gpt-oss model reads the release's fused
+/// experts (`mlp.experts.gate_up_proj`, interleaved) only, and would otherwise report every fused
+/// tensor of the layer missing.
+pub(super) fn check_linear_experts(
+    raw: &std::collections::HashMap<String, RawEntry>,
+    shards: &[super::shard::Shard],
+) -> Result<()> {
+    let mut hits: Vec<&String> = raw
+        .keys()
+        .filter(|n| n.contains(".mlp.experts.experts."))
+        .collect();
+    hits.sort();
+    let Some(first) = hits.first() else {
+        return Ok(());
+    };
+    Err(Error::bad(
+        &shards[raw[*first].shard].path,
+        Some(first),
+        format!(
+            "gpt-oss experts stored as separate gate/up/down linears (llm-compressor's `LinearExperts` layout, {} tensors `mlp.experts.experts.E.*`) are not read: nvfp4-probe reads gpt-oss's fused experts as released and as ModelOpt exports them (`mlp.experts.gate_up_proj` with gate and up interleaved, `mlp.experts.down_proj`)",
+            hits.len()
+        ),
+    ))
+}
+
 /// The experts a fused tensor holds (its first dimension), at most what a config may declare:
 /// a header claiming a million experts of zero bytes each would otherwise name a million tensors.
 fn experts_of(name: &str, e: &RawEntry, file: &Path) -> Result<usize> {

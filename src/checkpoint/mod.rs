@@ -330,6 +330,9 @@ impl Checkpoint {
             Some(k) if k.interleaved_experts() => naming::FusedLayout::Interleaved,
             _ => naming::FusedLayout::Stacked,
         };
+        if layout == naming::FusedLayout::Interleaved {
+            experts::check_linear_experts(&raw, &shards)?;
+        }
         let mut canon: HashMap<String, Source> = HashMap::new();
         let mut raw_to_canon = HashMap::new();
         let mut names: Vec<&String> = raw.keys().collect();
