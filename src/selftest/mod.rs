@@ -803,6 +803,33 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
             &want[..ms * nn],
         ));
     }
+    // rows in blocks of GEMM_ROWS: a call over 2·GEMM_ROWS + 37 rows gives its middle block and
+    // its tail the bits of calls over those rows alone (what makes `--chunk` runs equal to whole
+    // ones on the device)
+    {
+        let gr = crate::backend::cuda::GEMM_ROWS;
+        let m2 = 2 * gr + 37;
+        let x2: Vec<f32> = (0..m2 * k)
+            .map(|_| bf16::round(rng.normal() as f32))
+            .collect();
+        let xb2 = t.up(&x2)?;
+        let o = t.out(m2 * nn * 4)?;
+        t.g.gemm(Ty::F32, xb2.ptr, k, wb.ptr, o.ptr, nn, m2, nn, k)?;
+        let whole = t.get_f32(&o, m2 * nn)?;
+        for (r0, mr) in [(gr, gr), (2 * gr, 37)] {
+            let o = t.out(mr * nn * 4)?;
+            let xr = xb2.ptr + (r0 * k * 4) as u64;
+            t.g.gemm(Ty::F32, xr, k, wb.ptr, o.ptr, nn, mr, nn, k)?;
+            out.push(exact(
+                &format!(
+                    "GEMM f64-accumulated rows {r0}..{} alone = within {m2} rows",
+                    r0 + mr
+                ),
+                &t.get_f32(&o, mr * nn)?,
+                &whole[r0 * nn..(r0 + mr) * nn],
+            ));
+        }
+    }
     // the hardware GEMMs (with `exact64` off)
     let o = t.out(m * nn * 4)?;
     t.g.gemm_native(Ty::F32, xb.ptr, k, wb.ptr, o.ptr, nn, m, nn, k)?;

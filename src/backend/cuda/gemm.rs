@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// Rows per cuBLAS DGEMM call of [`Gpu::gemm`]: a chunked run (`--chunk` a multiple of it) gets the
+/// same bits as the whole prompt.
+pub const GEMM_ROWS: usize = 512;
+
 impl Gpu {
     /// f32 or BF16-bits [rows, cols] with row stride `ld` → contiguous f64.
     pub(crate) fn widen(
@@ -95,7 +99,22 @@ impl Gpu {
         if k == 0 {
             self.memset(yd, 0, m * n * 8)?;
         } else {
-            self.timed("cuBLAS DGEMM", || self.dgemm(xd, wd, yd, m, n, k))?;
+            // in blocks of GEMM_ROWS rows: cuBLAS picks its algorithm (and so each row's order of
+            // summation) by a call's shape, so a prompt run whole and in chunks of a multiple of
+            // GEMM_ROWS tokens (`--chunk`) sums every row alike
+            self.timed("cuBLAS DGEMM", || {
+                (0..m).step_by(GEMM_ROWS).try_for_each(|r0| {
+                    let mb = GEMM_ROWS.min(m - r0);
+                    self.dgemm(
+                        xd + (r0 * k * 8) as u64,
+                        wd,
+                        yd + (r0 * n * 8) as u64,
+                        mb,
+                        n,
+                        k,
+                    )
+                })
+            })?;
         }
         self.narrow(yd, m, n, ldy, y)
     }
