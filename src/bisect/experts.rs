@@ -1,16 +1,18 @@
-//! Hypotheses about how a loader read gpt-oss's fused experts: the gate/up row order of `w13`
-//! (the release interleaves gate and up rows; a loader that takes them for stacked de-interleaves
-//! them, one that interleaves them again scrambles them another way) and the MXFP4 `*_scales` a
-//! loader did not read (every block then decodes with scale 1).
+//! Hypotheses about how a loader or an engine read a routed-experts op: gpt-oss's fused experts'
+//! gate/up row order of `w13` (the release interleaves gate and up rows; a loader that takes them
+//! for stacked de-interleaves them, one that interleaves them again scrambles them another way),
+//! the MXFP4 `*_scales` a loader did not read (every block then decodes with scale 1), and the
+//! SwiGLU clamp an MoE kernel was not given (gpt-oss's experts, V4's routed and shared experts).
 //!
-//! Why apart from the NVFP4 scale hypotheses: no scale explains a wrong row order, and MXFP4
-//! weights have no tensor or activation scale to get wrong at all, while a wrong row order (on
-//! MXFP4 experts, and on ModelOpt's NVFP4 export, whose interleaved rows FlashInfer's kernels
-//! need de-interleaved) or unread block scales are what an expert loader gets wrong. Each is a
-//! repair of the loader's reading (`served::Override`), evaluated like the others.
+//! Why apart from the NVFP4 scale hypotheses: no scale explains a wrong row order or a missing
+//! clamp, and MXFP4 weights have no tensor or activation scale to get wrong at all, while a wrong
+//! row order (on MXFP4 experts, and on ModelOpt's NVFP4 export, whose interleaved rows FlashInfer's
+//! kernels need de-interleaved), unread block scales or the clamp are what an expert loader or
+//! kernel gets wrong. Each is a repair of the served reading (`served::Override`), evaluated like
+//! the others.
 
-use super::{Family, Hypothesis, ParamRef};
-use crate::probe::replay::{Patch, Replayer};
+use super::{override_hypothesis, Family, Hypothesis};
+use crate::probe::replay::Replayer;
 use crate::served::faults::{is_w13, loader_fault_applies, FaultKind};
 use crate::served::Override;
 use crate::Result;
@@ -44,7 +46,7 @@ pub(super) fn hypotheses(
                 "w13's gate and up rows are interleaved a second time (the release interleaves them already)",
             ),
         ] {
-            out.push(hypothesis(
+            out.push(override_hypothesis(
                 kind,
                 format!("all experts of {layer} (w13; {} weights)", w13.len()),
                 what,
@@ -83,7 +85,7 @@ pub(super) fn hypotheses(
             "w13"
         };
         let nvfp4 = meta.scheme == crate::checkpoint::Scheme::Nvfp4ModelOpt;
-        out.push(hypothesis(
+        out.push(override_hypothesis(
             if nvfp4 {
                 "stored-nvfp4-scales"
             } else {
@@ -129,7 +131,7 @@ pub(super) fn clamp_hypothesis(
         return None;
     }
     let layer = op.split('.').next().unwrap_or(op);
-    let mut h = hypothesis(
+    let mut h = override_hypothesis(
         "swiglu-clamp",
         format!("{op} ({} weights of {layer})", bases.len()),
         "the experts' SwiGLU runs without its clamp (an MoE kernel not given the config's `swiglu_limit`): clamping gate ≤ limit and −limit ≤ up ≤ limit restores the op",
@@ -144,39 +146,4 @@ pub(super) fn clamp_hypothesis(
     h.param.corrected = Some(limit);
     h.param.stored = Some(limit);
     Some(h)
-}
-
-/// One hypothesis that applies override `o` to every base of `bases`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn hypothesis(
-    kind: &str,
-    unit: String,
-    what: &str,
-    family: Family,
-    bases: &[String],
-    tensors: Vec<String>,
-    engine: String,
-    o: Override,
-    prior: usize,
-) -> Hypothesis {
-    Hypothesis {
-        kind: kind.into(),
-        unit,
-        what: what.into(),
-        param: ParamRef {
-            family,
-            bases: bases.to_vec(),
-            tensors,
-            engine,
-            current: None,
-            corrected: None,
-            stored: None,
-            from_sibling: None,
-        },
-        patches: bases
-            .iter()
-            .map(|b| (b.clone(), Patch::Ov(o.clone())))
-            .collect(),
-        prior,
-    }
 }

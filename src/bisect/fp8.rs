@@ -7,10 +7,9 @@
 //! quantizer's scale (divided out as an f32 but packed as its exponent alone: sglang #25704) and
 //! the block scales (folded into the weight at load and applied again in the GEMM). Each is a
 //! repair of the served reading (`served::Override`), evaluated like the others: over all such
-//! weights of the op, then each projection.
+//! weights of the op, then each projection (the NVFP4 hypotheses' units).
 
-use super::experts::hypothesis;
-use super::{Family, Hypothesis};
+use super::{override_hypothesis, units, Family, Hypothesis};
 use crate::checkpoint::formats::Served;
 use crate::checkpoint::Scheme;
 use crate::probe::replay::Replayer;
@@ -19,7 +18,7 @@ use crate::Result;
 
 /// The hypotheses for op `op` reading `weights` (base, scheme label): the power-of-two activation
 /// scale over the weights served with DeepSeek's FP8 1×128 activations, the block scales applied
-/// once over the block-FP8 weights; each over all of them, then per projection.
+/// once over the block-FP8 weights; each over the units of [`units`].
 pub(super) fn hypotheses(
     rp: &Replayer,
     op: &str,
@@ -45,7 +44,7 @@ pub(super) fn hypotheses(
     }
     let mut out = Vec::new();
     for (unit, bases) in units(op, &fp8_act) {
-        out.push(hypothesis(
+        out.push(override_hypothesis(
             "fp8-act-pow2-scale",
             unit,
             "the FP8 1×128 activations are divided by their f32 scale while the kernel keeps only its exponent (a non-power-of-two scale packed as UE8M0): quantizing with the power-of-two scale restores the op",
@@ -64,7 +63,7 @@ pub(super) fn hypotheses(
             .block_scale
             .into_iter()
             .collect();
-        out.push(hypothesis(
+        out.push(override_hypothesis(
             "fp8-block-scale-once",
             unit,
             "the FP8 block scales are applied twice (folded into the weight at load and applied again by the GEMM): applying them once restores the op",
@@ -77,27 +76,4 @@ pub(super) fn hypotheses(
         ));
     }
     Ok(out)
-}
-
-/// (unit description, bases): all of `bases`, then each projection (the weight's last name part:
-/// `w1`, `wkv`, `q_proj`, …) when there are several.
-fn units(op: &str, bases: &[String]) -> Vec<(String, Vec<String>)> {
-    if bases.is_empty() {
-        return Vec::new();
-    }
-    let role = |b: &String| b.rsplit('.').next().unwrap_or(b).to_string();
-    let mut roles: Vec<String> = bases.iter().map(role).collect();
-    roles.sort();
-    roles.dedup();
-    let mut out = vec![(
-        format!("{op} ({} FP8-served weights)", bases.len()),
-        bases.to_vec(),
-    )];
-    if roles.len() > 1 {
-        for r in roles {
-            let v: Vec<String> = bases.iter().filter(|b| role(b) == r).cloned().collect();
-            out.push((format!("{op} ({r}; {} weights)", v.len()), v));
-        }
-    }
-    out
 }

@@ -841,7 +841,7 @@ fn explain(
 
 /// Groups of weights a hypothesis is applied to together: each weight of a plain op; for routed
 /// experts every expert at once (all projections, then each projection role), so one verdict can
-/// say "all experts of L1".
+/// say "all experts of L1". The NVFP4 scale hypotheses and the FP8 ones (`fp8.rs`) share them.
 fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
     let experts: Vec<&String> = nvfp4
         .iter()
@@ -890,6 +890,41 @@ fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
         }
     }
     out
+}
+
+/// One hypothesis that applies override `o` to every base of `bases`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn override_hypothesis(
+    kind: &str,
+    unit: String,
+    what: &str,
+    family: Family,
+    bases: &[String],
+    tensors: Vec<String>,
+    engine: String,
+    o: Override,
+    prior: usize,
+) -> Hypothesis {
+    Hypothesis {
+        kind: kind.into(),
+        unit,
+        what: what.into(),
+        param: ParamRef {
+            family,
+            bases: bases.to_vec(),
+            tensors,
+            engine,
+            current: None,
+            corrected: None,
+            stored: None,
+            from_sibling: None,
+        },
+        patches: bases
+            .iter()
+            .map(|b| (b.clone(), Patch::Ov(o.clone())))
+            .collect(),
+        prior,
+    }
 }
 
 fn sibling(base: &str) -> Option<String> {

@@ -109,18 +109,34 @@ pub const ACT_GROUP: usize = 128;
 /// # Panics
 /// If `x.len() != rows·cols`.
 pub fn fake_quant_act_1x128(x: &[f32], rows: usize, cols: usize, which: ActScale) -> Vec<f32> {
-    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
     let inv448 = 1.0f32 / e4m3::MAX;
+    fake_quant_groups(x, rows, cols, ACT_GROUP, |a| {
+        Some(match which {
+            ActScale::DeepSeekPow2 => pow2_ceil(a.max(1e-4) * inv448),
+            ActScale::VllmF32 => a.max(1e-10) / e4m3::MAX,
+        })
+    })
+}
+
+/// Quantise-dequantise `[rows, cols]` per row and per `group` elements (a shorter last group is
+/// allowed) with the scale `scale(amax)` gives the group: `x̂ = e4m3(e4m3_satfinite(clamp(x/s,
+/// ±448)))·s`; None leaves the group 0.
+fn fake_quant_groups(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    group: usize,
+    scale: impl Fn(f32) -> Option<f32>,
+) -> Vec<f32> {
+    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
     let mut out = vec![0f32; x.len()];
     if cols == 0 {
         return out;
     }
     for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        for (xg, og) in xr.chunks(ACT_GROUP).zip(or.chunks_mut(ACT_GROUP)) {
-            let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let s = match which {
-                ActScale::DeepSeekPow2 => pow2_ceil(a.max(1e-4) * inv448),
-                ActScale::VllmF32 => a.max(1e-10) / e4m3::MAX,
+        for (xg, og) in xr.chunks(group).zip(or.chunks_mut(group)) {
+            let Some(s) = scale(xg.iter().fold(0f32, |m, v| m.max(v.abs()))) else {
+                continue;
             };
             for (&xv, o) in xg.iter().zip(og.iter_mut()) {
                 let q = e4m3::encode_satfinite((xv / s).clamp(-e4m3::MAX, e4m3::MAX));
@@ -141,25 +157,10 @@ pub const MX_GROUP: usize = 32;
 /// q = e4m3_satfinite(x / s) (s is a power of two: the same as x · (1/s)); out = q · s; a block
 /// whose amax is 0 stays 0.
 pub fn fake_quant_act_mxfp8(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
-    let mut out = vec![0f32; x.len()];
-    if cols == 0 {
-        return out;
-    }
     let rcp448 = super::nvfp4::rcp_approx(e4m3::MAX);
-    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        for (xg, og) in xr.chunks(MX_GROUP).zip(or.chunks_mut(MX_GROUP)) {
-            let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
-            if a == 0.0 {
-                continue;
-            }
-            let s = pow2_ceil(a * rcp448);
-            for (&xv, o) in xg.iter().zip(og.iter_mut()) {
-                *o = e4m3::decode(e4m3::encode_satfinite(xv / s)) * s;
-            }
-        }
-    }
-    out
+    fake_quant_groups(x, rows, cols, MX_GROUP, |a| {
+        (a != 0.0).then(|| pow2_ceil(a * rcp448))
+    })
 }
 
 /// Columns per scale of an engine's FP8 KV cache ([`fake_quant_kv_cache`]): vLLM's

@@ -347,9 +347,9 @@ fn check_swiglu_target(ckpt: &crate::checkpoint::Checkpoint, f: &Fault) -> crate
     Ok(())
 }
 
-/// The SwiGLU clamp path `served` uses for the op reading weight `weight` (`weight`: any of the
-/// op's weights; the fault targets the whole op): the config's `limit`, or none (+inf) on the
-/// served path under `swiglu-unclamped`, unless bisect's repair restores it.
+/// The SwiGLU clamp a path uses for the experts op reading weight `weight` (any of the op's
+/// weights; the fault targets the whole op): the config's `limit`, or none (+inf) on the served
+/// path (`served`) under `swiglu-unclamped`, unless bisect's repair restores it.
 pub fn swiglu_limit(
     limit: f32,
     served: bool,
@@ -450,16 +450,29 @@ pub fn reorders_w13(base: &str, faults: &[&Fault], overrides: &[super::Override]
                 .any(|o| matches!(o, Override::InterleaveGateUp | Override::DeinterleaveGateUp)))
 }
 
-/// Whether the served reading of `base` (stored as `scheme`) is values the host prepares, not the
-/// stored bytes a device decodes: a `w13` whose rows a loader or a repair re-orders, MXFP4 blocks
-/// read without their scales.
+/// Whether the served reading of `base` (stored as `scheme`) is values the host prepares
+/// (`served::prepare`), not the stored bytes a device decodes: a `w13` whose rows a loader or a
+/// repair re-orders, MXFP4 blocks read without their scales, and block-scale layout faults and
+/// repairs on a format other than NVFP4 (NVFP4's rearranged scale bytes are decoded on the device).
 pub fn needs_host_reading(
     base: &str,
     scheme: crate::checkpoint::Scheme,
     faults: &[&Fault],
     overrides: &[super::Override],
 ) -> bool {
-    reorders_w13(base, faults, overrides) || reads_without_mxfp4_scales(scheme, faults, overrides)
+    use super::Override;
+    let layout = scheme.spec().served != crate::checkpoint::formats::Served::Nvfp4
+        && (faults.iter().any(|f| {
+            matches!(
+                f.kind,
+                FaultKind::SwizzledScales | FaultKind::ShiftedScaleRows | FaultKind::NanBlockScale
+            )
+        }) || overrides
+            .iter()
+            .any(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows)));
+    layout
+        || reorders_w13(base, faults, overrides)
+        || reads_without_mxfp4_scales(scheme, faults, overrides)
 }
 
 /// `w13`'s rows ([rows, len / rows] values `v`) as the loader reads them: de-interleaved or

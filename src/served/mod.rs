@@ -326,6 +326,23 @@ fn read_faults<'a>(faults: &[&'a Fault], overrides: &[Override]) -> Vec<&'a Faul
         .collect()
 }
 
+/// The FP8-activation loader faults a reading of a weight stored as `scheme` keeps once bisect's
+/// repairs apply: (the activation scale divided out as an f32 but packed as its exponent alone,
+/// the block scales applied twice — FP8 block's f32 multipliers only).
+pub fn fp8_act_faults(
+    scheme: crate::checkpoint::Scheme,
+    faults: &[&Fault],
+    overrides: &[Override],
+) -> (bool, bool) {
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    (
+        has(FaultKind::NonPow2Ue8m0) && !overrides.contains(&Override::Pow2ActScale),
+        has(FaultKind::DoubleScale)
+            && scheme == crate::checkpoint::Scheme::Fp8Block
+            && !overrides.contains(&Override::SingleBlockScale),
+    )
+}
+
 /// True when a loader fault or a hypothesis rearranges an NVFP4 weight's block scales (the served
 /// reading then needs [`nvfp4_scale_layout`]; otherwise it decodes the stored bytes).
 pub fn nvfp4_layout_changed(faults: &[&Fault], overrides: &[Override]) -> bool {
@@ -411,7 +428,8 @@ fn nvfp4_wq(
     out
 }
 
-/// Prepare a weight for the served GEMM.
+/// Prepare a weight for the served GEMM. `dequant_f32` is the weight's dequantized values, which
+/// an NVFP4 weight does not read (its operand is decoded from the stored codes).
 pub fn prepare(
     ckpt: &Checkpoint,
     qw: &QuantWeight,
@@ -420,7 +438,6 @@ pub fn prepare(
     faults: &[&Fault],
     overrides: &[Override],
 ) -> Result<ServedWeight> {
-    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     use crate::checkpoint::formats::Served;
     let served = qw.format.scheme().spec().served;
     // gpt-oss's fused-expert loader faults and their repairs change the decoded values (an NVFP4
@@ -440,7 +457,9 @@ pub fn prepare(
         },
         (_, Served::Fp8Act) => {
             let mut w = dequant_f32.to_vec();
-            if has(FaultKind::DoubleScale) && !overrides.contains(&Override::SingleBlockScale) {
+            let (non_pow2_act, double_scale) =
+                fp8_act_faults(qw.format.scheme(), faults, overrides);
+            if double_scale {
                 if let WeightFormat::Fp8Block { scales, block, .. } = &qw.format {
                     let (rows, cols) = (qw.out_features, qw.in_features);
                     let sc = cols.div_ceil(block[1]);
@@ -453,8 +472,7 @@ pub fn prepare(
             }
             ServedWeight::Fp8Act {
                 w: Arc::new(w),
-                non_pow2_act: has(FaultKind::NonPow2Ue8m0)
-                    && !overrides.contains(&Override::Pow2ActScale),
+                non_pow2_act,
                 recipe: ExactRecipe::in_checkpoint(ckpt, qw.format.scheme()),
             }
         }

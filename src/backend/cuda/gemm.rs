@@ -6,7 +6,7 @@ use super::*;
 
 /// Rows per cuBLAS DGEMM call of [`Gpu::gemm`]: a chunked run (`--chunk` a multiple of it) gets the
 /// same bits as the whole prompt.
-pub const GEMM_ROWS: usize = 512;
+pub(crate) const GEMM_ROWS: usize = 512;
 
 impl Gpu {
     /// f32 or BF16-bits [rows, cols] with row stride `ld` → contiguous f64.

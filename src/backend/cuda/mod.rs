@@ -54,7 +54,7 @@ mod weights;
 
 pub(crate) use super::stage::STAGE;
 pub use super::stage::{Buf, Mem};
-pub use gemm::GEMM_ROWS;
+pub(crate) use gemm::GEMM_ROWS;
 pub use image::KERNEL_SOURCE;
 pub use kernels::{
     ActQuantOut, AqSeg, MoeKernel, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R,

@@ -160,8 +160,8 @@ impl Gpu {
         drop(sp);
         use crate::served::faults::FaultKind as K;
         let has = |k: K| faults.iter().any(|f| f.kind == k);
-        // a w13 whose rows a loader or a repair re-orders, MXFP4 blocks read without their
-        // scales: values the host prepares (`served::prepare`), not the stored bytes
+        // values the host prepares (`served::prepare`), not the stored bytes: a re-ordered w13,
+        // MXFP4 blocks read without their scales, FP8 / MXFP4 block-scale layout faults
         let host = crate::served::faults::needs_host_reading(base, m.scheme, &faults, &overrides);
         let nvfp4 = matches!(
             m.scheme,
@@ -233,31 +233,24 @@ impl Gpu {
                 scales,
             });
         }
-        // faults and hypotheses the device applies itself; the rest re-read the bytes on the host
-        let native = !host
-            && faults.iter().all(|f| {
-                !matches!(
-                    f.kind,
-                    K::SwizzledScales | K::ShiftedScaleRows | K::NanBlockScale
-                )
-            })
-            && overrides
-                .iter()
-                .all(|o| !matches!(o, Override::Unswizzle | Override::UnshiftRows));
-        let served = if native {
+        // faults and hypotheses the device applies itself
+        let served = if !host {
+            let (non_pow2, double_scale) = served::fp8_act_faults(m.scheme, &faults, &overrides);
             ServedDev::Native {
                 nv: None,
                 swap: has(K::NibbleSwap) ^ overrides.contains(&Override::NibbleSwap),
-                non_pow2: has(K::NonPow2Ue8m0) && !overrides.contains(&Override::Pow2ActScale),
-                double_scale: has(K::DoubleScale)
-                    && m.scheme == Scheme::Fp8Block
-                    && !overrides.contains(&Override::SingleBlockScale),
+                non_pow2,
+                double_scale,
                 scales: None,
             }
         } else {
-            // FP8 / MXFP4 layout faults (rare): the CPU reference prepares the weight
+            // rare: the CPU reference prepares the weight (an NVFP4 reading decodes its own
+            // operand from the stored codes, `served::prepare` reads no dequantized values)
             let qw = lc.ckpt.weight(base)?;
-            let f32w = qw.dequantize()?.data;
+            let f32w = match qw.format.scheme().spec().served {
+                crate::checkpoint::formats::Served::Nvfp4 => Vec::new(),
+                _ => qw.dequantize()?.data.into_vec(),
+            };
             let sw = served::prepare(lc.ckpt, &qw, &f32w, lc.fuse_pairs, &faults, &overrides)?;
             match sw {
                 ServedWeight::Dense { w } => ServedDev::Host {
