@@ -591,6 +591,18 @@ pub fn check(
     Ok(est)
 }
 
+/// Bytes of the layers' output streams of a run in chunks (every chunk's pieces, three paths,
+/// into a layer and out of it).
+fn device_streams(cfg: &ModelConfig, plan: &Plan) -> f64 {
+    6.0 * plan.tokens as f64 * (cfg.hc_mult * cfg.hidden_size) as f64 * 4.0
+}
+
+/// The smallest token chunk a device run takes to keep its layers' output streams in device
+/// memory (`streams_fit_device`) rather than run larger chunks with the streams on the host:
+/// on the H200, 65,536 V4-Flash tokens ran in 60 s in chunks of 8,192 with the streams on the
+/// device and in 103 s in chunks of ~21,800 with them on the host (BENCHMARKS.md, session 29).
+pub const STREAM_CHUNK_MIN: u64 = 4096;
+
 /// Whether a run in chunks on a device can keep the layers' output streams (every chunk's
 /// pieces, three paths, into a layer and out of it) in device memory next to its estimate,
 /// within `--mem-gib` (else `--max-mem`, else the device's memory): then they never travel
@@ -605,7 +617,7 @@ pub fn streams_fit_device(
     let Some(need) = estimate(cfg, plan).device.filter(|_| plan.chunk.is_some()) else {
         return false;
     };
-    let streams = 6.0 * plan.tokens as f64 * (cfg.hc_mult * cfg.hidden_size) as f64 * 4.0;
+    let streams = device_streams(cfg, plan);
     let limit = match mem_gib.or(max_mem) {
         Some(g) => g * GIB,
         None => device_limit(backend).map_or(0.0, |l| l.bytes),
@@ -680,17 +692,28 @@ pub fn token_chunk(
             None => Ok(Some(1)),
         };
     }
-    // the most tokens that fit: need(c) grows with c
-    let (mut lo, mut hi) = (1u64, t - 1);
-    while lo < hi {
-        let mid = lo + (hi - lo).div_ceil(2);
-        if need(Some(mid)) <= budget {
-            lo = mid;
-        } else {
-            hi = mid - 1;
+    // the most tokens that fit (need(c) grows with c): on a device, beside the layers' output
+    // streams when a chunk of at least STREAM_CHUNK_MIN tokens fits there (they then never
+    // travel through the host), else alone
+    let most = |room: f64| {
+        let (mut lo, mut hi) = (1u64, t - 1);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if need(Some(mid)) <= room {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        (need(Some(lo)) <= room).then_some(lo)
+    };
+    if plan.device {
+        let beside = most(budget - device_streams(cfg, plan));
+        if let Some(c) = beside.filter(|&c| c >= STREAM_CHUNK_MIN.min(t - 1)) {
+            return Ok(Some(c));
         }
     }
-    Ok(Some(lo))
+    Ok(Some(most(budget).unwrap_or(1)))
 }
 
 #[cfg(test)]
@@ -841,6 +864,47 @@ mod tests {
         for bad in [0.0, -1.0, f64::NAN] {
             assert_eq!(chunk(None, Some(bad)).unwrap_err().exit_code(), 2);
         }
+    }
+
+    /// On a device the chunk leaves room for the layers' output streams when a chunk of at
+    /// least STREAM_CHUNK_MIN tokens fits beside them; below that the chunk takes the budget
+    /// alone and the streams go through the host.
+    #[test]
+    fn a_device_chunk_keeps_the_streams_on_the_device_when_a_large_chunk_fits_beside_them() {
+        let cfg = tiny();
+        let p = Plan {
+            device: true,
+            ..plan(65536)
+        };
+        let need = |c: u64| {
+            estimate(
+                &cfg,
+                &Plan {
+                    chunk: Some(c),
+                    ..p
+                },
+            )
+            .device
+            .expect("a device plan")
+        };
+        let streams = device_streams(&cfg, &p);
+        let chunk = |g: f64| token_chunk(&cfg, &p, None, Some(g), None, &CPU).unwrap();
+        let fits = |c: Option<u64>, g: f64| {
+            streams_fit_device(&cfg, &Plan { chunk: c, ..p }, Some(g), None, &CPU)
+        };
+        // room for 6,000 tokens beside the streams: that chunk, streams on the device
+        let g = (need(6000) + streams) / GIB;
+        let c = chunk(g);
+        assert_eq!(c, Some(6000));
+        assert!(fits(c, g));
+        // room for 3,000 beside them (< STREAM_CHUNK_MIN): the larger chunk of the budget alone
+        let g = (need(3000) + streams) / GIB;
+        let c = chunk(g).expect("chunked");
+        assert!(c > 3000, "{c}");
+        assert!(need(c) <= g * GIB && need(c + 1) > g * GIB);
+        assert!(!fits(Some(c), g));
+        // the whole prompt fits: unchunked, nothing to keep
+        assert_eq!(chunk(1e6), None);
     }
 
     #[test]

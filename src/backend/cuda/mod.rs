@@ -190,6 +190,9 @@ pub struct Gpu {
     bounce: Arc<Bounce>,
     /// Per-launch device timing, when `NVFP4_PROBE_KERNEL_TIME=1` was set at open.
     ktimer: Option<std::cell::RefCell<KernelTimer>>,
+    /// Wait for every launch and cuBLAS call and name the one a device fault came from
+    /// (`NVFP4_PROBE_SYNC_CHECK=1` at open; slow, for diagnosis).
+    sync_check: bool,
     /// The loader thread's staged weights, while a run has one (`stage`).
     pub stager: Option<Arc<super::stage::Stager>>,
     /// Pinned host slots the metrics' results are copied into ([`Gpu::metrics_launch`]): the
@@ -370,6 +373,7 @@ impl Gpu {
                 .map(str::trim)
                 != Some("kernel"),
             bounce,
+            sync_check: std::env::var("NVFP4_PROBE_SYNC_CHECK").ok().as_deref() == Some("1"),
             ktimer: (std::env::var("NVFP4_PROBE_KERNEL_TIME").ok().as_deref() == Some("1"))
                 .then(Default::default),
             stager: None,

@@ -54,7 +54,14 @@ impl Gpu {
     /// Run `f` (work enqueued on the stream) between two timing events when the kernel timer is on.
     pub(crate) fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let Some(t) = &self.ktimer else {
-            return f();
+            let r = f();
+            if self.sync_check {
+                // a device fault is named by the launch that made it (`NVFP4_PROBE_SYNC_CHECK=1`)
+                self.stream.synchronize().map_err(|e| {
+                    cuda_err(&format!("{name} (step {})", crate::profile::step()), e)
+                })?;
+            }
+            return r;
         };
         let ev = |t: &mut KernelTimer| match t.free.pop() {
             Some(e) => Ok(e),
