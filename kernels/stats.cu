@@ -394,19 +394,27 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // fragments per warp (four ran 20 % slower on the H200, BENCHMARKS.md session 26), stepping k by
 // 16 (one NVFP4 block, half an MXFP4 one): each step's x rows (converted to f64 once per block)
 // and decoded weight rows (decoded once per block and step, not once per row) are staged in
-// shared memory, then every warp runs mma.m8n8k4.f64 over its columns and the tile's 8-row
-// fragments (MF of them). The next step's global loads are issued before this step's products.
-// Rows past the tile's and columns past n are staged as zeros and never stored.
+// shared memory, then every warp runs mma.m16n8k16.f64 (one per 16-row fragment, MF of them, and
+// 8-column fragment, per step) over its columns. The next step's global loads are issued before
+// this step's products. Rows past the tile's and columns past n are staged as zeros (never read
+// from x or the weight) and never stored. m8n8k4, the shape before sm_90, kept the H200's FP64
+// tensor pipe 67 % busy at 30 % of its peak multiply-adds (ncu, BENCHMARKS.md session 29).
 // Thread i stages x row i / 2 and weight row (output column) c0 + i / 2, elements 8 (i % 2)..+8
 // of the step.
 #define MMA_R 64
 #define MMA_C 64
 #define MMA_WARPS 4
 #define MMA_LD 20  // a staged row's stride in doubles (20 = 4 mod 16: a half warp's f64 loads hit 32 banks once)
-__device__ __forceinline__ void dmma(double (&c)[2], double a, double b) {
-    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
-                 : "+d"(c[0]), "+d"(c[1])
-                 : "d"(a), "d"(b));
+// One m16n8k16 FP64 tensor-core product (sm_90 on; on the H200 it issues at twice the rate of
+// m8n8k4 per multiply-add). Fragments, with g = lane / 4 and q = lane % 4: a[i] = A[g + 8 (i % 2)]
+// [q + 4 (i / 2)], b[i] = B[q + 4 i][g] (B as columns), c[i] = C[g + 8 (i / 2)][2 q + i % 2].
+__device__ __forceinline__ void dmma16(double (&c)[4], const double (&a)[8], const double (&b)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7,%8,%9,%10,%11}, "
+        "{%12,%13,%14,%15}, {%0,%1,%2,%3};"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]),
+          "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
 }
 // What one thread reads from global memory for one step.
 struct MmaFetch {
@@ -418,7 +426,8 @@ __device__ __forceinline__ void mma_fetch(MmaFetch& f, const void* x, int xbf, u
                                           const MoeTile& t, u32 xrows, u64 c0, u64 n, u64 k,
                                           u64 k0, bool mx) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
-    if (r < xrows) {
+    // rows past the tile's are staged as zeros: never read (past the last tile they lie past x)
+    if (r < xrows && r < t.rows) {
         u64 o = (u64)(t.row0 + r) * ldx + k0 + 8 * half;
         if (xbf) {
             uint4 u = *(const uint4*)((const u16*)x + o);
@@ -473,44 +482,47 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
                                          double (*ws)[MMA_LD]) {
     const bool mx = (t.flags & MT_CONV) == 3u;
     const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
-    const u32 xrows = 8 * MF;
+    const u32 xrows = 16 * MF;
     for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
-        double acc[MF][2][2];
+        double acc[MF][2][4];
 #pragma unroll
         for (int m = 0; m < MF; m++)
 #pragma unroll
-            for (int j = 0; j < 2; j++) acc[m][j][0] = acc[m][j][1] = 0.0;
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
         MmaFetch f;
         mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
         for (u64 k0 = 0; k0 < k; k0 += 16) {
             mma_stage(f, t, xrows, mq, me, xs, ws);
             __syncthreads();
             if (k0 + 16 < k) mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, k0 + 16, mx);
+            double b[2][4];
 #pragma unroll
-            for (int kk = 0; kk < 16; kk += 4) {
-                double b[2];
+            for (int j = 0; j < 2; j++)
 #pragma unroll
-                for (int j = 0; j < 2; j++) b[j] = ws[wid * 16 + 8 * j + g][kk + tq];
+                for (int i = 0; i < 4; i++) b[j][i] = ws[wid * 16 + 8 * j + g][tq + 4 * i];
 #pragma unroll
-                for (int m = 0; m < MF; m++) {
-                    double a = xs[8 * m + g][kk + tq];
+            for (int m = 0; m < MF; m++) {
+                double a[8];
 #pragma unroll
-                    for (int j = 0; j < 2; j++) dmma(acc[m][j], a, b[j]);
-                }
+                for (int i = 0; i < 8; i++) a[i] = xs[16 * m + g + 8 * (i & 1)][tq + 4 * (i >> 1)];
+#pragma unroll
+                for (int j = 0; j < 2; j++) dmma16(acc[m][j], a, b[j]);
             }
             __syncthreads();
         }
 #pragma unroll
         for (int m = 0; m < MF; m++) {
-            const u32 r = 8 * m + g;
-            if (r >= t.rows) continue;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
+            for (int i = 0; i < 4; i++) {
+                const u32 r = 16 * m + g + 8 * (i >> 1);
+                if (r >= t.rows) continue;
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const u64 c = c0 + wid * 16 + 8 * j + 2 * tq + h;
+                for (int j = 0; j < 2; j++) {
+                    const u64 c = c0 + wid * 16 + 8 * j + 2 * tq + (i & 1);
                     if (c >= n) continue;
-                    float o = __double2float_rn(acc[m][j][h]);
+                    float o = __double2float_rn(acc[m][j][i]);
                     if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
                     y[(u64)(t.row0 + r) * ldy + c] = o;
                 }
@@ -527,8 +539,7 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
     __shared__ double xs[MMA_R][MMA_LD];
     const MoeTile t = tiles[blockIdx.y];
     moe_tables(t, mq, me);
-    if (t.rows <= 8) mma_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else if (t.rows <= 16) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else if (t.rows <= 32) mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else mma_tile<8>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    if (t.rows <= 16) mma_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    else if (t.rows <= 32) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    else mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
 }
