@@ -390,8 +390,9 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // For every tile (up to MMA_R consecutive rows that one routed expert sees) y[r, c] = sum_k
 // x[r, k] * w_e[c, k], with moe_gemm_f64's decodes, exact f64 products, f64 sums, one rounding
 // to f32 and its epilogue: only the order of the f64 sum differs (as between cuBLAS's DGEMM and
-// the CPU). A block of MMA_WARPS warps computes MMA_C output columns of one tile, two 8-column
-// fragments per warp (four ran 20 % slower on the H200, BENCHMARKS.md session 26), stepping k by
+// the CPU). A block of MMA_WARPS warps computes MMA_C output columns of one tile, four 8-column
+// fragments per warp (with m8n8k4 four ran 20 % slower than two on the H200, BENCHMARKS.md session
+// 26; with m16n8k16 the shared-memory reads bound it), stepping k by
 // 16 (one NVFP4 block, half an MXFP4 one): each step's x rows (converted to f64 once per block)
 // and decoded weight rows (decoded once per block and step, not once per row) are staged in
 // shared memory, then every warp runs mma.m16n8k16.f64 (one per 16-row fragment, MF of them, and
@@ -399,11 +400,13 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // this step's products. Rows past the tile's and columns past n are staged as zeros (never read
 // from x or the weight) and never stored. m8n8k4, the shape before sm_90, kept the H200's FP64
 // tensor pipe 67 % busy at 30 % of its peak multiply-adds (ncu, BENCHMARKS.md session 29).
-// Thread i stages x row i / 2 and weight row (output column) c0 + i / 2, elements 8 (i % 2)..+8
-// of the step.
+// Thread i stages x row i / 2 and weight rows (output columns) c0 + i / 2 + 64 w, elements
+// 8 (i % 2)..+8 of the step.
 #define MMA_R 64
-#define MMA_C 64
+#define MMA_C 128
 #define MMA_WARPS 4
+#define MMA_NJ (MMA_C / MMA_WARPS / 8)  // 8-column fragments per warp
+#define MMA_WROWS (MMA_C / 64)          // weight rows each of the 128 threads stages
 #define MMA_LD 20  // a staged row's stride in doubles (20 = 4 mod 16: a half warp's f64 loads hit 32 banks once)
 // One m16n8k16 FP64 tensor-core product (sm_90 on; on the H200 it issues at twice the rate of
 // m8n8k4 per multiply-add). Fragments, with g = lane / 4 and q = lane % 4: a[i] = A[g + 8 (i % 2)]
@@ -416,11 +419,12 @@ __device__ __forceinline__ void dmma16(double (&c)[4], const double (&a)[8], con
         : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]),
           "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
 }
-// What one thread reads from global memory for one step.
+// What one thread reads from global memory for one step: 8 x values of its row, and 8 codes with
+// their scale byte of each of its weight rows (output columns c0 + r + 64 w).
 struct MmaFetch {
     float xv[8];
-    u32 pk;  // 8 e2m1 codes of its weight row
-    u32 sc;  // their scale byte; > 255: a column past n
+    u32 pk[MMA_WROWS];  // 8 e2m1 codes of a weight row
+    u32 sc[MMA_WROWS];  // their scale byte; > 255: a column past n
 };
 __device__ __forceinline__ void mma_fetch(MmaFetch& f, const void* x, int xbf, u64 ldx,
                                           const MoeTile& t, u32 xrows, u64 c0, u64 n, u64 k,
@@ -444,14 +448,17 @@ __device__ __forceinline__ void mma_fetch(MmaFetch& f, const void* x, int xbf, u
             f.xv[4] = b.x; f.xv[5] = b.y; f.xv[6] = b.z; f.xv[7] = b.w;
         }
     }
-    const u64 c = c0 + r;
-    if (c < n) {
-        u64 e0 = c * k + k0 + 8 * half;
-        f.pk = *(const u32*)((const u8*)t.packed + e0 / 2);
-        f.sc = ((const u8*)t.scales)[mx ? e0 / 32 : e0 / 16];
-    } else {
-        f.pk = 0u;
-        f.sc = 256u;
+#pragma unroll
+    for (int w = 0; w < MMA_WROWS; w++) {
+        const u64 c = c0 + r + 64 * w;
+        if (c < n) {
+            u64 e0 = c * k + k0 + 8 * half;
+            f.pk[w] = *(const u32*)((const u8*)t.packed + e0 / 2);
+            f.sc[w] = ((const u8*)t.scales)[mx ? e0 / 32 : e0 / 16];
+        } else {
+            f.pk[w] = 0u;
+            f.sc[w] = 256u;
+        }
     }
 }
 __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u32 xrows,
@@ -464,17 +471,23 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
 #pragma unroll
         for (int j = 0; j < 8; j++) xs[r][8 * half + j] = live ? (double)f.xv[j] : 0.0;
     }
-    const float q = f.sc < 256u ? mq[f.sc] : 0.0f;
 #pragma unroll
-    for (int b = 0; b < 4; b++) {
-        float2 e = me[(f.pk >> (8 * b)) & 0xFFu];
-        float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
-        if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
-        if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
-        ws[r][8 * half + 2 * b] = (double)w0;
-        ws[r][8 * half + 2 * b + 1] = (double)w1;
+    for (int w = 0; w < MMA_WROWS; w++) {
+        const float q = f.sc[w] < 256u ? mq[f.sc[w]] : 0.0f;
+        double* dst = ws[r + 64 * w] + 8 * half;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            float2 e = me[(f.pk[w] >> (8 * b)) & 0xFFu];
+            float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
+            if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
+            if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
+            dst[2 * b] = (double)w0;
+            dst[2 * b + 1] = (double)w1;
+        }
     }
 }
+// MF 16-row fragments of the tile's rows; warp w computes columns c0 + 32 w .. + 32 of them
+// (MMA_NJ fragments of 8), each step loading its B fragments once and each A fragment once.
 template <int MF>
 __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
                                          u64 k, float* y, u64 ldy, const float* mq,
@@ -482,13 +495,13 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
                                          double (*ws)[MMA_LD]) {
     const bool mx = (t.flags & MT_CONV) == 3u;
     const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
-    const u32 xrows = 16 * MF;
+    const u32 xrows = 16 * MF, wc = wid * (8 * MMA_NJ);
     for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
-        double acc[MF][2][4];
+        double acc[MF][MMA_NJ][4];
 #pragma unroll
         for (int m = 0; m < MF; m++)
 #pragma unroll
-            for (int j = 0; j < 2; j++)
+            for (int j = 0; j < MMA_NJ; j++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
         MmaFetch f;
@@ -497,18 +510,18 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
             mma_stage(f, t, xrows, mq, me, xs, ws);
             __syncthreads();
             if (k0 + 16 < k) mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, k0 + 16, mx);
-            double b[2][4];
+            double b[MMA_NJ][4];
 #pragma unroll
-            for (int j = 0; j < 2; j++)
+            for (int j = 0; j < MMA_NJ; j++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) b[j][i] = ws[wid * 16 + 8 * j + g][tq + 4 * i];
+                for (int i = 0; i < 4; i++) b[j][i] = ws[wc + 8 * j + g][tq + 4 * i];
 #pragma unroll
             for (int m = 0; m < MF; m++) {
                 double a[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++) a[i] = xs[16 * m + g + 8 * (i & 1)][tq + 4 * (i >> 1)];
 #pragma unroll
-                for (int j = 0; j < 2; j++) dmma16(acc[m][j], a, b[j]);
+                for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
             }
             __syncthreads();
         }
@@ -519,8 +532,8 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
                 const u32 r = 16 * m + g + 8 * (i >> 1);
                 if (r >= t.rows) continue;
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const u64 c = c0 + wid * 16 + 8 * j + 2 * tq + (i & 1);
+                for (int j = 0; j < MMA_NJ; j++) {
+                    const u64 c = c0 + wc + 8 * j + 2 * tq + (i & 1);
                     if (c >= n) continue;
                     float o = __double2float_rn(acc[m][j][i]);
                     if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));

@@ -89,7 +89,7 @@ pub const MMA_R: usize = 64;
 pub enum MoeKernel {
     /// `moe_gemm_f64`: FP64 FMA units, tiles of [`MOE_R`] rows, 8 columns per block.
     Fma,
-    /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 64 columns per block.
+    /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 128 columns per block.
     Mma,
 }
 
@@ -127,7 +127,7 @@ impl MoeKernel {
     fn cols(self) -> usize {
         match self {
             MoeKernel::Fma => MOE_C,
-            MoeKernel::Mma => 64,
+            MoeKernel::Mma => 128,
         }
     }
 
