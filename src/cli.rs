@@ -88,8 +88,9 @@ pub struct MemArgs {
     #[arg(long, value_name = "N", conflicts_with = "mem_gib")]
     pub chunk: Option<usize>,
     /// Memory budget in GiB (device memory on CUDA, host memory on the CPU) the token chunk is
-    /// chosen for: the largest chunk whose estimate fits. A budget too small for a chunk of one
-    /// token exits 2 naming the smallest workable budget.
+    /// chosen for: the largest chunk whose estimate fits (a multiple of 512 tokens from 512 on;
+    /// on CUDA beside the layers' output streams when a chunk of 4,096 fits there). A budget too
+    /// small for a chunk of one token exits 2 naming the smallest workable budget.
     #[arg(long, value_name = "GIB")]
     pub mem_gib: Option<f64>,
 }

@@ -707,13 +707,23 @@ pub fn token_chunk(
         }
         (need(Some(lo)) <= room).then_some(lo)
     };
+    // a multiple of the CUDA backend's GEMM row blocks when larger, so a chunked run sums every
+    // GEMM in the order of the whole prompt's and reports the same bits
+    let whole = |c: u64| {
+        let rows = crate::backend::cuda::GEMM_ROWS as u64;
+        if c >= rows {
+            c - c % rows
+        } else {
+            c
+        }
+    };
     if plan.device {
         let beside = most(budget - device_streams(cfg, plan));
         if let Some(c) = beside.filter(|&c| c >= STREAM_CHUNK_MIN.min(t - 1)) {
-            return Ok(Some(c));
+            return Ok(Some(whole(c)));
         }
     }
-    Ok(Some(most(budget).unwrap_or(1)))
+    Ok(Some(whole(most(budget).unwrap_or(1))))
 }
 
 #[cfg(test)]
@@ -892,16 +902,18 @@ mod tests {
         let fits = |c: Option<u64>, g: f64| {
             streams_fit_device(&cfg, &Plan { chunk: c, ..p }, Some(g), None, &CPU)
         };
-        // room for 6,000 tokens beside the streams: that chunk, streams on the device
-        let g = (need(6000) + streams) / GIB;
+        // room for 6,144 tokens beside the streams: that chunk, streams on the device; room for
+        // 6,000: the multiple of 512 below (a chunk sums its GEMMs as the whole prompt does)
+        let g = (need(6144) + streams) / GIB;
         let c = chunk(g);
-        assert_eq!(c, Some(6000));
+        assert_eq!(c, Some(6144));
         assert!(fits(c, g));
+        assert_eq!(chunk((need(6000) + streams) / GIB), Some(5632));
         // room for 3,000 beside them (< STREAM_CHUNK_MIN): the larger chunk of the budget alone
         let g = (need(3000) + streams) / GIB;
         let c = chunk(g).expect("chunked");
-        assert!(c > 3000, "{c}");
-        assert!(need(c) <= g * GIB && need(c + 1) > g * GIB);
+        assert!(c > 3000 && c % 512 == 0, "{c}");
+        assert!(need(c) <= g * GIB && need(c + 512) > g * GIB);
         assert!(!fits(Some(c), g));
         // the whole prompt fits: unchunked, nothing to keep
         assert_eq!(chunk(1e6), None);
