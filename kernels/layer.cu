@@ -678,15 +678,17 @@ extern "C" __global__ void mla_kv(const float* kvb, const float* kva, u64 t, u64
     }
 }
 
-// gpt-oss's clamped GLU (family::glu_row), one thread per unit j of gu [n_units, 2] (gate 2j, up
-// 2j + 1): g = min(gate, L) (a NaN gate gives L, as Rust's f32::min), u = clamp(up, -L, L) (a NaN
-// up stays NaN, as Rust's clamp), out = f32((u + 1) * g / (1 + exp(-alpha * g))) in f64, alpha the
-// f64 of bits alpha_bits; rounded to BF16 when round != 0.
-extern "C" __global__ void glu_oss(const float* gu, u64 n, float limit, u64 alpha_bits, int round, float* out) {
+// gpt-oss's clamped GLU (family::glu_unit), one thread per unit j: its gate at g[stride * j], its
+// up at u[stride * j] (the fused projection interleaved: u = g + 1, stride 2; separate gate and up
+// projections: stride 1). g = min(gate, L) (a NaN gate gives L, as Rust's f32::min), u = clamp(up,
+// -L, L) (a NaN up stays NaN, as Rust's clamp), out = f32((u + 1) * g / (1 + exp(-alpha * g))) in
+// f64, alpha the f64 of bits alpha_bits; rounded to BF16 when round != 0.
+extern "C" __global__ void glu_oss(const float* gp, const float* up, u64 stride, u64 n, float limit,
+                                   u64 alpha_bits, int round, float* out) {
     double alpha = __longlong_as_double((long long)alpha_bits);
     GRID_STRIDE(j, n) {
-        float gf = fminf(gu[2 * j], limit);
-        float uf = gu[2 * j + 1];
+        float gf = fminf(gp[stride * j], limit);
+        float uf = up[stride * j];
         if (uf < -limit) uf = -limit;
         if (uf > limit) uf = limit;
         double g = (double)gf, u = (double)uf;

@@ -220,3 +220,54 @@ fn gpt_oss_mxfp4_runs_from_the_command_line() {
     assert_eq!(s["findings"], serde_json::json!([]), "{s}");
     assert!(op("head")["stats"]["served"]["nan"] == 0);
 }
+
+/// gpt-oss as llm-compressor quantizes it with compressed-tensors (`gpt_oss/ct-nvfp4`): the
+/// experts as its `LinearExperts` store them, separate gate/up/down linears with biases under
+/// `mlp.experts.experts.E`, each an NVFP4 linear of its own. Every kept producer dequantization
+/// (layer 1's attention and experts 0 and 1) is matched value by value, lint is clean, and a run
+/// reads each expert's gate, up and down as three NVFP4 weights (`w1`, `w3`, `w2`).
+#[test]
+fn gpt_oss_compressed_tensors_linear_experts() {
+    check("gpt_oss", "ct-nvfp4", "nvfp4-ct", 10);
+    let d = dir("gpt_oss", "ct-nvfp4");
+    let ck = Checkpoint::open(&d).unwrap();
+    assert!(
+        ck.model_config()
+            .unwrap()
+            .family
+            .as_ref()
+            .unwrap()
+            .linear_experts
+    );
+    assert_eq!(
+        ck.canonical_of("model.layers.2.mlp.experts.experts.5.up_proj.bias")
+            .as_deref(),
+        Some("layers.2.ffn.experts.5.w3.bias")
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("run.json");
+    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
+        .unwrap()
+        .args(["run", "--backend", "cpu", "--quiet", "--model"])
+        .arg(&d)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ops = v["ops"].as_array().unwrap();
+    for n in 0..4 {
+        let id = format!("L{n}.ffn.experts");
+        let op = ops.iter().find(|o| o["id"] == id.as_str()).unwrap();
+        let w = op["weights"].as_array().unwrap();
+        assert_eq!(w.len(), 24, "{id}: w1, w3 and w2 of 8 experts");
+        assert!(w.iter().all(|p| p[1] == "nvfp4-ct"), "{id}: {w:?}");
+        assert_eq!(w[1][0], format!("layers.{n}.ffn.experts.0.w3"));
+    }
+    let s = &v["summary"];
+    assert_eq!(s["divergent_ops"], 0, "{s}");
+    assert_eq!(s["non_finite_ops"], 0, "{s}");
+}

@@ -1022,11 +1022,12 @@ fn unclamped_swiglu_is_refused_where_it_cannot_apply() {
     assert!(m.contains("bf16"), "{m}");
 }
 
-/// gpt-oss's experts as llm-compressor's `LinearExperts` store them (separate gate/up/down
-/// linears under `mlp.experts.experts.E`): refused up front (exit 2) by `lint` and `run`, naming
-/// the layout and a tensor, instead of every fused tensor of the layer reported missing.
+/// A half-converted gpt-oss checkpoint: one of llm-compressor's `LinearExperts` tensors
+/// (`mlp.experts.experts.E.*`) beside the fused experts: refused up front (exit 2) by `lint` and
+/// `run`, naming the layouts and a tensor (the whole linear layout is read:
+/// tests/gpt_oss_linear.rs).
 #[test]
-fn linear_experts_layout_is_refused_naming_it() {
+fn mixed_expert_layouts_are_refused_naming_them() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf-families/gpt_oss");
     let d = rewrite_named(
         &src,
@@ -1045,6 +1046,7 @@ fn linear_experts_layout_is_refused_naming_it() {
         let e = String::from_utf8_lossy(&out.stderr);
         assert!(
             e.contains("LinearExperts")
+                && e.contains("half-converted")
                 && e.contains("model.layers.0.mlp.experts.experts.0.down_proj.bias"),
             "{cmd}: {e}"
         );

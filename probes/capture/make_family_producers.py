@@ -27,6 +27,10 @@ routed experts only experts 0 and 1):
   Encoder: one E8M0 exponent per 32 inputs, 2^ceil(log2(amax/6)) (the scale rounding triton_kernels'
   `downcast_to_mxfp_torch` uses by default), E2M1 round-to-nearest-even, low nibble = even element.
   The reference dequantization is transformers' own `convert_moe_packed_tensors` (its gpt-oss loader).
+- ct-nvfp4 (gpt_oss): as for the others, on the experts as llm-compressor quantizes gpt-oss: its
+  `LinearExperts` (`gpt_oss_linear_experts`: `mlp.experts.experts.E.{gate,up,down}_proj` with biases, gate
+  and up de-interleaved), gate/up sharing their global scale; router (`re:.*mlp.router$`) and lm_head
+  ignored; the down projections calibrated on the clamped GLU of the biased gate and up.
 - modelopt-nvfp4 (gpt_oss): ModelOpt's export of the fused experts, step by step as its
   `_export_quantized_weight` does for `GptOssExperts` (see `gpt_oss_modelopt_nvfp4`); the
   dequantization kept for the experts is ModelOpt's own, [E, out, in], experts 0 and 1.
@@ -101,7 +105,13 @@ def input_amax(m, tr, sd, cfg):
             base = m[: -len(".down_proj")]
             g = x.float() @ sd[base + ".gate_proj.weight"].float().T
             u = x.float() @ sd[base + ".up_proj.weight"].float().T
-            x = torch.nn.functional.silu(g) * u
+            if base + ".gate_proj.bias" in sd:  # gpt-oss's linear experts: biases, clamped GLU
+                lim = cfg.get("swiglu_limit", 7.0)
+                g = (g + sd[base + ".gate_proj.bias"].float()).clamp(max=lim)
+                u = (u + sd[base + ".up_proj.bias"].float()).clamp(-lim, lim)
+                x = (u + 1) * g * torch.sigmoid(1.702 * g)
+            else:
+                x = torch.nn.functional.silu(g) * u
     elif leaf in ("gate_proj", "up_proj"):  # shared experts, dense MLP
         x = tr[layer + ".post_attention_layernorm"]
     elif leaf == "down_proj":
@@ -118,6 +128,31 @@ def keep_deq(m):
     return ".experts." not in m or any(f".experts.{e}." in m for e in (0, 1))
 
 
+def gpt_oss_linear_experts(sd):
+    """transformers' fused gpt-oss experts as llm-compressor's `LinearExperts` holds them for quantizing
+    (`convert_model_for_quantization_gptoss`): per expert E three nn.Linear with bias,
+    `mlp.experts.experts.E.{gate,up,down}_proj`, gate and up de-interleaved from `gate_up_proj`
+    [E, H, 2I] (gate column 2i, up column 2i + 1) and transposed to [I, H]; `down_proj` [E, I, H] → [H, I];
+    the biases split the same way."""
+    new = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p, b = k[: -len("gate_up_proj")], sd[k + "_bias"]
+            for e in range(v.shape[0]):
+                new[f"{p}experts.{e}.gate_proj.weight"] = v[e][:, 0::2].T.contiguous()
+                new[f"{p}experts.{e}.up_proj.weight"] = v[e][:, 1::2].T.contiguous()
+                new[f"{p}experts.{e}.gate_proj.bias"] = b[e][0::2].contiguous()
+                new[f"{p}experts.{e}.up_proj.bias"] = b[e][1::2].contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            p, b = k[: -len("down_proj")], sd[k + "_bias"]
+            for e in range(v.shape[0]):
+                new[f"{p}experts.{e}.down_proj.weight"] = v[e].T.contiguous()
+                new[f"{p}experts.{e}.down_proj.bias"] = b[e].contiguous()
+        elif not (k.endswith("_bias") and ".mlp.experts." in k):
+            new[k] = v
+    return new
+
+
 def ct_nvfp4(family, sd, cfg, tr, out):
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
@@ -127,7 +162,8 @@ def ct_nvfp4(family, sd, cfg, tr, out):
 
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
     args = scheme.weights
-    qs = linears(sd, family)
+    router = "router" if family == "gpt_oss" else "gate"
+    qs = [m for m in linears(sd, family) if not m.endswith("mlp." + router)]
     gsc = {m: generate_gparam(sd[m + ".weight"].float().amin(), sd[m + ".weight"].float().amax()) for m in qs}
     new, deq = {k: v for k, v in sd.items()}, {}
     for m in qs:
@@ -150,7 +186,7 @@ def ct_nvfp4(family, sd, cfg, tr, out):
                 dtype=torch.float32, global_scale=g).contiguous()
     qc = QuantizationConfig(
         config_groups={"group_0": scheme}, quant_method="compressed-tensors", format="nvfp4-pack-quantized",
-        quantization_status="compressed", ignore=["lm_head", "re:.*mlp.gate$"],
+        quantization_status="compressed", ignore=["lm_head", f"re:.*mlp.{router}$"],
     ).model_dump(mode="json")
     qc["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"
     qc["version"] = "0.20.0"
@@ -312,6 +348,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", required=True)
     ap.add_argument("--family", default="qwen3_moe,deepseek_v3,gpt_oss")
+    ap.add_argument("--kinds", default="ct-nvfp4,modelopt-nvfp4,mxfp4", help="gpt_oss: which checkpoints to write")
     a = ap.parse_args()
     for fam in a.family.split(","):
         d = os.path.join(a.src, fam)
@@ -319,8 +356,12 @@ def main():
         cfg = json.load(open(os.path.join(d, "config.json")))
         tr = trace(d)
         if fam == "gpt_oss":
-            mxfp4(fam, sd, cfg, tr, os.path.join(d, "mxfp4"))
-            gpt_oss_modelopt_nvfp4(fam, sd, cfg, tr, os.path.join(d, "modelopt-nvfp4"))
+            if "mxfp4" in a.kinds:
+                mxfp4(fam, sd, cfg, tr, os.path.join(d, "mxfp4"))
+            if "modelopt-nvfp4" in a.kinds:
+                gpt_oss_modelopt_nvfp4(fam, sd, cfg, tr, os.path.join(d, "modelopt-nvfp4"))
+            if "ct-nvfp4" in a.kinds:
+                ct_nvfp4(fam, gpt_oss_linear_experts(sd), cfg, tr, os.path.join(d, "ct-nvfp4"))
         else:
             ct_nvfp4(fam, sd, cfg, tr, os.path.join(d, "ct-nvfp4"))
             modelopt_nvfp4(fam, sd, cfg, tr, os.path.join(d, "modelopt-nvfp4"))

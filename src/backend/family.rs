@@ -93,15 +93,32 @@ impl Gpu {
         Ok(out)
     }
 
-    /// gpt-oss's clamped GLU (`device::family::glu_rows`) of gu [n, 2I] (gate/up interleaved)
-    /// → [n, I], then the path's rounding.
-    pub fn glu_oss(&mut self, gu: &Data, limit: f32, round: bool) -> Result<Data> {
-        let n = gu.len() / 2;
-        let gb = self.input(gu)?;
+    /// gpt-oss's clamped GLU (`device::family::glu_pairs`) of `n` units → [n], then the path's
+    /// rounding: the gate and up of unit j at `gate[stride · j]` and `up[stride · j]` (`up` None:
+    /// the fused projection `gate` [.., 2I] interleaved, stride 2; else separate projections,
+    /// stride 1).
+    pub fn glu_oss(
+        &mut self,
+        gate: &Data,
+        up: Option<&Data>,
+        n: usize,
+        limit: f32,
+        round: bool,
+    ) -> Result<Data> {
+        let gb = self.input(gate)?;
+        let (up_ptr, stride, _keep) = match up {
+            Some(u) => {
+                let ub = self.input(u)?;
+                (ub.ptr, 1u64, Some(ub))
+            }
+            None => (gb.ptr + 4, 2u64, None),
+        };
         let ob = self.out(n * 4)?;
         self.kern().glu_oss(
             n as u64,
             gb.ptr,
+            up_ptr,
+            stride,
             n as u64,
             limit,
             crate::device::family::GLU_ALPHA.to_bits(),

@@ -10,11 +10,11 @@
 use std::sync::{Arc, Mutex};
 
 use super::cuda::Gpu;
-use crate::device::cpu::{glu_width, gqa_sizes, mla_sizes};
+use crate::device::cpu::{gqa_sizes, mla_sizes};
 use crate::device::family::{GqaDims, MlaDims};
 use crate::device::kern::{self, AttnDims, HcParams, IndexerDims, Scoring};
 use crate::device::ops::RopeTable;
-use crate::device::{CmpRows, CpuDevice, Device};
+use crate::device::{CmpRows, CpuDevice, Device, GluIn};
 use crate::tensor::Data;
 use crate::{Error, Result, Tensor};
 
@@ -309,11 +309,15 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         ))
     }
 
-    fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor> {
-        let i = glu_width(gu)?;
+    fn glu_oss(&self, gu: GluIn<'_>, limit: f32) -> Result<Tensor> {
+        let (n, i) = gu.dims()?;
         let dev = &self.dev;
-        let h = dev.with(|g| g.glu_oss(&gu.data, limit, dev.round))?;
-        Ok(Tensor::new(vec![gu.rows(), i], h))
+        let (gate, up) = match gu {
+            GluIn::Interleaved(gu) => (&gu.data, None),
+            GluIn::Split(g, u) => (&g.data, Some(&u.data)),
+        };
+        let h = dev.with(|g| g.glu_oss(gate, up, n * i, limit, dev.round))?;
+        Ok(Tensor::new(vec![n, i], h))
     }
 }
 

@@ -12,30 +12,32 @@ use super::shard::RawEntry;
 use super::{convert, Dtype, Source};
 use crate::{Error, Result};
 
-/// gpt-oss's experts as separate linears — llm-compressor's `LinearExperts`, which its
-/// `convert_model_for_quantization_gptoss` puts in place of the fused experts before
-/// quantizing: `mlp.experts.experts.E.{gate,up,down}_proj` with gate and up de-interleaved —
-/// are refused up front naming the first such tensor: the gpt-oss model reads the release's fused
-/// experts (`mlp.experts.gate_up_proj`, interleaved) only, and would otherwise report every fused
-/// tensor of the layer missing.
-pub(super) fn check_linear_experts(
+/// gpt-oss's experts stored both ways at once — the fused tensors of the release or of
+/// ModelOpt's export (`mlp.experts.gate_up_proj…`, `mlp.experts.down_proj…`) and llm-compressor's
+/// `LinearExperts` (`mlp.experts.experts.E.{gate,up,down}_proj…`, what its
+/// `convert_model_for_quantization_gptoss` puts in place of the fused experts): a half-converted
+/// checkpoint, refused up front naming one tensor of each (an engine loads one layout and leaves
+/// the other's tensors unread).
+pub(super) fn check_mixed_experts(
     raw: &std::collections::HashMap<String, RawEntry>,
     shards: &[super::shard::Shard],
 ) -> Result<()> {
-    let mut hits: Vec<&String> = raw
-        .keys()
-        .filter(|n| n.contains(".mlp.experts.experts."))
-        .collect();
-    hits.sort();
-    let Some(first) = hits.first() else {
+    let first = |f: &dyn Fn(&str) -> bool| {
+        let mut v: Vec<&String> = raw.keys().filter(|n| f(n)).collect();
+        v.sort();
+        v.first().copied()
+    };
+    let linear = first(&|n| n.contains(".mlp.experts.experts."));
+    let fused =
+        first(&|n| n.contains(".mlp.experts.gate_up_proj") || n.contains(".mlp.experts.down_proj"));
+    let (Some(l), Some(f)) = (linear, fused) else {
         return Ok(());
     };
     Err(Error::bad(
-        &shards[raw[*first].shard].path,
-        Some(first),
+        &shards[raw[l].shard].path,
+        Some(l),
         format!(
-            "gpt-oss experts stored as separate gate/up/down linears (llm-compressor's `LinearExperts` layout, {} tensors `mlp.experts.experts.E.*`) are not read: nvfp4-probe reads gpt-oss's fused experts as released and as ModelOpt exports them (`mlp.experts.gate_up_proj` with gate and up interleaved, `mlp.experts.down_proj`)",
-            hits.len()
+            "gpt-oss experts stored both as separate gate/up/down linears (llm-compressor's `LinearExperts` layout, `mlp.experts.experts.E.*`) and as fused tensors (`{f}`): a half-converted checkpoint; keep one layout"
         ),
     ))
 }

@@ -331,7 +331,7 @@ impl Checkpoint {
             _ => naming::FusedLayout::Stacked,
         };
         if layout == naming::FusedLayout::Interleaved {
-            experts::check_linear_experts(&raw, &shards)?;
+            experts::check_mixed_experts(&raw, &shards)?;
         }
         let mut canon: HashMap<String, Source> = HashMap::new();
         let mut raw_to_canon = HashMap::new();
@@ -406,10 +406,16 @@ impl Checkpoint {
     /// The parsed model config (parsed on first use; errors name config.json).
     pub fn model_config(&self) -> Result<&ModelConfig> {
         let r = self.model_config.get_or_init(|| {
-            ModelConfig::from_json(&self.config).map_err(|e| match e {
+            let mut cfg = ModelConfig::from_json(&self.config).map_err(|e| match e {
                 Error::Usage(m) => m,
                 other => other.to_string(),
-            })
+            })?;
+            // gpt-oss's experts as separate linears (`check_mixed_experts` refused a mix)
+            if let Some(f) = cfg.family.as_mut() {
+                f.linear_experts = f.kind.interleaved_experts()
+                    && self.raw.keys().any(|n| n.contains(".mlp.experts.experts."));
+            }
+            Ok(cfg)
         });
         r.as_ref()
             .map_err(|m| Error::bad(&self.config_path, None, m.clone()))

@@ -319,6 +319,11 @@ fn hf(raw: &str, layout: FusedLayout) -> Canon {
             return plain(format!("ffn.shared_experts.{r}"));
         }
         if let Some(ex) = m.strip_prefix("experts.") {
+            // llm-compressor's gpt-oss `LinearExperts`: `mlp.experts.experts.E.gate_proj…`
+            let ex = ex
+                .strip_prefix("experts.")
+                .filter(|r| r.bytes().next().is_some_and(|b| b.is_ascii_digit()))
+                .unwrap_or(ex);
             if let Some(dot) = ex.find('.') {
                 if ex[..dot].bytes().all(|b| b.is_ascii_digit()) {
                     let r = rename_first(&ex[dot + 1..], MLP)
@@ -510,6 +515,17 @@ mod tests {
             i("model.layers.1.mlp.experts.gate_up_proj_scales"),
             pe("w13.weight_scale", FusedPart::Whole)
         );
+        // llm-compressor's linear experts: one canonical tensor per stored one
+        for (raw, c) in [
+            ("gate_proj.weight_packed", "w1.weight_packed"),
+            ("up_proj.bias", "w3.bias"),
+            ("down_proj.input_global_scale", "w2.input_global_scale"),
+        ] {
+            assert_eq!(
+                i(&format!("model.layers.1.mlp.experts.experts.12.{raw}")),
+                Canon::Plain(format!("layers.1.ffn.experts.12.{c}"))
+            );
+        }
         let p = |c: Canon| match c {
             Canon::Plain(s) => s,
             other => panic!("{other:?}"),

@@ -8,7 +8,7 @@ use super::family::{self, GqaDims, MlaDims};
 use super::gemm::matmul_nt;
 use super::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Scoring};
 use super::ops::{rmsnorm_rows, silu, RopeTable};
-use super::{CmpRows, Device};
+use super::{CmpRows, Device, GluIn};
 use crate::{Error, Result, Tensor};
 
 /// The host device of one path: `store` rounds what the path stores.
@@ -395,9 +395,15 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         ))
     }
 
-    fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor> {
-        let i = glu_width(gu)?;
-        let mut h = Tensor::new(vec![gu.rows(), i], family::glu_rows(&gu.data, i, limit));
+    fn glu_oss(&self, gu: GluIn<'_>, limit: f32) -> Result<Tensor> {
+        let (n, i) = gu.dims()?;
+        let h = match gu {
+            GluIn::Interleaved(gu) => {
+                family::glu_pairs(&gu.data, &gu.data[1.min(gu.numel())..], 2, n * i, limit)
+            }
+            GluIn::Split(g, u) => family::glu_pairs(&g.data, &u.data, 1, n * i, limit),
+        };
+        let mut h = Tensor::new(vec![n, i], h);
         (self.store)(&mut h);
         Ok(h)
     }
@@ -429,17 +435,6 @@ pub fn mla_sizes(kvb: &Tensor, kva: &Tensor, d: MlaDims) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// The hidden width I of gpt-oss's fused gate/up rows [n, 2I] (every device's check).
-pub fn glu_width(gu: &Tensor) -> Result<usize> {
-    let c = gu.cols();
-    if !c.is_multiple_of(2) {
-        return Err(Error::usage(format!(
-            "gate/up rows of {c} values are not interleaved pairs"
-        )));
-    }
-    Ok(c / 2)
 }
 
 #[cfg(test)]

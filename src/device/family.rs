@@ -152,28 +152,31 @@ pub fn slice_cols(x: &[f32], cols: usize, c0: usize, w: usize) -> Vec<f32> {
 /// gpt-oss's GLU α (transformers' `GptOssExperts.alpha`; not a config field).
 pub const GLU_ALPHA: f64 = 1.702;
 
-/// gpt-oss's clamped GLU of one row of the fused projection `gu` [2I] (gate/up interleaved:
-/// gate i at 2i, up i at 2i + 1) into `h` [I]: g = min(gate, L), u = clamp(up, ±L) (a NaN up
-/// stays NaN, as Rust's `clamp`), then (u + 1) · g · σ(α·g) evaluated in f64 and rounded once.
-pub fn glu_row(gu: &[f32], h: &mut [f32], limit: f32) {
-    for (o, pair) in h.iter_mut().zip(gu.chunks_exact(2)) {
-        let g = pair[0].min(limit) as f64;
-        let u = pair[1].clamp(-limit, limit) as f64;
-        let glu = g / (1.0 + (-GLU_ALPHA * g).exp());
-        *o = ((u + 1.0) * glu) as f32;
-    }
+/// gpt-oss's clamped GLU of one unit: g = min(gate, L), u = clamp(up, ±L) (a NaN up stays NaN,
+/// as Rust's `clamp`), then (u + 1) · g · σ(α·g) evaluated in f64 and rounded once.
+pub fn glu_unit(gate: f32, up: f32, limit: f32) -> f32 {
+    let g = gate.min(limit) as f64;
+    let u = up.clamp(-limit, limit) as f64;
+    let glu = g / (1.0 + (-GLU_ALPHA * g).exp());
+    ((u + 1.0) * glu) as f32
 }
 
-/// [`glu_row`] of every row of gu [n, 2I] → [n, I].
-pub fn glu_rows(gu: &[f32], i: usize, limit: f32) -> Vec<f32> {
-    let mut h = vec![0.0f32; gu.len() / 2];
-    if i == 0 {
-        return h;
-    }
-    h.par_chunks_mut(i)
-        .zip(gu.par_chunks(2 * i))
-        .for_each(|(o, row)| glu_row(row, o, limit));
-    h
+/// [`glu_unit`] of `n` units: unit j's gate at `g[stride · j]`, its up at `u[stride · j]` (the
+/// fused projection [n, 2I] interleaved: `g` = gu, `u` = gu[1..], stride 2; separate gate and up
+/// projections: stride 1).
+pub fn glu_pairs(g: &[f32], u: &[f32], stride: usize, n: usize, limit: f32) -> Vec<f32> {
+    (0..n)
+        .into_par_iter()
+        .with_min_len(4096)
+        .map(|j| glu_unit(g[stride * j], u[stride * j], limit))
+        .collect()
+}
+
+/// [`glu_pairs`] of the fused projection's rows gu [n, 2I] (gate i at 2i, up i at 2i + 1) →
+/// [n, I].
+pub fn glu_rows(gu: &[f32], limit: f32) -> Vec<f32> {
+    let n = gu.len() / 2;
+    glu_pairs(gu, &gu[1.min(gu.len())..], 2, n, limit)
 }
 
 #[cfg(test)]
@@ -251,21 +254,18 @@ mod tests {
         let want = |g: f64, u: f64| ((u + 1.0) * g * sig(GLU_ALPHA * g)) as f32;
         // (gate, up) pairs: plain, gate over the limit, up under −limit, negative gate
         let gu = [0.5f32, -0.25, 9.0, 1.0, 1.0, -8.0, -3.0, 2.0];
-        let mut h = [0f32; 4];
-        glu_row(&gu, &mut h, 7.0);
+        let h = glu_rows(&gu, 7.0);
         assert_eq!(h[0], want(0.5, -0.25));
         assert_eq!(h[1], want(7.0, 1.0));
         assert_eq!(h[2], want(1.0, -7.0));
         assert_eq!(h[3], want(-3.0, 2.0));
         // up = −1 zeroes the unit whatever the gate
-        let mut z = [1f32];
-        glu_row(&[4.0, -1.0], &mut z, 7.0);
-        assert_eq!(z[0], 0.0);
-        // rows of two units each
-        assert_eq!(glu_rows(&gu, 2, 7.0), h);
+        assert_eq!(glu_unit(4.0, -1.0, 7.0), 0.0);
+        // separate gate and up projections pair the same units
+        let (g, u): (Vec<f32>, Vec<f32>) = gu.chunks(2).map(|p| (p[0], p[1])).unzip();
+        assert_eq!(glu_pairs(&g, &u, 1, 4, 7.0), h);
         // a NaN up stays NaN; a NaN gate becomes the limit (Rust's min)
-        let mut n = [0f32; 2];
-        glu_row(&[1.0, f32::NAN, f32::NAN, 0.0], &mut n, 7.0);
+        let n = glu_rows(&[1.0, f32::NAN, f32::NAN, 0.0], 7.0);
         assert!(n[0].is_nan());
         assert_eq!(n[1], want(7.0, 0.0));
     }

@@ -177,9 +177,9 @@ pub trait Device {
     /// MLA's keys [t, h·(nope + rope)] and values [t, h·dv] from `kv_b` [t, h·(nope + dv)] and
     /// the rope-applied `kv_a` [t, lora + rope] (`family::mla_keys`; a copy, no rounding).
     fn mla_keys(&self, kvb: &Tensor, kva: &Tensor, d: MlaDims) -> Result<(Tensor, Tensor)>;
-    /// gpt-oss's clamped GLU (`family::glu_rows`) of gu [n, 2I] (gate/up interleaved) → [n, I],
+    /// gpt-oss's clamped GLU (`family::glu_pairs`) of the gate and up projections → [n, I],
     /// rounded.
-    fn glu_oss(&self, gu: &Tensor, limit: f32) -> Result<Tensor>;
+    fn glu_oss(&self, gu: GluIn<'_>, limit: f32) -> Result<Tensor>;
     /// Rows `r` of each part (along the first dimension), one part after the other →
     /// [Σ rows, …] with the first part's trailing shape (a copy, no rounding): what a run in
     /// token chunks joins, the rows carried from earlier chunks (a window's last rows, the
@@ -189,6 +189,41 @@ pub trait Device {
     /// earlier prefill chunks): dims [0, nope) quantize-dequantized per row and per `group` with
     /// a power-of-two scale, the rest as they are (`numerics::fp8_block::fake_quant_kv_cache`).
     fn kv_cache_fp8(&self, x: &Tensor, nope: usize, group: usize) -> Result<Tensor>;
+}
+
+/// The gate and up projections gpt-oss's GLU pairs unit by unit ([`Device::glu_oss`]).
+#[derive(Clone, Copy)]
+pub enum GluIn<'a> {
+    /// One fused projection [n, 2I] (the release's `w13`): gate i at column 2i, up i at 2i + 1.
+    Interleaved(&'a Tensor),
+    /// Gate [n, I] and up [n, I] as separate projections (llm-compressor's linear experts).
+    Split(&'a Tensor, &'a Tensor),
+}
+
+impl GluIn<'_> {
+    /// (rows n, units I), or why the projections do not pair (every device's check).
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match *self {
+            GluIn::Interleaved(gu) => {
+                let c = gu.cols();
+                if !c.is_multiple_of(2) {
+                    return Err(crate::Error::usage(format!(
+                        "gate/up rows of {c} values are not interleaved pairs"
+                    )));
+                }
+                Ok((gu.rows(), c / 2))
+            }
+            GluIn::Split(g, u) => {
+                if g.shape != u.shape {
+                    return Err(crate::Error::usage(format!(
+                        "gate {:?} and up {:?} projections of different shapes",
+                        g.shape, u.shape
+                    )));
+                }
+                Ok((g.rows(), g.cols()))
+            }
+        }
+    }
 }
 
 /// The shape and row width of [`Device::cat_rows`]'s output, or why the parts do not join.

@@ -38,7 +38,8 @@
 /// - `Router` of gpt-oss: weights [gate base, gate.bias]: the bias joins the logits; top-k of the
 ///   logits, softmax over the k.
 /// - `GptOssExperts`: inputs as `Experts`; weights [w13, w13.bias, w2, w2.bias] per expert (w13's
-///   rows gate and up interleaved): (up + 1) · gate · σ(α · gate) with gate ≤ L, |up| ≤ L.
+///   rows gate and up interleaved), or [w1, w1.bias, w3, w3.bias, w2, w2.bias] (gate and up as
+///   separate linears): (up + 1) · gate · σ(α · gate) with gate ≤ L, |up| ≤ L.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum OpKind {
     Embed,

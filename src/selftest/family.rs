@@ -185,11 +185,22 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
     gu[4] = f32::INFINITY;
     gu[7] = f32::NEG_INFINITY;
     gu[9] = -1.0; // up = −1: zero
-    let want = family::glu_rows(&gu, i, 7.0);
+    let want = family::glu_rows(&gu, 7.0);
+    // the same units as separate gate and up projections (llm-compressor's linear experts)
+    let (gs, us): (Vec<f32>, Vec<f32>) = gu.chunks(2).map(|p| (p[0], p[1])).unzip();
     for round in [false, true] {
-        let got = g.glu_oss(&dv(&gu), 7.0, round)?;
+        let got = g.glu_oss(&dv(&gu), None, n * i, 7.0, round)?;
         out.push(exact(
             &tag("family gpt-oss clamped GLU (limit 7)", round),
+            &got,
+            &rounded(want.clone(), round),
+        ));
+        let got = g.glu_oss(&dv(&gs), Some(&dv(&us)), n * i, 7.0, round)?;
+        out.push(exact(
+            &tag(
+                "family gpt-oss clamped GLU, gate and up apart (limit 7)",
+                round,
+            ),
             &got,
             &rounded(want.clone(), round),
         ));

@@ -259,6 +259,7 @@ fn qwen3_moe(v: &Value) -> Result<ModelConfig> {
         attention_bias: false,
         sinks: false,
         router_logit_bias: false,
+        linear_experts: false,
     });
     Ok(cfg)
 }
@@ -419,6 +420,7 @@ fn deepseek_v3(v: &Value) -> Result<ModelConfig> {
         attention_bias: false,
         sinks: false,
         router_logit_bias: false,
+        linear_experts: false,
     });
     Ok(cfg)
 }

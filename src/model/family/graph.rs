@@ -21,7 +21,8 @@
 //! `attn.q_rope`, `attn.k_rope` → `attn.core` (GQA with the per-head sinks, over the sliding
 //! window on sliding layers) → `attn.o` → `attn.res`; `ffn.norm` → `ffn.router` (+ `.idx`: the
 //! biased gate's top-k, softmax over the k) → `ffn.experts` (`GptOssExperts`: per expert `w13`,
-//! its bias, `w2`, its bias) → `out` = res + experts.
+//! its bias, `w2`, its bias; stored as llm-compressor's linear experts `w1`, its bias, `w3`, its
+//! bias, `w2`, its bias) → `out` = res + experts.
 
 use super::super::op::{op, Op, OpClass, OpKind};
 use super::super::ModelConfig;
@@ -197,9 +198,15 @@ fn gpt_oss_ffn(cfg: &ModelConfig, n: usize, ops: &mut Vec<Op>) {
     );
     router.outputs.push(id(n, "ffn.router.idx"));
     ops.push(router);
-    let mut experts = Vec::with_capacity(4 * cfg.n_routed_experts);
+    let linear = cfg.family.as_ref().is_some_and(|f| f.linear_experts);
+    let per: &[&str] = if linear {
+        &["w1", "w1.bias", "w3", "w3.bias", "w2", "w2.bias"]
+    } else {
+        &["w13", "w13.bias", "w2", "w2.bias"]
+    };
+    let mut experts = Vec::with_capacity(per.len() * cfg.n_routed_experts);
     for e in 0..cfg.n_routed_experts {
-        for p in ["w13", "w13.bias", "w2", "w2.bias"] {
+        for p in per {
             experts.push(w(n, &format!("ffn.experts.{e}.{p}")));
         }
     }

@@ -87,6 +87,10 @@ pub struct Family {
     /// logits (gpt-oss), rather than a selection bias on the scores (DeepSeek-V3's
     /// `e_score_correction_bias`).
     pub router_logit_bias: bool,
+    /// gpt-oss's routed experts stored as separate gate/up/down linears with biases
+    /// (llm-compressor's `LinearExperts`: canonical `w1`, `w3`, `w2`) instead of the fused,
+    /// interleaved `w13`; set from the checkpoint's tensors (`Checkpoint::model_config`).
+    pub linear_experts: bool,
 }
 
 impl Family {

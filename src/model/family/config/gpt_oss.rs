@@ -120,6 +120,7 @@ pub(super) fn gpt_oss(v: &Value) -> Result<ModelConfig> {
         attention_bias: r.bool("attention_bias", true)?,
         sinks: true,
         router_logit_bias: true,
+        linear_experts: false,
     });
     Ok(cfg)
 }
