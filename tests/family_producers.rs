@@ -240,8 +240,7 @@ fn gpt_oss_compressed_tensors_linear_experts() {
             .linear_experts
     );
     assert_eq!(
-        ck.canonical_of("model.layers.2.mlp.experts.experts.5.up_proj.bias")
-            .as_deref(),
+        ck.canonical_of("model.layers.2.mlp.experts.experts.5.up_proj.bias"),
         Some("layers.2.ffn.experts.5.w3.bias")
     );
     let tmp = tempfile::tempdir().unwrap();
