@@ -27,6 +27,17 @@ for be in cpu cuda; do
 done
 python3 probes/device/run_diff.py $OUT/oss-modelopt-cpu.json $OUT/oss-modelopt-cuda.json > $OUT/oss-modelopt-diff.txt 2>&1 || fail=1
 echo "gpt-oss modelopt (ModelOpt's export) cpu vs cuda: $(head -3 $OUT/oss-modelopt-diff.txt | tr '\n' ' ')"
+# llm-compressor's gpt-oss in compressed-tensors NVFP4 (tests/data: its LinearExperts layout, gate and up
+# apart, the GLU kernel's stride-1 form): CPU vs CUDA, and a loader fault's attribution on CUDA
+C=tests/data/hf-families/gpt_oss/ct-nvfp4
+for be in cpu cuda; do
+  timeout 300 $B run --model $C --backend $be --quiet --json $OUT/oss-ct-$be.json > $OUT/oss-ct-$be.txt 2>&1
+  echo "gpt-oss ct-nvfp4 (linear experts) $be rc=$?"
+done
+python3 probes/device/run_diff.py $OUT/oss-ct-cpu.json $OUT/oss-ct-cuda.json > $OUT/oss-ct-diff.txt 2>&1 || fail=1
+echo "gpt-oss ct-nvfp4 cpu vs cuda: $(head -3 $OUT/oss-ct-diff.txt | tr '\n' ' ')"
+timeout 300 $B bisect --model $C --backend cuda --loader-fault nibble-swap@L1.ffn.experts > $OUT/oss-ct-bisect.txt 2>&1
+echo "bisect nibble-swap@L1.ffn.experts cuda: $(grep -m1 '^1\.' $OUT/oss-ct-bisect.txt | cut -c1-120)"
 # gpt-oss's fused-expert loader faults read on the host (w13 rows re-ordered, MXFP4 _scales unread):
 # CPU and CUDA reports field by field, and bisect's verdict on CUDA (each profile for the MXFP4 recipe)
 for case in mxfp4:gate-up-deinterleaved mxfp4:missing-block-scales modelopt-nvfp4:gate-up-interleaved-twice modelopt-nvfp4:gate-up-deinterleaved; do
