@@ -40,6 +40,23 @@ fn lint_clean(d: &Path, what: &str) {
     assert!(errors.is_empty(), "{what}: {errors:?}");
 }
 
+/// `run --backend cpu --json` through the command line (exit 0 expected): the report.
+fn run_json(model: &Path) -> serde_json::Value {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("run.json");
+    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
+        .unwrap()
+        .args(["run", "--backend", "cpu", "--quiet", "--model"])
+        .arg(model)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
 fn check(family: &str, kind: &str, scheme: &str, min: usize) {
     let d = dir(family, kind);
     let ck = Checkpoint::open(&d).unwrap();
@@ -185,20 +202,7 @@ fn gpt_oss_modelopt_nvfp4_fused_experts() {
 /// routed experts of each read as MXFP4 (the attention BF16), no op diverging and no finding.
 #[test]
 fn gpt_oss_mxfp4_runs_from_the_command_line() {
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("run.json");
-    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
-        .unwrap()
-        .args(["run", "--backend", "cpu", "--quiet", "--model"])
-        .arg(dir("gpt_oss", "mxfp4"))
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{err}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = run_json(&dir("gpt_oss", "mxfp4"));
     assert_eq!(v["layers"], serde_json::json!([0, 3]));
     let ops = v["ops"].as_array().unwrap();
     let op = |id: &str| {
@@ -243,20 +247,7 @@ fn gpt_oss_compressed_tensors_linear_experts() {
         ck.canonical_of("model.layers.2.mlp.experts.experts.5.up_proj.bias"),
         Some("layers.2.ffn.experts.5.w3.bias")
     );
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("run.json");
-    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
-        .unwrap()
-        .args(["run", "--backend", "cpu", "--quiet", "--model"])
-        .arg(&d)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{err}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = run_json(&d);
     let ops = v["ops"].as_array().unwrap();
     for n in 0..4 {
         let id = format!("L{n}.ffn.experts");

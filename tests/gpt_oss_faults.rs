@@ -23,6 +23,10 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
+#[path = "safetensors_support/mod.rs"]
+mod safetensors_support;
+use safetensors_support::{read_all, write_all};
+
 const SEED: u64 = 5;
 /// The tiny preset's dimensions (synth::family::gpt_oss): hidden, experts, intermediate.
 const D: usize = 256;
@@ -843,37 +847,15 @@ fn rewrite_named(
 ) -> TempDir {
     let d = TempDir::new().unwrap();
     std::fs::copy(src.join("config.json"), d.path().join("config.json")).unwrap();
-    let b = std::fs::read(src.join("model.safetensors")).unwrap();
-    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-    let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    for (k, v) in h.as_object().unwrap() {
-        if k == "__metadata__" || drop.contains(&k.as_str()) {
-            continue;
-        }
-        let off = v["data_offsets"].as_array().unwrap();
-        let (s, e) = (
-            off[0].as_u64().unwrap() as usize,
-            off[1].as_u64().unwrap() as usize,
-        );
-        let mut t = b[8 + n + s..8 + n + e].to_vec();
-        edit(k, &mut t);
-        let start = data.len();
-        data.extend(t);
-        header.insert(
-            rename(k),
-            json!({"dtype": v["dtype"], "shape": v["shape"], "data_offsets": [start, data.len()]}),
-        );
-    }
-    let mut hb = serde_json::to_vec(&Value::Object(header)).unwrap();
-    while !hb.len().is_multiple_of(8) {
-        hb.push(b' ');
-    }
-    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
-    out.extend(hb);
-    out.extend(data);
-    std::fs::write(d.path().join("model.safetensors"), out).unwrap();
+    let out: Vec<_> = read_all(&src.join("model.safetensors"))
+        .into_iter()
+        .filter(|t| !drop.contains(&t.0.as_str()))
+        .map(|(k, dt, shape, mut b)| {
+            edit(&k, &mut b);
+            (rename(&k), dt, shape, b)
+        })
+        .collect();
+    write_all(&d.path().join("model.safetensors"), &out);
     d
 }
 

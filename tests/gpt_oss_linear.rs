@@ -16,6 +16,10 @@ use assert_cmd::Command;
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
+#[path = "safetensors_support/mod.rs"]
+mod safetensors_support;
+use safetensors_support::{read_all, write_all};
+
 fn bin() -> Command {
     Command::cargo_bin("nvfp4-probe").unwrap()
 }
@@ -27,58 +31,6 @@ fn family_dir(kind: &str) -> PathBuf {
     } else {
         d.join(kind)
     }
-}
-
-/// A safetensors file's tensors: name → (dtype, shape, bytes).
-fn read_all(path: &Path) -> Vec<(String, String, Vec<usize>, Vec<u8>)> {
-    let b = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-    let mut out = Vec::new();
-    for (k, v) in h.as_object().unwrap() {
-        if k == "__metadata__" {
-            continue;
-        }
-        let off = v["data_offsets"].as_array().unwrap();
-        let (s, e) = (
-            off[0].as_u64().unwrap() as usize,
-            off[1].as_u64().unwrap() as usize,
-        );
-        let shape = v["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as usize)
-            .collect();
-        out.push((
-            k.clone(),
-            v["dtype"].as_str().unwrap().to_string(),
-            shape,
-            b[8 + n + s..8 + n + e].to_vec(),
-        ));
-    }
-    out
-}
-
-fn write_all(path: &Path, tensors: &[(String, String, Vec<usize>, Vec<u8>)]) {
-    let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    for (k, dt, shape, bytes) in tensors {
-        let start = data.len();
-        data.extend_from_slice(bytes);
-        header.insert(
-            k.clone(),
-            json!({"dtype": dt, "shape": shape, "data_offsets": [start, data.len()]}),
-        );
-    }
-    let mut hb = serde_json::to_vec(&Value::Object(header)).unwrap();
-    while !hb.len().is_multiple_of(8) {
-        hb.push(b' ');
-    }
-    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
-    out.extend(hb);
-    out.extend(data);
-    std::fs::write(path, out).unwrap();
 }
 
 /// 2-byte elements (BF16) of `bytes` picked by `idx`.
