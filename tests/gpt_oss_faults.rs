@@ -796,8 +796,16 @@ fn gpt_oss_faults_that_do_not_apply_are_refused() {
     assert!(m.contains("swizzled"), "{m}");
     let m = refused(oss, "mxfp4", "nan-block-scale@L1.attn.q");
     assert!(m.contains("BF16 weight has no block scales"), "{m}");
-    let m = refused(oss, "ct-nvfp4", "nan-block-scale@L1.ffn.experts");
+    let m = refused(oss, "fp8-block", "nan-block-scale@L1.ffn.experts");
     assert!(m.contains("not one the family ships"), "{m}");
+    // llm-compressor's linear experts have no fused tensor to plant into
+    for fault in [
+        "gate-up-deinterleaved@L1.ffn.experts",
+        "missing-expert-bias@L1.ffn.experts",
+    ] {
+        let m = refused(oss, "ct-nvfp4", fault);
+        assert!(m.contains("linear experts"), "{m}");
+    }
     let m = refused(
         Some("qwen3-moe"),
         "ct-nvfp4",

@@ -280,3 +280,86 @@ fn bisect_attributes_loader_faults_on_the_linear_experts() {
         assert_eq!(k, kind, "{fault}: {summary}");
     }
 }
+
+/// `synth --family gpt-oss --format ct-nvfp4` writes llm-compressor's layout (the experts as
+/// `mlp.experts.experts.E.{gate,up,down}_proj` with biases, no fused tensor; gate and up sharing
+/// their global scale, the router ignored), which lints clean and runs; a fault planted in it
+/// (the activation global scale inverted) is attributed by `bisect` to the experts op.
+#[test]
+fn synth_writes_llm_compressors_layout() {
+    let t = TempDir::new().unwrap();
+    let m = t.path().join("m");
+    let o = bin()
+        .args([
+            "synth", "--family", "gpt-oss", "--format", "ct-nvfp4", "--out",
+        ])
+        .arg(&m)
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let ck = nvfp4_probe::checkpoint::Checkpoint::open(&m).unwrap();
+    let names = ck.tensor_names();
+    assert!(
+        names.iter().all(|n| !n.contains("gate_up_proj")),
+        "fused tensors written"
+    );
+    let x = "model.layers.1.mlp.experts.experts.3";
+    for leaf in [
+        "gate_proj.weight_packed",
+        "up_proj.bias",
+        "down_proj.input_global_scale",
+    ] {
+        assert!(names.contains(&format!("{x}.{leaf}")), "{leaf}");
+    }
+    let e = "layers.1.ffn.experts.3";
+    assert_eq!(
+        ck.tensor_f32(&format!("{e}.w1.weight_global_scale"))
+            .unwrap(),
+        ck.tensor_f32(&format!("{e}.w3.weight_global_scale"))
+            .unwrap(),
+    );
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(m.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        cfg["quantization_config"]["ignore"],
+        json!(["lm_head", "re:.*mlp.router$"])
+    );
+    let errors: Vec<_> = lint_rules(&m)
+        .into_iter()
+        .filter(|(_, f)| f.contains("\"error\""))
+        .collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    let (_, v) = run(&m);
+    assert_eq!(v["summary"]["divergent_ops"], 0);
+    // a planted fault
+    let f = t.path().join("f");
+    let o = bin()
+        .args(["synth", "--family", "gpt-oss", "--format", "ct-nvfp4"])
+        .args(["--fault", "inverted-input-scale@L1.ffn.experts", "--out"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    let json_out = t.path().join("b.json");
+    let o = bin()
+        .args(["bisect", "--backend", "cpu", "--model"])
+        .arg(&f)
+        .arg("--json")
+        .arg(&json_out)
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let b: Value = serde_json::from_str(&std::fs::read_to_string(&json_out).unwrap()).unwrap();
+    assert_eq!(b["findings"][0]["ops"], json!(["L1.ffn.experts"]));
+    assert_eq!(b["findings"][0]["parameter"], "w13_input_global_scale");
+}

@@ -200,7 +200,11 @@ pub fn generated(opts: &SynthOptions, name: &str) -> Result<Tensor> {
         Some(k) => {
             let f = family::spec(k)?;
             let fd = f.dims(opts.preset, opts.layers)?;
-            (fd.gen_dims(), f.blocks(&fd))
+            let format = match opts.format {
+                Choice::Builtin(f) => f,
+                _ => Format::Bf16,
+            };
+            (fd.gen_dims(), f.blocks(&fd, format))
         }
         None => {
             let d = Dims::new(opts.preset, opts.layers)?;
@@ -306,7 +310,7 @@ impl<'a> Ctx<'a> {
             )));
         }
         let fd = f.dims(opts.preset, opts.layers)?;
-        let blocks = f.blocks(&fd);
+        let blocks = f.blocks(&fd, format);
         let (config, hf_quant) = f.config_files(&fd, format, &blocks);
         let ctx = Ctx {
             opts,
@@ -410,7 +414,14 @@ impl<'a> Ctx<'a> {
     fn model_config(&self) -> Result<ModelConfig> {
         let v: serde_json::Value = serde_json::from_str(&self.config)
             .map_err(|e| Error::usage(format!("synth config: {e}")))?;
-        ModelConfig::from_json(&v)
+        let mut cfg = ModelConfig::from_json(&v)?;
+        // what the reader sets from the tensors: a family's experts written unfused
+        if let (Some(fam), Some(s), Choice::Builtin(f)) =
+            (cfg.family.as_mut(), self.family, self.opts.format)
+        {
+            fam.linear_experts = fam.kind.interleaved_experts() && s.fuse_in(f).is_none();
+        }
+        Ok(cfg)
     }
 
     fn param_tensor(&self, p: &ParamSpec, v: &[f32]) -> RawT {
@@ -578,7 +589,10 @@ impl<'a> Ctx<'a> {
         let fuse = self.family.is_none()
             && self.opts.format == Choice::Builtin(Format::Bf16)
             && self.opts.naming == Naming::Hf;
-        let family_fuse = self.family.and_then(|f| f.fuse);
+        let family_fuse = match self.opts.format {
+            Choice::Builtin(f) => self.family.and_then(|s| s.fuse_in(f)),
+            _ => None,
+        };
         for b in &self.blocks {
             let mut expert_params = Vec::new();
             for p in &b.params {

@@ -30,6 +30,7 @@ pub(super) static SPEC: Spec = Spec {
     config: v3_config,
     renames: &[("attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight")],
     fuse: None,
+    unfused: &[],
 };
 
 fn v3_tiny(layers: usize) -> FamDims {
@@ -86,7 +87,7 @@ fn v3_release(layers: usize) -> FamDims {
 
 /// MLA (query LoRA, the KV latent with the shared rope key); q_a and kv_a share one NVFP4 tensor
 /// scale (vLLM and SGLang fuse them as `fused_qkv_a_proj`); the router's correction bias in f32.
-fn v3_layer(d: &FamDims, n: usize) -> Block {
+fn v3_layer(d: &FamDims, n: usize, _format: Format) -> Block {
     let p = |s: &str| format!("layers.{n}.{s}");
     let h = d.hidden;
     let nope = d.head_dim - d.rope_dim;

@@ -25,17 +25,23 @@ use crate::{Error, Result};
 
 pub(super) static SPEC: Spec = Spec {
     kind: Kind::GptOss,
-    formats: &[Format::Bf16, Format::Mxfp4, Format::ModelOptNvfp4],
+    formats: &[
+        Format::Bf16,
+        Format::Mxfp4,
+        Format::ModelOptNvfp4,
+        Format::CtNvfp4,
+    ],
     tiny: oss_tiny,
     tiny_layers: 4,
     release: None,
     release_layers: 0,
     layer: oss_layer,
     // the release quantizes the routed experts only (`modules_to_not_convert`: attention, router,
-    // embedding, head); ModelOpt's NVFP4_DEFAULT_CFG every linear but the router and the head
+    // embedding, head); ModelOpt's NVFP4_DEFAULT_CFG and llm-compressor's NVFP4 recipe every
+    // linear but the router and the head
     quantizes: |f, r| match f {
         Format::Mxfp4 => matches!(r, Role::Expert(_)),
-        Format::ModelOptNvfp4 => true,
+        Format::ModelOptNvfp4 | Format::CtNvfp4 => true,
         _ => false,
     },
     config: oss_config,
@@ -44,6 +50,8 @@ pub(super) static SPEC: Spec = Spec {
         ("ffn.gate.bias", "mlp.router.bias"),
     ],
     fuse: Some(fuse),
+    // llm-compressor quantizes gpt-oss's experts as its `LinearExperts`
+    unfused: &[Format::CtNvfp4],
 };
 
 /// Sliding-window length of the sliding layers: a quarter of the 64-token calibration and
@@ -87,8 +95,11 @@ fn bias(name: String, n: usize) -> super::super::plan::ParamSpec {
 }
 
 /// GQA with biases and sinks; q/k/v one group (engines fuse `qkv_proj`); the router with its
-/// bias; per expert `w13` [2I, D] and `w2` [D, I] with their biases.
-fn oss_layer(d: &FamDims, n: usize) -> Block {
+/// bias; per expert `w13` [2I, D] and `w2` [D, I] with their biases, or in compressed-tensors
+/// NVFP4 (llm-compressor's `LinearExperts`) gate `w1` and up `w3` [I, D], one group (their
+/// global scale shared), and `w2`, each with its bias.
+fn oss_layer(d: &FamDims, n: usize, format: Format) -> Block {
+    let linear = SPEC.unfused.contains(&format);
     let p = |s: &str| format!("layers.{n}.{s}");
     let (h, hd, i) = (d.hidden, d.head_dim, d.inter);
     let mut params = norms(n, d, &[]);
@@ -108,7 +119,12 @@ fn oss_layer(d: &FamDims, n: usize) -> Block {
     }
     params.push(bias(p("ffn.gate.bias"), d.experts));
     for e in 0..d.experts {
-        params.push(bias(p(&format!("ffn.experts.{e}.w13.bias")), 2 * i));
+        if linear {
+            params.push(bias(p(&format!("ffn.experts.{e}.w1.bias")), i));
+            params.push(bias(p(&format!("ffn.experts.{e}.w3.bias")), i));
+        } else {
+            params.push(bias(p(&format!("ffn.experts.{e}.w13.bias")), 2 * i));
+        }
         params.push(bias(p(&format!("ffn.experts.{e}.w2.bias")), h));
     }
     Block {
@@ -128,7 +144,14 @@ fn oss_layer(d: &FamDims, n: usize) -> Block {
         experts: (0..d.experts)
             .map(|e| {
                 let q = |w: &str| p(&format!("ffn.experts.{e}.{w}"));
-                [single(q("w13"), 2 * i, h), single(q("w2"), h, i)]
+                let gate_up = if linear {
+                    Group {
+                        members: vec![lin(q("w1"), i, h), lin(q("w3"), i, h)],
+                    }
+                } else {
+                    single(q("w13"), 2 * i, h)
+                };
+                [gate_up, single(q("w2"), h, i)]
             })
             .collect(),
     }
@@ -191,7 +214,8 @@ fn oss_config(d: &FamDims) -> Map<String, Value> {
 /// Refuse, before anything is written, a fused-layout fault that [`fuse`] cannot plant as asked:
 /// a kind that leaves a fused tensor out (`_scales`, `_bias`) must cover every expert of a layer
 /// (the tensor holds them all); the gate/up orders need a `w13`; `_scales` exist in MXFP4 only;
-/// and the swizzled (padded) block-scale layout does not fit the fused `_scales`.
+/// and the swizzled (padded) block-scale layout does not fit the fused `_scales`. The unfused
+/// layout (compressed-tensors' linear experts) takes none of the fused kinds.
 pub fn check_fault(f: &Fault, lins: &[LinSpec], format: Format) -> Result<()> {
     let refuse = |why: &str| {
         Err(Error::usage(format!(
@@ -200,6 +224,13 @@ pub fn check_fault(f: &Fault, lins: &[LinSpec], format: Format) -> Result<()> {
             f.target
         )))
     };
+    if SPEC.unfused.contains(&format) {
+        // each expert under its own names: the other kinds plant as on any per-expert layout
+        if f.kind.is_fused_expert() {
+            return refuse("plants into the fused experts' tensors, and llm-compressor's linear experts (--format ct-nvfp4) store gate, up and down apart, each with its bias: --format mxfp4, modelopt-nvfp4 or bf16");
+        }
+        return Ok(());
+    }
     if f.kind == FaultKind::SwizzledScales {
         return refuse("gpt-oss's fused `*_scales` [E, out, in/32] cannot hold the padded 128×4-swizzled layout of one expert");
     }

@@ -48,8 +48,9 @@ pub struct Spec {
     release: Option<fn(usize) -> FamDims>,
     /// Layers of the release preset without `--layers`.
     release_layers: usize,
-    /// One layer's canonical tensors (the model-level block is shared: [`model_block`]).
-    layer: fn(&FamDims, usize) -> Block,
+    /// One layer's canonical tensors in a format (the model-level block is shared:
+    /// [`model_block`]).
+    layer: fn(&FamDims, usize, Format) -> Block,
     /// Whether `format` quantizes a linear of this role (routers and the head never are).
     quantizes: fn(Format, Role) -> bool,
     /// `config.json` without `quantization_config`, as the hub release writes it.
@@ -60,6 +61,9 @@ pub struct Spec {
     /// and their `.ffn.experts.` parameters into the release's tensors, raw names. None: each
     /// expert's tensors under their own names.
     pub fuse: Option<FuseFn>,
+    /// Formats whose producer stores each expert under its own names although the release
+    /// fuses them (llm-compressor's gpt-oss `LinearExperts` in compressed-tensors NVFP4).
+    pub unfused: &'static [Format],
 }
 
 /// Stacks one layer's encoded experts into a release's fused tensors ([`Spec::fuse`]).
@@ -169,11 +173,17 @@ impl Spec {
         Ok(make(n))
     }
 
-    /// The canonical tensor list: the model-level block, then one block per layer.
-    pub fn blocks(&self, d: &FamDims) -> Vec<Block> {
+    /// The canonical tensor list in `format`: the model-level block, then one block per layer.
+    pub fn blocks(&self, d: &FamDims, format: Format) -> Vec<Block> {
         let mut v = vec![model_block(d)];
-        v.extend((0..d.layers).map(|n| (self.layer)(d, n)));
+        v.extend((0..d.layers).map(|n| (self.layer)(d, n, format)));
         v
+    }
+
+    /// How `format` stores the routed experts: fused by the release's [`Spec::fuse`], or (None,
+    /// or a format in [`Spec::unfused`]) each expert under its own names.
+    pub fn fuse_in(&self, format: Format) -> Option<FuseFn> {
+        self.fuse.filter(|_| !self.unfused.contains(&format))
     }
 
     /// How linear `base` is stored in `format`.
@@ -201,7 +211,14 @@ impl Spec {
                 return format!("model.layers.{n}.{to}");
             }
         }
-        plan::raw_name(canonical, Naming::Hf)
+        let raw = plan::raw_name(canonical, Naming::Hf);
+        // gpt-oss's experts unfused (llm-compressor's `LinearExperts`): `mlp.experts.experts.E`
+        match raw.split_once(".mlp.experts.") {
+            Some((a, b)) if self.fuse.is_some() && b.starts_with(|c: char| c.is_ascii_digit()) => {
+                format!("{a}.mlp.experts.experts.{b}")
+            }
+            _ => raw,
+        }
     }
 
     /// `config.json` and (ModelOpt) `hf_quant_config.json`.
@@ -252,7 +269,12 @@ impl Spec {
                         "format": "nvfp4-pack-quantized",
                         "quantization_status": "compressed",
                         "global_compression_ratio": null,
-                        "ignore": ["lm_head", "re:.*mlp.gate$"],
+                        // the router: `mlp.gate` (Qwen3-MoE, DeepSeek-V3), gpt-oss's `mlp.router`
+                        "ignore": ["lm_head", if self.kind == Kind::GptOss {
+                            "re:.*mlp.router$"
+                        } else {
+                            "re:.*mlp.gate$"
+                        }],
                         "moe_sparsity_config": null,
                         "version": "0.20.0",
                     }),
@@ -398,33 +420,36 @@ mod tests {
     fn names_round_trip_and_configs_parse() {
         for s in TABLE {
             let d = s.dims(plan::Preset::Tiny, None).unwrap();
-            let bl = s.blocks(&d);
-            let mut names: Vec<String> = bl
-                .iter()
-                .flat_map(|b| b.params.iter().map(|p| p.name.clone()))
-                .collect();
-            for l in plan::all_linears(&bl) {
-                for leaf in ["weight", "weight_packed", "input_scale", "weight_scale_inv"] {
-                    names.push(format!("{}.{leaf}", l.base));
-                }
-            }
-            // a release that fuses its experts names them per layer (checked below)
-            for c in names
-                .iter()
-                .filter(|c| s.fuse.is_none() || !c.contains(".ffn.experts."))
-            {
-                let raw = s.raw_name(c);
-                assert_eq!(
-                    canonical(&raw, Naming::Hf),
-                    Canon::Plain(c.clone()),
-                    "{raw}"
-                );
-            }
             for f in s.formats {
+                let bl = s.blocks(&d, *f);
+                let mut names: Vec<String> = bl
+                    .iter()
+                    .flat_map(|b| b.params.iter().map(|p| p.name.clone()))
+                    .collect();
+                for l in plan::all_linears(&bl) {
+                    for leaf in ["weight", "weight_packed", "input_scale", "weight_scale_inv"] {
+                        names.push(format!("{}.{leaf}", l.base));
+                    }
+                }
+                // a release that fuses its experts names them per layer (checked below)
+                for c in names
+                    .iter()
+                    .filter(|c| s.fuse_in(*f).is_none() || !c.contains(".ffn.experts."))
+                {
+                    let raw = s.raw_name(c);
+                    assert_eq!(
+                        canonical(&raw, Naming::Hf),
+                        Canon::Plain(c.clone()),
+                        "{raw}"
+                    );
+                }
                 let (cfg, _) = s.config_files(&d, *f, &bl);
                 let v: Value = serde_json::from_str(&cfg).unwrap();
-                let mc = ModelConfig::from_json(&v).unwrap();
+                let mut mc = ModelConfig::from_json(&v).unwrap();
                 assert_eq!(mc.family.as_ref().unwrap().kind, s.kind);
+                // what the reader sets from the tensors: gpt-oss's experts unfused
+                let fam = mc.family.as_mut().unwrap();
+                fam.linear_experts = fam.kind.interleaved_experts() && s.fuse_in(*f).is_none();
                 // every weight the graph reads is planned
                 let planned: Vec<String> = plan::all_linears(&bl)
                     .into_iter()
@@ -433,7 +458,11 @@ mod tests {
                     .collect();
                 for op in build_graph(&mc, d.layers - 1, true) {
                     for w in op.weights.iter().filter(|w| *w != "embed") {
-                        assert!(planned.contains(w), "{} {w} not planned", s.kind.label());
+                        assert!(
+                            planned.contains(w),
+                            "{} {f:?} {w} not planned",
+                            s.kind.label()
+                        );
                     }
                 }
             }
@@ -461,7 +490,7 @@ mod tests {
     fn deepseek_v3_release_preset_has_the_released_dimensions() {
         let s = spec(Kind::DeepseekV3).unwrap();
         let d = s.dims(plan::Preset::Release, None).unwrap();
-        let bl = s.blocks(&d);
+        let bl = s.blocks(&d, Format::ModelOptNvfp4);
         let (cfg, _) = s.config_files(&d, Format::ModelOptNvfp4, &bl);
         let mc = ModelConfig::from_json(&serde_json::from_str(&cfg).unwrap()).unwrap();
         assert_eq!(mc.num_hidden_layers, 2);
@@ -505,11 +534,11 @@ mod tests {
             o.layers = Some(2);
             let ck = synth_to_memory(&o).unwrap();
             let mut want: Vec<String> = g
-                .blocks(&d)
+                .blocks(&d, format)
                 .iter()
                 .flat_map(|b| b.params.iter().map(|p| p.name.clone()))
                 .collect();
-            for l in plan::all_linears(&g.blocks(&d)) {
+            for l in plan::all_linears(&g.blocks(&d, format)) {
                 // ModelOpt quantizes the attention too (not the router)
                 let quantized = l.base.contains(".ffn.experts.")
                     || (format == Format::ModelOptNvfp4 && l.base.contains(".attn."));

@@ -20,6 +20,7 @@ pub(super) static SPEC: Spec = Spec {
     config: qwen3_config,
     renames: &[("attn.q_norm.weight", "self_attn.q_norm.weight")],
     fuse: None,
+    unfused: &[],
 };
 
 fn qwen3_tiny(layers: usize) -> FamDims {
@@ -47,7 +48,7 @@ fn qwen3_tiny(layers: usize) -> FamDims {
 }
 
 /// GQA with per-head q/k RMSNorm; q/k/v share one NVFP4 tensor scale (engines fuse `qkv_proj`).
-fn qwen3_layer(d: &FamDims, n: usize) -> Block {
+fn qwen3_layer(d: &FamDims, n: usize, _format: Format) -> Block {
     let p = |s: &str| format!("layers.{n}.{s}");
     let (h, hd) = (d.hidden, d.head_dim);
     let mut b = Block {
