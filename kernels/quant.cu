@@ -399,27 +399,37 @@ __device__ __forceinline__ float pow2_ceil(float v) {
     return __uint_as_float(e << 23);
 }
 
-// DeepSeek FP8 1x128 activation quantize-dequantize: one thread per (row, 128-column group).
-// pow2 scale s = 2^ceil(log2(max(amax, 1e-4) * fl(1/448))); q = e4m3(clamp(x / s, +-448)); out = q * s.
-// non_pow2 != 0 reproduces a kernel that divides by the f32 scale but packs only its exponent.
+// The largest |x| of xr[g0, g1) (a NaN ignored, as fmaxf).
+__device__ __forceinline__ float group_amax(const float* xr, u64 g0, u64 g1) {
+    float a = 0.0f;
+    for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
+    return a;
+}
+
+// DeepSeek's power-of-two FP8 quantize-dequantize of xr[g0, g1) into o[g0, g1):
+// s = 2^ceil(log2(max(amax, 1e-4) * fl(1/448))); q = e4m3(clamp(x / s, +-448)); o = q * s.
+__device__ __forceinline__ void fp8_pow2_group(const float* xr, float* o, u64 g0, u64 g1) {
+    const float inv448 = 1.0f / 448.0f;
+    float s = pow2_ceil(__fmul_rn(fmaxf(group_amax(xr, g0, g1), 1e-4f), inv448));
+    for (u64 c = g0; c < g1; c++) {
+        float v = __fdiv_rn(xr[c], s);
+        if (!isnan(v)) v = fminf(fmaxf(v, -448.0f), 448.0f);
+        o[c] = __fmul_rn(e4m3_decode(e4m3_encode_satfinite(v)), s);
+    }
+}
+
+// DeepSeek FP8 1x128 activation quantize-dequantize (fp8_pow2_group): one thread per (row,
+// 128-column group). non_pow2 != 0 reproduces a kernel that divides by the f32 scale but packs only its exponent.
 extern "C" __global__ void act_quant_fp8(const float* x, u64 rows, u64 cols, int non_pow2, float* out) {
     u64 groups = (cols + 127) / 128;
-    const float inv448 = 1.0f / 448.0f;
     GRID_STRIDE(t, rows * groups) {
         u64 r = t / groups, g0 = (t % groups) * 128;
         u64 g1 = g0 + 128 < cols ? g0 + 128 : cols;
         const float* xr = x + r * cols;
-        float a = 0.0f;
-        for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
         if (!non_pow2) {
-            float s = pow2_ceil(__fmul_rn(fmaxf(a, 1e-4f), inv448));
-            for (u64 c = g0; c < g1; c++) {
-                float v = __fdiv_rn(xr[c], s);
-                if (!isnan(v)) v = fminf(fmaxf(v, -448.0f), 448.0f);
-                out[r * cols + c] = __fmul_rn(e4m3_decode(e4m3_encode_satfinite(v)), s);
-            }
+            fp8_pow2_group(xr, out + r * cols, g0, g1);
         } else {
-            float s = __fdiv_rn(fmaxf(a, 1e-4f), 448.0f);
+            float s = __fdiv_rn(fmaxf(group_amax(xr, g0, g1), 1e-4f), 448.0f);
             float sp = __uint_as_float(__float_as_uint(s) & 0xFF800000u);
             for (u64 c = g0; c < g1; c++) {
                 float v = __fdiv_rn(xr[c], s);
@@ -440,8 +450,7 @@ extern "C" __global__ void act_quant_mxfp8(const float* x, u64 rows, u64 cols, f
         u64 r = t / groups, g0 = (t % groups) * 32;
         u64 g1 = g0 + 32 < cols ? g0 + 32 : cols;
         const float* xr = x + r * cols;
-        float a = 0.0f;
-        for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
+        float a = group_amax(xr, g0, g1);
         if (a == 0.0f) {
             for (u64 c = g0; c < g1; c++) out[r * cols + c] = 0.0f;
             continue;
@@ -460,7 +469,6 @@ extern "C" __global__ void act_quant_mxfp8(const float* x, u64 rows, u64 cols, f
 // one copies.
 extern "C" __global__ void kv_cache_fp8(const float* x, u64 rows, u64 cols, u64 nope, u64 group, float* out) {
     u64 qg = (nope + group - 1) / group, groups = qg + 1;
-    const float inv448 = 1.0f / 448.0f;
     GRID_STRIDE(t, rows * groups) {
         u64 r = t / groups, gi = t % groups;
         const float* xr = x + r * cols;
@@ -470,13 +478,6 @@ extern "C" __global__ void kv_cache_fp8(const float* x, u64 rows, u64 cols, u64 
             continue;
         }
         u64 g0 = gi * group, g1 = g0 + group < nope ? g0 + group : nope;
-        float a = 0.0f;
-        for (u64 c = g0; c < g1; c++) a = fmaxf(a, fabsf(xr[c]));
-        float s = pow2_ceil(__fmul_rn(fmaxf(a, 1e-4f), inv448));
-        for (u64 c = g0; c < g1; c++) {
-            float v = __fdiv_rn(xr[c], s);
-            if (!isnan(v)) v = fminf(fmaxf(v, -448.0f), 448.0f);
-            orow[c] = __fmul_rn(e4m3_decode(e4m3_encode_satfinite(v)), s);
-        }
+        fp8_pow2_group(xr, orow, g0, g1);
     }
 }

@@ -109,22 +109,28 @@ pub const ACT_GROUP: usize = 128;
 /// # Panics
 /// If `x.len() != rows·cols`.
 pub fn fake_quant_act_1x128(x: &[f32], rows: usize, cols: usize, which: ActScale) -> Vec<f32> {
-    let inv448 = 1.0f32 / e4m3::MAX;
-    fake_quant_groups(x, rows, cols, ACT_GROUP, |a| {
+    fake_quant_groups(x, rows, cols, cols, ACT_GROUP, |a| {
         Some(match which {
-            ActScale::DeepSeekPow2 => pow2_ceil(a.max(1e-4) * inv448),
+            ActScale::DeepSeekPow2 => deepseek_pow2_scale(a),
             ActScale::VllmF32 => a.max(1e-10) / e4m3::MAX,
         })
     })
 }
 
-/// Quantise-dequantise `[rows, cols]` per row and per `group` elements (a shorter last group is
-/// allowed) with the scale `scale(amax)` gives the group: `x̂ = e4m3(e4m3_satfinite(clamp(x/s,
-/// ±448)))·s`; None leaves the group 0.
+/// DeepSeek's power-of-two FP8 scale of a group of amax `a`: 2^ceil(log2(max(a, 1e-4) · fl(1/448))).
+fn deepseek_pow2_scale(a: f32) -> f32 {
+    pow2_ceil(a.max(1e-4) * (1.0f32 / e4m3::MAX))
+}
+
+/// Quantise-dequantise columns [0, width) of `[rows, cols]` per row and per `group` elements (a
+/// shorter last group is allowed) with the scale `scale(amax)` gives the group: `x̂ =
+/// e4m3(e4m3_satfinite(clamp(x/s, ±448)))·s`; None leaves the group 0. Columns [width, cols) are
+/// copied.
 fn fake_quant_groups(
     x: &[f32],
     rows: usize,
     cols: usize,
+    width: usize,
     group: usize,
     scale: impl Fn(f32) -> Option<f32>,
 ) -> Vec<f32> {
@@ -134,7 +140,8 @@ fn fake_quant_groups(
         return out;
     }
     for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        for (xg, og) in xr.chunks(group).zip(or.chunks_mut(group)) {
+        or[width..].copy_from_slice(&xr[width..]);
+        for (xg, og) in xr[..width].chunks(group).zip(or[..width].chunks_mut(group)) {
             let Some(s) = scale(xg.iter().fold(0f32, |m, v| m.max(v.abs()))) else {
                 continue;
             };
@@ -158,7 +165,7 @@ pub const MX_GROUP: usize = 32;
 /// whose amax is 0 stays 0.
 pub fn fake_quant_act_mxfp8(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let rcp448 = super::nvfp4::rcp_approx(e4m3::MAX);
-    fake_quant_groups(x, rows, cols, MX_GROUP, |a| {
+    fake_quant_groups(x, rows, cols, cols, MX_GROUP, |a| {
         (a != 0.0).then(|| pow2_ceil(a * rcp448))
     })
 }
@@ -187,25 +194,9 @@ pub fn fake_quant_kv_cache(
     nope: usize,
     group: usize,
 ) -> Vec<f32> {
-    assert_eq!(x.len(), rows * cols, "data length vs [{rows}, {cols}]");
     assert!(nope <= cols, "nope {nope} > cols {cols}");
     assert!(group > 0, "group 0");
-    let inv448 = 1.0f32 / e4m3::MAX;
-    let mut out = x.to_vec();
-    if cols == 0 {
-        return out;
-    }
-    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        for (xg, og) in xr[..nope].chunks(group).zip(or[..nope].chunks_mut(group)) {
-            let a = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let s = pow2_ceil(a.max(1e-4) * inv448);
-            for (&xv, o) in xg.iter().zip(og.iter_mut()) {
-                let q = e4m3::encode_satfinite((xv / s).clamp(-e4m3::MAX, e4m3::MAX));
-                *o = e4m3::decode(q) * s;
-            }
-        }
-    }
-    out
+    fake_quant_groups(x, rows, cols, nope, group, |a| Some(deepseek_pow2_scale(a)))
 }
 
 #[cfg(test)]
