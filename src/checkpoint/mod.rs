@@ -412,8 +412,7 @@ impl Checkpoint {
             })?;
             // gpt-oss's experts as separate linears (`check_mixed_experts` refused a mix)
             if let Some(f) = cfg.family.as_mut() {
-                f.linear_experts = f.kind.interleaved_experts()
-                    && self.raw.keys().any(|n| n.contains(".mlp.experts.experts."));
+                f.note_expert_names(self.canon.keys().map(String::as_str));
             }
             Ok(cfg)
         });

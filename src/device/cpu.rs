@@ -398,9 +398,7 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
     fn glu_oss(&self, gu: GluIn<'_>, limit: f32) -> Result<Tensor> {
         let (n, i) = gu.dims()?;
         let h = match gu {
-            GluIn::Interleaved(gu) => {
-                family::glu_pairs(&gu.data, &gu.data[1.min(gu.numel())..], 2, n * i, limit)
-            }
+            GluIn::Interleaved(gu) => family::glu_rows(&gu.data, limit),
             GluIn::Split(g, u) => family::glu_pairs(&g.data, &u.data, 1, n * i, limit),
         };
         let mut h = Tensor::new(vec![n, i], h);

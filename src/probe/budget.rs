@@ -740,6 +740,17 @@ mod tests {
             .clone()
     }
 
+    /// The estimate of `p` in chunks of `c` tokens.
+    fn chunked(cfg: &ModelConfig, p: &Plan, c: u64) -> Estimate {
+        estimate(
+            cfg,
+            &Plan {
+                chunk: Some(c),
+                ..*p
+            },
+        )
+    }
+
     fn plan(tokens: u64) -> Plan {
         Plan {
             layers: (0, 4),
@@ -841,16 +852,7 @@ mod tests {
         );
         assert_eq!(chunk(Some(0), None).unwrap_err().exit_code(), 2);
         // the chunk that fits: its estimate within the budget, one token more not
-        let need = |c: u64| {
-            estimate(
-                &cfg,
-                &Plan {
-                    chunk: Some(c),
-                    ..p
-                },
-            )
-            .host()
-        };
+        let need = |c: u64| chunked(&cfg, &p, c).host();
         let g = (need(100) + need(101)) / 2.0 / GIB;
         assert_eq!(chunk(None, Some(g)).unwrap(), Some(100));
         assert_eq!(
@@ -886,17 +888,7 @@ mod tests {
             device: true,
             ..plan(65536)
         };
-        let need = |c: u64| {
-            estimate(
-                &cfg,
-                &Plan {
-                    chunk: Some(c),
-                    ..p
-                },
-            )
-            .device
-            .expect("a device plan")
-        };
+        let need = |c: u64| chunked(&cfg, &p, c).device.expect("a device plan");
         let streams = device_streams(&cfg, &p);
         let chunk = |g: f64| token_chunk(&cfg, &p, None, Some(g), None, &CPU).unwrap();
         let fits = |c: Option<u64>, g: f64| {

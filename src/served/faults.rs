@@ -231,13 +231,9 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     if !kind.has_loader_form() {
         return false;
     }
-    if kind == FaultKind::SwigluUnclamped {
-        // the activation between the projections, whatever their quantized format (a BF16
-        // model's served path is the BF16 oracle's: there is no engine numerics to emulate)
-        return s.spec().served != Served::Dense;
-    }
-    if kind.is_gate_up_order() {
-        // a row order is any quantized format's to get wrong; BF16 is served as the oracle reads it
+    if kind == FaultKind::SwigluUnclamped || kind.is_gate_up_order() {
+        // a row order, or the clamp between the projections, is any quantized format's to get
+        // wrong; BF16 is served as the oracle reads it (no engine numerics to emulate)
         return s.spec().served != Served::Dense;
     }
     if kind == FaultKind::MissingBlockScales {

@@ -416,10 +416,12 @@ impl<'a> Ctx<'a> {
             .map_err(|e| Error::usage(format!("synth config: {e}")))?;
         let mut cfg = ModelConfig::from_json(&v)?;
         // what the reader sets from the tensors: a family's experts written unfused
-        if let (Some(fam), Some(s), Choice::Builtin(f)) =
-            (cfg.family.as_mut(), self.family, self.opts.format)
-        {
-            fam.linear_experts = fam.kind.interleaved_experts() && s.fuse_in(f).is_none();
+        if let Some(fam) = cfg.family.as_mut() {
+            let bases: Vec<String> = plan::all_linears(&self.blocks)
+                .into_iter()
+                .map(|l| l.base)
+                .collect();
+            fam.note_expert_names(bases.iter().map(String::as_str));
         }
         Ok(cfg)
     }

@@ -94,6 +94,16 @@ pub struct Family {
 }
 
 impl Family {
+    /// Set [`Family::linear_experts`] from a checkpoint's canonical tensor or weight names: an
+    /// interleaved-experts family (gpt-oss) whose routed experts are stored as separate gate
+    /// linears (`….ffn.experts.E.w1…`) rather than the fused `w13`.
+    pub fn note_expert_names<'a>(&mut self, names: impl IntoIterator<Item = &'a str>) {
+        self.linear_experts = self.kind.interleaved_experts()
+            && names
+                .into_iter()
+                .any(|n| n.contains(".ffn.experts.") && (n.ends_with(".w1") || n.contains(".w1.")));
+    }
+
     /// Keys per query of layer `layer`'s attention, itself included: `cfg.sliding_window` on a
     /// sliding layer, `None` (every earlier key) otherwise.
     pub fn window(&self, sliding_window: usize, layer: usize) -> Option<usize> {

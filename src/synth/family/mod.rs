@@ -448,8 +448,10 @@ mod tests {
                 let mut mc = ModelConfig::from_json(&v).unwrap();
                 assert_eq!(mc.family.as_ref().unwrap().kind, s.kind);
                 // what the reader sets from the tensors: gpt-oss's experts unfused
-                let fam = mc.family.as_mut().unwrap();
-                fam.linear_experts = fam.kind.interleaved_experts() && s.fuse_in(*f).is_none();
+                mc.family
+                    .as_mut()
+                    .unwrap()
+                    .note_expert_names(names.iter().map(String::as_str));
                 // every weight the graph reads is planned
                 let planned: Vec<String> = plan::all_linears(&bl)
                     .into_iter()
