@@ -243,6 +243,12 @@ impl Spec {
         match format {
             // llm-compressor's NVFP4 preset, as tests/data/hf-families/*/ct-nvfp4 holds it
             Format::CtNvfp4 => {
+                // `mlp.gate`, gpt-oss's `mlp.router`
+                let w = self.raw_name("layers.0.ffn.gate.weight");
+                let router = w
+                    .strip_prefix("model.layers.0.")
+                    .and_then(|r| r.strip_suffix(".weight"))
+                    .unwrap_or("mlp.gate");
                 let args = |dynamic: Value, observer: bool| {
                     let mut a = json!({
                         "num_bits": 4, "type": "float", "symmetric": true, "group_size": 16,
@@ -269,12 +275,7 @@ impl Spec {
                         "format": "nvfp4-pack-quantized",
                         "quantization_status": "compressed",
                         "global_compression_ratio": null,
-                        // the router: `mlp.gate` (Qwen3-MoE, DeepSeek-V3), gpt-oss's `mlp.router`
-                        "ignore": ["lm_head", if self.kind == Kind::GptOss {
-                            "re:.*mlp.router$"
-                        } else {
-                            "re:.*mlp.gate$"
-                        }],
+                        "ignore": ["lm_head", format!("re:.*{router}$")],
                         "moe_sparsity_config": null,
                         "version": "0.20.0",
                     }),
