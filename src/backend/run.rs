@@ -91,6 +91,13 @@ pub(super) fn run_cuda<R>(
                         m.entry(target).or_insert(used);
                     }
                 }
+                // score-routed layers whose prompt routes to nearly every expert: all of them,
+                // until their router says which (its choice then replaces this guess)
+                for (target, used) in likely_routing(p.cfg, p.ops, p.tokens.len()) {
+                    if let Ok(mut m) = f.routed.lock() {
+                        m.entry(target).or_insert(used);
+                    }
+                }
                 super::stage::run_loader(stager, p.ckpt, stage_plan, &f.routed, &f.at, &f.done)
             });
         }
@@ -205,6 +212,42 @@ pub fn hash_routing(
             }
         }
         out.push((target, used));
+    }
+    out
+}
+
+/// The share of experts a score-routed layer's prompt is expected to reach at least, from which
+/// the loader reads all of them without waiting for the router (`likely_routing`).
+pub const ROUTE_GUESS_COVERAGE: f64 = 0.95;
+
+/// The experts ops of score-routed layers whose `t` tokens, `k` experts each out of `n`, are
+/// expected to reach at least [`ROUTE_GUESS_COVERAGE`] of the experts (1 − (1 − k/n)^t, the
+/// share an expert is missed by t independent choices), each with every expert marked used. The
+/// loader then streams those experts while the layer's attention runs instead of idling until
+/// the router's choice is known; the choice, once published, replaces the guess, and what was
+/// read for an expert nobody chose is at most 1/0.95 of the experts' bytes needed. Off with
+/// `NVFP4_PROBE_ROUTE_GUESS=0`.
+pub fn likely_routing(cfg: &ModelConfig, ops: &[Op], t: usize) -> Vec<(usize, Vec<bool>)> {
+    if std::env::var("NVFP4_PROBE_ROUTE_GUESS").ok().as_deref() == Some("0") {
+        return Vec::new();
+    }
+    let k = cfg.num_experts_per_tok;
+    let mut out = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        if op.kind != OpKind::Router || op.layer.is_some_and(|l| cfg.is_hash_layer(l)) {
+            continue;
+        }
+        let Some(target) = experts_fed_by(ops, step) else {
+            continue;
+        };
+        let n = ops[target].weights.len() / 3;
+        if n == 0 || k == 0 || k > n {
+            continue;
+        }
+        let missed = (1.0 - k as f64 / n as f64).powf(t as f64);
+        if 1.0 - missed >= ROUTE_GUESS_COVERAGE {
+            out.push((target, vec![true; n]));
+        }
     }
     out
 }
@@ -337,5 +380,34 @@ fn print_profile(g: &Mutex<Gpu>, ops: &[Op], stage_stats: Option<&StageStats>) {
         }
         // last: its own GEMMs and copies must not count as the run's (kernel times above)
         print_floors(&mut g);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::graph::build_graph;
+
+    #[test]
+    fn the_loader_guesses_every_expert_only_where_the_prompt_reaches_nearly_all() {
+        // 8 experts, 2 per token; layer 0 hash-routed (its table says), 1 and 2 score-routed
+        let cfg = ModelConfig::from_json(&serde_json::json!({
+            "hidden_size": 256, "num_hidden_layers": 3, "vocab_size": 512,
+            "num_attention_heads": 4, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+            "num_hash_layers": 1, "compress_ratios": [0, 4, 128], "index_topk": 8
+        }))
+        .unwrap();
+        let ops = build_graph(&cfg, 2, false);
+        let step = |id: &str| ops.iter().position(|o| o.id == id).unwrap();
+        // 10 tokens: each expert missed with probability (3/4)^10 = 5.6 %: below 95 % reached
+        assert!(likely_routing(&cfg, &ops, 10).is_empty());
+        // 11 tokens: (3/4)^11 = 4.2 % missed
+        let g = likely_routing(&cfg, &ops, 11);
+        let targets: Vec<usize> = g.iter().map(|x| x.0).collect();
+        assert_eq!(targets, [step("L1.ffn.experts"), step("L2.ffn.experts")]);
+        assert!(g
+            .iter()
+            .all(|(_, used)| used.len() == 8 && used.iter().all(|&u| u)));
     }
 }
