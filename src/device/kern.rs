@@ -703,7 +703,29 @@ pub fn route_scores(logits: &[f32], e: usize, f: Scoring) -> Vec<f32> {
     scores
 }
 
-/// Routing weights from the chosen experts' scores (also for hash layers).
+/// A hash layer's routing weights: its table chose `idx` [t, k]; the gate's `logits` [t, e] score
+/// only those choices where the scoring is elementwise (sigmoid, sqrt-softplus: the same values
+/// as scoring every logit, 1/(e/k) of the work; a softmax scores whole rows).
+#[allow(clippy::too_many_arguments)]
+pub fn hash_route_weights(
+    logits: &[f32],
+    idx: &[usize],
+    t: usize,
+    e: usize,
+    k: usize,
+    f: Scoring,
+    norm: bool,
+    rs: f32,
+) -> Vec<f32> {
+    if f == Scoring::Softmax {
+        return route_weights(&route_scores(logits, e, f), idx, t, e, k, norm, rs);
+    }
+    let chosen: Vec<f32> = (0..t * k).map(|i| logits[(i / k) * e + idx[i]]).collect();
+    let own: Vec<usize> = (0..t * k).map(|i| i % k).collect();
+    route_weights(&route_scores(&chosen, k, f), &own, t, k, k, norm, rs)
+}
+
+/// Routing weights from the chosen experts' scores.
 pub fn route_weights(
     scores: &[f32],
     idx: &[usize],
@@ -741,6 +763,30 @@ pub fn topk_order(sa: f32, a: usize, sb: f32, b: usize) -> std::cmp::Ordering {
 #[cfg(test)]
 mod work_tests {
     use super::*;
+
+    #[test]
+    fn hash_routing_scores_only_the_chosen_logits_with_the_same_bits() {
+        let (t, e, k) = (37, 24, 5);
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| (next() % 20_000) as f32 / 1000.0 - 10.0)
+            .collect();
+        let idx: Vec<usize> = (0..t * k).map(|_| (next() % e as u64) as usize).collect();
+        for f in [Scoring::SqrtSoftplus, Scoring::Sigmoid, Scoring::Softmax] {
+            for (norm, rs) in [(true, 2.5f32), (false, 1.0)] {
+                let whole = route_weights(&route_scores(&logits, e, f), &idx, t, e, k, norm, rs);
+                let hashed = hash_route_weights(&logits, &idx, t, e, k, f, norm, rs);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&whole), bits(&hashed), "{f:?} norm {norm}");
+            }
+        }
+    }
 
     #[test]
     fn keys_and_scored_rows_count_by_hand() {

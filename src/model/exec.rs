@@ -316,8 +316,8 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
                 })?;
             }
         }
-        let scores = kern::route_scores(&logits.data, e, f);
-        (kern::route_weights(&scores, &idx, t, e, k, norm, rs), idx)
+        let wts = kern::hash_route_weights(&logits.data, &idx, t, e, k, f, norm, rs);
+        (wts, idx)
     } else if let Some(fam) = cfg.family.as_ref().filter(|f| f.n_group > 1) {
         // DeepSeek-V3's group-limited top-k
         let bias = param_n(env, weight(op, 1)?, e)?;
