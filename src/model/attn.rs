@@ -88,7 +88,7 @@ pub(crate) fn indexer(
     let mut q = linear_checked(env, &format!("{}.wq_b", op.id), qr, weight(op, 0)?, hi * di)?;
     env.store(&mut q);
     // RoPE on the last rd dims of each head, at position = row (the device rounds as it stores)
-    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), at.start..at.start + t);
+    let tab = env.rope_table(&layer_rope_freqs(cfg, layer), at.start..at.start + t);
     let mut q = env.device().rope(&q, di, di - rd, &tab)?;
     env.cache_store(&format!("L{layer}.attn.indexer.q"), &mut q);
 
@@ -194,7 +194,7 @@ pub(crate) fn attention(
     let freqs = layer_rope_freqs(cfg, layer);
     let nope = cfg.nope_dim();
     let chunk = env.chunk_rows().unwrap_or(t).max(1);
-    let tab = RopeTable::new(&freqs, at.start..at.start + t);
+    let tab = env.rope_table(&freqs, at.start..at.start + t);
     // one call: the device runs the query chunks itself, so chunked outputs never leave it
     env.device()
         .attention(

@@ -40,6 +40,15 @@ pub trait OpEnv {
     }
     /// Embedding rows for the given ids, [ids.len(), D], as stored.
     fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor>;
+    /// The RoPE table of `freqs` at `positions` (`RopeTable::new`); an env may keep the tables
+    /// it made for its other paths and ops (the same values).
+    fn rope_table(
+        &mut self,
+        freqs: &[f32],
+        positions: std::ops::Range<usize>,
+    ) -> std::sync::Arc<crate::device::ops::RopeTable> {
+        std::sync::Arc::new(crate::device::ops::RopeTable::new(freqs, positions))
+    }
     /// y = x @ Wᵀ for the checkpoint weight `base` (e.g. "layers.0.attn.wq_a",
     /// "layers.0.ffn.experts.3.w1", "layers.0.attn.compressor.wkv", "head"), x [rows, in] →
     /// [rows, out] in f32. The env decides the numerics (dequant precision, activation

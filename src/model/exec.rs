@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use super::graph::{Op, OpClass, OpKind};
 use super::ModelConfig;
 use crate::device::kern::{self, HcParams};
-use crate::device::ops::{sigmoid, RopeTable};
+use crate::device::ops::sigmoid;
 
 use crate::{Error, Result, Tensor};
 
@@ -112,7 +112,7 @@ fn exec_op(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv) -> Result<Vec<Tenso
             let t = x.rows();
             check_shape(op, "kv", x, &[t, cfg.head_dim])?;
             let p0 = pos0(env);
-            let tab = RopeTable::new(&layer_rope_freqs(&cfg, layer), p0..p0 + t);
+            let tab = env.rope_table(&layer_rope_freqs(&cfg, layer), p0..p0 + t);
             let nope = cfg.nope_dim();
             let mut y = env.device().rope(x, cfg.head_dim, nope, &tab)?;
             env.cache_store(&op.id, &mut y);
@@ -255,7 +255,7 @@ fn q_rope(op: &Op, q: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
     let t = q.rows();
     check_shape(op, "q", q, &[t, h * dh])?;
     let p0 = pos0(env);
-    let tab = RopeTable::new(&layer_rope_freqs(cfg, layer), p0..p0 + t);
+    let tab = env.rope_table(&layer_rope_freqs(cfg, layer), p0..p0 + t);
     let nope = cfg.nope_dim();
     let eps = cfg.rms_norm_eps as f32;
     env.device().q_rope(q, h, dh, nope, &tab, eps)

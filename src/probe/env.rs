@@ -5,9 +5,11 @@
 //! one op's weights plus the activations still to be consumed.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, WeightFormat};
+use crate::device::ops::RopeTable;
 use crate::device::Device;
 use crate::model::exec::OpEnv;
 use crate::model::ModelConfig;
@@ -16,6 +18,9 @@ use crate::served::faults::Fault;
 use crate::served::{LinearCtx, LinearObs, Linears, Observed, Override, PathKind, Profile};
 use crate::tensor::Data;
 use crate::{Result, Tensor};
+
+/// RoPE tables [`Shared`] keeps (one per frequency set and position range in use).
+const ROPE_TABLES: usize = 4;
 
 /// Everything the paths share: the checkpoint, tokens, the per-op weight cache, served options.
 pub struct Shared<'a> {
@@ -59,6 +64,9 @@ pub struct Shared<'a> {
     /// Parameters (norm weights, mixing tables, tid2eid, ...) read during the current op: every
     /// path of the op reads the same values, so they come from the checkpoint once per op.
     params: HashMap<String, Tensor>,
+    /// The RoPE tables made so far (frequencies' bits, positions): every path's RoPE ops of a
+    /// layer, and the layers sharing its frequencies, use one (the newest [`ROPE_TABLES`] kept).
+    ropes: Vec<(Vec<u32>, std::ops::Range<usize>, Arc<RopeTable>)>,
     /// Set while bisect replays an op under a hypothesis: the served path then runs per weight
     /// and records for the hypothesis instead of for the run (see [`ReplayTrace`]).
     pub replay: Option<ReplayTrace>,
@@ -166,6 +174,7 @@ impl<'a> Shared<'a> {
             touched: Vec::new(),
             touched_set: Default::default(),
             params: HashMap::new(),
+            ropes: Vec::new(),
             record_observations: false,
             deferred_record: Vec::new(),
             backend: Backend::Cpu,
@@ -389,6 +398,19 @@ impl OpEnv for PathEnv<'_, '_> {
             .tensor_rows(canonical, ids, "a routing table")?;
         self.shared.params.insert(key, t.clone());
         Ok(t)
+    }
+    fn rope_table(&mut self, freqs: &[f32], positions: std::ops::Range<usize>) -> Arc<RopeTable> {
+        let bits: Vec<u32> = freqs.iter().map(|f| f.to_bits()).collect();
+        let ropes = &mut self.shared.ropes;
+        if let Some((_, _, t)) = ropes.iter().find(|(b, p, _)| *b == bits && *p == positions) {
+            return t.clone();
+        }
+        let t = Arc::new(RopeTable::new(freqs, positions.clone()));
+        if ropes.len() == ROPE_TABLES {
+            ropes.remove(0);
+        }
+        ropes.push((bits, positions, t.clone()));
+        t
     }
     fn embed_rows(&mut self, ids: &[u32]) -> Result<Tensor> {
         // every path of the op reads the run's rows: read once per op (the cache is cleared
