@@ -13,6 +13,10 @@ use nvfp4_probe::checkpoint::Checkpoint;
 use nvfp4_probe::lint::{lint_dir, Rules, Severity};
 use safetensors::SafeTensors;
 
+#[path = "verdict_support/mod.rs"]
+mod verdict_support;
+use verdict_support::run_report;
+
 fn dir(family: &str, kind: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/hf-families")
@@ -38,23 +42,6 @@ fn lint_clean(d: &Path, what: &str) {
         .map(|f| format!("{} {}", f.rule, f.evidence))
         .collect();
     assert!(errors.is_empty(), "{what}: {errors:?}");
-}
-
-/// `run --backend cpu --json` through the command line (exit 0 expected): the report.
-fn run_json(model: &Path) -> serde_json::Value {
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("run.json");
-    let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
-        .unwrap()
-        .args(["run", "--backend", "cpu", "--quiet", "--model"])
-        .arg(model)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{err}");
-    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
 }
 
 fn check(family: &str, kind: &str, scheme: &str, min: usize) {
@@ -202,7 +189,7 @@ fn gpt_oss_modelopt_nvfp4_fused_experts() {
 /// routed experts of each read as MXFP4 (the attention BF16), no op diverging and no finding.
 #[test]
 fn gpt_oss_mxfp4_runs_from_the_command_line() {
-    let v = run_json(&dir("gpt_oss", "mxfp4"));
+    let v = run_report(&dir("gpt_oss", "mxfp4"));
     assert_eq!(v["layers"], serde_json::json!([0, 3]));
     let ops = v["ops"].as_array().unwrap();
     let op = |id: &str| {
@@ -247,7 +234,7 @@ fn gpt_oss_compressed_tensors_linear_experts() {
         ck.canonical_of("model.layers.2.mlp.experts.experts.5.up_proj.bias"),
         Some("layers.2.ffn.experts.5.w3.bias")
     );
-    let v = run_json(&d);
+    let v = run_report(&d);
     let ops = v["ops"].as_array().unwrap();
     for n in 0..4 {
         let id = format!("L{n}.ffn.experts");

@@ -19,6 +19,9 @@ use tempfile::TempDir;
 #[path = "safetensors_support/mod.rs"]
 mod safetensors_support;
 use safetensors_support::{read_all, write_all};
+#[path = "verdict_support/mod.rs"]
+mod verdict_support;
+use verdict_support::run_report;
 
 fn bin() -> Command {
     Command::cargo_bin("nvfp4-probe").unwrap()
@@ -104,31 +107,11 @@ fn linearized() -> TempDir {
     d
 }
 
-/// `run --json` on the CPU backend (exit 0 expected): the report.
-fn run(model: &Path) -> Value {
-    let t = TempDir::new().unwrap();
-    let json = t.path().join("run.json");
-    let o = bin()
-        .args(["run", "--backend", "cpu", "--quiet", "--model"])
-        .arg(model)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert_eq!(
-        o.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
-}
-
 #[test]
 fn linear_experts_give_the_fused_layouts_report_bit_for_bit() {
     let lin = linearized();
-    let fused = run(&family_dir(""));
-    let split = run(lin.path());
+    let fused = run_report(&family_dir(""));
+    let split = run_report(lin.path());
     let (a, b) = (
         fused["ops"].as_array().unwrap(),
         split["ops"].as_array().unwrap(),
@@ -226,29 +209,32 @@ fn lint_finds_the_planted_faults_of_the_linear_layout() {
     assert!(e.contains("layers.1.ffn.experts.3.w2.bias"), "{e}");
 }
 
-/// `bisect --loader-fault K@L1.ffn.experts --json` on the compressed-tensors checkpoint: the
-/// first finding's op and kind.
-fn bisect_first(fault: &str) -> (Vec<Value>, String, String) {
+/// `bisect --backend cpu --json` on `model` with `args` (exit 1 expected: a finding): the report.
+fn bisect_report(model: &Path, args: &[&str]) -> Value {
     let t = TempDir::new().unwrap();
     let json = t.path().join("bisect.json");
     let o = bin()
         .args(["bisect", "--backend", "cpu", "--model"])
-        .arg(family_dir("ct-nvfp4"))
-        .args([
-            "--loader-fault",
-            &format!("{fault}@L1.ffn.experts"),
-            "--json",
-        ])
+        .arg(model)
+        .args(args)
+        .arg("--json")
         .arg(&json)
         .output()
         .unwrap();
     assert_eq!(
         o.status.code(),
         Some(1),
-        "{fault}: {}",
+        "{args:?}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
+/// `bisect --loader-fault K@L1.ffn.experts` on the compressed-tensors checkpoint: the first
+/// finding's ops, kind and summary.
+fn bisect_first(fault: &str) -> (Vec<Value>, String, String) {
+    let at = format!("{fault}@L1.ffn.experts");
+    let v = bisect_report(&family_dir("ct-nvfp4"), &["--loader-fault", &at]);
     let f = &v["findings"][0];
     (
         f["ops"].as_array().unwrap().clone(),
@@ -337,7 +323,7 @@ fn synth_writes_llm_compressors_layout() {
         .filter(|(_, f)| f.contains("\"error\""))
         .collect();
     assert!(errors.is_empty(), "{errors:?}");
-    let v = run(&m);
+    let v = run_report(&m);
     assert_eq!(v["summary"]["divergent_ops"], 0);
     // a planted fault
     let f = t.path().join("f");
@@ -348,21 +334,7 @@ fn synth_writes_llm_compressors_layout() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(0));
-    let json_out = t.path().join("b.json");
-    let o = bin()
-        .args(["bisect", "--backend", "cpu", "--model"])
-        .arg(&f)
-        .arg("--json")
-        .arg(&json_out)
-        .output()
-        .unwrap();
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let b: Value = serde_json::from_str(&std::fs::read_to_string(&json_out).unwrap()).unwrap();
+    let b = bisect_report(&f, &[]);
     assert_eq!(b["findings"][0]["ops"], json!(["L1.ffn.experts"]));
     assert_eq!(b["findings"][0]["parameter"], "w13_input_global_scale");
 }

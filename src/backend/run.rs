@@ -85,16 +85,13 @@ pub(super) fn run_cuda<R>(
         if let Some(stager) = &stager {
             let stage_plan = &stage_plan;
             sc.spawn(move || {
-                // hash-routed layers: their experts are known from the token ids alone
-                for (target, used) in hash_routing(p.ckpt, p.cfg, p.ops, p.tokens) {
-                    if let Ok(mut m) = f.routed.lock() {
-                        m.entry(target).or_insert(used);
-                    }
-                }
-                // score-routed layers whose prompt routes to nearly every expert: all of them,
-                // until their router says which (its choice then replaces this guess)
-                for (target, used) in likely_routing(p.cfg, p.ops, p.tokens.len()) {
-                    if let Ok(mut m) = f.routed.lock() {
+                // hash-routed layers: their experts are known from the token ids alone; score-
+                // routed layers whose prompt routes to nearly every expert: all of them, until
+                // their router says which (its choice then replaces this guess)
+                let known = hash_routing(p.ckpt, p.cfg, p.ops, p.tokens);
+                let guessed = likely_routing(p.cfg, p.ops, p.tokens.len());
+                if let Ok(mut m) = f.routed.lock() {
+                    for (target, used) in known.into_iter().chain(guessed) {
                         m.entry(target).or_insert(used);
                     }
                 }

@@ -125,6 +125,22 @@ pub fn cli(args: &[&str], model: &Path) -> (i32, String) {
     )
 }
 
+/// `run --backend cpu --quiet --json` on `model` (exit 0 expected): the report.
+pub fn run_report(model: &Path) -> serde_json::Value {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("run.json");
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("nvfp4-probe"))
+        .args(["run", "--backend", "cpu", "--quiet", "--model"])
+        .arg(model)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
 /// A stored scalar of a checkpoint.
 pub fn scalar(dir: &Path, name: &str) -> f32 {
     let ck = Checkpoint::open(dir).unwrap();
