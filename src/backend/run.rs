@@ -191,7 +191,7 @@ pub fn hash_routing(
         if op.kind != OpKind::Router || !op.layer.is_some_and(|l| cfg.is_hash_layer(l)) {
             continue;
         }
-        let (Some(target), Some(name)) = (experts_fed_by(ops, step), op.weights.get(1)) else {
+        let (Some((target, n)), Some(name)) = (fed_experts(ops, step), op.weights.get(1)) else {
             continue;
         };
         // only the prompt's rows of the table
@@ -201,16 +201,27 @@ pub fn hash_routing(
         if table.cols() != k || k == 0 {
             continue;
         }
-        let n = ops[target].weights.len() / 3;
         let mut used = vec![false; n];
-        for &v in table.data.iter() {
-            if v.is_finite() && v >= 0.0 && (v as usize) < n {
-                used[v as usize] = true;
-            }
-        }
+        mark_used(&mut used, &table.data);
         out.push((target, used));
     }
     out
+}
+
+/// The experts op router `step` feeds (the op reading its `idx` output) and its number of
+/// experts (three weights each).
+fn fed_experts(ops: &[Op], step: usize) -> Option<(usize, usize)> {
+    let target = experts_fed_by(ops, step)?;
+    Some((target, ops[target].weights.len() / 3))
+}
+
+/// Mark the experts that router ids (as f32 values) name; other values are left out.
+fn mark_used(used: &mut [bool], ids: &[f32]) {
+    for &v in ids {
+        if v.is_finite() && v >= 0.0 && (v as usize) < used.len() {
+            used[v as usize] = true;
+        }
+    }
 }
 
 /// The share of experts a score-routed layer's prompt is expected to reach at least, from which
@@ -234,10 +245,9 @@ pub fn likely_routing(cfg: &ModelConfig, ops: &[Op], t: usize) -> Vec<(usize, Ve
         if op.kind != OpKind::Router || op.layer.is_some_and(|l| cfg.is_hash_layer(l)) {
             continue;
         }
-        let Some(target) = experts_fed_by(ops, step) else {
+        let Some((target, n)) = fed_experts(ops, step) else {
             continue;
         };
-        let n = ops[target].weights.len() / 3;
         if n == 0 || k == 0 || k > n {
             continue;
         }
@@ -257,18 +267,13 @@ fn publish_routing(
     outs: &[Vec<Tensor>],
     routed: &Mutex<HashMap<usize, Vec<bool>>>,
 ) {
-    let Some(target) = experts_fed_by(ops, step) else {
+    let Some((target, n)) = fed_experts(ops, step) else {
         return;
     };
-    let n = ops[target].weights.len() / 3;
     let mut used = vec![false; n];
     for path in outs {
         if let Some(t) = path.get(1) {
-            for &v in &t.data {
-                if v.is_finite() && v >= 0.0 && (v as usize) < n {
-                    used[v as usize] = true;
-                }
-            }
+            mark_used(&mut used, &t.data);
         }
     }
     if let Ok(mut m) = routed.lock() {
