@@ -421,10 +421,14 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // 16 (one NVFP4 block, half an MXFP4 one): each step's x rows (converted to f64 once per block)
 // and decoded weight rows (decoded once per block and step, not once per row) are staged in
 // shared memory, then every warp runs mma.m16n8k16.f64 (one per 16-row fragment, MF of them, and
-// 8-column fragment, per step) over its columns. The next step's global loads are issued before
-// this step's products. Rows past the tile's and columns past n are staged as zeros (never read
-// from x or the weight) and never stored. m8n8k4, the shape before sm_90, kept the H200's FP64
-// tensor pipe 67 % busy at 30 % of its peak multiply-adds (ncu, BENCHMARKS.md session 29).
+// 8-column fragment, per step) over its columns. Two register sets hold the global loads of the
+// next two steps (each step's loads are issued two steps before it is staged), and the e2m1
+// codes are decoded with byte permutes (e2m1_perm), not a shared-memory table: ncu's stall
+// sampling put ~12 % of the warps' stalls on the loads one step ahead and ~15 % on the table
+// reads (BENCHMARKS.md session 31, 3.89 -> 3.66 s of device time at 16k tokens). Rows past the
+// tile's and columns past n are staged as zeros (never read from x or the weight) and never
+// stored. m8n8k4, the shape before sm_90, kept the H200's FP64 tensor pipe 67 % busy at 30 % of
+// its peak multiply-adds (ncu, BENCHMARKS.md session 29).
 // Thread i stages x row i / 2 and weight rows (output columns) c0 + i / 2 + 64 w, elements
 // 8 (i % 2)..+8 of the step.
 #define MMA_R 64
@@ -486,9 +490,17 @@ __device__ __forceinline__ void mma_fetch(MmaFetch& f, const void* x, int xbf, u
         }
     }
 }
+// |e2m1| and sign as f32 bits from byte permutes: the exponent byte and the next byte of the 8
+// magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (e2m1_decode's values without a shared-memory table).
+__device__ __forceinline__ float e2m1_perm(u32 c) {
+    const u32 m = c & 7u;
+    const u32 hi = __byte_perm(0x3F3F3F00u, 0x40404040u, m) << 24;
+    const u32 lo = (__byte_perm(0xC0800000u, 0xC0804000u, m) & 0xFFu) << 16;
+    return __uint_as_float(hi | lo | ((c & 8u) << 28));
+}
 __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u32 xrows,
-                                          const float* mq, const float2* me,
-                                          double (*xs)[MMA_LD], double (*ws)[MMA_LD]) {
+                                          const float* mq, double (*xs)[MMA_LD],
+                                          double (*ws)[MMA_LD]) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
     if (r < xrows) {
@@ -502,8 +514,10 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
         double* dst = ws[r + 64 * w] + 8 * half;
 #pragma unroll
         for (int b = 0; b < 4; b++) {
-            float2 e = me[(f.pk[w] >> (8 * b)) & 0xFFu];
-            float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
+            const u32 byte = (f.pk[w] >> (8 * b)) & 0xFFu;
+            float e0 = e2m1_perm(byte & 15u), e1 = e2m1_perm(byte >> 4);
+            if ((t.flags & MT_SWAP) && (t.flags & MT_CONV) != 3u) { float tmp = e0; e0 = e1; e1 = tmp; }
+            float w0 = __fmul_rn(e0, q), w1 = __fmul_rn(e1, q);
             if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
             if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
             dst[2 * b] = (double)w0;
@@ -513,11 +527,30 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
 }
 // MF 16-row fragments of the tile's rows; warp w computes columns c0 + 32 w .. + 32 of them
 // (MMA_NJ fragments of 8), each step loading its B fragments once and each A fragment once.
+// One k-step's products: warp w's B fragments (columns c0 + 32 w ..) once, each A fragment once.
+template <int MF>
+__device__ __forceinline__ void mma_step(double (&acc)[MF][MMA_NJ][4], double (*xs)[MMA_LD],
+                                         double (*ws)[MMA_LD], u32 wc, u32 g, u32 tq) {
+    double b[MMA_NJ][4];
+#pragma unroll
+    for (int j = 0; j < MMA_NJ; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) b[j][i] = ws[wc + 8 * j + g][tq + 4 * i];
+#pragma unroll
+    for (int m = 0; m < MF; m++) {
+        double a[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) a[i] = xs[16 * m + g + 8 * (i & 1)][tq + 4 * (i >> 1)];
+#pragma unroll
+        for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
+    }
+}
+// MF 16-row fragments of the tile's rows; warp w computes columns c0 + 32 w .. + 32 of them
+// (MMA_NJ fragments of 8). Steps alternate between the register sets f0 (even steps) and f1.
 template <int MF>
 __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
                                          u64 k, float* y, u64 ldy, const float* mq,
-                                         const float2* me, double (*xs)[MMA_LD],
-                                         double (*ws)[MMA_LD]) {
+                                         double (*xs)[MMA_LD], double (*ws)[MMA_LD]) {
     const bool mx = (t.flags & MT_CONV) == 3u;
     const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
     const u32 xrows = 16 * MF, wc = wid * (8 * MMA_NJ);
@@ -529,26 +562,22 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
             for (int j = 0; j < MMA_NJ; j++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
-        MmaFetch f;
-        mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
-        for (u64 k0 = 0; k0 < k; k0 += 16) {
-            mma_stage(f, t, xrows, mq, me, xs, ws);
+        MmaFetch f0, f1;
+        mma_fetch(f0, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
+        if (16 < k) mma_fetch(f1, x, xbf, ldx, t, xrows, c0, n, k, 16, mx);
+        for (u64 k0 = 0; k0 < k; k0 += 32) {
+            mma_stage(f0, t, xrows, mq, xs, ws);
             __syncthreads();
-            if (k0 + 16 < k) mma_fetch(f, x, xbf, ldx, t, xrows, c0, n, k, k0 + 16, mx);
-            double b[MMA_NJ][4];
-#pragma unroll
-            for (int j = 0; j < MMA_NJ; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) b[j][i] = ws[wc + 8 * j + g][tq + 4 * i];
-#pragma unroll
-            for (int m = 0; m < MF; m++) {
-                double a[8];
-#pragma unroll
-                for (int i = 0; i < 8; i++) a[i] = xs[16 * m + g + 8 * (i & 1)][tq + 4 * (i >> 1)];
-#pragma unroll
-                for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
+            if (k0 + 32 < k) mma_fetch(f0, x, xbf, ldx, t, xrows, c0, n, k, k0 + 32, mx);
+            mma_step<MF>(acc, xs, ws, wc, g, tq);
+            __syncthreads();
+            if (k0 + 16 < k) {
+                mma_stage(f1, t, xrows, mq, xs, ws);
+                __syncthreads();
+                if (k0 + 48 < k) mma_fetch(f1, x, xbf, ldx, t, xrows, c0, n, k, k0 + 48, mx);
+                mma_step<MF>(acc, xs, ws, wc, g, tq);
+                __syncthreads();
             }
-            __syncthreads();
         }
 #pragma unroll
         for (int m = 0; m < MF; m++) {
@@ -573,11 +602,11 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
     __shared__ double ws[MMA_C][MMA_LD];
     __shared__ float mq[256];
-    __shared__ float2 me[256];
+    __shared__ float2 me[256];  // filled by moe_tables, unused here (e2m1_perm)
     __shared__ double xs[MMA_R][MMA_LD];
     const MoeTile t = tiles[blockIdx.y];
     moe_tables(t, mq, me);
-    if (t.rows <= 16) mma_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else if (t.rows <= 32) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
-    else mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, me, xs, ws);
+    if (t.rows <= 16) mma_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
+    else if (t.rows <= 32) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
+    else mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
 }
