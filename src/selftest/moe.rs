@@ -121,10 +121,14 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         ("mxfp4, f32, bf16(y) epilogue", 3, MT_EPI, 1.0, 1.0, false),
         ("mxfp4, BF16 operands", 3, MT_WBF16, 1.0, 1.0, true),
     ];
-    for ((name, conv, flags, post, mul, xbf), kernel) in modes
-        .iter()
-        .flat_map(|&m| MoeKernel::ALL.into_iter().map(move |kn| (m, kn)))
-    {
+    // NVFP4 rows also of an odd number of 16-element steps (k % 32 == 16: moe_mma_f64's second
+    // register set then has no last step), the same buffers read as [n, k - 16] matrices
+    let ks = |conv: u32| if conv == 3 { vec![k] } else { vec![k, k - 16] };
+    for ((name, conv, flags, post, mul, xbf), kernel, k) in modes.iter().flat_map(|&m| {
+        MoeKernel::ALL
+            .into_iter()
+            .flat_map(move |kn| ks(m.1).into_iter().map(move |k| (m, kn, k)))
+    }) {
         let (kname, per) = (kernel.name(), kernel.tile_rows());
         let mut tiles = Vec::new();
         for (e, ex) in experts.iter().enumerate() {
@@ -163,7 +167,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         g.moe_gemm(kernel, xp, xbf, k, &tiles, n, k, y.ptr, n)?;
         let got: Vec<f32> = g.download(y.ptr, total * n)?;
         let mut c = exact(
-            &format!("grouped experts GEMM ({kname}): {name}"),
+            &format!("grouped experts GEMM ({kname}): {name}, k {k}"),
             &got,
             &want,
         );
@@ -266,27 +270,23 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
 }
 
 /// The CPU reference's weight for a decode mode: `numerics` dequantization, then the flags.
+/// The expert's bytes are read as an [n, k] matrix (k at most the k they were made for).
 fn decode(e: &Expert, conv: u32, flags: u32, post: f32, n: usize, k: usize) -> Vec<f32> {
+    let packed = &e.packed[..n * k / 2];
     let w = if conv == 3 {
-        mxfp4::dequantize(&e.packed, &e.mx_scales, n, k)
+        mxfp4::dequantize(packed, &e.mx_scales[..n * k / 32], n, k)
     } else {
         let packed: Vec<u8> = if flags & MT_SWAP != 0 {
-            e.packed.iter().map(|&b| b.rotate_left(4)).collect()
+            packed.iter().map(|&b| b.rotate_left(4)).collect()
         } else {
-            e.packed.clone()
+            packed.to_vec()
         };
+        let nv = &e.nv_scales[..n * k / 16];
         match conv {
-            0 => nvfp4::dequantize(
-                &packed,
-                &e.nv_scales,
-                e.global,
-                Convention::CompressedTensors,
-                n,
-                k,
-            ),
-            1 => nvfp4::dequantize(&packed, &e.nv_scales, e.global, Convention::ModelOpt, n, k),
+            0 => nvfp4::dequantize(&packed, nv, e.global, Convention::CompressedTensors, n, k),
+            1 => nvfp4::dequantize(&packed, nv, e.global, Convention::ModelOpt, n, k),
             // e2m1 · s: ModelOpt's s · global with global 1 (an exact multiplication)
-            _ => nvfp4::dequantize(&packed, &e.nv_scales, 1.0, Convention::ModelOpt, n, k),
+            _ => nvfp4::dequantize(&packed, nv, 1.0, Convention::ModelOpt, n, k),
         }
     };
     w.into_iter()
