@@ -527,3 +527,33 @@ fn other_dense_dtypes_and_ct_mxfp4() {
     assert_eq!((w.out_features, w.in_features), (I, D));
     assert_f32_eq(&w.dequantize().unwrap().data, &mx.expected, "ct mxfp4");
 }
+
+/// The embedding rows of a prompt (read row by row, in parallel tasks of 64 rows) are the whole
+/// table's rows, for ids in any order, repeated, and more of them than one task takes.
+#[test]
+fn embedding_rows_are_the_tables_rows() {
+    use nvfp4_probe::synth::{self, Format, Preset, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let so = SynthOptions::new(Preset::Tiny, Format::ModelOptNvfp4, Naming::Official, 5);
+    synth::synth_to_dir(&so, dir.path()).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let table = ck.tensor_f32("embed.weight").unwrap();
+    let (vocab, d) = (table.rows(), table.cols());
+    let ids: Vec<u32> = (0..300u32)
+        .map(|i| (i * 7919 + 13) % vocab as u32)
+        .chain([0, vocab as u32 - 1, 0])
+        .collect();
+    let got = ck.embedding_rows(&ids).unwrap();
+    assert_eq!(got.shape, vec![ids.len(), d]);
+    for (r, &id) in ids.iter().enumerate() {
+        let want = &table.data[id as usize * d..(id as usize + 1) * d];
+        let row = &got.data[r * d..(r + 1) * d];
+        assert!(
+            row.iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {r} (id {id})"
+        );
+    }
+    assert!(ck.embedding_rows(&[vocab as u32]).is_err());
+}
