@@ -18,18 +18,14 @@ typedef long long i64;
 
 // ---- decoders -------------------------------------------------------------------------------
 
-// E2M1 code (low 4 bits) -> f32, built from bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6; code 8 is -0.0.
+// E2M1 code (low 4 bits) -> f32: 0, 0.5, 1, 1.5, 2, 3, 4, 6; code 8 is -0.0. The magnitude's
+// exponent byte and next byte come from two byte permutes over the 8 values' bytes (no branch,
+// no table: the experts' GEMM decodes every weight with it, BENCHMARKS.md session 31).
 __device__ __forceinline__ float e2m1_decode(u32 c) {
-    u32 m = c & 7u;
-    u32 bits;
-    if (m == 0u) {
-        bits = 0u;
-    } else if (m == 1u) {
-        bits = 0x3F000000u;
-    } else {
-        bits = (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
-    }
-    return __uint_as_float(bits | ((c & 8u) << 28));
+    const u32 m = c & 7u;
+    const u32 hi = __byte_perm(0x3F3F3F00u, 0x40404040u, m) << 24;
+    const u32 lo = (__byte_perm(0xC0800000u, 0xC0804000u, m) & 0xFFu) << 16;
+    return __uint_as_float(hi | lo | ((c & 8u) << 28));
 }
 
 // E4M3FN byte -> f32 (subnormals exact, 0x7F/0xFF NaN).

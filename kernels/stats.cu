@@ -382,13 +382,24 @@ __device__ __forceinline__ void moe_tile(const void* x, int xbf, u64 ldx, const 
     }
 }
 
-// The decode tables of a tile.
-__device__ __forceinline__ void moe_tables(const MoeTile& t, float* mq, float2* me) {
+// A tile's block scale for scale byte i, with its convention's global scale applied.
+__device__ __forceinline__ float moe_scale(const MoeTile& t, u32 i) {
     const u32 conv = t.flags & MT_CONV;
-    const bool mx = conv == 3u;
+    float s = conv == 3u ? ue8m0_decode(i) : e4m3_decode(i);
+    return conv == 0u ? __fdiv_rn(s, t.global) : (conv == 1u ? __fmul_rn(s, t.global) : s);
+}
+
+// The tile's 256 block scales (moe_scale).
+__device__ __forceinline__ void moe_scales(const MoeTile& t, float* mq) {
+    for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) mq[i] = moe_scale(t, i);
+    __syncthreads();
+}
+
+// The decode tables of a tile: its block scales and, per code byte, its two e2m1 values.
+__device__ __forceinline__ void moe_tables(const MoeTile& t, float* mq, float2* me) {
+    const bool mx = (t.flags & MT_CONV) == 3u;
     for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
-        float s = mx ? ue8m0_decode(i) : e4m3_decode(i);
-        mq[i] = conv == 0u ? __fdiv_rn(s, t.global) : (conv == 1u ? __fmul_rn(s, t.global) : s);
+        mq[i] = moe_scale(t, i);
         u32 lo = i & 15u, hi = i >> 4;
         if (!mx && (t.flags & MT_SWAP)) { u32 tmp = lo; lo = hi; hi = tmp; }
         me[i] = make_float2(e2m1_decode(lo), e2m1_decode(hi));
@@ -423,7 +434,7 @@ moe_gemm_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k
 // shared memory, then every warp runs mma.m16n8k16.f64 (one per 16-row fragment, MF of them, and
 // 8-column fragment, per step) over its columns. Two register sets hold the global loads of the
 // next two steps (each step's loads are issued two steps before it is staged), and the e2m1
-// codes are decoded with byte permutes (e2m1_perm), not a shared-memory table: ncu's stall
+// codes are decoded with byte permutes (e2m1_decode), not a shared-memory table: ncu's stall
 // sampling put ~12 % of the warps' stalls on the loads one step ahead and ~15 % on the table
 // reads (BENCHMARKS.md session 31, 3.89 -> 3.66 s of device time at 16k tokens). Rows past the
 // tile's and columns past n are staged as zeros (never read from x or the weight) and never
@@ -490,19 +501,13 @@ __device__ __forceinline__ void mma_fetch(MmaFetch& f, const void* x, int xbf, u
         }
     }
 }
-// |e2m1| and sign as f32 bits from byte permutes: the exponent byte and the next byte of the 8
-// magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (e2m1_decode's values without a shared-memory table).
-__device__ __forceinline__ float e2m1_perm(u32 c) {
-    const u32 m = c & 7u;
-    const u32 hi = __byte_perm(0x3F3F3F00u, 0x40404040u, m) << 24;
-    const u32 lo = (__byte_perm(0xC0800000u, 0xC0804000u, m) & 0xFFu) << 16;
-    return __uint_as_float(hi | lo | ((c & 8u) << 28));
-}
 __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u32 xrows,
                                           const float* mq, double (*xs)[MMA_LD],
                                           double (*ws)[MMA_LD]) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
+    // the nibble order as moe_tables applies it (never for MXFP4)
+    const bool swap = (t.flags & MT_SWAP) != 0u && (t.flags & MT_CONV) != 3u;
     if (r < xrows) {
         const bool live = r < t.rows;
 #pragma unroll
@@ -515,8 +520,8 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
 #pragma unroll
         for (int b = 0; b < 4; b++) {
             const u32 byte = (f.pk[w] >> (8 * b)) & 0xFFu;
-            float e0 = e2m1_perm(byte & 15u), e1 = e2m1_perm(byte >> 4);
-            if ((t.flags & MT_SWAP) && (t.flags & MT_CONV) != 3u) { float tmp = e0; e0 = e1; e1 = tmp; }
+            const float e0 = e2m1_decode(swap ? byte >> 4 : byte & 15u);
+            const float e1 = e2m1_decode(swap ? byte & 15u : byte >> 4);
             float w0 = __fmul_rn(e0, q), w1 = __fmul_rn(e1, q);
             if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
             if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
@@ -525,8 +530,6 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
         }
     }
 }
-// MF 16-row fragments of the tile's rows; warp w computes columns c0 + 32 w .. + 32 of them
-// (MMA_NJ fragments of 8), each step loading its B fragments once and each A fragment once.
 // One k-step's products: warp w's B fragments (columns c0 + 32 w ..) once, each A fragment once.
 template <int MF>
 __device__ __forceinline__ void mma_step(double (&acc)[MF][MMA_NJ][4], double (*xs)[MMA_LD],
@@ -602,10 +605,9 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
     __shared__ double ws[MMA_C][MMA_LD];
     __shared__ float mq[256];
-    __shared__ float2 me[256];  // filled by moe_tables, unused here (e2m1_perm)
     __shared__ double xs[MMA_R][MMA_LD];
     const MoeTile t = tiles[blockIdx.y];
-    moe_tables(t, mq, me);
+    moe_scales(t, mq);
     if (t.rows <= 16) mma_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
     else if (t.rows <= 32) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
     else mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
