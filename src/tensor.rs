@@ -69,6 +69,16 @@ impl Data {
         debug_assert_eq!(d.len(), self.len());
         let _ = self.dev.set(d);
     }
+    /// Which values these are while they live: the device copy's allocation, else the host
+    /// values' (None when empty). Clones sharing a device copy have the same identity; a copy
+    /// attached or fetched later may change it, never make two different values equal.
+    pub fn identity(&self) -> Option<(bool, usize)> {
+        if let Some(d) = self.dev.get() {
+            return Some((true, Arc::as_ptr(d) as *const u8 as usize));
+        }
+        let h = self.host.get()?;
+        (!h.is_empty()).then(|| (false, h.as_ptr() as usize))
+    }
     /// Whether the values are on the host already.
     pub fn on_host(&self) -> bool {
         self.host.get().is_some()

@@ -73,7 +73,27 @@ pub struct Shared<'a> {
     /// `--served-chunk`: the served path prefills as an engine does, in chunks
     /// (`probe::prefill`).
     pub prefill: Option<crate::served::engine::Prefill>,
+    /// The current op's oracle products on BF16-stored weights ([`OracleProducts`]).
+    products: OracleProducts,
 }
+
+/// Within one op's executions, the oracle linears on BF16-stored weights fed one of the op's
+/// inputs: both oracles multiply the same values there (a BF16 weight rounds to itself, and
+/// each oracle's GEMM sums in f64 and rounds once to f32), so an oracle execution fed the same
+/// activation takes the product an earlier one made instead of computing it again. The noise
+/// execution (FP32 numerics on the BF16 oracle's inputs, `runner::execs`) repeats the BF16
+/// oracle's LM head, `wo_a`, router and the compressors' and indexer's first projections this
+/// way. Only the op's own inputs are keys: they stay alive for the whole op, so an identity
+/// ([`Data::identity`]) cannot be reused by other values.
+#[derive(Default)]
+struct OracleProducts {
+    /// The identities of the op's inputs (empty: nothing is kept).
+    inputs: Vec<(bool, usize)>,
+    /// (weight base, groups, rows of x, the input's identity) → (product, output columns).
+    kept: Vec<(ProductKey, Data, usize)>,
+}
+
+type ProductKey = (String, usize, usize, (bool, usize));
 
 /// What differs when the environment evaluates bisect's replay of one op (`probe::replay`)
 /// instead of a runner path, and what that evaluation records:
@@ -185,6 +205,56 @@ impl<'a> Shared<'a> {
             hold_weights: false,
             replay: None,
             prefill: None,
+            products: OracleProducts::default(),
+        }
+    }
+
+    /// Keep the oracle products of the op about to run on `inputs` ([`OracleProducts`]) until
+    /// [`Shared::drop_products`] or [`Shared::clear`].
+    pub fn keep_products(&mut self, inputs: &[&Tensor]) {
+        self.products = OracleProducts {
+            inputs: inputs.iter().filter_map(|t| t.data.identity()).collect(),
+            kept: Vec::new(),
+        };
+    }
+
+    /// Forget the op's kept oracle products.
+    pub fn drop_products(&mut self) {
+        self.products = OracleProducts::default();
+    }
+
+    /// The key of an oracle linear whose product may be kept or taken: `kind` an oracle, not a
+    /// replay, `base` stored in BF16, `x` one of the op's inputs.
+    fn product_key(
+        &self,
+        kind: PathKind,
+        base: &str,
+        x: &Data,
+        rows: usize,
+        groups: usize,
+    ) -> Option<ProductKey> {
+        if kind == PathKind::Served || self.replay.is_some() || self.products.inputs.is_empty() {
+            return None;
+        }
+        let id = x
+            .identity()
+            .filter(|id| self.products.inputs.contains(id))?;
+        (self.ckpt.weight_scheme(base) == Some("bf16"))
+            .then(|| (base.to_string(), groups, rows, id))
+    }
+
+    fn kept_product(&self, key: &Option<ProductKey>) -> Option<(Data, usize)> {
+        let key = key.as_ref()?;
+        self.products
+            .kept
+            .iter()
+            .find(|(k, _, _)| k == key)
+            .map(|(_, y, n)| (y.clone(), *n))
+    }
+
+    fn keep_product(&mut self, key: Option<ProductKey>, y: &Data, n: usize) {
+        if let Some(k) = key {
+            self.products.kept.push((k, y.clone(), n));
         }
     }
 
@@ -259,6 +329,7 @@ impl<'a> Shared<'a> {
             self.linears.clear();
         }
         self.params.clear();
+        self.drop_products();
         self.observed.clear();
         self.touched.clear();
         self.touched_set.clear();
@@ -438,9 +509,15 @@ impl OpEnv for PathEnv<'_, '_> {
     }
     fn linear(&mut self, sub_id: &str, x: &Tensor, base: &str) -> Result<Tensor> {
         let (kind, m) = (self.kind_of(base), x.rows());
+        let key = self.shared.product_key(kind, base, &x.data, m, 1);
+        if let Some((y, n)) = self.shared.kept_product(&key) {
+            self.shared.touch(base);
+            return Ok(x.with_last_dim(n, y));
+        }
         let (y, n, obs) = self
             .shared
             .with_linears(|l, ctx| l.linear(ctx, kind, base, &x.data, m))?;
+        self.shared.keep_product(key, &y, n);
         self.shared.touch(base);
         match &mut self.shared.replay {
             Some(tr) => {
@@ -464,9 +541,15 @@ impl OpEnv for PathEnv<'_, '_> {
         // x [rows, G, K]; weight [G·R, K]: group g uses rows g·R..(g+1)·R
         let rows = x.numel() / (groups * x.cols()).max(1);
         let kind = self.kind;
+        let key = self.shared.product_key(kind, base, &x.data, rows, groups);
+        if let Some((y, r)) = self.shared.kept_product(&key) {
+            self.shared.touch(base);
+            return Ok(Tensor::new(vec![rows, groups, r], y));
+        }
         let (y, r, obs) = self
             .shared
             .with_linears(|l, ctx| l.linear_grouped(ctx, kind, base, &x.data, rows, groups))?;
+        self.shared.keep_product(key, &y, r);
         self.shared.touch(base);
         self.shared.observe(sub_id, obs);
         Ok(Tensor::new(vec![rows, groups, r], y))
@@ -614,5 +697,84 @@ mod param_cache_tests {
         };
         env.param(name).expect("param");
         assert_eq!(ck.bytes_read() - b0, 2 * once);
+    }
+}
+
+#[cfg(test)]
+mod product_tests {
+    use super::*;
+    use crate::model::exec::OpEnv;
+
+    /// An activation of BF16 values, not zeros (a small LCG).
+    fn activation(rows: usize, cols: usize, seed: u32) -> Tensor {
+        let mut s = seed;
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                crate::numerics::bf16::round((s >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0)
+            })
+            .collect();
+        Tensor::new(vec![rows, cols], v)
+    }
+
+    /// x · Wᵀ summed in f64 and rounded once: the oracles' GEMM, written out.
+    fn reference(x: &Tensor, w: &Tensor) -> Vec<f32> {
+        let (m, k, n) = (x.rows(), x.cols(), w.rows());
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k)
+                    .map(|c| x.data[i * k + c] as f64 * w.data[j * k + c] as f64)
+                    .sum();
+                y[i * n + j] = s as f32;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn an_oracle_takes_the_other_oracles_product_on_a_bf16_weight_fed_the_ops_input() {
+        let ck = crate::synth::builtin(0).expect("built-in model");
+        let cfg = ck.model_config().expect("config").clone();
+        assert_eq!(ck.weight_scheme("head"), Some("bf16"));
+        let x = activation(3, cfg.hidden_size, 7);
+        let w = ck.tensor_f32("head.weight").expect("head");
+        let want = reference(&x, &w);
+        let mut sh = Shared::new(&ck, cfg, vec![1, 2, 3], Profile::BlackwellW4a4);
+        sh.keep_products(&[&x]);
+        let run = |sh: &mut Shared, kind: PathKind, x: &Tensor| {
+            let mut env = PathEnv { kind, shared: sh };
+            env.linear("head", x, "head").expect("linear")
+        };
+        let bf = run(&mut sh, PathKind::OracleBf16, &x);
+        assert_eq!(&bf.data[..], &want[..], "the BF16 oracle's product");
+        assert_eq!(sh.products.kept.len(), 1, "kept for the op");
+        // the FP32 execution on the same input takes the kept product: poison it to see
+        sh.products.kept[0].1 = Data::from(vec![f32::NAN; want.len()]);
+        let fp = run(&mut sh, PathKind::OracleFp32, &x);
+        assert!(
+            fp.data.iter().all(|v| v.is_nan()),
+            "the kept product was taken"
+        );
+        assert_eq!(fp.shape, bf.shape);
+        // other values (a copy is not the op's input), the served path, a quantized weight,
+        // and the next op compute their own
+        let copy = Tensor::new(x.shape.clone(), x.data.to_vec());
+        let fp = run(&mut sh, PathKind::OracleFp32, &copy);
+        assert_eq!(&fp.data[..], &want[..]);
+        let sv = run(&mut sh, PathKind::Served, &x);
+        assert!(sv.data.iter().all(|v| v.is_finite()));
+        let q = "layers.0.attn.wq_a";
+        assert_ne!(sh.ckpt.weight_scheme(q), Some("bf16"));
+        let mut env = PathEnv {
+            kind: PathKind::OracleBf16,
+            shared: &mut sh,
+        };
+        env.linear("q_a", &x, q).expect("linear");
+        assert_eq!(sh.products.kept.len(), 1, "{q} is quantized: nothing kept");
+        sh.clear();
+        let fp = run(&mut sh, PathKind::OracleFp32, &x);
+        assert_eq!(&fp.data[..], &want[..]);
+        assert!(sh.products.kept.is_empty());
     }
 }

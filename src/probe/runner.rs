@@ -330,6 +330,9 @@ pub(super) fn execs(
             })
             .collect()
     }
+    // the oracles' products on BF16-stored weights fed the BF16 oracle's inputs are made once
+    // for the op (`env::OracleProducts`)
+    shared.keep_products(&inputs_of(op, &maps[1])?);
     let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for (pi, kind) in PathKind::ALL.iter().enumerate() {
         let inputs = inputs_of(op, &maps[pi])?;
@@ -346,6 +349,7 @@ pub(super) fn execs(
     let touched = shared.touched.clone();
     let mut observed = std::mem::take(&mut shared.observed);
     if !report {
+        shared.drop_products();
         if deferred {
             shared.flush_experts()?;
         }
@@ -374,6 +378,7 @@ pub(super) fn execs(
     // the op's own noise: FP32 numerics fed the same (BF16-oracle) inputs as the BF16 oracle
     let span = "exec: fp32 on bf16 inputs";
     let fp_on_bf = exec_as(shared, op, &bf_inputs, PathKind::OracleFp32, 4, span)?;
+    shared.drop_products();
     if deferred {
         shared.flush_experts()?;
         observed.append(&mut shared.observed);

@@ -518,6 +518,9 @@ pub fn measure_layer(
         let op = &g.ops[step];
         let report = opts.spec.selects(&op.id);
         let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
+        // the oracles' products on BF16-stored weights made once for the op, as the runner's
+        let bf_in: Vec<&Tensor> = op.inputs.iter().filter_map(|id| maps[1].get(id)).collect();
+        sh.keep_products(&bf_in);
         for (pi, kind) in PathKind::ALL.iter().enumerate() {
             sh.record_observations = *kind == PathKind::Served && report;
             outs.push(run_op(op, &maps[pi], *kind, &mut sh)?);
@@ -536,6 +539,7 @@ pub fn measure_layer(
             };
             let fp_on_bf = run_op(op, &maps[1], PathKind::OracleFp32, &mut sh)?;
             execs += 1;
+            sh.drop_products();
             let rec = super::op_record(
                 ckpt, opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed,
             )?;
