@@ -77,7 +77,7 @@ impl Data {
             return Some((true, Arc::as_ptr(d) as *const u8 as usize));
         }
         let h = self.host.get()?;
-        (!h.is_empty()).then(|| (false, h.as_ptr() as usize))
+        (!h.is_empty()).then_some((false, h.as_ptr() as usize))
     }
     /// Whether the values are on the host already.
     pub fn on_host(&self) -> bool {
