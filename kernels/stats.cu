@@ -612,3 +612,172 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
     else if (t.rows <= 32) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
     else mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
 }
+
+// ---- moe_mmr_f64: moe_mma_f64 with the weight fragments decoded in registers ---------------------
+// The same tiles, products, sums and epilogue as moe_mma_f64 (the same results bit for bit: each
+// fragment's products in the same DMMA order), but only the x rows go through shared memory:
+// every weight value is used by one warp only (its 32 columns of the block's 128), so each thread
+// loads the codes and scale byte of the B-fragment values it holds (column c0 + 32 w + 8 j + g,
+// elements q + 4 i of the step: bytes q / 2 + 2 i of the step's 8) straight from global memory one
+// step ahead and decodes them into registers. moe_mma_f64 staged the decoded weight as f64 in
+// shared memory (16 KB written and 16 KB read per block and step, of 72 KB in all), which ncu
+// showed bounding it.
+struct MmrX { float xv[8]; };
+struct MmrW {
+    u32 lo[MMA_NJ], hi[MMA_NJ];  // a column's 16 codes of the step (its 8 bytes)
+    u32 sc[MMA_NJ];              // their scale byte; > 255: a column past n
+};
+__device__ __forceinline__ void mmr_fetch_x(MmrX& f, const void* x, int xbf, u64 ldx,
+                                            const MoeTile& t, u32 xrows, u64 k0) {
+    const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
+    if (r < xrows && r < t.rows) {
+        u64 o = (u64)(t.row0 + r) * ldx + k0 + 8 * half;
+        if (xbf) {
+            uint4 u = *(const uint4*)((const u16*)x + o);
+            u32 wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                f.xv[2 * j] = __uint_as_float(wd[j] << 16);
+                f.xv[2 * j + 1] = __uint_as_float(wd[j] & 0xFFFF0000u);
+            }
+        } else {
+            const float4* q = (const float4*)((const float*)x + o);
+            float4 a = q[0], b = q[1];
+            f.xv[0] = a.x; f.xv[1] = a.y; f.xv[2] = a.z; f.xv[3] = a.w;
+            f.xv[4] = b.x; f.xv[5] = b.y; f.xv[6] = b.z; f.xv[7] = b.w;
+        }
+    }
+}
+__device__ __forceinline__ void mmr_stage_x(const MmrX& f, const MoeTile& t, u32 xrows,
+                                            double (*xs)[MMA_LD]) {
+    const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
+    if (r < xrows) {
+        const bool live = r < t.rows;
+#pragma unroll
+        for (int j = 0; j < 8; j++) xs[r][8 * half + j] = live ? (double)f.xv[j] : 0.0;
+    }
+}
+// The codes of columns cw + 8 j + g (cw = c0 + 32 w), step k0.
+__device__ __forceinline__ void mmr_fetch_w(MmrW& f, const MoeTile& t, u64 cw, u32 g, u64 n,
+                                            u64 k, u64 k0, bool mx) {
+#pragma unroll
+    for (int j = 0; j < MMA_NJ; j++) {
+        const u64 c = cw + 8 * j + g;
+        if (c < n) {
+            const u64 e0 = c * k + k0;
+            const u32* p = (const u32*)((const u8*)t.packed + e0 / 2);
+            f.lo[j] = p[0];
+            f.hi[j] = p[1];
+            f.sc[j] = ((const u8*)t.scales)[mx ? e0 / 32 : e0 / 16];
+        } else {
+            f.lo[j] = 0u;
+            f.hi[j] = 0u;
+            f.sc[j] = 256u;
+        }
+    }
+}
+// b[j][i] = the decoded weight of column cw + 8 j + g, element tq + 4 i of the step (mma_stage's
+// decode of that value).
+__device__ __forceinline__ void mmr_decode(double (&b)[MMA_NJ][4], const MmrW& f, const MoeTile& t,
+                                           const float* mq, u32 tq) {
+    const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
+    const bool swap = (t.flags & MT_SWAP) != 0u && (t.flags & MT_CONV) != 3u;
+    // element e = tq + 4 i lies in byte e / 2 = tq / 2 + 2 i, in its low nibble when e is even
+    // (the other one with swapped nibbles)
+    const u32 sh0 = 8u * (tq >> 1) + 4u * ((tq & 1u) ^ (swap ? 1u : 0u));
+#pragma unroll
+    for (int j = 0; j < MMA_NJ; j++) {
+        const float q = f.sc[j] < 256u ? mq[f.sc[j]] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 word = i < 2 ? f.lo[j] : f.hi[j];
+            const u32 code = (word >> (sh0 + 16u * (i & 1))) & 15u;
+            float w = __fmul_rn(e2m1_decode(code), q);
+            if (post) w = __fmul_rn(w, t.post);
+            if (wbf) w = bf16_round(w);
+            b[j][i] = (double)w;
+        }
+    }
+}
+template <int MF>
+__device__ __forceinline__ void mmr_step(double (&acc)[MF][MMA_NJ][4], double (*xs)[MMA_LD],
+                                         const double (&b)[MMA_NJ][4], u32 g, u32 tq) {
+#pragma unroll
+    for (int m = 0; m < MF; m++) {
+        double a[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) a[i] = xs[16 * m + g + 8 * (i & 1)][tq + 4 * (i >> 1)];
+#pragma unroll
+        for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
+    }
+}
+template <int MF>
+__device__ __forceinline__ void mmr_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
+                                         u64 k, float* y, u64 ldy, const float* mq,
+                                         double (*xs)[MMA_LD]) {
+    const bool mx = (t.flags & MT_CONV) == 3u;
+    const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
+    const u32 xrows = 16 * MF, wc = wid * (8 * MMA_NJ);
+    for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
+        double acc[MF][MMA_NJ][4];
+#pragma unroll
+        for (int m = 0; m < MF; m++)
+#pragma unroll
+            for (int j = 0; j < MMA_NJ; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
+        // x: two steps' loads in flight (staged for the whole block); the weight codes: the next
+        // step's, per warp
+        MmrX f0, f1;
+        MmrW w;
+        double b[MMA_NJ][4];
+        mmr_fetch_x(f0, x, xbf, ldx, t, xrows, 0);
+        if (16 < k) mmr_fetch_x(f1, x, xbf, ldx, t, xrows, 16);
+        mmr_fetch_w(w, t, c0 + wc, g, n, k, 0, mx);
+        for (u64 k0 = 0; k0 < k; k0 += 32) {
+            mmr_stage_x(f0, t, xrows, xs);
+            mmr_decode(b, w, t, mq, tq);
+            if (k0 + 16 < k) mmr_fetch_w(w, t, c0 + wc, g, n, k, k0 + 16, mx);
+            __syncthreads();
+            if (k0 + 32 < k) mmr_fetch_x(f0, x, xbf, ldx, t, xrows, k0 + 32);
+            mmr_step<MF>(acc, xs, b, g, tq);
+            __syncthreads();
+            if (k0 + 16 < k) {
+                mmr_stage_x(f1, t, xrows, xs);
+                mmr_decode(b, w, t, mq, tq);
+                if (k0 + 32 < k) mmr_fetch_w(w, t, c0 + wc, g, n, k, k0 + 32, mx);
+                __syncthreads();
+                if (k0 + 48 < k) mmr_fetch_x(f1, x, xbf, ldx, t, xrows, k0 + 48);
+                mmr_step<MF>(acc, xs, b, g, tq);
+                __syncthreads();
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MF; m++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u32 r = 16 * m + g + 8 * (i >> 1);
+                if (r >= t.rows) continue;
+#pragma unroll
+                for (int j = 0; j < MMA_NJ; j++) {
+                    const u64 c = c0 + wc + 8 * j + 2 * tq + (i & 1);
+                    if (c >= n) continue;
+                    float o = __double2float_rn(acc[m][j][i]);
+                    if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
+                    y[(u64)(t.row0 + r) * ldy + c] = o;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+moe_mmr_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
+    __shared__ float mq[256];
+    __shared__ double xs[MMA_R][MMA_LD];
+    const MoeTile t = tiles[blockIdx.y];
+    moe_scales(t, mq);
+    if (t.rows <= 16) mmr_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, xs);
+    else if (t.rows <= 32) mmr_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, xs);
+    else mmr_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, xs);
+}
