@@ -89,22 +89,18 @@ pub const MMA_R: usize = 64;
 pub enum MoeKernel {
     /// `moe_gemm_f64`: FP64 FMA units, tiles of [`MOE_R`] rows, 8 columns per block.
     Fma,
-    /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 128 columns per block,
-    /// decoded weights staged in shared memory.
+    /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 128 columns per block.
     Mma,
-    /// `moe_mmr_f64`: `moe_mma_f64` with each warp's weight fragments decoded in registers.
-    Mmr,
 }
 
 impl MoeKernel {
-    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::Mmr];
+    pub const ALL: [MoeKernel; 2] = [MoeKernel::Fma, MoeKernel::Mma];
 
     /// The kernel's name in kernels/stats.cu.
     pub fn name(self) -> &'static str {
         match self {
             MoeKernel::Fma => "moe_gemm_f64",
             MoeKernel::Mma => "moe_mma_f64",
-            MoeKernel::Mmr => "moe_mmr_f64",
         }
     }
 
@@ -123,7 +119,7 @@ impl MoeKernel {
     pub fn takes(self, most_rows: usize, total: usize, experts: usize) -> bool {
         match self {
             MoeKernel::Fma => most_rows <= super::moe::GROUPED_MAX_ROWS,
-            MoeKernel::Mma | MoeKernel::Mmr => total / MMA_R + experts <= 65_535,
+            MoeKernel::Mma => total / MMA_R + experts <= 65_535,
         }
     }
 
@@ -131,11 +127,11 @@ impl MoeKernel {
     fn cols(self) -> usize {
         match self {
             MoeKernel::Fma => MOE_C,
-            MoeKernel::Mma | MoeKernel::Mmr => 128,
+            MoeKernel::Mma => 128,
         }
     }
 
-    /// `NVFP4_PROBE_MOE_KERNEL=fma` or `mma`, else `moe_mmr_f64`.
+    /// `NVFP4_PROBE_MOE_KERNEL=fma`, else the tensor-core kernel.
     pub fn from_env() -> MoeKernel {
         match std::env::var("NVFP4_PROBE_MOE_KERNEL")
             .ok()
@@ -143,8 +139,7 @@ impl MoeKernel {
             .map(str::trim)
         {
             Some("fma") => MoeKernel::Fma,
-            Some("mma") => MoeKernel::Mma,
-            _ => MoeKernel::Mmr,
+            _ => MoeKernel::Mma,
         }
     }
 }
@@ -387,7 +382,6 @@ impl Gpu {
         match kernel {
             MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
-            MoeKernel::Mmr => kn.moe_mmr_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 
