@@ -721,14 +721,16 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     ));
 
     // ---- fused statistics ----
-    // `fused_stats` reads four values per load when both tensors are 16-byte aligned, one value
-    // per load otherwise (the last case: views one element in) and for the n % 4 tail
+    // `fused_stats` reads four values per load when both tensors are 16-byte aligned (four grid
+    // strides' loads at once while four remain: n beyond 4 × 4 × 256 threads × 2 blocks per SM
+    // on any GPU up to 256 SMs, with values of every kind on either side of that boundary), one
+    // value per load otherwise (the last case: views one element in) and for the n % 4 tail
     for (name, poison, off) in [
         ("fused stats + compare (finite)", false, 0usize),
         ("fused stats + compare (NaN/Inf)", true, 0),
         ("fused stats + compare (NaN/Inf, unaligned views)", true, 1),
     ] {
-        let n = 1_000_003 * s;
+        let n = 4_000_037 * s;
         let r: Vec<f32> = (0..n).map(|_| (rng.normal() * 2.0) as f32).collect();
         let mut x: Vec<f32> = r
             .iter()
@@ -738,7 +740,10 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         if poison {
             x[777] = f32::NAN;
             x[999] = f32::INFINITY;
+            x[2_900_001] = f32::NEG_INFINITY;
+            x[n - 3] = f32::NAN;
         }
+        x[3_100_003] = 0.0;
         let (xb, rb) = (t.up(&x)?, t.up(&r)?);
         let at = (4 * off) as u64;
         let (st, cmp) = t.g.stats_compare(xb.ptr + at, Some(rb.ptr + at), n - off)?;
