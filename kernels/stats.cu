@@ -629,3 +629,83 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
     else if (t.rows <= 32) mma_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
     else mma_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, xs, ws);
 }
+
+// ---- moe_mma2_f64: moe_mma_f64 with two staging buffers and one barrier per step -----------------
+// The same fetches, decodes, products and order (the same results bit for bit), but step s + 1 is
+// staged into the other buffer while step s's DMMAs run, so a step needs one barrier instead of two
+// and a warp's decode and stores overlap the tensor pipe's work (of its own and the other block's
+// warps). Two buffers of x rows and decoded weight rows are 60 KB: dynamic shared memory
+// (MMA2_SMEM bytes; the host raises the kernel's limit when it loads it).
+#define MMA2_SMEM (2 * (MMA_C + MMA_R) * MMA_LD * 8)
+template <int MF>
+__device__ __forceinline__ void mma2_tile(const void* x, int xbf, u64 ldx, const MoeTile& t, u64 n,
+                                          u64 k, float* y, u64 ldy, const float* mq, double* sm) {
+    const bool mx = (t.flags & MT_CONV) == 3u;
+    const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
+    const u32 xrows = 16 * MF, wc = wid * (8 * MMA_NJ);
+    double (*ws0)[MMA_LD] = (double (*)[MMA_LD])sm;
+    double (*xs0)[MMA_LD] = ws0 + MMA_C;
+    double (*ws1)[MMA_LD] = xs0 + MMA_R;
+    double (*xs1)[MMA_LD] = ws1 + MMA_C;
+    for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
+        double acc[MF][MMA_NJ][4];
+#pragma unroll
+        for (int m = 0; m < MF; m++)
+#pragma unroll
+            for (int j = 0; j < MMA_NJ; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
+        // f0 holds the even steps' loads, f1 the odd ones', each issued two steps ahead
+        MmaFetch f0, f1;
+        mma_fetch(f0, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
+        if (16 < k) mma_fetch(f1, x, xbf, ldx, t, xrows, c0, n, k, 16, mx);
+        mma_stage(f0, t, xrows, mq, xs0, ws0);
+        if (32 < k) mma_fetch(f0, x, xbf, ldx, t, xrows, c0, n, k, 32, mx);
+        __syncthreads();
+        for (u64 k0 = 0; k0 < k; k0 += 32) {
+            // step k0 from buffer 0 while step k0 + 16 is staged into buffer 1 (free: every warp
+            // is past the barrier after its last reads)
+            if (k0 + 16 < k) {
+                mma_stage(f1, t, xrows, mq, xs1, ws1);
+                if (k0 + 48 < k) mma_fetch(f1, x, xbf, ldx, t, xrows, c0, n, k, k0 + 48, mx);
+            }
+            mma_step<MF>(acc, xs0, ws0, wc, g, tq);
+            __syncthreads();
+            if (k0 + 16 < k) {
+                if (k0 + 32 < k) {
+                    mma_stage(f0, t, xrows, mq, xs0, ws0);
+                    if (k0 + 64 < k) mma_fetch(f0, x, xbf, ldx, t, xrows, c0, n, k, k0 + 64, mx);
+                }
+                mma_step<MF>(acc, xs1, ws1, wc, g, tq);
+                __syncthreads();
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MF; m++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u32 r = 16 * m + g + 8 * (i >> 1);
+                if (r >= t.rows) continue;
+#pragma unroll
+                for (int j = 0; j < MMA_NJ; j++) {
+                    const u64 c = c0 + wc + 8 * j + 2 * tq + (i & 1);
+                    if (c >= n) continue;
+                    float o = __double2float_rn(acc[m][j][i]);
+                    if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
+                    y[(u64)(t.row0 + r) * ldy + c] = o;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+moe_mma2_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
+    extern __shared__ double mma2_sm[];
+    __shared__ float mq[256];
+    const MoeTile t = tiles[blockIdx.y];
+    moe_scales(t, mq);
+    if (t.rows <= 16) mma2_tile<1>(x, xbf, ldx, t, n, k, y, ldy, mq, mma2_sm);
+    else if (t.rows <= 32) mma2_tile<2>(x, xbf, ldx, t, n, k, y, ldy, mq, mma2_sm);
+    else mma2_tile<4>(x, xbf, ldx, t, n, k, y, ldy, mq, mma2_sm);
+}
