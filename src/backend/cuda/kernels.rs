@@ -91,24 +91,16 @@ pub enum MoeKernel {
     Fma,
     /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 128 columns per block.
     Mma,
-    /// `moe_mma2_f64`: `moe_mma_f64` with two staging buffers and one barrier per step
-    /// ([`MMA2_SMEM`] bytes of dynamic shared memory).
-    Mma2,
 }
 
-/// Dynamic shared memory of `moe_mma2_f64` (`MMA2_SMEM` in kernels/stats.cu): two buffers of
-/// 128 weight rows and 64 x rows, 20 doubles each.
-pub const MMA2_SMEM: u32 = 2 * (128 + 64) * 20 * 8;
-
 impl MoeKernel {
-    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::Mma2];
+    pub const ALL: [MoeKernel; 2] = [MoeKernel::Fma, MoeKernel::Mma];
 
     /// The kernel's name in kernels/stats.cu.
     pub fn name(self) -> &'static str {
         match self {
             MoeKernel::Fma => "moe_gemm_f64",
             MoeKernel::Mma => "moe_mma_f64",
-            MoeKernel::Mma2 => "moe_mma2_f64",
         }
     }
 
@@ -127,7 +119,7 @@ impl MoeKernel {
     pub fn takes(self, most_rows: usize, total: usize, experts: usize) -> bool {
         match self {
             MoeKernel::Fma => most_rows <= super::moe::GROUPED_MAX_ROWS,
-            MoeKernel::Mma | MoeKernel::Mma2 => total / MMA_R + experts <= 65_535,
+            MoeKernel::Mma => total / MMA_R + experts <= 65_535,
         }
     }
 
@@ -135,11 +127,11 @@ impl MoeKernel {
     fn cols(self) -> usize {
         match self {
             MoeKernel::Fma => MOE_C,
-            MoeKernel::Mma | MoeKernel::Mma2 => 128,
+            MoeKernel::Mma => 128,
         }
     }
 
-    /// `NVFP4_PROBE_MOE_KERNEL=fma` or `mma2`, else `moe_mma_f64`.
+    /// `NVFP4_PROBE_MOE_KERNEL=fma`, else the tensor-core kernel.
     pub fn from_env() -> MoeKernel {
         match std::env::var("NVFP4_PROBE_MOE_KERNEL")
             .ok()
@@ -147,7 +139,6 @@ impl MoeKernel {
             .map(str::trim)
         {
             Some("fma") => MoeKernel::Fma,
-            Some("mma2") => MoeKernel::Mma2,
             _ => MoeKernel::Mma,
         }
     }
@@ -384,14 +375,13 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(cols).min(65_535) as u32, tiles.len() as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: if kernel == MoeKernel::Mma2 { MMA2_SMEM } else { 0 },
+            shared_mem_bytes: 0,
         };
         let (xbf, ldx, n, k, ldy) = (xbf as i32, ldx as u64, n as u64, k as u64, ldy as u64);
         let kn = self.kern();
         match kernel {
             MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
-            MoeKernel::Mma2 => kn.moe_mma2_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 

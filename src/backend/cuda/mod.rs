@@ -286,14 +286,6 @@ impl Gpu {
                     .map_err(|e| cuda_err(&format!("kernel {k}"), e))?,
             );
         }
-        // moe_mma2_f64's two staging buffers are more than the 48 KB a kernel gets unasked
-        if let Some(f) = funcs.get("moe_mma2_f64") {
-            f.set_attribute(
-                dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                kernels::MMA2_SMEM as i32,
-            )
-            .map_err(|e| cuda_err("kernel moe_mma2_f64: shared memory limit", e))?;
-        }
         let compile_seconds = t0.elapsed().as_secs_f64();
         unsafe { ctx.disable_event_tracking() };
         // Keep freed device memory in the stream-ordered allocator's pool: with the default
