@@ -2,11 +2,12 @@
 // the MoE gather / SwiGLU / combine kernels.
 
 // acc (f64, 5): sum |x| over finite x; dot, |x|^2, |r|^2, |x-r|^2 over pairs where both are finite.
-// cnt (u64, 11): nan, inf, zeros (finite x), finite x, new non-finite (x non-finite, r finite),
+// cnt (u64, 12): nan, inf, zeros (finite x), finite x, new non-finite (x non-finite, r finite),
 //   non-finite pairs, amax(x) bits, amax over finite pairs of x and of r (f32 bits), the max-error
-//   key (f32 error bits << 32 | ~index: largest error, first index on ties), finite pairs.
+//   key (f32 error bits << 32 | ~index: largest error, first index on ties), finite pairs, pairs
+//   with x == r (an index selection's agreement, read with the other counts: no host read).
 #define ACC_N 5
-#define CNT_N 11
+#define CNT_N 12
 
 __device__ __forceinline__ double warp_sum_d(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -27,7 +28,7 @@ __device__ __forceinline__ u64 warp_max_u(u64 v) {
 // One element (and its reference value b when there is one) into a thread's sums.
 struct StatAcc {
     double sabs, dot, nx, nr, ne;
-    u64 nan, inf, zeros, fin, newnf, bad, pairs, key;
+    u64 nan, inf, zeros, fin, newnf, bad, pairs, key, eq;
     float amax, ax, ar;
 };
 __device__ __forceinline__ void stat_add(StatAcc& s, float a, bool has_r, float b, u64 i) {
@@ -40,6 +41,7 @@ __device__ __forceinline__ void stat_add(StatAcc& s, float a, bool has_r, float 
         s.fin++;
     }
     if (has_r) {
+        if (a == b) s.eq++;
         if (!isfinite(a) || !isfinite(b)) {
             s.bad++;
             if (!isfinite(a) && isfinite(b)) s.newnf++;
@@ -73,7 +75,7 @@ __device__ __forceinline__ void stat_add4(StatAcc& s, float4 a, bool has_r, floa
     stat_add(s, a.w, has_r, b.w, 4 * j + 3);
 }
 extern "C" __global__ void fused_stats(const float* x, const float* r, u64 n, double* acc, u64* cnt) {
-    StatAcc s = {0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0.0f};
+    StatAcc s = {0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0.0f};
     const bool has_r = r != nullptr;
     const bool vec = ((u64)x & 15u) == 0u && ((u64)r & 15u) == 0u;
     const u64 nv = vec ? n / 4 : 0;
@@ -99,7 +101,7 @@ extern "C" __global__ void fused_stats(const float* x, const float* r, u64 n, do
     }
     double sabs = s.sabs, dot = s.dot, nx = s.nx, nr = s.nr, ne = s.ne;
     u64 nan = s.nan, inf = s.inf, zeros = s.zeros, fin = s.fin, newnf = s.newnf, bad = s.bad,
-        pairs = s.pairs, key = s.key;
+        pairs = s.pairs, key = s.key, eq = s.eq;
     float amax = s.amax, ax = s.ax, ar = s.ar;
     sabs = warp_sum_d(sabs);
     dot = warp_sum_d(dot);
@@ -113,6 +115,7 @@ extern "C" __global__ void fused_stats(const float* x, const float* r, u64 n, do
     newnf = warp_sum_u(newnf);
     bad = warp_sum_u(bad);
     pairs = warp_sum_u(pairs);
+    eq = warp_sum_u(eq);
     u64 m0 = warp_max_u((u64)__float_as_uint(amax));
     u64 m1 = warp_max_u((u64)__float_as_uint(ax));
     u64 m2 = warp_max_u((u64)__float_as_uint(ar));
@@ -134,6 +137,7 @@ extern "C" __global__ void fused_stats(const float* x, const float* r, u64 n, do
         if (m2) atomicMax(&cnt[8], m2);
         if (key) atomicMax(&cnt[9], key);
         add_nonzero(&cnt[10], pairs);
+        add_nonzero(&cnt[11], eq);
     }
 }
 

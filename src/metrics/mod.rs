@@ -48,6 +48,10 @@ pub struct Compare {
     pub amax_ratio: Option<f64>,
     /// Elements that are NaN/Inf in x but finite in the reference.
     pub new_non_finite: usize,
+    /// Elements equal to the reference's (`==`: NaN never): an index selection's agreement.
+    /// Not in reports.
+    #[serde(skip)]
+    pub equal: usize,
 }
 
 /// One pass's sums over a tensor and its reference: inner products over the pairs where both are
@@ -65,6 +69,8 @@ pub struct PairSums {
     pub max_err: Option<(f64, usize)>,
     pub any_non_finite: bool,
     pub new_non_finite: usize,
+    /// Pairs with x == ref (NaN never), finite or not.
+    pub equal: usize,
 }
 
 /// Running statistics of one tensor (mergeable across chunks).
@@ -127,6 +133,7 @@ impl PairAcc {
     #[inline]
     fn add(&mut self, i: usize, a: f32, b: f32) {
         let p = &mut self.0;
+        p.equal += (a == b) as usize;
         if !a.is_finite() || !b.is_finite() {
             p.any_non_finite = true;
             p.new_non_finite += (!a.is_finite() && b.is_finite()) as usize;
@@ -160,6 +167,7 @@ impl PairAcc {
         }
         p.any_non_finite |= q.any_non_finite;
         p.new_non_finite += q.new_non_finite;
+        p.equal += q.equal;
     }
 }
 
@@ -410,6 +418,7 @@ impl Compare {
         } = *p;
         let mut c = Compare {
             new_non_finite: p.new_non_finite,
+            equal: p.equal,
             ..Default::default()
         };
         if p.any_non_finite {
@@ -461,6 +470,24 @@ impl Compare {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_comparison_counts_the_entries_equal_to_the_references_in_pieces_too() {
+        use super::*;
+        // an index selection with -1 padding; NaN is never equal, +inf is
+        let x = [3.0, 7.0, -1.0, -1.0, f32::NAN, f32::INFINITY, 2.0, 9.0];
+        let r = [3.0, 8.0, -1.0, 5.0, f32::NAN, f32::INFINITY, 2.0, -1.0];
+        assert_eq!(Compare::of(&x, &r).equal, 4);
+        let pairs = [(0usize, Some(1usize))];
+        let mut a = partials(&[&x[..3], &r[..3]], &pairs);
+        let b = partials(&[&x[3..], &r[3..]], &pairs);
+        a[0].merge_later(&b[0]);
+        assert_eq!(a[0].finish().1.map(|c| c.equal), Some(4));
+        // not in reports
+        assert!(!serde_json::to_string(&Compare::of(&x, &r))
+            .expect("json")
+            .contains("equal"));
+    }
+
     use super::*;
 
     /// Deterministic values of varied magnitude, never zero, with a NaN and an infinity planted.
@@ -549,6 +576,7 @@ mod tests {
             if let (Some(mc), Some(wc)) = (mc, wc) {
                 assert_eq!(mc.max_abs_idx, wc.max_abs_idx);
                 assert_eq!(mc.new_non_finite, wc.new_non_finite);
+                assert_eq!(mc.equal, wc.equal);
                 match (mc.rel_l2, wc.rel_l2) {
                     (Some(p), Some(q)) => assert!((p - q).abs() <= 1e-12 * q, "{p} vs {q}"),
                     (p, q) => assert_eq!(p, q),

@@ -25,10 +25,7 @@ use std::time::Instant;
 
 use super::progress::Progress;
 use super::runner::{compressed_ratio, execs, keep_outputs, kept_rows, Execs, Stepper};
-use super::{
-    agree_count, agreement_of, is_index_output, measure_launch, op_record_finish, Agreement,
-    PendingRecord, PAIRS,
-};
+use super::{is_index_output, measure_launch, op_record_finish, PendingRecord, PAIRS};
 use crate::backend::run::RunHooks;
 use crate::backend::PendingStats;
 use crate::metrics::{Partial, Stream};
@@ -231,8 +228,6 @@ struct Acc {
     touched: Vec<String>,
     touched_set: HashSet<String>,
     observed: Vec<(String, LinearObs)>,
-    /// Index outputs: (equal, compared) per agreement.
-    agree: Option<[(usize, usize); 3]>,
     sums: Sums,
     /// Kept outputs (`--dump`): per path name, per output id, the chunks' pieces.
     kept: Vec<(String, KeptPieces)>,
@@ -271,7 +266,6 @@ impl Acc {
             touched: Vec::new(),
             touched_set: HashSet::new(),
             observed: Vec::new(),
-            agree: None,
             sums,
             kept: KEPT.iter().map(|n| (n.to_string(), Vec::new())).collect(),
         }
@@ -316,18 +310,6 @@ impl Acc {
                 }
             }
         }
-        if is_index_output(&self.op) {
-            let now = [
-                agree_count(&is.data, &bf.data),
-                agree_count(&sv.data, &bf.data),
-                agree_count(&bf.data, &fp.data),
-            ];
-            let acc = self.agree.get_or_insert([(0, 0); 3]);
-            for (a, n) in acc.iter_mut().zip(now) {
-                a.0 += n.0;
-                a.1 += n.1;
-            }
-        }
         match self.shape.first_mut() {
             Some(rows) => *rows += sv.shape.first().copied().unwrap_or(0),
             None => self.shape = sv.shape.clone(),
@@ -368,11 +350,6 @@ impl Acc {
                 .collect(),
             Sums::Device(p) => p,
         };
-        let agreement = self.agree.map(|a| Agreement {
-            served_isolated: agreement_of(a[0]),
-            served_propagated: agreement_of(a[1]),
-            oracle_bf16: agreement_of(a[2]),
-        });
         let kept = self
             .kept
             .into_iter()
@@ -385,6 +362,7 @@ impl Acc {
                 (name, v)
             })
             .collect();
+        let index_output = is_index_output(&self.op);
         Ok((
             PendingRecord {
                 step: self.step,
@@ -392,7 +370,7 @@ impl Acc {
                 shape: self.shape,
                 touched: self.touched,
                 observed: self.observed,
-                agreement,
+                index_output,
                 metrics: PendingStats::Done(parts),
             },
             kept,

@@ -229,17 +229,9 @@ fn is_index_output(op: &Op) -> bool {
     op.id.ends_with(".attn.indexer")
 }
 
-fn agreement(a: &[f32], b: &[f32]) -> f64 {
-    agreement_of(agree_count(a, b))
-}
-
-/// (entries of `a` equal to `b`'s, entries of `a`): what [`agreement`] is made of, summed over
-/// a run's token chunks.
-fn agree_count(a: &[f32], b: &[f32]) -> (usize, usize) {
-    (a.iter().zip(b).filter(|(x, y)| x == y).count(), a.len())
-}
-
-/// The fraction of equal entries (1 when there are none).
+/// An index selection's agreement with another's: the fraction of its entries equal to the
+/// other's at the same position, from (equal entries, entries) — the `equal` count of the pair's
+/// comparison, summed over a run's token chunks like its other sums (1 when there are none).
 fn agreement_of((eq, n): (usize, usize)) -> f64 {
     if n == 0 {
         return 1.0;
@@ -388,7 +380,8 @@ pub(crate) struct PendingRecord {
     shape: Vec<usize>,
     touched: Vec<String>,
     observed: Vec<(String, crate::served::LinearObs)>,
-    agreement: Option<Agreement>,
+    /// An index-valued output: its agreements come from the comparisons' equal counts.
+    index_output: bool,
     metrics: PendingStats,
 }
 
@@ -411,22 +404,13 @@ pub(crate) fn op_record_begin(
         let _s = crate::profile::span("metrics: launch");
         measure_launch(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?
     };
-    let agreement = if is_index_output(op) {
-        Some(Agreement {
-            served_isolated: agreement(&is.data, &bf.data),
-            served_propagated: agreement(&sv.data, &bf.data),
-            oracle_bf16: agreement(&bf.data, &fp.data),
-        })
-    } else {
-        None
-    };
     Ok(PendingRecord {
         step,
         op: op.clone(),
         shape: sv.shape.clone(),
         touched: touched.to_vec(),
         observed: observed.to_vec(),
-        agreement,
+        index_output: is_index_output(op),
         metrics,
     })
 }
@@ -444,7 +428,7 @@ pub(crate) fn op_record_finish(
         shape,
         touched,
         observed,
-        agreement,
+        index_output,
         metrics,
     } = p;
     let (op, touched, observed) = (&op, &touched[..], &observed[..]);
@@ -452,6 +436,13 @@ pub(crate) fn op_record_finish(
         let _s = crate::profile::span("metrics: measure");
         measure_finish(&opts.backend, metrics)?
     };
+    // an index selection's agreements: the fused passes count the equal entries (the device's
+    // values are not read by the host)
+    let agreement = index_output.then(|| Agreement {
+        served_isolated: agreement_of((ms.iso_bf.equal, ms.is.numel)),
+        served_propagated: agreement_of((ms.prop_bf.equal, ms.sv.numel)),
+        oracle_bf16: agreement_of((ms.noise.equal, ms.bf.numel)),
+    });
     let mut stats = BTreeMap::new();
     stats.insert("oracle_fp32".to_string(), ms.fp);
     stats.insert("oracle_bf16".to_string(), ms.bf);

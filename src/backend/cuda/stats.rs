@@ -38,7 +38,7 @@ const METRIC_SLOT: usize = 8 << 10;
 const METRIC_SLOTS_PER_BLOCK: usize = 64;
 
 /// Words (u64) per statistics item: 5 f64 sums, 11 counters, 2 values at the largest error.
-const STAT_WORDS: usize = 18;
+const STAT_WORDS: usize = 19;
 
 /// Metrics launched on the device and copied (asynchronously) into a pinned slot; read with
 /// [`Gpu::metrics_collect`], which waits only for this copy, not for work queued after it.
@@ -164,7 +164,7 @@ impl Gpu {
                 .fused_stats(n as u64, x, r0, n as u64, a, a + 40)?;
             if r.is_some() {
                 self.kern()
-                    .stats_pick(one, x, r0, n as u64, a + 40, a + 128)?;
+                    .stats_pick(one, x, r0, n as u64, a + 40, a + 136)?;
             }
         }
         Ok(acc)
@@ -177,8 +177,8 @@ impl Gpu {
             .zip(raw.chunks(STAT_WORDS))
             .map(|(&(n, has_ref), v)| {
                 let a: [f64; 5] = std::array::from_fn(|j| f64::from_bits(v[j]));
-                let c: [u64; 11] = std::array::from_fn(|j| v[5 + j]);
-                let (x, r) = (v[16], v[17]);
+                let c: [u64; 12] = std::array::from_fn(|j| v[5 + j]);
+                let (x, r) = (v[17], v[18]);
                 Self::stats_of(n, &a, &c, has_ref, |_| {
                     (x >> 32 == 1).then(|| (f32::from_bits(x as u32), f32::from_bits(r as u32)))
                 })
@@ -191,7 +191,7 @@ impl Gpu {
     fn stats_of(
         n: usize,
         a: &[f64; 5],
-        c: &[u64; 11],
+        c: &[u64; 12],
         has_ref: bool,
         at: impl FnOnce(usize) -> Option<(f32, f32)>,
     ) -> Partial {
@@ -213,6 +213,7 @@ impl Gpu {
                 max_err,
                 any_non_finite: c[5] > 0,
                 new_non_finite: c[4] as usize,
+                equal: c[11] as usize,
             }
         });
         Partial::from_counts(
