@@ -332,7 +332,8 @@ pub(super) fn execs(
     }
     // the oracles' products on BF16-stored weights fed the BF16 oracle's inputs are made once
     // for the op (`env::OracleProducts`)
-    shared.keep_products(&inputs_of(op, &maps[1])?);
+    let bf_inputs = inputs_of(op, &maps[1])?;
+    shared.keep_products(&bf_inputs);
     let mut outs: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for (pi, kind) in PathKind::ALL.iter().enumerate() {
         let inputs = inputs_of(op, &maps[pi])?;
@@ -361,7 +362,6 @@ pub(super) fn execs(
             observed,
         });
     }
-    let bf_inputs = inputs_of(op, &maps[1])?;
     // the served numerics differ from the BF16 oracle's where a weight is quantized, and
     // where the engine's chunked prefill changes the op (`--served-chunk`)
     let quantized = touched.iter().any(|t| shared.is_quantized(t))

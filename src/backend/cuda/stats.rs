@@ -37,8 +37,12 @@ const METRIC_SLOT: usize = 8 << 10;
 /// Slots per pinned block.
 const METRIC_SLOTS_PER_BLOCK: usize = 64;
 
-/// Words (u64) per statistics item: 5 f64 sums, 11 counters, 2 values at the largest error.
-const STAT_WORDS: usize = 19;
+/// `fused_stats`'s f64 sums (`ACC_N` in kernels/stats.cu), then its counters (`CNT_N`).
+const ACC_WORDS: usize = 5;
+const CNT_WORDS: usize = 12;
+/// Words (u64) per statistics item: the sums, the counters, 2 values at the largest error
+/// (`stats_pick`).
+const STAT_WORDS: usize = ACC_WORDS + CNT_WORDS + 2;
 
 /// Metrics launched on the device and copied (asynchronously) into a pinned slot; read with
 /// [`Gpu::metrics_collect`], which waits only for this copy, not for work queued after it.
@@ -159,12 +163,14 @@ impl Gpu {
         };
         for (k, &(x, r, n)) in items.iter().enumerate() {
             let a = acc.ptr + (k * STAT_WORDS * 8) as u64;
+            let (cnt, pick) = (
+                a + ACC_WORDS as u64 * 8,
+                a + (ACC_WORDS + CNT_WORDS) as u64 * 8,
+            );
             let r0 = r.unwrap_or(0);
-            self.kern()
-                .fused_stats(n as u64, x, r0, n as u64, a, a + 40)?;
+            self.kern().fused_stats(n as u64, x, r0, n as u64, a, cnt)?;
             if r.is_some() {
-                self.kern()
-                    .stats_pick(one, x, r0, n as u64, a + 40, a + 136)?;
+                self.kern().stats_pick(one, x, r0, n as u64, cnt, pick)?;
             }
         }
         Ok(acc)
@@ -176,9 +182,9 @@ impl Gpu {
             .iter()
             .zip(raw.chunks(STAT_WORDS))
             .map(|(&(n, has_ref), v)| {
-                let a: [f64; 5] = std::array::from_fn(|j| f64::from_bits(v[j]));
-                let c: [u64; 12] = std::array::from_fn(|j| v[5 + j]);
-                let (x, r) = (v[17], v[18]);
+                let a: [f64; ACC_WORDS] = std::array::from_fn(|j| f64::from_bits(v[j]));
+                let c: [u64; CNT_WORDS] = std::array::from_fn(|j| v[ACC_WORDS + j]);
+                let (x, r) = (v[ACC_WORDS + CNT_WORDS], v[ACC_WORDS + CNT_WORDS + 1]);
                 Self::stats_of(n, &a, &c, has_ref, |_| {
                     (x >> 32 == 1).then(|| (f32::from_bits(x as u32), f32::from_bits(r as u32)))
                 })
@@ -190,8 +196,8 @@ impl Gpu {
     /// the largest error's index.
     fn stats_of(
         n: usize,
-        a: &[f64; 5],
-        c: &[u64; 12],
+        a: &[f64; ACC_WORDS],
+        c: &[u64; CNT_WORDS],
         has_ref: bool,
         at: impl FnOnce(usize) -> Option<(f32, f32)>,
     ) -> Partial {
