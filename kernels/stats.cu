@@ -416,13 +416,18 @@ __device__ __forceinline__ void moe_scales(const MoeTile& t, float* mq) {
     __syncthreads();
 }
 
+// Whether a tile's code bytes hold their two elements high nibble first (MT_SWAP; never MXFP4).
+__device__ __forceinline__ bool moe_swapped(const MoeTile& t) {
+    return (t.flags & MT_SWAP) != 0u && (t.flags & MT_CONV) != 3u;
+}
+
 // The decode tables of a tile: its block scales and, per code byte, its two e2m1 values.
 __device__ __forceinline__ void moe_tables(const MoeTile& t, float* mq, float2* me) {
-    const bool mx = (t.flags & MT_CONV) == 3u;
+    const bool swap = moe_swapped(t);
     for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
         mq[i] = moe_scale(t, i);
         u32 lo = i & 15u, hi = i >> 4;
-        if (!mx && (t.flags & MT_SWAP)) { u32 tmp = lo; lo = hi; hi = tmp; }
+        if (swap) { u32 tmp = lo; lo = hi; hi = tmp; }
         me[i] = make_float2(e2m1_decode(lo), e2m1_decode(hi));
     }
     __syncthreads();
@@ -527,8 +532,7 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
                                           double (*ws)[MMA_LD]) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
-    // the nibble order as moe_tables applies it (never for MXFP4)
-    const bool swap = (t.flags & MT_SWAP) != 0u && (t.flags & MT_CONV) != 3u;
+    const bool swap = moe_swapped(t);
     if (r < xrows) {
         const bool live = r < t.rows;
 #pragma unroll
