@@ -91,16 +91,24 @@ pub enum MoeKernel {
     Fma,
     /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 128 columns per block.
     Mma,
+    /// `moe_mmt_f64`: `moe_mma_f64`'s tiles with each block's weights decoded through a table
+    /// ([`MMT_SMEM`] bytes of dynamic shared memory) straight into the B fragments.
+    Mmt,
 }
 
+/// Dynamic shared memory of `moe_mmt_f64` (`MMT_SMEM` in kernels/stats.cu): the decode table
+/// (257 rows of 16 doubles) and two buffers of 64 x rows of 20 doubles.
+pub const MMT_SMEM: u32 = 257 * 16 * 8 + 2 * 64 * 20 * 8;
+
 impl MoeKernel {
-    pub const ALL: [MoeKernel; 2] = [MoeKernel::Fma, MoeKernel::Mma];
+    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::Mmt];
 
     /// The kernel's name in kernels/stats.cu.
     pub fn name(self) -> &'static str {
         match self {
             MoeKernel::Fma => "moe_gemm_f64",
             MoeKernel::Mma => "moe_mma_f64",
+            MoeKernel::Mmt => "moe_mmt_f64",
         }
     }
 
@@ -119,7 +127,7 @@ impl MoeKernel {
     pub fn takes(self, most_rows: usize, total: usize, experts: usize) -> bool {
         match self {
             MoeKernel::Fma => most_rows <= super::moe::GROUPED_MAX_ROWS,
-            MoeKernel::Mma => total / MMA_R + experts <= 65_535,
+            MoeKernel::Mma | MoeKernel::Mmt => total / MMA_R + experts <= 65_535,
         }
     }
 
@@ -127,11 +135,11 @@ impl MoeKernel {
     fn cols(self) -> usize {
         match self {
             MoeKernel::Fma => MOE_C,
-            MoeKernel::Mma => 128,
+            MoeKernel::Mma | MoeKernel::Mmt => 128,
         }
     }
 
-    /// `NVFP4_PROBE_MOE_KERNEL=fma`, else the tensor-core kernel.
+    /// `NVFP4_PROBE_MOE_KERNEL=fma` or `mmt`, else `moe_mma_f64`.
     pub fn from_env() -> MoeKernel {
         match std::env::var("NVFP4_PROBE_MOE_KERNEL")
             .ok()
@@ -139,6 +147,7 @@ impl MoeKernel {
             .map(str::trim)
         {
             Some("fma") => MoeKernel::Fma,
+            Some("mmt") => MoeKernel::Mmt,
             _ => MoeKernel::Mma,
         }
     }
@@ -375,13 +384,14 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(cols).min(65_535) as u32, tiles.len() as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if kernel == MoeKernel::Mmt { MMT_SMEM } else { 0 },
         };
         let (xbf, ldx, n, k, ldy) = (xbf as i32, ldx as u64, n as u64, k as u64, ldy as u64);
         let kn = self.kern();
         match kernel {
             MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
+            MoeKernel::Mmt => kn.moe_mmt_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 

@@ -286,6 +286,14 @@ impl Gpu {
                     .map_err(|e| cuda_err(&format!("kernel {k}"), e))?,
             );
         }
+        // moe_mmt_f64's table and x buffers are more than the 48 KB a kernel gets unasked
+        if let Some(f) = funcs.get("moe_mmt_f64") {
+            f.set_attribute(
+                dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                kernels::MMT_SMEM as i32,
+            )
+            .map_err(|e| cuda_err("kernel moe_mmt_f64: shared memory limit", e))?;
+        }
         let compile_seconds = t0.elapsed().as_secs_f64();
         unsafe { ctx.disable_event_tracking() };
         // Keep freed device memory in the stream-ordered allocator's pool: with the default
