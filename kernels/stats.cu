@@ -643,37 +643,37 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
 // conversion, the store) and its warps spend most of a step there while the FP64 tensor pipe waits
 // (ptxas paces one warp's m16n8k16 about 64 cycles apart; BENCHMARKS.md session 33). Here a block
 // first builds its tile's decode table in shared memory, tab[s][c] = the f64 of e2m1 code c under
-// scale byte s (the tile's global scale, post-scale and BF16 rounding applied as moe_mma_f64 does;
-// row 256 zeros, for columns past n), then each lane reads its B fragments' weights straight from
-// global code words and the table: no weight is staged. x rows are staged as f64 in two buffers
-// (one barrier per step) and read as moe_mma_f64 reads them, loaded two steps ahead; a lane's code
-// words one step ahead.
+// scale byte s (the tile's global scale, post-scale and BF16 rounding applied as moe_mma_f64 does),
+// then each lane reads its B fragments' weights straight from global code words and the table: no
+// weight is staged. x rows are staged as f64 in two buffers (one barrier per step) and read as
+// moe_mma_f64 reads them, loaded two steps ahead; a lane's code words and scale bytes one step
+// ahead, used only in the next step (a use in the step that loads them waits for the load there:
+// 15 % of the warps' stall samples under ncu). A column past n reads column c0 + wc + g's codes:
+// its products land in its own output column only, which is never stored.
+// A staged row's 16-byte units are XOR-swizzled by bit 1 of the row (unit u of row r at
+// u ^ ((r >> 1) & 1)): the 8 stores of a quarter warp (rows 4 q .. 4 q + 3, both halves) then hit
+// 8 distinct bank groups (2-way conflicts without it), and a lane's A loads keep their banks.
 #define MMT_LD MMA_LD
-#define MMT_TAB (257 * 16)  // table entries: 256 scale bytes and a zero row
+#define MMT_TAB (256 * 16)  // table entries: 256 scale bytes of 16 codes
 #define MMT_SMEM (MMT_TAB * 8 + 2 * MMA_R * MMT_LD * 8)
 // The decode table of a tile (mq: its block scales, moe_scales).
 __device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, double* tab) {
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
     for (u32 i = threadIdx.x; i < (u32)MMT_TAB; i += blockDim.x) {
-        const u32 s = i >> 4;
-        double v = 0.0;
-        if (s < 256u) {
-            float w = __fmul_rn(e2m1_decode(i & 15u), mq[s]);
-            if (post) w = __fmul_rn(w, t.post);
-            if (wbf) w = bf16_round(w);
-            v = (double)w;
-        }
-        tab[i] = v;
+        float w = __fmul_rn(e2m1_decode(i & 15u), mq[i >> 4]);
+        if (post) w = __fmul_rn(w, t.post);
+        if (wbf) w = bf16_round(w);
+        tab[i] = (double)w;
     }
     __syncthreads();
 }
 // Where a thread's loads start for its tile and column block: its x row (staged by threads 2 r and
-// 2 r + 1, 8 values each), its lane's code bytes and scale bytes of column c0 + wc + g (columns 8
-// j further are j strides on), and which of its 4 columns lie before n.
+// 2 r + 1, 8 values each), its lane's code and scale bytes of column c0 + wc + g (columns 8 j
+// further are j strides on), and which of its 4 columns lie before n.
 struct MmtAt {
     const u8* x;       // x row r, element 8 (thread % 2)
-    const u8* codes;   // column c0 + wc + g, code byte 2 tq
-    const u8* scales;  // column c0 + wc + g, scale byte 0
+    const u8* codes;   // column c0 + wc + g (or the tile's first column past n)
+    const u8* scales;  // the same column's scale bytes
     u32 cstride, sstride;  // bytes between columns 8 apart: codes, scales
     u32 cols;          // bit j: column j of the lane's lies before n
     bool xlive;        // x row r is one of the tile's
@@ -689,9 +689,9 @@ __device__ __forceinline__ void mmt_fetch_x(uint4 (&f)[2], const MmtAt& at, u32 
     }
 }
 template <int XBF>
-__device__ __forceinline__ void mmt_stage_x(const uint4 (&f)[2], double (*xs)[MMT_LD]) {
-    const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1;
-    double2* d = (double2*)(xs[r] + 8 * half);
+__device__ __forceinline__ void mmt_stage_x(const uint4 (&f)[2], double* xs) {
+    const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1, sw = (r >> 1) & 1u;
+    double2* d = (double2*)(xs + r * MMT_LD);
     const u32 w[8] = {f[0].x, f[0].y, f[0].z, f[0].w, f[1].x, f[1].y, f[1].z, f[1].w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -703,23 +703,19 @@ __device__ __forceinline__ void mmt_stage_x(const uint4 (&f)[2], double (*xs)[MM
             v0 = __uint_as_float(w[2 * j]);
             v1 = __uint_as_float(w[2 * j + 1]);
         }
-        d[j] = make_double2((double)v0, (double)v1);
+        d[(4u * half + j) ^ sw] = make_double2((double)v0, (double)v1);
     }
 }
-// A lane's code words (16 codes of a column's step) and scale-row offsets (row: byte offset into
-// the table) of its 4 columns at step k0: zeros and the zero row past n or past k.
-// Loads are unconditional (a column past n or a step past k reads column c0 + wc + g's first
-// word) and their values selected, so the step stays one basic block.
-__device__ __forceinline__ void mmt_fetch_b(uint2 (&cw)[MMA_NJ], u32 (&row)[MMA_NJ], const MmtAt& at,
+// A lane's code words (16 codes of a column's step) and scale bytes of its 4 columns at step k0, as
+// loaded (a column past n reads a valid column; past k, the step's first).
+__device__ __forceinline__ void mmt_fetch_b(uint2 (&cw)[MMA_NJ], u32 (&sc)[MMA_NJ], const MmtAt& at,
                                             u32 k, u32 k0, u32 ssh) {
-    const bool kin = k0 < k;
+    const u32 kk = k0 < k ? k0 : 0u;
 #pragma unroll
     for (int j = 0; j < MMA_NJ; j++) {
-        const bool ok = ((at.cols >> j) & 1u) && kin;
-        const uint2 c = *(const uint2*)(at.codes + (ok ? j * at.cstride + k0 / 2 : 0u));
-        const u32 s = at.scales[ok ? j * at.sstride + (k0 >> ssh) : 0u];
-        cw[j] = ok ? c : make_uint2(0u, 0u);
-        row[j] = (ok ? s : 256u) * 128u;
+        const u32 cj = ((at.cols >> j) & 1u) ? j : 0u;
+        cw[j] = *(const uint2*)(at.codes + cj * at.cstride + kk / 2);
+        sc[j] = at.scales[cj * at.sstride + (kk >> ssh)];
     }
 }
 template <int MF, int XBF>
@@ -732,8 +728,10 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
     // nibble of its byte when the tile's bytes hold their elements high nibble first)
     const u32 sh0 = (4u * tq) ^ (moe_swapped(t) ? 4u : 0u), sh1 = sh0 + 16u;
     const char* tab = (const char*)tabd;
-    double (*xs0)[MMT_LD] = (double (*)[MMT_LD])xsm;
-    double (*xs1)[MMT_LD] = xs0 + MMA_R;
+    // the lane's A values: rows 16 m + g + 8 (i % 2), elements tq + 4 (i / 2), swizzled units
+    const u32 abase = g * MMT_LD + 2u * ((tq >> 1) ^ ((g >> 1) & 1u)) + (tq & 1u);
+    double* xs0 = xsm;
+    double* xs1 = xsm + MMA_R * MMT_LD;
     MmtAt at;
     // rows past the tile's are staged as zeros: never read (past the last tile they lie past x)
     at.xlive = r < 16u * MF && r < t.rows;
@@ -742,8 +740,7 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
     at.sstride = (8u * k) >> ssh;
     for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
         const u64 cl = c0 + wc + g;
-        // a column past n reads the tile's first column (its values are not used)
-        const u64 cf = cl < n ? cl : 0u;
+        const u64 cf = cl < n ? cl : c0;
         at.codes = (const u8*)t.packed + cf * k / 2;
         at.scales = (const u8*)t.scales + ((cf * k) >> ssh);
         at.cols = 0u;
@@ -758,34 +755,37 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
                 for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
         uint4 fx[2];
         uint2 cw[MMA_NJ];
-        u32 row[MMA_NJ];
+        u32 sc[MMA_NJ];
         mmt_fetch_x<XBF>(fx, at, k, 0);
         mmt_stage_x<XBF>(fx, xs0);
         mmt_fetch_x<XBF>(fx, at, k, 16);
-        mmt_fetch_b(cw, row, at, k, 0, ssh);
+        mmt_fetch_b(cw, sc, at, k, 0, ssh);
         __syncthreads();
         for (u32 k0 = 0; k0 < k; k0 += 16) {
             // step k0 from buffer (k0 / 16) % 2; step k0 + 16's x staged into the other (every
             // warp is past the barrier after its last reads of it); past k the stage is zeros
-            double (*cur)[MMT_LD] = (k0 & 16) ? xs1 : xs0;
-            double (*nxt)[MMT_LD] = (k0 & 16) ? xs0 : xs1;
+            const double* cur = (k0 & 16) ? xs1 : xs0;
+            double* nxt = (k0 & 16) ? xs0 : xs1;
             double b[MMA_NJ][4];
 #pragma unroll
-            for (int j = 0; j < MMA_NJ; j++)
+            for (int j = 0; j < MMA_NJ; j++) {
+                const char* row = tab + sc[j] * 128u;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const u32 w = i < 2 ? cw[j].x : cw[j].y;
                     const u32 code = (w >> ((i & 1) ? sh1 : sh0)) & 15u;
-                    b[j][i] = *(const double*)(tab + row[j] + 8u * code);
+                    b[j][i] = *(const double*)(row + 8u * code);
                 }
+            }
             mmt_stage_x<XBF>(fx, nxt);
             mmt_fetch_x<XBF>(fx, at, k, k0 + 32);
-            mmt_fetch_b(cw, row, at, k, k0 + 16, ssh);
+            mmt_fetch_b(cw, sc, at, k, k0 + 16, ssh);
 #pragma unroll
             for (int m = 0; m < MF; m++) {
                 double a[8];
 #pragma unroll
-                for (int i = 0; i < 8; i++) a[i] = cur[16 * m + g + 8 * (i & 1)][tq + 4 * (i >> 1)];
+                for (int i = 0; i < 8; i++)
+                    a[i] = cur[abase + (16 * m + 8 * (i & 1)) * MMT_LD + 4 * (i >> 1)];
 #pragma unroll
                 for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
             }

@@ -97,8 +97,8 @@ pub enum MoeKernel {
 }
 
 /// Dynamic shared memory of `moe_mmt_f64` (`MMT_SMEM` in kernels/stats.cu): the decode table
-/// (257 rows of 16 doubles) and two buffers of 64 x rows of 20 doubles.
-pub const MMT_SMEM: u32 = 257 * 16 * 8 + 2 * 64 * 20 * 8;
+/// (256 rows of 16 doubles) and two buffers of 64 x rows of 20 doubles.
+pub const MMT_SMEM: u32 = 256 * 16 * 8 + 2 * 64 * 20 * 8;
 
 impl MoeKernel {
     pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::Mmt];
