@@ -656,14 +656,18 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
 #define MMT_LD MMA_LD
 #define MMT_TAB (256 * 16)  // table entries: 256 scale bytes of 16 codes
 #define MMT_SMEM (MMT_TAB * 8 + 2 * MMA_R * MMT_LD * 8)
-// The decode table of a tile (mq: its block scales, moe_scales).
+// The decode table of a tile (mq: its block scales, moe_scales): f64 entries, or with T32 the f32
+// values (a lane converts what it reads: 4-byte entries spread a warp's 32 reads over 32 banks
+// instead of 16 bank pairs).
+template <int T32>
 __device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, double* tab) {
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
     for (u32 i = threadIdx.x; i < (u32)MMT_TAB; i += blockDim.x) {
         float w = __fmul_rn(e2m1_decode(i & 15u), mq[i >> 4]);
         if (post) w = __fmul_rn(w, t.post);
         if (wbf) w = bf16_round(w);
-        tab[i] = (double)w;
+        if (T32) ((float*)tab)[i] = w;
+        else tab[i] = (double)w;
     }
     __syncthreads();
 }
@@ -718,7 +722,7 @@ __device__ __forceinline__ void mmt_fetch_b(uint2 (&cw)[MMA_NJ], u32 (&sc)[MMA_N
         sc[j] = at.scales[cj * at.sstride + (kk >> ssh)];
     }
 }
-template <int MF, int XBF>
+template <int MF, int XBF, int T32>
 __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& t, u64 n, u32 k,
                                          float* y, u64 ldy, const double* tabd, double* xsm) {
     const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
@@ -769,12 +773,13 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
             double b[MMA_NJ][4];
 #pragma unroll
             for (int j = 0; j < MMA_NJ; j++) {
-                const char* row = tab + sc[j] * 128u;
+                const char* row = tab + sc[j] * (T32 ? 64u : 128u);
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const u32 w = i < 2 ? cw[j].x : cw[j].y;
                     const u32 code = (w >> ((i & 1) ? sh1 : sh0)) & 15u;
-                    b[j][i] = *(const double*)(row + 8u * code);
+                    b[j][i] = T32 ? (double)*(const float*)(row + 4u * code)
+                                  : *(const double*)(row + 8u * code);
                 }
             }
             mmt_stage_x<XBF>(fx, nxt);
@@ -809,21 +814,32 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
         }
     }
 }
-template <int XBF>
+template <int XBF, int T32>
 __device__ __forceinline__ void mmt_rows(const void* x, u64 ldx, const MoeTile& t, u64 n, u32 k,
                                          float* y, u64 ldy, const double* tab, double* xsm) {
-    if (t.rows <= 16) mmt_tile<1, XBF>(x, ldx, t, n, k, y, ldy, tab, xsm);
-    else if (t.rows <= 32) mmt_tile<2, XBF>(x, ldx, t, n, k, y, ldy, tab, xsm);
-    else mmt_tile<4, XBF>(x, ldx, t, n, k, y, ldy, tab, xsm);
+    if (t.rows <= 16) mmt_tile<1, XBF, T32>(x, ldx, t, n, k, y, ldy, tab, xsm);
+    else if (t.rows <= 32) mmt_tile<2, XBF, T32>(x, ldx, t, n, k, y, ldy, tab, xsm);
+    else mmt_tile<4, XBF, T32>(x, ldx, t, n, k, y, ldy, tab, xsm);
+}
+template <int T32>
+__device__ __forceinline__ void mmt_kernel(const void* x, int xbf, u64 ldx, const MoeTile* tiles,
+                                           u64 n, u64 k, float* y, u64 ldy, double* sm) {
+    __shared__ float mq[256];
+    const MoeTile t = tiles[blockIdx.y];
+    moe_scales(t, mq);
+    mmt_table<T32>(t, mq, sm);
+    if (xbf) mmt_rows<1, T32>(x, ldx, t, n, k, y, ldy, sm, sm + MMT_TAB);
+    else mmt_rows<0, T32>(x, ldx, t, n, k, y, ldy, sm, sm + MMT_TAB);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 moe_mmt_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
     extern __shared__ double mmt_sm[];  // the table (128-byte rows), then two x buffers
-    __shared__ float mq[256];
-    const MoeTile t = tiles[blockIdx.y];
-    moe_scales(t, mq);
-    mmt_table(t, mq, mmt_sm);
-    if (xbf) mmt_rows<1>(x, ldx, t, n, k, y, ldy, mmt_sm, mmt_sm + MMT_TAB);
-    else mmt_rows<0>(x, ldx, t, n, k, y, ldy, mmt_sm, mmt_sm + MMT_TAB);
+    mmt_kernel<0>(x, xbf, ldx, tiles, n, k, y, ldy, mmt_sm);
+}
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+moe_mmt32_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y,
+              u64 ldy) {
+    extern __shared__ double mmt_sm[];  // the f32 table (64-byte rows; its f64 room), x buffers
+    mmt_kernel<1>(x, xbf, ldx, tiles, n, k, y, ldy, mmt_sm);
 }

@@ -94,6 +94,8 @@ pub enum MoeKernel {
     /// `moe_mmt_f64`: `moe_mma_f64`'s tiles with each block's weights decoded through a table
     /// ([`MMT_SMEM`] bytes of dynamic shared memory) straight into the B fragments.
     Mmt,
+    /// `moe_mmt32_f64`: `moe_mmt_f64` with an f32 table (converted as read).
+    Mmt32,
 }
 
 /// Dynamic shared memory of `moe_mmt_f64` (`MMT_SMEM` in kernels/stats.cu): the decode table
@@ -101,7 +103,12 @@ pub enum MoeKernel {
 pub const MMT_SMEM: u32 = 256 * 16 * 8 + 2 * 64 * 20 * 8;
 
 impl MoeKernel {
-    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::Mmt];
+    pub const ALL: [MoeKernel; 4] = [
+        MoeKernel::Fma,
+        MoeKernel::Mma,
+        MoeKernel::Mmt,
+        MoeKernel::Mmt32,
+    ];
 
     /// The kernel's name in kernels/stats.cu.
     pub fn name(self) -> &'static str {
@@ -109,6 +116,7 @@ impl MoeKernel {
             MoeKernel::Fma => "moe_gemm_f64",
             MoeKernel::Mma => "moe_mma_f64",
             MoeKernel::Mmt => "moe_mmt_f64",
+            MoeKernel::Mmt32 => "moe_mmt32_f64",
         }
     }
 
@@ -127,7 +135,7 @@ impl MoeKernel {
     pub fn takes(self, most_rows: usize, total: usize, experts: usize) -> bool {
         match self {
             MoeKernel::Fma => most_rows <= super::moe::GROUPED_MAX_ROWS,
-            MoeKernel::Mma | MoeKernel::Mmt => total / MMA_R + experts <= 65_535,
+            _ => total / MMA_R + experts <= 65_535,
         }
     }
 
@@ -135,11 +143,11 @@ impl MoeKernel {
     fn cols(self) -> usize {
         match self {
             MoeKernel::Fma => MOE_C,
-            MoeKernel::Mma | MoeKernel::Mmt => 128,
+            _ => 128,
         }
     }
 
-    /// `NVFP4_PROBE_MOE_KERNEL=fma` or `mmt`, else `moe_mma_f64`.
+    /// `NVFP4_PROBE_MOE_KERNEL=fma`, `mma` or `mmt32`, else `moe_mmt_f64`.
     pub fn from_env() -> MoeKernel {
         match std::env::var("NVFP4_PROBE_MOE_KERNEL")
             .ok()
@@ -147,8 +155,9 @@ impl MoeKernel {
             .map(str::trim)
         {
             Some("fma") => MoeKernel::Fma,
-            Some("mmt") => MoeKernel::Mmt,
-            _ => MoeKernel::Mma,
+            Some("mma") => MoeKernel::Mma,
+            Some("mmt32") => MoeKernel::Mmt32,
+            _ => MoeKernel::Mmt,
         }
     }
 }
@@ -384,7 +393,11 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(cols).min(65_535) as u32, tiles.len() as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: if kernel == MoeKernel::Mmt { MMT_SMEM } else { 0 },
+            shared_mem_bytes: if matches!(kernel, MoeKernel::Mmt | MoeKernel::Mmt32) {
+                MMT_SMEM
+            } else {
+                0
+            },
         };
         let (xbf, ldx, n, k, ldy) = (xbf as i32, ldx as u64, n as u64, k as u64, ldy as u64);
         let kn = self.kern();
@@ -392,6 +405,7 @@ impl Gpu {
             MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mmt => kn.moe_mmt_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
+            MoeKernel::Mmt32 => kn.moe_mmt32_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 

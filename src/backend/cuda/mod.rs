@@ -177,10 +177,12 @@ pub struct Gpu {
     /// expert, NVFP4 grouped) or `loop`: whole MXFP4-expert runs of the tiny model matched the
     /// CPU reference under every profile through the grouped kernel on the H200.
     pub grouped_mx: bool,
-    /// The grouped experts' GEMM kernel: on the FP64 tensor cores (`moe_mma_f64`, tiles of
-    /// [`MMA_R`] rows, any number of rows per expert) unless `NVFP4_PROBE_MOE_KERNEL` says
-    /// otherwise when the backend opened (`fma`: `moe_gemm_f64`, tiles of [`MOE_R`] rows,
-    /// experts of at most [`GROUPED_MAX_ROWS`](moe::GROUPED_MAX_ROWS) rows); the self-test checks both.
+    /// The grouped experts' GEMM kernel: on the FP64 tensor cores (`moe_mmt_f64`, tiles of
+    /// [`MMA_R`] rows, any number of rows per expert, weights decoded through a per-tile table)
+    /// unless `NVFP4_PROBE_MOE_KERNEL` says otherwise when the backend opened (`mma`:
+    /// `moe_mma_f64`, weights staged; `mmt32`: an f32 table; `fma`: `moe_gemm_f64`, tiles of
+    /// [`MOE_R`] rows, experts of at most [`GROUPED_MAX_ROWS`](moe::GROUPED_MAX_ROWS) rows); the
+    /// self-test checks every one ([`MoeKernel::ALL`]).
     pub moe_kernel: MoeKernel,
     /// The V4 attention op runs as batched DGEMMs around a softmax kernel (`attn_blas`, FP64
     /// tensor cores) rather than one `attn_core` block per (query, head). True unless
@@ -287,12 +289,14 @@ impl Gpu {
             );
         }
         // moe_mmt_f64's table and x buffers are more than the 48 KB a kernel gets unasked
-        if let Some(f) = funcs.get("moe_mmt_f64") {
-            f.set_attribute(
-                dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                kernels::MMT_SMEM as i32,
-            )
-            .map_err(|e| cuda_err("kernel moe_mmt_f64: shared memory limit", e))?;
+        for k in ["moe_mmt_f64", "moe_mmt32_f64"] {
+            if let Some(f) = funcs.get(k) {
+                f.set_attribute(
+                    dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    kernels::MMT_SMEM as i32,
+                )
+                .map_err(|e| cuda_err(&format!("kernel {k}: shared memory limit"), e))?;
+            }
         }
         let compile_seconds = t0.elapsed().as_secs_f64();
         unsafe { ctx.disable_event_tracking() };
