@@ -642,32 +642,29 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
 // moe_mma_f64 decodes every staged weight with ~11 instructions (e2m1 bits, two multiplies, the f64
 // conversion, the store) and its warps spend most of a step there while the FP64 tensor pipe waits
 // (ptxas paces one warp's m16n8k16 about 64 cycles apart; BENCHMARKS.md session 33). Here a block
-// first builds its tile's decode table in shared memory, tab[s][c] = the f64 of e2m1 code c under
-// scale byte s (the tile's global scale, post-scale and BF16 rounding applied as moe_mma_f64 does),
-// then each lane reads its B fragments' weights straight from global code words and the table: no
-// weight is staged. x rows are staged as f64 in two buffers (one barrier per step) and read as
-// moe_mma_f64 reads them, loaded two steps ahead; a lane's code words and scale bytes one step
-// ahead, used only in the next step (a use in the step that loads them waits for the load there:
-// 15 % of the warps' stall samples under ncu). A column past n reads column c0 + wc + g's codes:
-// its products land in its own output column only, which is never stored.
+// first builds its tile's decode table in shared memory, tab[s][c] = the f32 value of e2m1 code c
+// under scale byte s (the tile's global scale, post-scale and BF16 rounding applied as moe_mma_f64
+// does), then each lane reads its B fragments' weights straight from global code words and the
+// table and converts them to f64: no weight is staged. With 4-byte entries a warp's 32 table reads
+// spread over 32 banks; an f64 table (16 bank pairs, 4.8 wavefronts per read under ncu) was 10 %
+// slower (BENCHMARKS.md session 33). x rows are staged as f64 in two buffers (one barrier per step)
+// and read as moe_mma_f64 reads them, loaded two steps ahead; a lane's code words and scale bytes
+// one step ahead, used only in the next step (a use in the step that loads them waits for the load
+// there: 15 % of the warps' stall samples under ncu). A column past n reads column c0 + wc + g's
+// codes: its products land in its own output column only, which is never stored.
 // A staged row's 16-byte units are XOR-swizzled by bit 1 of the row (unit u of row r at
 // u ^ ((r >> 1) & 1)): the 8 stores of a quarter warp (rows 4 q .. 4 q + 3, both halves) then hit
 // 8 distinct bank groups (2-way conflicts without it), and a lane's A loads keep their banks.
 #define MMT_LD MMA_LD
 #define MMT_TAB (256 * 16)  // table entries: 256 scale bytes of 16 codes
-#define MMT_SMEM (MMT_TAB * 8 + 2 * MMA_R * MMT_LD * 8)
-// The decode table of a tile (mq: its block scales, moe_scales): f64 entries, or with T32 the f32
-// values (a lane converts what it reads: 4-byte entries spread a warp's 32 reads over 32 banks
-// instead of 16 bank pairs).
-template <int T32>
-__device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, double* tab) {
+// The decode table of a tile (mq: its block scales, moe_scales).
+__device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, float* tab) {
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
     for (u32 i = threadIdx.x; i < (u32)MMT_TAB; i += blockDim.x) {
         float w = __fmul_rn(e2m1_decode(i & 15u), mq[i >> 4]);
         if (post) w = __fmul_rn(w, t.post);
         if (wbf) w = bf16_round(w);
-        if (T32) ((float*)tab)[i] = w;
-        else tab[i] = (double)w;
+        tab[i] = w;
     }
     __syncthreads();
 }
@@ -722,16 +719,16 @@ __device__ __forceinline__ void mmt_fetch_b(uint2 (&cw)[MMA_NJ], u32 (&sc)[MMA_N
         sc[j] = at.scales[cj * at.sstride + (kk >> ssh)];
     }
 }
-template <int MF, int XBF, int T32>
+template <int MF, int XBF>
 __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& t, u64 n, u32 k,
-                                         float* y, u64 ldy, const double* tabd, double* xsm) {
+                                         float* y, u64 ldy, const float* tabf, double* xsm) {
     const u32 lane = threadIdx.x & 31u, wid = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3u;
     const u32 wc = wid * (8 * MMA_NJ), r = threadIdx.x >> 1, half = threadIdx.x & 1u;
     const u32 ssh = (t.flags & MT_CONV) == 3u ? 5u : 4u;
     // b[j][i] is element tq + 4 i of the step: nibble (tq + 4 i) % 8 of word i / 2 (the other
     // nibble of its byte when the tile's bytes hold their elements high nibble first)
     const u32 sh0 = (4u * tq) ^ (moe_swapped(t) ? 4u : 0u), sh1 = sh0 + 16u;
-    const char* tab = (const char*)tabd;
+    const char* tab = (const char*)tabf;
     // the lane's A values: rows 16 m + g + 8 (i % 2), elements tq + 4 (i / 2), swizzled units
     const u32 abase = g * MMT_LD + 2u * ((tq >> 1) ^ ((g >> 1) & 1u)) + (tq & 1u);
     double* xs0 = xsm;
@@ -773,13 +770,12 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
             double b[MMA_NJ][4];
 #pragma unroll
             for (int j = 0; j < MMA_NJ; j++) {
-                const char* row = tab + sc[j] * (T32 ? 64u : 128u);
+                const char* row = tab + sc[j] * 64u;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const u32 w = i < 2 ? cw[j].x : cw[j].y;
                     const u32 code = (w >> ((i & 1) ? sh1 : sh0)) & 15u;
-                    b[j][i] = T32 ? (double)*(const float*)(row + 4u * code)
-                                  : *(const double*)(row + 8u * code);
+                    b[j][i] = (double)*(const float*)(row + 4u * code);
                 }
             }
             mmt_stage_x<XBF>(fx, nxt);
@@ -814,32 +810,22 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
         }
     }
 }
-template <int XBF, int T32>
+template <int XBF>
 __device__ __forceinline__ void mmt_rows(const void* x, u64 ldx, const MoeTile& t, u64 n, u32 k,
-                                         float* y, u64 ldy, const double* tab, double* xsm) {
-    if (t.rows <= 16) mmt_tile<1, XBF, T32>(x, ldx, t, n, k, y, ldy, tab, xsm);
-    else if (t.rows <= 32) mmt_tile<2, XBF, T32>(x, ldx, t, n, k, y, ldy, tab, xsm);
-    else mmt_tile<4, XBF, T32>(x, ldx, t, n, k, y, ldy, tab, xsm);
-}
-template <int T32>
-__device__ __forceinline__ void mmt_kernel(const void* x, int xbf, u64 ldx, const MoeTile* tiles,
-                                           u64 n, u64 k, float* y, u64 ldy, double* sm) {
-    __shared__ float mq[256];
-    const MoeTile t = tiles[blockIdx.y];
-    moe_scales(t, mq);
-    mmt_table<T32>(t, mq, sm);
-    if (xbf) mmt_rows<1, T32>(x, ldx, t, n, k, y, ldy, sm, sm + MMT_TAB);
-    else mmt_rows<0, T32>(x, ldx, t, n, k, y, ldy, sm, sm + MMT_TAB);
+                                         float* y, u64 ldy, const float* tab, double* xsm) {
+    if (t.rows <= 16) mmt_tile<1, XBF>(x, ldx, t, n, k, y, ldy, tab, xsm);
+    else if (t.rows <= 32) mmt_tile<2, XBF>(x, ldx, t, n, k, y, ldy, tab, xsm);
+    else mmt_tile<4, XBF>(x, ldx, t, n, k, y, ldy, tab, xsm);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 moe_mmt_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    extern __shared__ double mmt_sm[];  // the table (128-byte rows), then two x buffers
-    mmt_kernel<0>(x, xbf, ldx, tiles, n, k, y, ldy, mmt_sm);
-}
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
-moe_mmt32_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y,
-              u64 ldy) {
-    extern __shared__ double mmt_sm[];  // the f32 table (64-byte rows; its f64 room), x buffers
-    mmt_kernel<1>(x, xbf, ldx, tiles, n, k, y, ldy, mmt_sm);
+    __shared__ double xsm[2 * MMA_R * MMT_LD];  // two x buffers (37 KB with the table)
+    __shared__ float tab[MMT_TAB];
+    __shared__ float mq[256];
+    const MoeTile t = tiles[blockIdx.y];
+    moe_scales(t, mq);
+    mmt_table(t, mq, tab);
+    if (xbf) mmt_rows<1>(x, ldx, t, n, k, y, ldy, tab, xsm);
+    else mmt_rows<0>(x, ldx, t, n, k, y, ldy, tab, xsm);
 }

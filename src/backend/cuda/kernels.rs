@@ -91,24 +91,13 @@ pub enum MoeKernel {
     Fma,
     /// `moe_mma_f64`: FP64 tensor cores, tiles of up to [`MMA_R`] rows, 128 columns per block.
     Mma,
-    /// `moe_mmt_f64`: `moe_mma_f64`'s tiles with each block's weights decoded through a table
-    /// ([`MMT_SMEM`] bytes of dynamic shared memory) straight into the B fragments.
+    /// `moe_mmt_f64`: `moe_mma_f64`'s tiles with each block's weights decoded through a
+    /// per-tile table in shared memory straight into the B fragments (the default).
     Mmt,
-    /// `moe_mmt32_f64`: `moe_mmt_f64` with an f32 table (converted as read).
-    Mmt32,
 }
 
-/// Dynamic shared memory of `moe_mmt_f64` (`MMT_SMEM` in kernels/stats.cu): the decode table
-/// (256 rows of 16 doubles) and two buffers of 64 x rows of 20 doubles.
-pub const MMT_SMEM: u32 = 256 * 16 * 8 + 2 * 64 * 20 * 8;
-
 impl MoeKernel {
-    pub const ALL: [MoeKernel; 4] = [
-        MoeKernel::Fma,
-        MoeKernel::Mma,
-        MoeKernel::Mmt,
-        MoeKernel::Mmt32,
-    ];
+    pub const ALL: [MoeKernel; 3] = [MoeKernel::Fma, MoeKernel::Mma, MoeKernel::Mmt];
 
     /// The kernel's name in kernels/stats.cu.
     pub fn name(self) -> &'static str {
@@ -116,7 +105,6 @@ impl MoeKernel {
             MoeKernel::Fma => "moe_gemm_f64",
             MoeKernel::Mma => "moe_mma_f64",
             MoeKernel::Mmt => "moe_mmt_f64",
-            MoeKernel::Mmt32 => "moe_mmt32_f64",
         }
     }
 
@@ -147,7 +135,7 @@ impl MoeKernel {
         }
     }
 
-    /// `NVFP4_PROBE_MOE_KERNEL=fma`, `mma` or `mmt32`, else `moe_mmt_f64`.
+    /// `NVFP4_PROBE_MOE_KERNEL=fma` or `mma`, else `moe_mmt_f64`.
     pub fn from_env() -> MoeKernel {
         match std::env::var("NVFP4_PROBE_MOE_KERNEL")
             .ok()
@@ -156,7 +144,6 @@ impl MoeKernel {
         {
             Some("fma") => MoeKernel::Fma,
             Some("mma") => MoeKernel::Mma,
-            Some("mmt32") => MoeKernel::Mmt32,
             _ => MoeKernel::Mmt,
         }
     }
@@ -393,11 +380,7 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(cols).min(65_535) as u32, tiles.len() as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: if matches!(kernel, MoeKernel::Mmt | MoeKernel::Mmt32) {
-                MMT_SMEM
-            } else {
-                0
-            },
+            shared_mem_bytes: 0,
         };
         let (xbf, ldx, n, k, ldy) = (xbf as i32, ldx as u64, n as u64, k as u64, ldy as u64);
         let kn = self.kern();
@@ -405,7 +388,6 @@ impl Gpu {
             MoeKernel::Fma => kn.moe_gemm_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mma => kn.moe_mma_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
             MoeKernel::Mmt => kn.moe_mmt_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
-            MoeKernel::Mmt32 => kn.moe_mmt32_f64(cfg, x, xbf, ldx, tb.ptr, n, k, y, ldy),
         }
     }
 

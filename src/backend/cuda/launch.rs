@@ -126,7 +126,6 @@ kernels! {
     "stats.cu" fn moe_gemm_f64(x: ptr, xbf: i32, ldx: u64, tiles: ptr, n: u64, k: u64, y: ptr, ldy: u64);
     "stats.cu" fn moe_mma_f64(x: ptr, xbf: i32, ldx: u64, tiles: ptr, n: u64, k: u64, y: ptr, ldy: u64);
     "stats.cu" fn moe_mmt_f64(x: ptr, xbf: i32, ldx: u64, tiles: ptr, n: u64, k: u64, y: ptr, ldy: u64);
-    "stats.cu" fn moe_mmt32_f64(x: ptr, xbf: i32, ldx: u64, tiles: ptr, n: u64, k: u64, y: ptr, ldy: u64);
     "layer.cu" fn row_rms(x: ptr, rows: u64, cols: u64, eps: f32, r: ptr);
     "layer.cu" fn rms_apply(x: ptr, rows: u64, cols: u64, r: ptr, w: ptr, round: i32, out: ptr);
     /// `mode`: bit 0 inverse, bit 1 half-split pairs (`ROPE_INVERSE`, `ROPE_SPLIT` in backend/layer.rs).

@@ -180,7 +180,7 @@ pub struct Gpu {
     /// The grouped experts' GEMM kernel: on the FP64 tensor cores (`moe_mmt_f64`, tiles of
     /// [`MMA_R`] rows, any number of rows per expert, weights decoded through a per-tile table)
     /// unless `NVFP4_PROBE_MOE_KERNEL` says otherwise when the backend opened (`mma`:
-    /// `moe_mma_f64`, weights staged; `mmt32`: an f32 table; `fma`: `moe_gemm_f64`, tiles of
+    /// `moe_mma_f64`, weights staged; `fma`: `moe_gemm_f64`, tiles of
     /// [`MOE_R`] rows, experts of at most [`GROUPED_MAX_ROWS`](moe::GROUPED_MAX_ROWS) rows); the
     /// self-test checks every one ([`MoeKernel::ALL`]).
     pub moe_kernel: MoeKernel,
@@ -287,16 +287,6 @@ impl Gpu {
                     .load_function(k)
                     .map_err(|e| cuda_err(&format!("kernel {k}"), e))?,
             );
-        }
-        // moe_mmt_f64's table and x buffers are more than the 48 KB a kernel gets unasked
-        for k in ["moe_mmt_f64", "moe_mmt32_f64"] {
-            if let Some(f) = funcs.get(k) {
-                f.set_attribute(
-                    dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    kernels::MMT_SMEM as i32,
-                )
-                .map_err(|e| cuda_err(&format!("kernel {k}: shared memory limit"), e))?;
-            }
         }
         let compile_seconds = t0.elapsed().as_secs_f64();
         unsafe { ctx.disable_event_tracking() };
