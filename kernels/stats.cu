@@ -573,6 +573,38 @@ __device__ __forceinline__ void mma_step(double (&acc)[MF][MMA_NJ][4], double (*
         for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
     }
 }
+// The accumulators of a warp's MF x MMA_NJ fragments, zeroed.
+template <int MF>
+__device__ __forceinline__ void mma_zero(double (&acc)[MF][MMA_NJ][4]) {
+#pragma unroll
+    for (int m = 0; m < MF; m++)
+#pragma unroll
+        for (int j = 0; j < MMA_NJ; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
+}
+// A warp's fragments of columns c0 + wc ..: each rounded once to f32 (then the tile's epilogue)
+// into y, rows past the tile's and columns past n not stored.
+template <int MF>
+__device__ __forceinline__ void mma_store(const double (&acc)[MF][MMA_NJ][4], const MoeTile& t,
+                                          u64 c0, u32 wc, u32 g, u32 tq, u64 n, float* y, u64 ldy) {
+#pragma unroll
+    for (int m = 0; m < MF; m++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 r = 16 * m + g + 8 * (i >> 1);
+            if (r >= t.rows) continue;
+#pragma unroll
+            for (int j = 0; j < MMA_NJ; j++) {
+                const u64 c = c0 + wc + 8 * j + 2 * tq + (i & 1);
+                if (c >= n) continue;
+                float o = __double2float_rn(acc[m][j][i]);
+                if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
+                y[(u64)(t.row0 + r) * ldy + c] = o;
+            }
+        }
+    }
+}
 // MF 16-row fragments of the tile's rows; warp w computes columns c0 + 32 w .. + 32 of them
 // (MMA_NJ fragments of 8). Steps alternate between the register sets f0 (even steps) and f1.
 template <int MF>
@@ -584,12 +616,7 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
     const u32 xrows = 16 * MF, wc = wid * (8 * MMA_NJ);
     for (u64 c0 = (u64)blockIdx.x * MMA_C; c0 < n; c0 += (u64)gridDim.x * MMA_C) {
         double acc[MF][MMA_NJ][4];
-#pragma unroll
-        for (int m = 0; m < MF; m++)
-#pragma unroll
-            for (int j = 0; j < MMA_NJ; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
+        mma_zero<MF>(acc);
         MmaFetch f0, f1;
         mma_fetch(f0, x, xbf, ldx, t, xrows, c0, n, k, 0, mx);
         if (16 < k) mma_fetch(f1, x, xbf, ldx, t, xrows, c0, n, k, 16, mx);
@@ -607,22 +634,7 @@ __device__ __forceinline__ void mma_tile(const void* x, int xbf, u64 ldx, const 
                 __syncthreads();
             }
         }
-#pragma unroll
-        for (int m = 0; m < MF; m++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const u32 r = 16 * m + g + 8 * (i >> 1);
-                if (r >= t.rows) continue;
-#pragma unroll
-                for (int j = 0; j < MMA_NJ; j++) {
-                    const u64 c = c0 + wc + 8 * j + 2 * tq + (i & 1);
-                    if (c >= n) continue;
-                    float o = __double2float_rn(acc[m][j][i]);
-                    if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
-                    y[(u64)(t.row0 + r) * ldy + c] = o;
-                }
-            }
-        }
+        mma_store<MF>(acc, t, c0, wc, g, tq, n, y, ldy);
     }
 }
 
@@ -748,12 +760,7 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
 #pragma unroll
         for (int j = 0; j < MMA_NJ; j++) at.cols |= (cl + 8 * j < n ? 1u : 0u) << j;
         double acc[MF][MMA_NJ][4];
-#pragma unroll
-        for (int m = 0; m < MF; m++)
-#pragma unroll
-            for (int j = 0; j < MMA_NJ; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0;
+        mma_zero<MF>(acc);
         uint4 fx[2];
         uint2 cw[MMA_NJ];
         u32 sc[MMA_NJ];
@@ -792,22 +799,7 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
             }
             __syncthreads();
         }
-#pragma unroll
-        for (int m = 0; m < MF; m++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const u32 rr = 16 * m + g + 8 * (i >> 1);
-                if (rr >= t.rows) continue;
-#pragma unroll
-                for (int j = 0; j < MMA_NJ; j++) {
-                    const u64 c = c0 + wc + 8 * j + 2 * tq + (i & 1);
-                    if (c >= n) continue;
-                    float o = __double2float_rn(acc[m][j][i]);
-                    if (t.flags & MT_EPI) o = bf16_round(__fmul_rn(o, t.mul));
-                    y[(u64)(t.row0 + rr) * ldy + c] = o;
-                }
-            }
-        }
+        mma_store<MF>(acc, t, c0, wc, g, tq, n, y, ldy);
     }
 }
 template <int XBF>
