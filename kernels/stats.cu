@@ -658,7 +658,7 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
 // under scale byte s (the tile's global scale, post-scale and BF16 rounding applied as moe_mma_f64
 // does), then each lane reads its B fragments' weights straight from global code words and the
 // table and converts them to f64: no weight is staged. With 4-byte entries a warp's 32 table reads
-// spread over 32 banks; an f64 table (16 bank pairs, 4.8 wavefronts per read under ncu) was 10 %
+// spread over 32 banks; an f64 table (16 bank pairs, 4.8 wavefronts per read under ncu) was 11 %
 // slower (BENCHMARKS.md session 33). x rows are staged as f64 in two buffers (one barrier per step)
 // and read as moe_mma_f64 reads them, loaded two steps ahead; a lane's code words and scale bytes
 // one step ahead, used only in the next step (a use in the step that loads them waits for the load
@@ -685,7 +685,7 @@ __device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, flo
 // further are j strides on), and which of its 4 columns lie before n.
 struct MmtAt {
     const u8* x;       // x row r, element 8 (thread % 2)
-    const u8* codes;   // column c0 + wc + g (or the tile's first column past n)
+    const u8* codes;   // column c0 + wc + g (column c0 when that one lies past n)
     const u8* scales;  // the same column's scale bytes
     u32 cstride, sstride;  // bytes between columns 8 apart: codes, scales
     u32 cols;          // bit j: column j of the lane's lies before n
@@ -720,7 +720,7 @@ __device__ __forceinline__ void mmt_stage_x(const uint4 (&f)[2], double* xs) {
     }
 }
 // A lane's code words (16 codes of a column's step) and scale bytes of its 4 columns at step k0, as
-// loaded (a column past n reads a valid column; past k, the step's first).
+// loaded (a column past n reads a valid column's; past k, step 0's).
 __device__ __forceinline__ void mmt_fetch_b(uint2 (&cw)[MMA_NJ], u32 (&sc)[MMA_NJ], const MmtAt& at,
                                             u32 k, u32 k0, u32 ssh) {
     const u32 kk = k0 < k ? k0 : 0u;
