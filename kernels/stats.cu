@@ -309,6 +309,15 @@ struct MoeTile {
     float global, post, mul;
     u32 flags;
 };
+// A routed expert's weight from its e2m1 value e and block scale q under the tile's decode: the
+// product rounded to f32, then the post-scale (MT_POST) and the BF16 rounding (MT_WBF16). The one
+// rule of every experts kernel and of moe_mmt_f64's decode table.
+__device__ __forceinline__ float moe_weight(float e, float q, const MoeTile& t, bool post, bool wbf) {
+    float w = __fmul_rn(e, q);
+    if (post) w = __fmul_rn(w, t.post);
+    if (wbf) w = bf16_round(w);
+    return w;
+}
 // The work of one tile of R rows (1 <= R <= MOE_R; instantiated per row count, so a tile of one
 // token does no work for the rows it lacks). A lane loads its 16 x values per row and piece once
 // as f32 and converts them to f64 at each use: a variant that converted them once per half piece
@@ -367,9 +376,8 @@ __device__ __forceinline__ void moe_tile(const void* x, int xbf, u64 ldx, const 
                 for (int i = 0; i < 8; i++) {
                     u32 byte = ((i < 4 ? pk.x : pk.y) >> (8 * (i & 3))) & 0xFFu;
                     float2 e = me[byte];
-                    float w0 = __fmul_rn(e.x, q), w1 = __fmul_rn(e.y, q);
-                    if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
-                    if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
+                    const float w0 = moe_weight(e.x, q, t, post, wbf);
+                    const float w1 = moe_weight(e.y, q, t, post, wbf);
                     double d0 = (double)w0, d1 = (double)w1;
 #pragma unroll
                     for (int r = 0; r < R; r++) {
@@ -547,9 +555,8 @@ __device__ __forceinline__ void mma_stage(const MmaFetch& f, const MoeTile& t, u
             const u32 byte = (f.pk[w] >> (8 * b)) & 0xFFu;
             const float e0 = e2m1_decode(swap ? byte >> 4 : byte & 15u);
             const float e1 = e2m1_decode(swap ? byte & 15u : byte >> 4);
-            float w0 = __fmul_rn(e0, q), w1 = __fmul_rn(e1, q);
-            if (post) { w0 = __fmul_rn(w0, t.post); w1 = __fmul_rn(w1, t.post); }
-            if (wbf) { w0 = bf16_round(w0); w1 = bf16_round(w1); }
+            const float w0 = moe_weight(e0, q, t, post, wbf);
+            const float w1 = moe_weight(e1, q, t, post, wbf);
             dst[2 * b] = (double)w0;
             dst[2 * b + 1] = (double)w1;
         }
@@ -673,10 +680,7 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
 __device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, float* tab) {
     const bool post = (t.flags & MT_POST) != 0u, wbf = (t.flags & MT_WBF16) != 0u;
     for (u32 i = threadIdx.x; i < (u32)MMT_TAB; i += blockDim.x) {
-        float w = __fmul_rn(e2m1_decode(i & 15u), mq[i >> 4]);
-        if (post) w = __fmul_rn(w, t.post);
-        if (wbf) w = bf16_round(w);
-        tab[i] = w;
+        tab[i] = moe_weight(e2m1_decode(i & 15u), mq[i >> 4], t, post, wbf);
     }
     __syncthreads();
 }
