@@ -674,7 +674,6 @@ moe_mma_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k,
 // A staged row's 16-byte units are XOR-swizzled by bit 1 of the row (unit u of row r at
 // u ^ ((r >> 1) & 1)): the 8 stores of a quarter warp (rows 4 q .. 4 q + 3, both halves) then hit
 // 8 distinct bank groups (2-way conflicts without it), and a lane's A loads keep their banks.
-#define MMT_LD MMA_LD
 #define MMT_TAB (256 * 16)  // table entries: 256 scale bytes of 16 codes
 // The decode table of a tile (mq: its block scales, moe_scales).
 __device__ __forceinline__ void mmt_table(const MoeTile& t, const float* mq, float* tab) {
@@ -708,7 +707,7 @@ __device__ __forceinline__ void mmt_fetch_x(uint4 (&f)[2], const MmtAt& at, u32 
 template <int XBF>
 __device__ __forceinline__ void mmt_stage_x(const uint4 (&f)[2], double* xs) {
     const u32 half = threadIdx.x & 1u, r = threadIdx.x >> 1, sw = (r >> 1) & 1u;
-    double2* d = (double2*)(xs + r * MMT_LD);
+    double2* d = (double2*)(xs + r * MMA_LD);
     const u32 w[8] = {f[0].x, f[0].y, f[0].z, f[0].w, f[1].x, f[1].y, f[1].z, f[1].w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -746,9 +745,9 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
     const u32 sh0 = (4u * tq) ^ (moe_swapped(t) ? 4u : 0u), sh1 = sh0 + 16u;
     const char* tab = (const char*)tabf;
     // the lane's A values: rows 16 m + g + 8 (i % 2), elements tq + 4 (i / 2), swizzled units
-    const u32 abase = g * MMT_LD + 2u * ((tq >> 1) ^ ((g >> 1) & 1u)) + (tq & 1u);
+    const u32 abase = g * MMA_LD + 2u * ((tq >> 1) ^ ((g >> 1) & 1u)) + (tq & 1u);
     double* xs0 = xsm;
-    double* xs1 = xsm + MMA_R * MMT_LD;
+    double* xs1 = xsm + MMA_R * MMA_LD;
     MmtAt at;
     // rows past the tile's are staged as zeros: never read (past the last tile they lie past x)
     at.xlive = r < 16u * MF && r < t.rows;
@@ -797,7 +796,7 @@ __device__ __forceinline__ void mmt_tile(const void* x, u64 ldx, const MoeTile& 
                 double a[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++)
-                    a[i] = cur[abase + (16 * m + 8 * (i & 1)) * MMT_LD + 4 * (i >> 1)];
+                    a[i] = cur[abase + (16 * m + 8 * (i & 1)) * MMA_LD + 4 * (i >> 1)];
 #pragma unroll
                 for (int j = 0; j < MMA_NJ; j++) dmma16(acc[m][j], a, b[j]);
             }
@@ -816,7 +815,7 @@ __device__ __forceinline__ void mmt_rows(const void* x, u64 ldx, const MoeTile& 
 
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 moe_mmt_f64(const void* x, int xbf, u64 ldx, const MoeTile* tiles, u64 n, u64 k, float* y, u64 ldy) {
-    __shared__ double xsm[2 * MMA_R * MMT_LD];  // two x buffers (37 KB with the table)
+    __shared__ double xsm[2 * MMA_R * MMA_LD];  // two x buffers (37 KB with the table)
     __shared__ float tab[MMT_TAB];
     __shared__ float mq[256];
     const MoeTile t = tiles[blockIdx.y];
