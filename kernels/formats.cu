@@ -155,11 +155,12 @@ extern "C" __global__ void encode_floats(const float* in, u64 n, int fmt, u8* ou
     }
 }
 
-// y[i] = bf16(x[i]) in place (f32 storage), or into BF16 bits when out16 != 0.
-extern "C" __global__ void round_bf16(float* x, u64 n, u16* out16) {
+// y[i] = bf16(x[i]) in f32 storage (y may be x: in place), or into BF16 bits when out16 != 0
+// (y unused). A copy that rounds is one pass instead of a copy and a pass in place.
+extern "C" __global__ void round_bf16(const float* x, float* y, u64 n, u16* out16) {
     GRID_STRIDE(i, n) {
         if (out16) out16[i] = bf16_bits(x[i]);
-        else x[i] = bf16_round(x[i]);
+        else y[i] = bf16_round(x[i]);
     }
 }
 

@@ -165,15 +165,19 @@ extern "C" __global__ void hc_wsum(const float* x, const float* coef, u64 t, u64
     }
 }
 
-// out[t, k, c] = post[t, k] * y[t, c] + sum_j comb[t, j, k] * x[t, j, c] (kern::hc_post).
+// out[t, k, c] = post[t, k] * y[t, c] + sum_j comb[t, j, k] * x[t, j, c] (kern::hc_post). One
+// thread per (t, c) computes the hc outputs k (x's column read once from memory, then cached).
 extern "C" __global__ void hc_post(const float* y, const float* x, const float* post, const float* comb,
                                    u64 t, u64 hc, u64 d, int round, float* out) {
-    GRID_STRIDE(i, t * hc * d) {
-        u64 ti = i / (hc * d), rem = i % (hc * d), k = rem / d, c = rem % d;
-        float a = __fmul_rn(post[ti * hc + k], y[ti * d + c]);
-        for (u64 j = 0; j < hc; j++)
-            a = __fadd_rn(a, __fmul_rn(comb[ti * hc * hc + j * hc + k], x[(ti * hc + j) * d + c]));
-        out[i] = round ? bf16_round(a) : a;
+    GRID_STRIDE(i, t * d) {
+        u64 ti = i / d, c = i % d;
+        float yv = y[i];
+        for (u64 k = 0; k < hc; k++) {
+            float a = __fmul_rn(post[ti * hc + k], yv);
+            for (u64 j = 0; j < hc; j++)
+                a = __fadd_rn(a, __fmul_rn(comb[ti * hc * hc + j * hc + k], x[(ti * hc + j) * d + c]));
+            out[(ti * hc + k) * d + c] = round ? bf16_round(a) : a;
+        }
     }
 }
 
@@ -317,18 +321,17 @@ extern "C" __global__ void attn_gather(const float* kv, const float* cmp, const 
     const u64 lo = geo[0], nwin = geo[1], n = nwin + geo[2];
     const u64 k0 = (u64)blockIdx.y * ATTN_GATHER_KEYS;
     double* dst = kg + ti * max_keys * dh;
-    for (u64 e = threadIdx.x; e < ATTN_GATHER_KEYS * dh; e += blockDim.x) {
-        u64 key = k0 + e / dh, c = e % dh;
-        if (key >= max_keys) break;
-        double v = 0.0;
+    // key by key (the source row is the block's, found once), threads across the row
+    for (u64 key = k0; key < k0 + ATTN_GATHER_KEYS && key < max_keys; key++) {
+        const float* src = nullptr;
         if (key < nwin) {
-            v = (double)kv[(lo + key - kv0) * dh + c];
+            src = kv + (lo + key - kv0) * dh;
         } else if (key < n) {
             u64 j = key - nwin;
-            u64 row = has_sel ? (u64)sel[ti * kk + j] : j;
-            v = (double)cmp[row * dh + c];
+            src = cmp + (has_sel ? (u64)sel[ti * kk + j] : j) * dh;
         }
-        dst[key * dh + c] = v;
+        double* d = dst + key * dh;
+        for (u64 c = threadIdx.x; c < dh; c += blockDim.x) d[c] = src ? (double)src[c] : 0.0;
     }
 }
 

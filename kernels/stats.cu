@@ -160,12 +160,10 @@ extern "C" __global__ void stats_pick(const float* x, const float* r, u64 n, con
 
 // ---- MoE -----------------------------------------------------------------------------------
 
-// out[i, :] = x[rows[i], :]
+// out[i, :] = x[rows[i], :]. Grid: x = output row, y = column blocks of blockDim.x.
 extern "C" __global__ void gather_rows(const float* x, const int* rows, u64 nrows, u64 d, float* out) {
-    GRID_STRIDE(i, nrows * d) {
-        u64 r = i / d, c = i % d;
-        out[i] = x[(u64)rows[r] * d + c];
-    }
+    u64 r = blockIdx.x, c = (u64)blockIdx.y * blockDim.x + threadIdx.x;
+    if (r < nrows && c < d) out[r * d + c] = x[(u64)rows[r] * d + c];
 }
 
 // x * sigmoid(x) in f64, rounded once (as the CPU reference computes it).
@@ -174,18 +172,23 @@ __device__ __forceinline__ float silu_f(float v) {
     return (float)__dmul_rn(d, __ddiv_rn(1.0, __dadd_rn(1.0, exp(-d))));
 }
 
-// SwiGLU with the clamp: g' = min(g, L), u' = clamp(u, +-L) (NaN kept), a = silu(g') * u',
-// rounded to BF16 when round != 0 (the path's storage rounding). limit <= 0: no clamp.
+// SwiGLU with the clamp: g' = min(g, L), u' = clamp(u, +-L) (NaN kept), a = silu(g') * u'.
+// round bit 0: a is rounded to BF16 (the path's storage rounding); bit 1: g and u are stored
+// (rounded to BF16) first, as an expert's gate and up projections are. limit <= 0: no clamp.
 extern "C" __global__ void swiglu_clamp(const float* g, const float* u, u64 n, float limit, int round,
                                         float* out) {
     GRID_STRIDE(i, n) {
         float g2 = g[i], u2 = u[i];
+        if (round & 2) {
+            g2 = bf16_round(g2);
+            u2 = bf16_round(u2);
+        }
         if (limit > 0.0f) {
             g2 = fminf(g2, limit);
             if (!isnan(u2)) u2 = fminf(fmaxf(u2, -limit), limit);
         }
         float a = __fmul_rn(silu_f(g2), u2);
-        out[i] = round ? bf16_round(a) : a;
+        out[i] = (round & 1) ? bf16_round(a) : a;
     }
 }
 
@@ -207,7 +210,14 @@ extern "C" __global__ void moe_combine(const float* y, const int* slot_row, cons
 // ---- f64-accumulating GEMM support ------------------------------------------------------------
 
 // f32 or BF16-bits matrix [rows, cols] with row stride ld -> contiguous f64 (exact).
+// Contiguous rows (ld == cols, nearly every call) index without the 64-bit division.
 extern "C" __global__ void to_f64(const void* in, int bf16, u64 rows, u64 cols, u64 ld, double* out) {
+    if (ld == cols) {
+        GRID_STRIDE(i, rows * cols) {
+            out[i] = (double)(bf16 ? bf16_to_f32(((const u16*)in)[i]) : ((const float*)in)[i]);
+        }
+        return;
+    }
     GRID_STRIDE(i, rows * cols) {
         u64 r = i / cols, c = i % cols;
         float v = bf16 ? bf16_to_f32(((const u16*)in)[r * ld + c]) : ((const float*)in)[r * ld + c];
@@ -217,6 +227,10 @@ extern "C" __global__ void to_f64(const void* in, int bf16, u64 rows, u64 cols, 
 
 // contiguous f64 [rows, cols] -> f32 with row stride ld, rounded once to nearest even.
 extern "C" __global__ void from_f64(const double* in, u64 rows, u64 cols, u64 ld, float* out) {
+    if (ld == cols) {
+        GRID_STRIDE(i, rows * cols) out[i] = __double2float_rn(in[i]);
+        return;
+    }
     GRID_STRIDE(i, rows * cols) {
         u64 r = i / cols, c = i % cols;
         out[r * ld + c] = __double2float_rn(in[i]);

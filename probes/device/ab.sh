@@ -21,6 +21,6 @@ run() { # variant json
 }
 for i in $(seq $REPS); do for v in $VS; do run $v $OUT/$v.json; done; done
 for v in $VS; do
-  env $(envs $v) NVFP4_PROBE_KERNEL_TIME=1 NVFP4_PROBE_PROFILE=1 timeout 300 $(bin $v) run --model $F --layers 0..$((NL-1)) --seq-len $T --backend cuda --quiet 2>&1 | grep -E "device time|^profile|^loader" | sed "s/^/$v /" | cut -c1-900
+  env $(envs $v) NVFP4_PROBE_KERNEL_TIME=1 NVFP4_PROBE_PROFILE=1 timeout 300 $(bin $v) run --model $F --layers 0..$((NL-1)) --seq-len $T --backend cuda --quiet 2>&1 | grep -E "device time|^profile|^loader" | sed "s/^/$v /" | cut -c1-2400
 done
 for v in $VS; do [ $v != A ] && { echo "diff A $v:"; python3 probes/device/run_diff.py $OUT/A.json $OUT/$v.json; }; done

@@ -336,7 +336,7 @@ impl Gpu {
 
     pub(super) fn round_in_place(&self, p: u64, n: usize, round: bool) -> Result<()> {
         if round {
-            self.kern().round_bf16(n as u64, p, n as u64, 0)?;
+            self.kern().round_bf16(n as u64, p, p, n as u64, 0)?;
         }
         Ok(())
     }
@@ -456,10 +456,12 @@ impl Gpu {
     ) -> Result<Data> {
         let n = q.len();
         let rows = n / (h * dh).max(1);
-        let xb = self.input_copy(q)?;
+        // the norm reads q where it is and writes the new buffer (no copy first)
+        let qb = self.input(q)?;
+        let xb = self.out(n * 4)?;
         let rb = self.out(rows * h * 4)?;
-        self.row_rms_dev(xb.ptr, rows * h, dh, eps, rb.ptr)?;
-        self.rms_apply_dev(xb.ptr, rows * h, dh, rb.ptr, 0, false, xb.ptr)?;
+        self.row_rms_dev(qb.ptr, rows * h, dh, eps, rb.ptr)?;
+        self.rms_apply_dev(qb.ptr, rows * h, dh, rb.ptr, 0, false, xb.ptr)?;
         self.rope_dev(xb.ptr, rows, h, dh, nope, tab, 0)?;
         self.round_in_place(xb.ptr, n, round)?;
         Ok(self.output(xb, n, round))
@@ -653,7 +655,7 @@ impl Gpu {
         );
         let ob = self.out(t * hc * d * 4)?;
         self.kern().hc_post(
-            (t * hc * d) as u64,
+            (t * d) as u64,
             yb.ptr,
             xb.ptr,
             pb.ptr,
@@ -821,7 +823,7 @@ impl Gpu {
         }
         let (gb, ub) = (self.input(g)?, self.input(u)?);
         let ob = self.out(n * 4)?;
-        self.swiglu_clamp(gb.ptr, ub.ptr, n, limit, round, ob.ptr)?;
+        self.swiglu_clamp(gb.ptr, ub.ptr, n, limit, round, false, ob.ptr)?;
         Ok(self.output(ob, n, round))
     }
 }

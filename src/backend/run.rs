@@ -370,7 +370,7 @@ fn print_profile(g: &Mutex<Gpu>, ops: &[Op], stage_stats: Option<&StageStats>) {
             };
             let top: Vec<String> = kt
                 .iter()
-                .take(16)
+                .take(24)
                 .map(|(k, n, s)| format!("{k} {s:.3} ({n})"))
                 .collect();
             eprintln!(
@@ -379,6 +379,22 @@ fn print_profile(g: &Mutex<Gpu>, ops: &[Op], stage_stats: Option<&StageStats>) {
                     sum(true),
                     top.join(", ")
                 );
+        }
+        if let Some(idle) = g.idle_by_step() {
+            let top: Vec<String> = idle
+                .iter()
+                .take(16)
+                .map(|(step, n, s)| {
+                    let id = ops.get(*step).map_or("?", |o| o.id.as_str());
+                    format!("{id} {:.1} ms ({n})", s * 1e3)
+                })
+                .collect();
+            eprintln!(
+                "gpu idle between timed work: {:.3} s in {} gaps; by the op that ended them: {}",
+                idle.iter().map(|x| x.2).sum::<f64>(),
+                idle.iter().map(|x| x.1).sum::<u64>(),
+                top.join(", ")
+            );
         }
         // last: its own GEMMs and copies must not count as the run's (kernel times above)
         print_floors(&mut g);

@@ -874,7 +874,8 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
     ));
 
     // ---- MoE: gather, combine ----
-    let (tt, d) = (50, 256);
+    // a width past one 256-column block of the gather's grid, not a multiple of it
+    let (tt, d) = (50, 300);
     let x: Vec<f32> = (0..tt * d).map(|_| rng.normal() as f32).collect();
     let idx: Vec<i32> = (0..120).map(|_| rng.below(tt) as i32).collect();
     let (xb, ib) = (t.up(&x)?, t.up(&idx)?);
@@ -889,7 +890,25 @@ pub fn kernels(g: &mut Gpu, scale: usize, seed: u64) -> Result<Vec<Check>> {
         &t.get_f32(&o, idx.len() * d)?,
         &want,
     ));
-    // SwiGLU with its clamp: bit for bit in the layer checks (`Gpu::swiglu`, selftest/layer.rs)
+    // SwiGLU with its clamp: bit for bit in the layer checks (`Gpu::swiglu`, selftest/layer.rs);
+    // here the experts' form, which stores (rounds) the gate and up projections itself
+    let n_g = 4099;
+    let gt: Vec<f32> = (0..n_g).map(|_| 4.0 * rng.normal() as f32).collect();
+    let up: Vec<f32> = (0..n_g).map(|_| 4.0 * rng.normal() as f32).collect();
+    let (gb, ub) = (t.up(&gt)?, t.up(&up)?);
+    let o = t.out(n_g * 4)?;
+    t.g.swiglu_clamp(gb.ptr, ub.ptr, n_g, 7.0, true, true, o.ptr)?;
+    let bf = crate::numerics::bf16::round;
+    let want: Vec<f32> = gt
+        .iter()
+        .zip(&up)
+        .map(|(&x, &u)| bf(crate::device::ops::silu(bf(x).min(7.0)) * bf(u).clamp(-7.0, 7.0)))
+        .collect();
+    out.push(exact(
+        "expert SwiGLU, gate and up stored by the kernel, clamp 7",
+        &t.get_f32(&o, n_g)?,
+        &want,
+    ));
     let k_slots = 3;
     let rows_y = 90;
     let y: Vec<f32> = (0..rows_y * d).map(|_| rng.normal() as f32).collect();

@@ -229,8 +229,27 @@ impl Gpu {
 
     /// out[r] = x[rows[r]] for `nrows` rows of width `d` (`rows`: device i32 row indices).
     pub fn gather_rows(&self, x: u64, rows: u64, nrows: usize, d: usize, out: u64) -> Result<()> {
-        self.kern()
-            .gather_rows((nrows * d) as u64, x, rows, nrows as u64, d as u64, out)
+        // a block per output row (grid x holds at most 2^31 - 1), 256 columns per block
+        const MAX_ROWS: usize = 1 << 30;
+        (0..nrows).step_by(MAX_ROWS).try_for_each(|r0| {
+            let n = MAX_ROWS.min(nrows - r0);
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, d.div_ceil(256) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if d == 0 {
+                return Ok(());
+            }
+            self.kern().gather_rows(
+                cfg,
+                x,
+                rows + (r0 * 4) as u64,
+                n as u64,
+                d as u64,
+                out + (r0 * d * 4) as u64,
+            )
+        })
     }
 
     /// `dequant_nvfp4` over `nblocks` 16-element blocks (see kernels/formats.cu); the v2 kernel
@@ -391,7 +410,9 @@ impl Gpu {
         }
     }
 
-    /// act = silu(min(gt, L)) · clamp(up, ±L) over `n` elements, rounded to BF16 when `round`.
+    /// act = silu(min(gt, L)) · clamp(up, ±L) over `n` elements, rounded to BF16 when `round`;
+    /// with `store_inputs` gt and up are rounded to BF16 first (an expert's stored projections).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn swiglu_clamp(
         &self,
         gt: u64,
@@ -399,9 +420,11 @@ impl Gpu {
         n: usize,
         limit: f32,
         round: bool,
+        store_inputs: bool,
         act: u64,
     ) -> Result<()> {
+        let mode = round as i32 | (store_inputs as i32) << 1;
         self.kern()
-            .swiglu_clamp(n as u64, gt, up, n as u64, limit, round as i32, act)
+            .swiglu_clamp(n as u64, gt, up, n as u64, limit, mode, act)
     }
 }

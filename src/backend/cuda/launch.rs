@@ -1,4 +1,4 @@
-//! Typed launchers, one per kernel of `kernels/*.cu`: `gpu.kern().round_bf16(n, x, n, 0)`.
+//! Typed launchers, one per kernel of `kernels/*.cu`: `gpu.kern().round_bf16(n, x, x, n, 0)`.
 //! Each launcher's parameters are the kernel's own, in its order, with its C types (`ptr` is a
 //! device address); a launch with a wrong count or kind of arguments does not compile, where a
 //! launch by name with an `A` slice failed (or misread its arguments) only on the device. The
@@ -94,7 +94,7 @@ kernels! {
     /// Encode n floats: fmt 0 E4M3 satfinite, 1 E2M1, 2 BF16 bits.
     "formats.cu" fn encode_floats(inp: ptr, n: u64, fmt: i32, out: ptr);
     /// Round to BF16 in place, or into BF16 bits at `out16` (0: in place).
-    "formats.cu" fn round_bf16(x: ptr, n: u64, out16: ptr);
+    "formats.cu" fn round_bf16(x: ptr, y: ptr, n: u64, out16: ptr);
     "formats.cu" fn count_inexact_bf16(x: ptr, n: u64, cnt: ptr);
     /// y = bf16(y · mul) (round != 0) or y · mul.
     "formats.cu" fn scale_round(y: ptr, n: u64, mul: f32, round: i32);

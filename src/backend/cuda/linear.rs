@@ -18,7 +18,7 @@ impl Gpu {
     /// f32 → BF16 bits into a scratch buffer.
     pub(super) fn bf16_copy(&mut self, name: &'static str, x: u64, n: usize) -> Result<u64> {
         let p = self.scratch(name, n * 2)?;
-        self.kern().round_bf16(n as u64, x, n as u64, p)?;
+        self.kern().round_bf16(n as u64, x, 0, n as u64, p)?;
         Ok(p)
     }
 
@@ -185,12 +185,11 @@ impl Gpu {
                 if let Some(d) = post {
                     // the host weight is e2m1·s_w: bf(wq · d_w)
                     let tmp = self.scratch("w32", nk * 4)?;
-                    unsafe { dres::memcpy_dtod_async(tmp, hp, nk * 4, self.stream.cu_stream()) }
-                        .map_err(|e| cuda_err("copy", e))?;
+                    self.copy_on_device(tmp, hp, nk)?;
                     self.kern().scale_round(nk as u64, tmp, nk as u64, d, 1)?;
-                    self.kern().round_bf16(nk as u64, tmp, nk as u64, wq16)?;
+                    self.kern().round_bf16(nk as u64, tmp, 0, nk as u64, wq16)?;
                 } else {
-                    self.kern().round_bf16(nk as u64, hp, nk as u64, wq16)?;
+                    self.kern().round_bf16(nk as u64, hp, 0, nk as u64, wq16)?;
                 }
             }
             None => self.dequant(w, wq16, Ty::Bf16, true, false, post)?,

@@ -470,7 +470,9 @@ impl Gpu {
     }
 
     pub fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<()> {
-        unsafe { dres::memset_d8_async(dst, byte, bytes, self.stream.cu_stream()) }
-            .map_err(|e| cuda_err("memset", e))
+        self.timed("memset", || {
+            unsafe { dres::memset_d8_async(dst, byte, bytes, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("memset", e))
+        })
     }
 }

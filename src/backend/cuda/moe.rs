@@ -252,11 +252,7 @@ impl Gpu {
         limit: f32,
         round: bool,
     ) -> Result<()> {
-        if round {
-            let m = n as u64;
-            self.kern().round_bf16(m, gt, m, 0)?;
-            self.kern().round_bf16(m, up, m, 0)?;
-        }
-        self.swiglu_clamp(gt, up, n, limit, round, act)
+        // the kernel stores gate and up itself (one pass instead of three)
+        self.swiglu_clamp(gt, up, n, limit, round, round, act)
     }
 }

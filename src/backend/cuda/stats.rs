@@ -12,19 +12,45 @@ pub struct KernelTimer {
     by_kernel: HashMap<&'static str, (u64, f64)>,
     /// Device milliseconds and calls by (the runner's op step when enqueued, kernel).
     by_step_kernel: HashMap<(usize, &'static str), (u64, f64)>,
+    /// The first timed launch's start event, and the end of the latest one (ms after it).
+    origin: Option<CudaEvent>,
+    last_end: f64,
+    /// Device idle time before timed work (the stream has one queue, so the gap between one
+    /// item's end and the next one's start): milliseconds and gaps by the later item's op step.
+    idle_by_step: HashMap<usize, (u64, f64)>,
 }
+
+/// Idle gaps shorter than this (ms) are the events' own resolution and launch cadence, not waits.
+const IDLE_MIN_MS: f64 = 0.02;
 
 impl KernelTimer {
     fn drain(&mut self) -> Result<()> {
-        for (a, b, name, step) in self.pending.drain(..) {
+        let pending: Vec<_> = self.pending.drain(..).collect();
+        for (a, b, name, step) in pending {
             let ms = a.elapsed_ms(&b).map_err(|e| cuda_err("event timing", e))?;
+            match &self.origin {
+                None => self.last_end = ms as f64,
+                Some(o) => {
+                    let start = o.elapsed_ms(&a).map_err(|e| cuda_err("event timing", e))? as f64;
+                    if start - self.last_end > IDLE_MIN_MS {
+                        let e = self.idle_by_step.entry(step).or_default();
+                        e.0 += 1;
+                        e.1 += start - self.last_end;
+                    }
+                    self.last_end = start + ms as f64;
+                }
+            }
             let e = self.by_kernel.entry(name).or_default();
             e.0 += 1;
             e.1 += ms as f64;
             let e = self.by_step_kernel.entry((step, name)).or_default();
             e.0 += 1;
             e.1 += ms as f64;
-            self.free.push(a);
+            if self.origin.is_none() {
+                self.origin = Some(a);
+            } else {
+                self.free.push(a);
+            }
             self.free.push(b);
         }
         Ok(())
@@ -101,6 +127,21 @@ impl Gpu {
         }
         let mut v: Vec<_> = by_step.into_iter().collect();
         v.sort_by_key(|x| x.0);
+        Some(v)
+    }
+
+    /// With the kernel timer on: the device's idle time between timed work as (op step of the
+    /// work that ended the gap, gaps, seconds), longest first.
+    pub fn idle_by_step(&self) -> Option<Vec<(usize, u64, f64)>> {
+        let t = self.ktimer.as_ref()?;
+        let mut t = t.borrow_mut();
+        t.drain().ok()?;
+        let mut v: Vec<_> = t
+            .idle_by_step
+            .iter()
+            .map(|(s, (n, ms))| (*s, *n, ms / 1e3))
+            .collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
         Some(v)
     }
 

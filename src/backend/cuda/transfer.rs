@@ -161,23 +161,27 @@ impl Gpu {
         let src = self.input(x)?;
         let b = self.alloc(n * 4)?;
         if n > 0 {
-            unsafe { dres::memcpy_dtod_async(b.ptr, src.ptr, n * 4, self.stream.cu_stream()) }
-                .map_err(|e| cuda_err("copy on device", e))?;
+            self.copy_on_device(b.ptr, src.ptr, n)?;
         }
         Ok(b)
     }
 
     /// Copy `n` f32 values from `src` to `dst` on the device (queued on the stream).
     pub fn copy_on_device(&self, dst: u64, src: u64, n: usize) -> Result<()> {
-        unsafe { dres::memcpy_dtod_async(dst, src, n * 4, self.stream.cu_stream()) }
-            .map_err(|e| cuda_err("copy on device", e))
+        self.timed("copy device->device", || {
+            unsafe { dres::memcpy_dtod_async(dst, src, n * 4, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copy on device", e))
+        })
     }
 
     /// The BF16 storage rounding of `x` on the device (values that are not on the host stay there).
     pub fn round_data(&self, x: &mut Data) -> Result<()> {
         let n = x.len();
-        let b = self.input_copy(x)?;
-        self.kern().round_bf16(n as u64, b.ptr, n as u64, 0)?;
+        let src = self.input(x)?;
+        let b = self.alloc(n * 4)?;
+        // one pass: read x, write its rounding into the new buffer
+        self.kern()
+            .round_bf16(n as u64, src.ptr, b.ptr, n as u64, 0)?;
         *x = self.output(b, n, true);
         Ok(())
     }

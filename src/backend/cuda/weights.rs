@@ -573,7 +573,7 @@ impl Gpu {
         }
         // BF16 bits are already rounded; f32 output is rounded here when asked
         if round && out_ty == Ty::F32 && !matches!(w.fmt, DevFmt::Dense(_)) {
-            self.kern().round_bf16(nk, out, nk, 0)?;
+            self.kern().round_bf16(nk, out, out, nk, 0)?;
         }
         Ok(())
     }
