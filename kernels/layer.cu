@@ -611,8 +611,10 @@ __device__ __forceinline__ float nan_low(float v) { return isnan(v) ? -INFINITY 
 // One thread per token (kern::route): top-k of score + bias by repeated selection (larger first,
 // ties toward the lower index, NaN as -inf), weights = chosen scores / their f32 sum (norm != 0),
 // times rs. Expert ids written as f32.
+// given != null (a hash router: expert ids [t, k] as f32, from its table): no selection, the
+// weights of the given experts (kern::hash_route_weights) and idx = given.
 extern "C" __global__ void route_topk(const float* logits, const float* bias, u64 t, u64 e, u64 k, int f,
-                                      int norm, float rs, float* wts, float* idx) {
+                                      int norm, float rs, const float* given, float* wts, float* idx) {
     GRID_STRIDE(ti, t) {
         const float* l = logits + ti * e;
         float m = -INFINITY;
@@ -626,9 +628,9 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, u6
         float pk = 0.0f;
         float wsum = 0.0f;
         for (u64 slot = 0; slot < k; slot++) {
-            long long best = -1;
+            long long best = given ? (long long)given[ti * k + slot] : -1;
             float bk = 0.0f;
-            for (u64 i = 0; i < e; i++) {
+            for (u64 i = 0; i < e && !given; i++) {
                 float ki = nan_low(__fadd_rn(route_score(l[i], f, m, s), bias[i]));
                 if (prev >= 0 && !(pk > ki || (pk == ki && (u64)prev < i))) continue;
                 if (best < 0 || ki > bk || (ki == bk && i < (u64)best)) {

@@ -230,6 +230,21 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
             .with(|g| g.route(&logits.data, bias, t, e, k, f, norm, rs))
     }
 
+    fn hash_route(
+        &self,
+        logits: &Tensor,
+        idx: &[usize],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<Vec<f32>> {
+        self.dev
+            .with(|g| g.hash_route(&logits.data, idx, t, e, k, f, norm, rs))
+    }
+
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let dev = &self.dev;
         let y = dev.with(|g| g.add(&a.data, &b.data, dev.round))?;
@@ -756,7 +771,53 @@ impl Gpu {
         norm: bool,
         rs: f32,
     ) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (wb, ib) = self.route_dev(logits, bias, t, e, k, f, norm, rs, None)?;
+        let idx: Vec<f32> = self.download(ib.ptr, t * k)?;
+        Ok((
+            self.download(wb.ptr, t * k)?,
+            idx.iter().map(|&v| v as usize).collect(),
+        ))
+    }
+
+    /// `kern::hash_route_weights` on the device: the weights [t, k] of the experts `idx` [t, k]
+    /// (valid ids, from the hash router's table). The logits stay on the device; only the
+    /// weights come back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hash_route(
+        &mut self,
+        logits: &Data,
+        idx: &[usize],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<Vec<f32>> {
+        let (wb, _) = self.route_dev(logits, &vec![0.0; e], t, e, k, f, norm, rs, Some(idx))?;
+        self.download(wb.ptr, t * k)
+    }
+
+    /// `route_topk` into new device buffers (weights, ids as f32), selecting the top k or taking
+    /// the `given` ids.
+    #[allow(clippy::too_many_arguments)]
+    fn route_dev(
+        &mut self,
+        logits: &Data,
+        bias: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+        given: Option<&[usize]>,
+    ) -> Result<(super::cuda::Buf, super::cuda::Buf)> {
         let (lb, bb) = (self.input(logits)?, self.upload(bias)?);
+        let gb = match given {
+            Some(ids) => Some(self.upload(&ids.iter().map(|&i| i as f32).collect::<Vec<f32>>())?),
+            None => None,
+        };
         let wb = self.out(t * k * 4)?;
         let ib = self.out(t * k * 4)?;
         self.kern().route_topk(
@@ -769,14 +830,11 @@ impl Gpu {
             f as i32,
             norm as i32,
             rs,
+            gb.as_ref().map_or(0, |b| b.ptr),
             wb.ptr,
             ib.ptr,
         )?;
-        let idx: Vec<f32> = self.download(ib.ptr, t * k)?;
-        Ok((
-            self.download(wb.ptr, t * k)?,
-            idx.iter().map(|&v| v as usize).collect(),
-        ))
+        Ok((wb, ib))
     }
 
     /// a + b ([`Data`] of equal length), then the path's rounding.

@@ -287,6 +287,29 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         Ok(kern::route(&logits.data, bias, t, e, k, f, norm, rs))
     }
 
+    fn hash_route(
+        &self,
+        logits: &Tensor,
+        idx: &[usize],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<Vec<f32>> {
+        Ok(kern::hash_route_weights(
+            &logits.data,
+            idx,
+            t,
+            e,
+            k,
+            f,
+            norm,
+            rs,
+        ))
+    }
+
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let mut y = Tensor::new(
             a.shape.clone(),

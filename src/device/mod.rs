@@ -149,6 +149,19 @@ pub trait Device {
         norm: bool,
         rs: f32,
     ) -> Result<(Vec<f32>, Vec<usize>)>;
+    /// A hash router's weights [t, k] for the expert ids `idx` [t, k] its table gives
+    /// (`kern::hash_route_weights`; the ids are checked, < e).
+    fn hash_route(
+        &self,
+        logits: &Tensor,
+        idx: &[usize],
+        t: usize,
+        e: usize,
+        k: usize,
+        f: Scoring,
+        norm: bool,
+        rs: f32,
+    ) -> Result<Vec<f32>>;
     /// a + b (equal shapes).
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
     /// SwiGLU with the clamp on the stored gate and up projections:

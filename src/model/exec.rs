@@ -316,7 +316,9 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
                 })?;
             }
         }
-        let wts = kern::hash_route_weights(&logits.data, &idx, t, e, k, f, norm, rs);
+        let wts = env
+            .device()
+            .hash_route(&logits, &idx, t, e, k, f, norm, rs)?;
         (wts, idx)
     } else if let Some(fam) = cfg.family.as_ref().filter(|f| f.n_group > 1) {
         // DeepSeek-V3's group-limited top-k

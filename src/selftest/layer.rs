@@ -390,6 +390,17 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             let mut c = exact(&name, &gw, &ww);
             c.mismatches += gi.iter().zip(&wi).filter(|(a, b)| a != b).count();
             out.push(c);
+            // a hash router's given ids (repeats allowed), the NaN logit among them
+            let ids: Vec<usize> = (0..t * k)
+                .map(|i| if i == k { 11 } else { rng.below(e) })
+                .collect();
+            let want = kern::hash_route_weights(&l, &ids, t, e, k, f, norm, 2.5);
+            let got = g.hash_route(&dv(&l), &ids, t, e, k, f, norm, 2.5)?;
+            out.push(exact(
+                &format!("hash router weights ({f:?}, norm {norm})"),
+                &got,
+                &want,
+            ));
         }
     }
     Ok(())

@@ -142,7 +142,7 @@ kernels! {
     /// One CUDA block of 256 threads per query of the block (`Grid::Cfg`).
     "layer.cu" fn indexer_topk(sc: ptr, rows: u64, ld: u64, t0: u64, ratio: u64, n_c: u64, kk: u64, out: ptr);
     "layer.cu" fn sel_lists(sel: ptr, t: u64, kk: u64, n_c: u64, lists: ptr, bad: ptr);
-    "layer.cu" fn route_topk(logits: ptr, bias: ptr, t: u64, e: u64, k: u64, f: i32, norm: i32, rs: f32, wts: ptr, idx: ptr);
+    "layer.cu" fn route_topk(logits: ptr, bias: ptr, t: u64, e: u64, k: u64, f: i32, norm: i32, rs: f32, given: ptr, wts: ptr, idx: ptr);
     "layer.cu" fn add_f32(a: ptr, b: ptr, n: u64, out: ptr);
     "layer.cu" fn copy_cols(x: ptr, rows: u64, cols: u64, c0: u64, w: u64, out: ptr);
     "layer.cu" fn mla_kv(kvb: ptr, kva: ptr, t: u64, h: u64, nope: u64, rope: u64, dv: u64, lora: u64, k: ptr, v: ptr);
