@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use super::cuda::Gpu;
 use crate::device::cpu::{gqa_sizes, mla_sizes};
 use crate::device::family::{GqaDims, MlaDims};
-use crate::device::kern::{self, AttnDims, HcParams, IndexerDims, Scoring};
+use crate::device::kern::{self, AttnDims, HcParams, IndexerDims, Routing};
 use crate::device::ops::RopeTable;
 use crate::device::{CmpRows, CpuDevice, Device, GluIn};
 use crate::tensor::Data;
@@ -215,34 +215,12 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
         Ok(Tensor::new(vec![d.t, d.kk], sel))
     }
 
-    fn route(
-        &self,
-        logits: &Tensor,
-        bias: &[f32],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<(Vec<f32>, Vec<usize>)> {
-        self.dev
-            .with(|g| g.route(&logits.data, bias, t, e, k, f, norm, rs))
+    fn route(&self, logits: &Tensor, bias: &[f32], r: Routing) -> Result<(Vec<f32>, Vec<usize>)> {
+        self.dev.with(|g| g.route(&logits.data, bias, r))
     }
 
-    fn hash_route(
-        &self,
-        logits: &Tensor,
-        idx: &[usize],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<Vec<f32>> {
-        self.dev
-            .with(|g| g.hash_route(&logits.data, idx, t, e, k, f, norm, rs))
+    fn hash_route(&self, logits: &Tensor, idx: &[usize], r: Routing) -> Result<Vec<f32>> {
+        self.dev.with(|g| g.hash_route(&logits.data, idx, r))
     }
 
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -759,22 +737,16 @@ impl Gpu {
     }
 
     /// `kern::route` on the device: (weights [t, k], expert ids [t, k]).
-    #[allow(clippy::too_many_arguments)]
     pub fn route(
         &mut self,
         logits: &Data,
         bias: &[f32],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
+        r: Routing,
     ) -> Result<(Vec<f32>, Vec<usize>)> {
-        let (wb, ib) = self.route_dev(logits, bias, t, e, k, f, norm, rs, None)?;
-        let idx: Vec<f32> = self.download(ib.ptr, t * k)?;
+        let (wb, ib) = self.route_dev(logits, bias, r, None)?;
+        let idx: Vec<f32> = self.download(ib.ptr, r.t * r.k)?;
         Ok((
-            self.download(wb.ptr, t * k)?,
+            self.download(wb.ptr, r.t * r.k)?,
             idx.iter().map(|&v| v as usize).collect(),
         ))
     }
@@ -782,37 +754,28 @@ impl Gpu {
     /// `kern::hash_route_weights` on the device: the weights [t, k] of the experts `idx` [t, k]
     /// (valid ids, from the hash router's table). The logits stay on the device; only the
     /// weights come back.
-    #[allow(clippy::too_many_arguments)]
-    pub fn hash_route(
-        &mut self,
-        logits: &Data,
-        idx: &[usize],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<Vec<f32>> {
-        let (wb, _) = self.route_dev(logits, &vec![0.0; e], t, e, k, f, norm, rs, Some(idx))?;
-        self.download(wb.ptr, t * k)
+    pub fn hash_route(&mut self, logits: &Data, idx: &[usize], r: Routing) -> Result<Vec<f32>> {
+        let (wb, _) = self.route_dev(logits, &vec![0.0; r.e], r, Some(idx))?;
+        self.download(wb.ptr, r.t * r.k)
     }
 
     /// `route_topk` into new device buffers (weights, ids as f32), selecting the top k or taking
     /// the `given` ids.
-    #[allow(clippy::too_many_arguments)]
     fn route_dev(
         &mut self,
         logits: &Data,
         bias: &[f32],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
+        r: Routing,
         given: Option<&[usize]>,
     ) -> Result<(super::cuda::Buf, super::cuda::Buf)> {
+        let Routing {
+            t,
+            e,
+            k,
+            f,
+            norm,
+            rs,
+        } = r;
         let (lb, bb) = (self.input(logits)?, self.upload(bias)?);
         let gb = match given {
             Some(ids) => Some(self.upload(&ids.iter().map(|&i| i as f32).collect::<Vec<f32>>())?),

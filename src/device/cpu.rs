@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::family::{self, GqaDims, MlaDims};
 use super::gemm::matmul_nt;
-use super::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Scoring};
+use super::kern::{self, AttnDims, CmpKeys, HcParams, IndexerDims, Routing};
 use super::ops::{rmsnorm_rows, silu, RopeTable};
 use super::{CmpRows, Device, GluIn};
 use crate::{Error, Result, Tensor};
@@ -273,41 +273,12 @@ impl<S: Fn(&mut Tensor)> Device for CpuDevice<S> {
         Ok(Tensor::new(vec![t, d.kk], sel))
     }
 
-    fn route(
-        &self,
-        logits: &Tensor,
-        bias: &[f32],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<(Vec<f32>, Vec<usize>)> {
-        Ok(kern::route(&logits.data, bias, t, e, k, f, norm, rs))
+    fn route(&self, logits: &Tensor, bias: &[f32], r: Routing) -> Result<(Vec<f32>, Vec<usize>)> {
+        Ok(kern::route(&logits.data, bias, r))
     }
 
-    fn hash_route(
-        &self,
-        logits: &Tensor,
-        idx: &[usize],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<Vec<f32>> {
-        Ok(kern::hash_route_weights(
-            &logits.data,
-            idx,
-            t,
-            e,
-            k,
-            f,
-            norm,
-            rs,
-        ))
+    fn hash_route(&self, logits: &Tensor, idx: &[usize], r: Routing) -> Result<Vec<f32>> {
+        Ok(kern::hash_route_weights(&logits.data, idx, r))
     }
 
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {

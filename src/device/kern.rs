@@ -664,20 +664,31 @@ impl Scoring {
     }
 }
 
+/// A router's shape and weighting: `t` tokens, `e` experts, `k` chosen per token; the scoring
+/// function, whether the k weights are normalised by their f32 sum, and the routed scaling
+/// factor they are multiplied by.
+#[derive(Clone, Copy, Debug)]
+pub struct Routing {
+    pub t: usize,
+    pub e: usize,
+    pub k: usize,
+    pub f: Scoring,
+    pub norm: bool,
+    pub rs: f32,
+}
+
 /// Routing of the learned router (not hash layers): scores of `logits` [t, e], top-k of
 /// score + bias, weights = the chosen scores, normalised by their f32 sum when `norm`, times `rs`.
 /// Returns (weights [t, k], expert ids [t, k]).
-#[allow(clippy::too_many_arguments)]
-pub fn route(
-    logits: &[f32],
-    bias: &[f32],
-    t: usize,
-    e: usize,
-    k: usize,
-    f: Scoring,
-    norm: bool,
-    rs: f32,
-) -> (Vec<f32>, Vec<usize>) {
+pub fn route(logits: &[f32], bias: &[f32], r: Routing) -> (Vec<f32>, Vec<usize>) {
+    let Routing {
+        t,
+        e,
+        k,
+        f,
+        norm,
+        rs,
+    } = r;
     let scores = route_scores(logits, e, f);
     let mut idx = vec![0usize; t * k];
     let mut keys = vec![0.0f32; e];
@@ -706,17 +717,15 @@ pub fn route_scores(logits: &[f32], e: usize, f: Scoring) -> Vec<f32> {
 /// A hash layer's routing weights: its table chose `idx` [t, k]; the gate's `logits` [t, e] score
 /// only those choices where the scoring is elementwise (sigmoid, sqrt-softplus: the same values
 /// as scoring every logit, 1/(e/k) of the work; a softmax scores whole rows).
-#[allow(clippy::too_many_arguments)]
-pub fn hash_route_weights(
-    logits: &[f32],
-    idx: &[usize],
-    t: usize,
-    e: usize,
-    k: usize,
-    f: Scoring,
-    norm: bool,
-    rs: f32,
-) -> Vec<f32> {
+pub fn hash_route_weights(logits: &[f32], idx: &[usize], r: Routing) -> Vec<f32> {
+    let Routing {
+        t,
+        e,
+        k,
+        f,
+        norm,
+        rs,
+    } = r;
     if f == Scoring::Softmax {
         return route_weights(&route_scores(logits, e, f), idx, t, e, k, norm, rs);
     }
@@ -781,7 +790,15 @@ mod work_tests {
         for f in [Scoring::SqrtSoftplus, Scoring::Sigmoid, Scoring::Softmax] {
             for (norm, rs) in [(true, 2.5f32), (false, 1.0)] {
                 let whole = route_weights(&route_scores(&logits, e, f), &idx, t, e, k, norm, rs);
-                let hashed = hash_route_weights(&logits, &idx, t, e, k, f, norm, rs);
+                let r = Routing {
+                    t,
+                    e,
+                    k,
+                    f,
+                    norm,
+                    rs,
+                };
+                let hashed = hash_route_weights(&logits, &idx, r);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&whole), bits(&hashed), "{f:?} norm {norm}");
             }

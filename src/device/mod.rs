@@ -21,7 +21,7 @@ pub use cpu::CpuDevice;
 
 use crate::{Result, Tensor};
 use family::{GqaDims, MlaDims};
-use kern::{AttnDims, HcParams, IndexerDims, Scoring};
+use kern::{AttnDims, HcParams, IndexerDims, Routing};
 use ops::RopeTable;
 
 /// The compressed rows of an attention op as a [`Device`] takes them: the layer's ratio (each
@@ -138,30 +138,10 @@ pub trait Device {
     ) -> Result<Tensor>;
     /// The router's top-k from the logits [t, e] with the selection bias: (weights [t, k],
     /// expert ids [t, k]).
-    fn route(
-        &self,
-        logits: &Tensor,
-        bias: &[f32],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<(Vec<f32>, Vec<usize>)>;
+    fn route(&self, logits: &Tensor, bias: &[f32], r: Routing) -> Result<(Vec<f32>, Vec<usize>)>;
     /// A hash router's weights [t, k] for the expert ids `idx` [t, k] its table gives
     /// (`kern::hash_route_weights`; the ids are checked, < e).
-    fn hash_route(
-        &self,
-        logits: &Tensor,
-        idx: &[usize],
-        t: usize,
-        e: usize,
-        k: usize,
-        f: Scoring,
-        norm: bool,
-        rs: f32,
-    ) -> Result<Vec<f32>>;
+    fn hash_route(&self, logits: &Tensor, idx: &[usize], r: Routing) -> Result<Vec<f32>>;
     /// a + b (equal shapes).
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
     /// SwiGLU with the clamp on the stored gate and up projections:

@@ -287,6 +287,14 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
         ))
     })?;
     let (norm, rs) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
+    let route = kern::Routing {
+        t,
+        e,
+        k,
+        f,
+        norm,
+        rs,
+    };
     let (wts, idx) = if cfg.is_hash_layer(layer) {
         let name = weight(op, 1)?;
         let ids = env.token_ids().to_vec();
@@ -316,9 +324,7 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
                 })?;
             }
         }
-        let wts = env
-            .device()
-            .hash_route(&logits, &idx, t, e, k, f, norm, rs)?;
+        let wts = env.device().hash_route(&logits, &idx, route)?;
         (wts, idx)
     } else if let Some(fam) = cfg.family.as_ref().filter(|f| f.n_group > 1) {
         // DeepSeek-V3's group-limited top-k
@@ -333,7 +339,7 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
             Some(name) => param_n(env, name, e)?.data.to_vec(),
             None => vec![0.0; e],
         };
-        env.device().route(&logits, &bias, t, e, k, f, norm, rs)?
+        env.device().route(&logits, &bias, route)?
     };
     Ok(vec![
         Tensor::new(vec![t, k], wts),

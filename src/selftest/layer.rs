@@ -384,8 +384,16 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             l[e + 11] = f32::NAN;
             let mut bias = normals(rng, e, 0.1);
             bias[3] = bias[7];
-            let (ww, wi) = kern::route(&l, &bias, t, e, k, f, norm, 2.5);
-            let (gw, gi) = g.route(&dv(&l), &bias, t, e, k, f, norm, 2.5)?;
+            let r = kern::Routing {
+                t,
+                e,
+                k,
+                f,
+                norm,
+                rs: 2.5,
+            };
+            let (ww, wi) = kern::route(&l, &bias, r);
+            let (gw, gi) = g.route(&dv(&l), &bias, r)?;
             let name = format!("router top-k ({f:?}, norm {norm})");
             let mut c = exact(&name, &gw, &ww);
             c.mismatches += gi.iter().zip(&wi).filter(|(a, b)| a != b).count();
@@ -394,8 +402,8 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             let ids: Vec<usize> = (0..t * k)
                 .map(|i| if i == k { 11 } else { rng.below(e) })
                 .collect();
-            let want = kern::hash_route_weights(&l, &ids, t, e, k, f, norm, 2.5);
-            let got = g.hash_route(&dv(&l), &ids, t, e, k, f, norm, 2.5)?;
+            let want = kern::hash_route_weights(&l, &ids, r);
+            let got = g.hash_route(&dv(&l), &ids, r)?;
             out.push(exact(
                 &format!("hash router weights ({f:?}, norm {norm})"),
                 &got,

@@ -57,6 +57,13 @@ impl KernelTimer {
     }
 }
 
+/// (key, count, seconds) of a timer's (count, milliseconds) table, longest first.
+fn longest_first<K: Copy>(m: &HashMap<K, (u64, f64)>) -> Vec<(K, u64, f64)> {
+    let mut v: Vec<_> = m.iter().map(|(k, (n, ms))| (*k, *n, ms / 1e3)).collect();
+    v.sort_by(|a, b| b.2.total_cmp(&a.2));
+    v
+}
+
 /// Bytes of one pinned metrics slot: room for [`METRIC_SLOT`] / 8 / [`STAT_WORDS`] pairs.
 const METRIC_SLOT: usize = 8 << 10;
 
@@ -118,9 +125,7 @@ impl Gpu {
     /// With the kernel timer on: device seconds (kernels, cuBLAS calls and copies on the compute
     /// stream) by op step, in step order.
     pub fn kernel_times_by_step(&self) -> Option<Vec<(usize, f64)>> {
-        let t = self.ktimer.as_ref()?;
-        let mut t = t.borrow_mut();
-        t.drain().ok()?;
+        let t = self.ktimer_read()?;
         let mut by_step: HashMap<usize, f64> = HashMap::new();
         for ((step, _), (_, ms)) in &t.by_step_kernel {
             *by_step.entry(*step).or_default() += ms / 1e3;
@@ -133,16 +138,7 @@ impl Gpu {
     /// With the kernel timer on: the device's idle time between timed work as (op step of the
     /// work that ended the gap, gaps, seconds), longest first.
     pub fn idle_by_step(&self) -> Option<Vec<(usize, u64, f64)>> {
-        let t = self.ktimer.as_ref()?;
-        let mut t = t.borrow_mut();
-        t.drain().ok()?;
-        let mut v: Vec<_> = t
-            .idle_by_step
-            .iter()
-            .map(|(s, (n, ms))| (*s, *n, ms / 1e3))
-            .collect();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
-        Some(v)
+        Some(longest_first(&self.ktimer_read()?.idle_by_step))
     }
 
     /// With the kernel timer on: the kernels of op `step` as (name, calls, device seconds),
@@ -165,16 +161,14 @@ impl Gpu {
     /// With the kernel timer on: (name, calls, device seconds) per kernel, cuBLAS call and copy
     /// kind so far, longest first.
     pub fn kernel_times(&self) -> Option<Vec<(&'static str, u64, f64)>> {
-        let t = self.ktimer.as_ref()?;
-        let mut t = t.borrow_mut();
+        Some(longest_first(&self.ktimer_read()?.by_kernel))
+    }
+
+    /// The kernel timer with every recorded pair of events read, when it is on.
+    fn ktimer_read(&self) -> Option<std::cell::RefMut<'_, KernelTimer>> {
+        let mut t = self.ktimer.as_ref()?.borrow_mut();
         t.drain().ok()?;
-        let mut v: Vec<_> = t
-            .by_kernel
-            .iter()
-            .map(|(k, (n, ms))| (*k, *n, ms / 1e3))
-            .collect();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
-        Some(v)
+        Some(t)
     }
 
     /// Statistics of `x` and, with a reference, the comparison, in one pass on the device.
