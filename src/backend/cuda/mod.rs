@@ -46,9 +46,9 @@ pub mod image;
 mod kernels;
 pub mod launch;
 mod linear;
+mod metrics;
 mod moe;
 mod served_weight;
-mod stats;
 mod transfer;
 mod weights;
 
@@ -60,8 +60,8 @@ pub use kernels::{
     ActQuantOut, AqSeg, MoeKernel, MoeTile, Nvfp4Decode, AQ_KERNELS, AQ_KERNEL_DEFAULT, MMA_R,
     MOE_R, MT_EPI, MT_POST, MT_SWAP, MT_WBF16,
 };
+pub use metrics::{KernelTimer, PendingMetrics};
 pub use moe::ExpertsOut;
-pub use stats::{KernelTimer, PendingMetrics};
 pub use transfer::{Bounce, DevRef, DevTensor};
 
 use launch::KERNELS;
