@@ -209,32 +209,24 @@ extern "C" __global__ void moe_combine(const float* y, const int* slot_row, cons
 
 // ---- f64-accumulating GEMM support ------------------------------------------------------------
 
+// Where element i of a [rows, cols] matrix with row stride ld lies: i itself when the rows are
+// contiguous (ld == cols, nearly every call: no 64-bit division).
+__device__ __forceinline__ u64 strided_at(u64 i, u64 cols, u64 ld) {
+    return ld == cols ? i : (i / cols) * ld + i % cols;
+}
+
 // f32 or BF16-bits matrix [rows, cols] with row stride ld -> contiguous f64 (exact).
-// Contiguous rows (ld == cols, nearly every call) index without the 64-bit division.
 extern "C" __global__ void to_f64(const void* in, int bf16, u64 rows, u64 cols, u64 ld, double* out) {
-    if (ld == cols) {
-        GRID_STRIDE(i, rows * cols) {
-            out[i] = (double)(bf16 ? bf16_to_f32(((const u16*)in)[i]) : ((const float*)in)[i]);
-        }
-        return;
-    }
     GRID_STRIDE(i, rows * cols) {
-        u64 r = i / cols, c = i % cols;
-        float v = bf16 ? bf16_to_f32(((const u16*)in)[r * ld + c]) : ((const float*)in)[r * ld + c];
+        const u64 j = strided_at(i, cols, ld);
+        float v = bf16 ? bf16_to_f32(((const u16*)in)[j]) : ((const float*)in)[j];
         out[i] = (double)v;
     }
 }
 
 // contiguous f64 [rows, cols] -> f32 with row stride ld, rounded once to nearest even.
 extern "C" __global__ void from_f64(const double* in, u64 rows, u64 cols, u64 ld, float* out) {
-    if (ld == cols) {
-        GRID_STRIDE(i, rows * cols) out[i] = __double2float_rn(in[i]);
-        return;
-    }
-    GRID_STRIDE(i, rows * cols) {
-        u64 r = i / cols, c = i % cols;
-        out[r * ld + c] = __double2float_rn(in[i]);
-    }
+    GRID_STRIDE(i, rows * cols) out[strided_at(i, cols, ld)] = __double2float_rn(in[i]);
 }
 
 // Few-row GEMM with f64 accumulation (the routed experts see a handful of tokens each):

@@ -318,6 +318,12 @@ impl<S: Fn(&mut Tensor)> Device for CudaDevice<S> {
 pub(super) const ROPE_INVERSE: i32 = 1;
 pub(super) const ROPE_SPLIT: i32 = 2;
 
+/// Which experts `route_topk` weighs: the top k of score + bias, or ids given by a hash table.
+enum Pick<'a> {
+    TopK(&'a [f32]),
+    Given(&'a [usize]),
+}
+
 impl Gpu {
     /// An output buffer filled with 0xFF (NaN as f32) before the kernel writes it, so an element
     /// a kernel forgets shows up as NaN instead of stale data.
@@ -449,9 +455,9 @@ impl Gpu {
     ) -> Result<Data> {
         let n = q.len();
         let rows = n / (h * dh).max(1);
-        // the norm reads q where it is and writes the new buffer (no copy first)
+        // the norm reads q where it is and writes every element of the new buffer (no copy first)
         let qb = self.input(q)?;
-        let xb = self.out(n * 4)?;
+        let xb = self.alloc(n * 4)?;
         let rb = self.out(rows * h * 4)?;
         self.row_rms_dev(qb.ptr, rows * h, dh, eps, rb.ptr)?;
         self.rms_apply_dev(qb.ptr, rows * h, dh, rb.ptr, 0, false, xb.ptr)?;
@@ -743,7 +749,7 @@ impl Gpu {
         bias: &[f32],
         r: Routing,
     ) -> Result<(Vec<f32>, Vec<usize>)> {
-        let (wb, ib) = self.route_dev(logits, bias, r, None)?;
+        let (wb, ib) = self.route_dev(logits, r, Pick::TopK(bias))?;
         let idx: Vec<f32> = self.download(ib.ptr, r.t * r.k)?;
         Ok((
             self.download(wb.ptr, r.t * r.k)?,
@@ -755,18 +761,16 @@ impl Gpu {
     /// (valid ids, from the hash router's table). The logits stay on the device; only the
     /// weights come back.
     pub fn hash_route(&mut self, logits: &Data, idx: &[usize], r: Routing) -> Result<Vec<f32>> {
-        let (wb, _) = self.route_dev(logits, &vec![0.0; r.e], r, Some(idx))?;
+        let (wb, _) = self.route_dev(logits, r, Pick::Given(idx))?;
         self.download(wb.ptr, r.t * r.k)
     }
 
-    /// `route_topk` into new device buffers (weights, ids as f32), selecting the top k or taking
-    /// the `given` ids.
+    /// `route_topk` into new device buffers (weights, ids as f32), with the experts `pick` says.
     fn route_dev(
         &mut self,
         logits: &Data,
-        bias: &[f32],
         r: Routing,
-        given: Option<&[usize]>,
+        pick: Pick,
     ) -> Result<(super::cuda::Buf, super::cuda::Buf)> {
         let Routing {
             t,
@@ -776,17 +780,21 @@ impl Gpu {
             norm,
             rs,
         } = r;
-        let (lb, bb) = (self.input(logits)?, self.upload(bias)?);
-        let gb = match given {
-            Some(ids) => Some(self.upload(&ids.iter().map(|&i| i as f32).collect::<Vec<f32>>())?),
-            None => None,
+        let lb = self.input(logits)?;
+        // the kernel reads the bias only to select, the given ids only when there are some
+        let (bb, gb) = match pick {
+            Pick::TopK(bias) => (Some(self.upload(bias)?), None),
+            Pick::Given(ids) => {
+                let ids: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
+                (None, Some(self.upload(&ids)?))
+            }
         };
         let wb = self.out(t * k * 4)?;
         let ib = self.out(t * k * 4)?;
         self.kern().route_topk(
             t as u64,
             lb.ptr,
-            bb.ptr,
+            bb.as_ref().map_or(0, |b| b.ptr),
             t as u64,
             e as u64,
             k as u64,

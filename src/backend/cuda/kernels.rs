@@ -231,6 +231,9 @@ impl Gpu {
     pub fn gather_rows(&self, x: u64, rows: u64, nrows: usize, d: usize, out: u64) -> Result<()> {
         // a block per output row (grid x holds at most 2^31 - 1), 256 columns per block
         const MAX_ROWS: usize = 1 << 30;
+        if d == 0 {
+            return Ok(());
+        }
         (0..nrows).step_by(MAX_ROWS).try_for_each(|r0| {
             let n = MAX_ROWS.min(nrows - r0);
             let cfg = LaunchConfig {
@@ -238,9 +241,6 @@ impl Gpu {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            if d == 0 {
-                return Ok(());
-            }
             self.kern().gather_rows(
                 cfg,
                 x,
