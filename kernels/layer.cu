@@ -611,8 +611,8 @@ __device__ __forceinline__ float nan_low(float v) { return isnan(v) ? -INFINITY 
 // One thread per token (kern::route): top-k of score + bias by repeated selection (larger first,
 // ties toward the lower index, NaN as -inf), weights = chosen scores / their f32 sum (norm != 0),
 // times rs. Expert ids written as f32.
-// given != null (a hash router: expert ids [t, k] as f32, from its table): no selection, the
-// weights of the given experts (kern::hash_route_weights) and idx = given.
+// given != null (a hash router: expert ids [t, k] as f32, from its table): no selection (bias is
+// not read and may be null), the weights of the given experts (kern::hash_route_weights), idx = given.
 extern "C" __global__ void route_topk(const float* logits, const float* bias, u64 t, u64 e, u64 k, int f,
                                       int norm, float rs, const float* given, float* wts, float* idx) {
     GRID_STRIDE(ti, t) {

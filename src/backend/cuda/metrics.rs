@@ -25,21 +25,19 @@ const IDLE_MIN_MS: f64 = 0.02;
 
 impl KernelTimer {
     fn drain(&mut self) -> Result<()> {
-        let pending: Vec<_> = self.pending.drain(..).collect();
-        for (a, b, name, step) in pending {
+        for (a, b, name, step) in std::mem::take(&mut self.pending) {
             let ms = a.elapsed_ms(&b).map_err(|e| cuda_err("event timing", e))?;
-            match &self.origin {
-                None => self.last_end = ms as f64,
-                Some(o) => {
-                    let start = o.elapsed_ms(&a).map_err(|e| cuda_err("event timing", e))? as f64;
-                    if start - self.last_end > IDLE_MIN_MS {
-                        let e = self.idle_by_step.entry(step).or_default();
-                        e.0 += 1;
-                        e.1 += start - self.last_end;
-                    }
-                    self.last_end = start + ms as f64;
-                }
+            // the first timed item starts the clock
+            let start = match &self.origin {
+                Some(o) => o.elapsed_ms(&a).map_err(|e| cuda_err("event timing", e))? as f64,
+                None => 0.0,
+            };
+            if start - self.last_end > IDLE_MIN_MS {
+                let e = self.idle_by_step.entry(step).or_default();
+                e.0 += 1;
+                e.1 += start - self.last_end;
             }
+            self.last_end = start + ms as f64;
             let e = self.by_kernel.entry(name).or_default();
             e.0 += 1;
             e.1 += ms as f64;
