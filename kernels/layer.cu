@@ -738,10 +738,12 @@ __device__ void gqa_scores(const float* qv, const float* k, u64 j0, u32 n, u64 k
     }
 }
 
-// Causal grouped-query attention (family::gqa_core): q [t, h*dq], k [t, kvh*dq], v [t, kvh*dv] ->
-// out [t, h*dv]; query head i reads key/value head i / (h / kvh). One CUDA block per (query ti,
+// Causal grouped-query attention (family::gqa_core): q [t, h*dq], k [q0 + t, kvh*dq], v [q0 + t,
+// kvh*dv] -> out [t, h*dv]; query row ti is key row p = q0 + ti (q0 keys of earlier token chunks
+// come first); query head i reads key/value head i / (h / kvh). One CUDA block per (query ti,
 // head) task (grid-stride over the t*h tasks), blockDim.x a multiple of 32. The keys of query ti
-// are [lo, ti] with lo = max(0, ti + 1 - win) (win = t: every earlier key; 0: none). Scores
+// are [lo, p] with lo = max(0, p + 1 - win) (win = q0 + t: every earlier key; 0: none); every sum
+// runs over keys counted from lo, so a query's bits do not depend on q0. Scores
 // f32(q.k in f64) * scale; max over them and the head's sink logit (has_sink); den = exp(sink -
 // max) + the f64 sum of exp(s - max); p = f32(exp(s - max) / den); out = f32(sum p * v in f64) in
 // key order (one thread per output channel), rounded to BF16 when round != 0. The scores live in
@@ -749,7 +751,7 @@ __device__ void gqa_scores(const float* qv, const float* k, u64 j0, u32 n, u64 k
 // three passes (max, denominator, weighted sum) instead of holding them, so nothing of size t*t
 // exists. Dynamic shared memory: 32 doubles, dv doubles (the sums), GQA_TILE floats.
 extern "C" __global__ void gqa_attn(const float* q, const float* k, const float* v, const float* sinks,
-                                    int has_sink, u64 t, u64 h, u64 kvh, u64 dq, u64 dv, u64 win, float scale,
+                                    int has_sink, u64 t, u64 q0, u64 h, u64 kvh, u64 dq, u64 dv, u64 win, float scale,
                                     int round, float* out) {
     extern __shared__ double shd[];
     double* red = shd;
@@ -760,8 +762,9 @@ extern "C" __global__ void gqa_attn(const float* q, const float* k, const float*
     for (u64 task = blockIdx.x; task < t * h; task += gridDim.x) {
         u64 ti = task / h, head = task % h, g = head / group;
         const float* qv = q + task * dq;
-        u64 lo = ti + 1 > win ? ti + 1 - win : 0;
-        u64 nk = ti + 1 - lo;
+        u64 p = q0 + ti;
+        u64 lo = p + 1 > win ? p + 1 - win : 0;
+        u64 nk = p + 1 - lo;
         bool resident = nk <= GQA_TILE;
         float sk = has_sink ? sinks[head] : -INFINITY;
         // pass 1: the scores (kept when they fit one tile) and their max

@@ -95,6 +95,43 @@ fn layers_in_token_chunks_equal_the_whole_prompt_in_every_record_and_output() {
     }
 }
 
+/// The other model families in token chunks: their attention carries the keys and values its
+/// later queries reach (Qwen3-MoE's GQA, DeepSeek-V3's MLA keys, gpt-oss's sliding window of 16
+/// and its full layers, with sinks), RoPE takes the chunk's positions; every record and output
+/// equals the whole prompt's, in NVFP4 as the releases store it.
+#[test]
+fn each_model_family_in_token_chunks_equals_the_whole_prompt() {
+    use nvfp4_probe::model::family::Kind;
+    use nvfp4_probe::synth::{synth_to_memory, Format, SynthOptions};
+    for (kind, format) in [
+        (Kind::Qwen3Moe, Format::CtNvfp4),
+        (Kind::DeepseekV3, Format::ModelOptNvfp4),
+        (Kind::GptOss, Format::Mxfp4),
+    ] {
+        let ck = synth_to_memory(&SynthOptions::family(kind, format, 2)).expect("synth");
+        let cfg = ck.model_config().expect("config").clone();
+        let run_family = |chunk: Option<usize>| {
+            let opts = RunOptions {
+                keep_outputs: true,
+                chunk,
+                ..RunOptions::new(
+                    (0, cfg.num_hidden_layers - 1),
+                    synthetic_tokens(40, cfg.vocab_size, 4),
+                )
+            };
+            run(&ck, &opts).expect("run")
+        };
+        let whole = run_family(None);
+        for chunk in [5usize, 16, 17] {
+            assert_same(
+                &run_family(Some(chunk)),
+                &whole,
+                &format!("{kind:?}, chunk {chunk}"),
+            );
+        }
+    }
+}
+
 #[test]
 fn a_budget_too_small_for_one_chunk_exits_2_naming_the_smallest() {
     let out = bin()

@@ -395,7 +395,7 @@ impl Gpu {
     }
 
     /// The model families' causal grouped-query attention (`device::family::gqa_core`, the
-    /// path's rounding) of q [t, h·dq] over k [t, kvh·dq], v [t, kvh·dv] with the heads' sink
+    /// path's rounding) of q [t, h·dq] over k [q0 + t, kvh·dq], v [q0 + t, kvh·dv] with the heads' sink
     /// logits, if any: one launch over every (query, head), each block holding one tile of its
     /// query's scores (never [t, t]). None when values of width dv do not fit the kernel's shared
     /// memory (the caller computes the op on the host).
@@ -427,8 +427,8 @@ impl Gpu {
         }
         let (qb, kb, vb) = (self.input(q)?, self.input(k)?, self.input(v)?);
         let sb = self.upload(sinks.unwrap_or(&[0.0]))?;
-        // keys per query: the window, or every earlier key (t covers them all)
-        let win = a.window.unwrap_or(a.t);
+        // keys per query: the window, or every earlier key (q0 + t covers them all)
+        let win = a.window.unwrap_or(a.q0 + a.t);
         let cfg = LaunchConfig {
             grid_dim: (n.min(GQA_MAX_BLOCKS) as u32, 1, 1),
             block_dim: (GQA_THREADS, 1, 1),
@@ -442,6 +442,7 @@ impl Gpu {
             sb.ptr,
             sinks.is_some() as i32,
             a.t as u64,
+            a.q0 as u64,
             a.h as u64,
             a.kvh as u64,
             a.dq as u64,

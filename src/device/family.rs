@@ -12,11 +12,15 @@ use rayon::prelude::*;
 
 use super::kern::{dot64, exp64, sum64};
 
-/// Shapes and constants of the grouped-query attention: q [t, h·dq], k [t, kvh·dq],
-/// v [t, kvh·dv] → [t, h·dv]; query head i reads key/value head i / (h / kvh).
+/// Shapes and constants of the grouped-query attention: q [t, h·dq], k [q0 + t, kvh·dq],
+/// v [q0 + t, kvh·dv] → [t, h·dv]; query head i reads key/value head i / (h / kvh). Query row r
+/// is key row q0 + r: a later token chunk's queries over the keys kept from earlier chunks
+/// (`q0` of them) and its own.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GqaDims {
     pub t: usize,
+    /// Key rows before the first query's own (0 when q and k cover the same tokens).
+    pub q0: usize,
     pub h: usize,
     pub kvh: usize,
     pub dq: usize,
@@ -41,9 +45,10 @@ impl GqaDims {
     /// Whether q, k, v and the sinks have the sizes these dims ask for (the devices' shared
     /// check; the model's op checks the shapes first and names them).
     pub fn fits(&self, q: usize, k: usize, v: usize, sinks: Option<usize>) -> bool {
+        let tk = self.q0 + self.t;
         q == self.t * self.h * self.dq
-            && k == self.t * self.kvh * self.dq
-            && v == self.t * self.kvh * self.dv
+            && k == tk * self.kvh * self.dq
+            && v == tk * self.kvh * self.dv
             && self.kvh > 0
             && self.h.is_multiple_of(self.kvh)
             && sinks.is_none_or(|n| n == self.h)
@@ -73,7 +78,7 @@ pub fn gqa_core(q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>, a: GqaDi
             let (ti, head) = (task / h, task % h);
             let g = head / group;
             let qv = &q[(ti * h + head) * dq..(ti * h + head + 1) * dq];
-            let keys = a.keys(ti);
+            let keys = a.keys(a.q0 + ti);
             let s: Vec<f32> = keys
                 .clone()
                 .map(|j| {
@@ -191,6 +196,7 @@ mod tests {
         let v = vec![3.0, 4.0, 5.0, 6.0];
         let a = GqaDims {
             t: 2,
+            q0: 0,
             h: 2,
             kvh: 1,
             dq: 2,
@@ -222,6 +228,56 @@ mod tests {
         let o = gqa_core(&q, &k, &v, Some(&[0.0, 0.0]), a);
         let ps = (1f64.exp() / (1f64.exp() + 1.0)) as f32 as f64;
         assert!((o[0] as f64 - ps * 3.0).abs() < 1e-6, "{}", o[0]);
+    }
+
+    /// A later token chunk's queries over the keys kept before it (`q0` of them: every earlier
+    /// one, or a window's last w − 1) give the whole prompt's rows bit for bit, with sinks.
+    #[test]
+    fn a_later_chunk_over_its_kept_keys_gives_the_whole_prompt_s_rows() {
+        let (t, h, kvh, dq, dv) = (23, 4, 2, 8, 6);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut r = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    ((x >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+                })
+                .collect()
+        };
+        let (q, k, v, s) = (r(t * h * dq), r(t * kvh * dq), r(t * kvh * dv), r(h));
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for window in [None, Some(5)] {
+            let whole = GqaDims {
+                t,
+                q0: 0,
+                h,
+                kvh,
+                dq,
+                dv,
+                scale: 0.3,
+                window,
+            };
+            let all = gqa_core(&q, &k, &v, Some(&s), whole);
+            for start in [1usize, 3, 7, 16] {
+                let kept = window.map_or(start, |w| (w - 1).min(start));
+                let k0 = start - kept;
+                let part = GqaDims {
+                    t: t - start,
+                    q0: kept,
+                    ..whole
+                };
+                let (kc, vc) = (&k[k0 * kvh * dq..], &v[k0 * kvh * dv..]);
+                assert!(part.fits(q.len() - start * h * dq, kc.len(), vc.len(), Some(h)));
+                let got = gqa_core(&q[start * h * dq..], kc, vc, Some(&s), part);
+                assert_eq!(
+                    bits(&got),
+                    bits(&all[start * h * dv..]),
+                    "window {window:?}, chunk from {start}"
+                );
+            }
+        }
     }
 
     #[test]

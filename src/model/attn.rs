@@ -5,8 +5,8 @@
 //! f64, softmax exponentials are evaluated in f64.
 
 use super::env::{
-    check_shape, internal, layer_of, layer_rope_freqs, linear_checked, param_n, weight, ChunkAt,
-    OpEnv,
+    check_shape, history, internal, join, layer_of, layer_rope_freqs, linear_checked, param_n,
+    rows, weight, window, ChunkAt, OpEnv,
 };
 use super::graph::Op;
 use super::ModelConfig;
@@ -356,14 +356,6 @@ pub fn blocks_at(at: ChunkAt, ratio: usize) -> (usize, usize, usize) {
     (xe - at.start, at.start / ratio, xe / ratio)
 }
 
-/// Rows `r` of `x` (x itself when that is all of it).
-fn rows(env: &dyn OpEnv, x: &Tensor, r: std::ops::Range<usize>) -> Result<Tensor> {
-    if r.start == 0 && r.end == x.rows() {
-        return Ok(x.clone());
-    }
-    env.device().cat_rows(&[(x, r)])
-}
-
 /// `x` with its first `n` rows read back from an engine's FP8 cache (`Device::kv_cache_fp8`: dims
 /// [0, nope) per `group`).
 fn cached_prefix(
@@ -384,49 +376,4 @@ fn cached_prefix(
     }
     // the rest straight from x (one copy)
     env.device().cat_rows(&[(&head, 0..n), (x, n..x.rows())])
-}
-
-/// `a`'s rows then `b`'s.
-fn join(env: &dyn OpEnv, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    match (a.rows(), b.rows()) {
-        (0, _) => Ok(b.clone()),
-        (_, 0) => Ok(a.clone()),
-        (na, nb) => env.device().cat_rows(&[(a, 0..na), (b, 0..nb)]),
-    }
-}
-
-/// Every row so far of a tensor that grows by `new`'s rows at each token chunk (the compressed
-/// keys): the earlier chunks' rows under `key`, then `new`'s; kept for the next chunk.
-fn history(env: &mut dyn OpEnv, key: &str, new: Tensor, at: ChunkAt) -> Result<Tensor> {
-    if env.chunk_at().is_none() {
-        return Ok(new);
-    }
-    let all = match env.take_carry(key) {
-        Some(prev) => join(env, &prev, &new)?,
-        None => new,
-    };
-    if at.end < at.total {
-        env.put_carry(key, all.clone());
-    }
-    Ok(all)
-}
-
-/// A token-major tensor's rows over a sliding window: the last `tail` rows before this chunk
-/// (kept under `key`), then the chunk's `new` rows; its last `tail` rows are kept for the next.
-fn window(
-    env: &mut dyn OpEnv,
-    key: &str,
-    new: &Tensor,
-    at: ChunkAt,
-    tail: usize,
-) -> Result<Tensor> {
-    let all = match env.take_carry(key) {
-        Some(prev) => join(env, &prev, new)?,
-        None => new.clone(),
-    };
-    if at.end < at.total {
-        let keep = tail.min(all.rows());
-        env.put_carry(key, rows(env, &all, all.rows() - keep..all.rows())?);
-    }
-    Ok(all)
 }

@@ -135,6 +135,59 @@ pub(crate) fn pos0(env: &dyn OpEnv) -> usize {
     env.chunk_at().map_or(0, |c| c.start)
 }
 
+/// Rows `r` of `x` (x itself when that is all of it).
+pub(crate) fn rows(env: &dyn OpEnv, x: &Tensor, r: std::ops::Range<usize>) -> Result<Tensor> {
+    if r.start == 0 && r.end == x.rows() {
+        return Ok(x.clone());
+    }
+    env.device().cat_rows(&[(x, r)])
+}
+
+/// `a`'s rows then `b`'s.
+pub(crate) fn join(env: &dyn OpEnv, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match (a.rows(), b.rows()) {
+        (0, _) => Ok(b.clone()),
+        (_, 0) => Ok(a.clone()),
+        (na, nb) => env.device().cat_rows(&[(a, 0..na), (b, 0..nb)]),
+    }
+}
+
+/// Every row so far of a tensor that grows by `new`'s rows at each token chunk (the compressed
+/// keys): the earlier chunks' rows under `key`, then `new`'s; kept for the next chunk.
+pub(crate) fn history(env: &mut dyn OpEnv, key: &str, new: Tensor, at: ChunkAt) -> Result<Tensor> {
+    if env.chunk_at().is_none() {
+        return Ok(new);
+    }
+    let all = match env.take_carry(key) {
+        Some(prev) => join(env, &prev, &new)?,
+        None => new,
+    };
+    if at.end < at.total {
+        env.put_carry(key, all.clone());
+    }
+    Ok(all)
+}
+
+/// A token-major tensor's rows over a sliding window: the last `tail` rows before this chunk
+/// (kept under `key`), then the chunk's `new` rows; its last `tail` rows are kept for the next.
+pub(crate) fn window(
+    env: &mut dyn OpEnv,
+    key: &str,
+    new: &Tensor,
+    at: ChunkAt,
+    tail: usize,
+) -> Result<Tensor> {
+    let all = match env.take_carry(key) {
+        Some(prev) => join(env, &prev, new)?,
+        None => new.clone(),
+    };
+    if at.end < at.total {
+        let keep = tail.min(all.rows());
+        env.put_carry(key, rows(env, &all, all.rows() - keep..all.rows())?);
+    }
+    Ok(all)
+}
+
 /// Rows `ids` of the 2-D tensor `p` (named `name` in errors).
 pub(crate) fn gather_rows(name: &str, p: &Tensor, ids: &[u32]) -> Result<Tensor> {
     if p.shape.len() != 2 {

@@ -159,6 +159,32 @@ fn op_weights(cfg: &ModelConfig, layer: usize, tokens: f64, with_head: bool) -> 
     v
 }
 
+/// What a model family's attention carries from token chunk to token chunk on its five
+/// executions (`model::family::ops`): the keys and values every later query still reaches —
+/// all earlier rows, or a sliding layer's window — for the widest of the run's layers (one layer
+/// runs at a time). MLA (DeepSeek-V3) carries its gathered per-head keys and values.
+fn family_carry(
+    cfg: &ModelConfig,
+    fam: &crate::model::family::Family,
+    t: f64,
+    layers: usize,
+) -> f64 {
+    let (dq, dv) = (cfg.head_dim as f64, fam.v_head_dim as f64);
+    let kv_heads = if fam.kind == crate::model::family::Kind::DeepseekV3 {
+        cfg.num_attention_heads
+    } else {
+        fam.num_key_value_heads
+    } as f64;
+    (0..layers)
+        .map(|l| {
+            let keys = fam
+                .window(cfg.sliding_window, l)
+                .map_or(t, |w| (w as f64).min(t));
+            5.0 * 4.0 * keys * kv_heads * (dq + dv)
+        })
+        .fold(0.0, f64::max)
+}
+
 /// The estimate for `plan` (see the module doc for what it counts).
 pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
     let f = |x: usize| x as f64;
@@ -228,15 +254,17 @@ pub fn estimate(cfg: &ModelConfig, plan: &Plan) -> Estimate {
         .fold(0.0, f64::max)
         // in chunks, what each of the five executions carries to the next chunk: every
         // compressed row so far (attention and indexer keys) and the window's last rows
-        + if plan.chunk.is_some() {
+        + if plan.chunk.is_none() {
+            0.0
+        } else if let Some(fam) = &cfg.family {
+            family_carry(cfg, fam, t, run_layers)
+        } else {
             let n_c = ratios
                 .iter()
                 .filter(|&&r| r > 0)
                 .map(|&r| (t / r as f64).floor() * (dh + if r == 4 { di } else { 0.0 }))
                 .sum::<f64>();
             5.0 * 4.0 * (n_c + f(cfg.sliding_window) * dh)
-        } else {
-            0.0
         };
 
     // weights: the CPU runner's cache holds an op's weights in three f32 copies (oracle, BF16,
@@ -642,9 +670,6 @@ pub fn token_chunk(
     let t = plan.tokens;
     if chunk == Some(0) {
         return Err(Error::usage("--chunk 0: a chunk holds at least one token"));
-    }
-    if cfg.family.is_some() {
-        return Ok(None);
     }
     if let Some(n) = chunk {
         return Ok(((n as u64) < t).then_some(n as u64));

@@ -35,6 +35,7 @@ fn gqa_case(
         what,
         dims: GqaDims {
             t,
+            q0: 0,
             h,
             kvh,
             dq,
@@ -44,6 +45,12 @@ fn gqa_case(
         },
         sinks,
     }
+}
+
+/// `c` as a later token chunk's: its queries after `q0` keys kept from earlier chunks.
+fn later(mut c: GqaCase, q0: usize) -> GqaCase {
+    c.dims.q0 = q0;
+    c
 }
 
 /// The family ops' kernel checks, each with and without the BF16 store.
@@ -72,12 +79,32 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
             false,
             Some(1100),
         ),
+        // a later token chunk: its queries over the keys kept from earlier chunks and its own
+        later(
+            gqa_case(
+                "later chunk: 300 queries after 1000 keys",
+                (300, 4, 2, 32, 48),
+                true,
+                None,
+            ),
+            1000,
+        ),
+        later(
+            gqa_case(
+                "later chunk: window 5 after 4 kept keys",
+                (short, 8, 2, 64, 48),
+                true,
+                Some(5),
+            ),
+            4,
+        ),
     ];
     for c in &cases {
         let a = c.dims;
+        let tk = a.q0 + a.t;
         let q = normals(rng, a.t * a.h * a.dq, 1.0);
-        let k = normals(rng, a.t * a.kvh * a.dq, 1.0);
-        let v = normals(rng, a.t * a.kvh * a.dv, 1.0);
+        let k = normals(rng, tk * a.kvh * a.dq, 1.0);
+        let v = normals(rng, tk * a.kvh * a.dv, 1.0);
         let sinks = c.sinks.then(|| normals(rng, a.h, 1.0));
         let want = family::gqa_core(&q, &k, &v, sinks.as_deref(), a);
         for round in [false, true] {
@@ -85,8 +112,8 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
                 .gqa(&dv(&q), &dv(&k), &dv(&v), sinks.as_deref(), a, round)?
                 .map(Data::into_vec);
             let name = format!(
-                "family gqa: {} (t {}, h {}/{}, dq {}, dv {})",
-                c.what, a.t, a.h, a.kvh, a.dq, a.dv
+                "family gqa: {} (t {}, q0 {}, h {}/{}, dq {}, dv {})",
+                c.what, a.t, a.q0, a.h, a.kvh, a.dq, a.dv
             );
             out.push(declined(
                 exact(
@@ -115,6 +142,7 @@ pub fn checks(g: &mut Gpu, rng: &mut Rng, s: usize, out: &mut Vec<Check>) -> Res
         let (wk, wv) = family::mla_keys(&kvb, &kva, d);
         let a = GqaDims {
             t: d.t,
+            q0: 0,
             h: d.h,
             kvh: d.h,
             dq: d.nope + d.rope,
@@ -274,10 +302,15 @@ fn models(seed: u64) -> Result<Vec<(&'static str, Checkpoint, Vec<Fault>)>> {
     ])
 }
 
+/// Tokens per chunk of the family runs taken again in token chunks.
+const CHUNK: usize = 7;
+
 /// Whole runs of every family's tiny model over all its layers, `seq_len` tokens, under each
 /// served profile, on the CPU and on `device` (the self-test's CUDA backend): the same agreement
 /// the V4 whole run is held to (NaN/Inf counts equal, amax within 1e-4, |Δcos| ≤ 1e-4, the same
-/// divergent ops).
+/// divergent ops). The models without loader faults run once more on `device` in token chunks
+/// of [`CHUNK`] (the attention's keys and values carried from chunk to chunk), whose every op
+/// record must equal the whole prompt's.
 pub fn runs(
     device: Backend,
     profiles: &[String],
@@ -298,12 +331,27 @@ pub fn runs(
             opts.backend = device.clone();
             let dev = crate::probe::run(&ckpt, &opts)?;
             let a = compare_runs(&cpu, &dev);
+            // a divergent op's consequences are not followed in chunks: faulted runs differ there
+            let chunked = match faults.is_empty() && seq_len > CHUNK {
+                true => {
+                    let c = crate::probe::run(
+                        &ckpt,
+                        &crate::probe::RunOptions {
+                            chunk: Some(CHUNK),
+                            ..opts.clone()
+                        },
+                    )?;
+                    Some(differing_records(&dev, &c))
+                }
+                false => None,
+            };
             out.push(family_run(
                 name,
                 profile,
                 &cfg,
                 seq_len,
                 &a,
+                chunked,
                 cpu.seconds,
                 dev.seconds,
             ));
@@ -312,21 +360,45 @@ pub fn runs(
     Ok(out)
 }
 
+/// The op records of `b` that differ from `a`'s (compared as their JSON), or every record when
+/// the two runs have different ops.
+fn differing_records(a: &crate::probe::RunResult, b: &crate::probe::RunResult) -> usize {
+    let json = |r: &crate::probe::RunResult| {
+        r.records
+            .iter()
+            .map(|x| serde_json::to_value(x).unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    let (ja, jb) = (json(a), json(b));
+    match ja.len() == jb.len() {
+        true => ja.iter().zip(&jb).filter(|(x, y)| x != y).count(),
+        false => ja.len().max(jb.len()),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn family_run(
     name: &str,
     profile: &str,
     cfg: &crate::model::ModelConfig,
     seq_len: usize,
     a: &RunAgreement,
+    chunked: Option<usize>,
     cpu_s: f64,
     cuda_s: f64,
 ) -> FamilyRun {
     let pass = a.ops > 0
         && a.stat_mismatches.is_empty()
         && a.worst_cos_delta <= 1e-4
-        && a.divergent_cpu == a.divergent_gpu;
+        && a.divergent_cpu == a.divergent_gpu
+        && chunked.unwrap_or(0) == 0;
+    let chunk_note = match chunked {
+        Some(0) => format!("; in chunks of {CHUNK}: every record equal"),
+        Some(n) => format!("; in chunks of {CHUNK}: {n} records differ"),
+        None => String::new(),
+    };
     let line = format!(
-        "family run `{name}` `{profile}` layers 0..{} T={seq_len}: {} ops; amax/NaN/Inf mismatches {}; worst |Δcos| {:.2e} at {}; worst amax rel {:.2e}; divergent ops cpu {} / cuda {}; cpu {:.2} s, cuda {:.2} s — {}",
+        "family run `{name}` `{profile}` layers 0..{} T={seq_len}: {} ops; amax/NaN/Inf mismatches {}; worst |Δcos| {:.2e} at {}; worst amax rel {:.2e}; divergent ops cpu {} / cuda {}{chunk_note}; cpu {:.2} s, cuda {:.2} s — {}",
         cfg.num_hidden_layers - 1,
         a.ops,
         a.stat_mismatches.len(),
@@ -345,6 +417,7 @@ fn family_run(
         details: a.stat_mismatches.iter().take(10).cloned().collect(),
         json: serde_json::json!({
             "family": name, "profile": profile, "agreement": a,
+            "chunked_records_differing": chunked,
             "cpu_seconds": cpu_s, "cuda_seconds": cuda_s, "pass": pass,
         }),
     }
@@ -475,6 +548,13 @@ mod tests {
                 x.line
             );
             assert!(x.line.contains("worst |Δcos| 0.00e0"), "{}", x.line);
+            // the clean models also ran in token chunks, every record as the whole prompt's
+            assert_eq!(
+                x.line.contains("in chunks of 7: every record equal"),
+                i < 5,
+                "{}",
+                x.line
+            );
         }
     }
 

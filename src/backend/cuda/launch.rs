@@ -149,7 +149,7 @@ kernels! {
     /// `alpha_bits`: the f64 bits of the GLU's α (`device::family::GLU_ALPHA`).
     "layer.cu" fn glu_oss(gp: ptr, up: ptr, stride: u64, n: u64, limit: f32, alpha_bits: u64, round: i32, out: ptr);
     /// One CUDA block per (query, head) task, grid-stride; dynamic shared memory (`Grid::Cfg`).
-    "layer.cu" fn gqa_attn(q: ptr, k: ptr, v: ptr, sinks: ptr, has_sink: i32, t: u64, h: u64, kvh: u64, dq: u64, dv: u64, win: u64, scale: f32, round: i32, out: ptr);
+    "layer.cu" fn gqa_attn(q: ptr, k: ptr, v: ptr, sinks: ptr, has_sink: i32, t: u64, q0: u64, h: u64, kvh: u64, dq: u64, dv: u64, win: u64, scale: f32, round: i32, out: ptr);
 }
 
 #[cfg(test)]

@@ -13,7 +13,9 @@
 
 mod gpt_oss;
 
-use super::super::env::{check_shape, internal, layer_of, param_n, weight, OpEnv};
+use super::super::env::{
+    check_shape, history, internal, layer_of, param_n, pos0, weight, window, OpEnv,
+};
 use super::super::op::{Op, OpKind};
 use super::super::rope::rope_freqs;
 use super::super::ModelConfig;
@@ -21,6 +23,7 @@ use super::kind::{Family, Kind, RopeStyle};
 use crate::device::family::{GqaDims, MlaDims};
 use crate::device::ops::RopeTable;
 use crate::{Result, Tensor};
+use std::borrow::Cow;
 
 /// Execute a family op (one output each).
 pub fn exec(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
@@ -75,7 +78,8 @@ fn rope_table(
     tab
 }
 
-/// RoPE on the last `qk_rope_head_dim` dims of each head of x [t, n·dh] at position = row, on
+/// RoPE on the last `qk_rope_head_dim` dims of each head of x [t, n·dh] at the rows' prompt
+/// positions (a token chunk's start on), on
 /// the path's device: the half-split pairing of transformers' `rotate_half` (Qwen3, gpt-oss,
 /// DeepSeek-V3 as transformers runs it) or the interleaved pairs.
 fn head_rope(
@@ -106,7 +110,8 @@ fn head_rope(
         ));
     }
     let nope = dh - r;
-    let tab = rope_table(cfg, fam, 0..t);
+    let p0 = pos0(env);
+    let tab = rope_table(cfg, fam, p0..p0 + t);
     let dev = env.device();
     let y = match fam.rope_style {
         RopeStyle::HalfSplit => dev.rope_split(x, dh, nope, &tab)?,
@@ -115,10 +120,18 @@ fn head_rope(
     Ok(Tensor::new(vec![t, x.cols()], y.data))
 }
 
-/// The grouped-query attention's dims of a family op (the layer's window, the family's scale).
-fn gqa_dims(op: &Op, t: usize, cfg: &ModelConfig, fam: &Family, kvh: usize) -> Result<GqaDims> {
+/// The grouped-query attention's dims of a family op (the layer's window, the family's scale)
+/// for `t` queries after `q0` keys of earlier token chunks.
+fn gqa_dims(
+    op: &Op,
+    (t, q0): (usize, usize),
+    cfg: &ModelConfig,
+    fam: &Family,
+    kvh: usize,
+) -> Result<GqaDims> {
     Ok(GqaDims {
         t,
+        q0,
         h: cfg.num_attention_heads,
         kvh,
         dq: cfg.head_dim,
@@ -155,9 +168,41 @@ fn gqa(
         Some(name) => Some(param_n(env, name, h)?),
         None => None,
     };
-    let dims = gqa_dims(op, t, cfg, fam, kvh)?;
+    let window = fam.window(cfg.sliding_window, layer_of(op)?);
+    let (k, v) = with_earlier(op, env, k, v, window)?;
+    let dims = gqa_dims(op, (t, k.rows() - t), cfg, fam, kvh)?;
     env.device()
-        .gqa(q, k, v, sinks.as_ref().map(|s| &s.data[..]), dims)
+        .gqa(q, &k, &v, sinks.as_ref().map(|s| &s.data[..]), dims)
+}
+
+/// A token chunk's keys and values after those its queries still reach from earlier chunks
+/// (kept as the op's carry): every earlier row, or a window's last `w − 1`. The whole prompt's
+/// pass through unchanged. Each query's keys are then the same rows as in one pass, in the same
+/// order, so the attention's bits do not depend on the chunking.
+fn with_earlier<'t>(
+    op: &Op,
+    env: &mut dyn OpEnv,
+    k: &'t Tensor,
+    v: &'t Tensor,
+    window_keys: Option<usize>,
+) -> Result<(Cow<'t, Tensor>, Cow<'t, Tensor>)> {
+    let Some(at) = env.chunk_at() else {
+        return Ok((Cow::Borrowed(k), Cow::Borrowed(v)));
+    };
+    let (kk, vk) = (format!("{}.k", op.id), format!("{}.v", op.id));
+    Ok(match window_keys {
+        Some(w) => {
+            let tail = w.saturating_sub(1);
+            (
+                Cow::Owned(window(env, &kk, k, at, tail)?),
+                Cow::Owned(window(env, &vk, v, at, tail)?),
+            )
+        }
+        None => (
+            Cow::Owned(history(env, &kk, k.clone(), at)?),
+            Cow::Owned(history(env, &vk, v.clone(), at)?),
+        ),
+    })
 }
 
 /// RMSNorm of the leading `kv_lora_rank` dims of each row (MLA's key/value latent) → [t, r].
@@ -213,13 +258,13 @@ fn mla(
         dv,
         lora: fam.kv_lora_rank,
     };
+    let (k, v) = env.device().mla_keys(kvb, kva, md)?;
+    let (k, v) = with_earlier(op, env, &k, &v, None)?;
     let dims = GqaDims {
         window: None,
-        ..gqa_dims(op, t, cfg, fam, h)?
+        ..gqa_dims(op, (t, k.rows() - t), cfg, fam, h)?
     };
-    let dev = env.device();
-    let (k, v) = dev.mla_keys(kvb, kva, md)?;
-    dev.gqa(q, &k, &v, None, dims)
+    env.device().gqa(q, &k, &v, None, dims)
 }
 
 /// DeepSeek-V3's group-limited expert choice (transformers' `DeepseekV3MoE.route_tokens_to_experts`):
