@@ -73,17 +73,8 @@ del src
 mm.close()
 
 # cudaHostRegister of a fresh mapping, then DMA from it
-rt = None
-for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
-    try:
-        rt = ctypes.CDLL(name)
-        break
-    except OSError:
-        pass
-if rt is None:
-    import nvidia, pathlib
-    for p in pathlib.Path(nvidia.__path__[0]).rglob("libcudart.so*"):
-        rt = ctypes.CDLL(str(p)); break
+import cudart  # noqa: E402 (this folder)
+rt = cudart.load()
 print("cudart:", rt)
 torch.cuda.init()
 dev = torch.empty(N, dtype=torch.uint8, device="cuda")

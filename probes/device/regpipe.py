@@ -38,17 +38,8 @@ for p, o, n in spans:  # warm
         while f.read(64 << 20):
             pass
 
-rt = None
-for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
-    try:
-        rt = ctypes.CDLL(name)
-        break
-    except OSError:
-        pass
-if rt is None:
-    import nvidia, pathlib
-    for p in pathlib.Path(nvidia.__path__[0]).rglob("libcudart.so*"):
-        rt = ctypes.CDLL(str(p)); break
+import cudart  # noqa: E402 (this folder)
+rt = cudart.load()
 torch.cuda.init()
 dev = torch.empty(total, dtype=torch.uint8, device="cuda")
 stream = torch.cuda.Stream()

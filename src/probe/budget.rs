@@ -903,6 +903,41 @@ mod tests {
         }
     }
 
+    /// The model families chunk as V4 does (`--chunk` is taken, a budget picks one), and what a
+    /// chunk carries is their attention's keys and values: every earlier row on full layers,
+    /// a sliding layer's window — so a longer prompt carries more, a window no more than itself.
+    #[test]
+    fn a_family_takes_its_chunk_and_its_carry_is_the_attention_s_keys_and_values() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf-families");
+        for f in ["qwen3_moe", "deepseek_v3", "gpt_oss"] {
+            let cfg = ModelConfig::from_file(&dir.join(f).join("config.json")).unwrap();
+            let fam = cfg.family.clone().unwrap();
+            let p = Plan {
+                layers: (0, cfg.num_hidden_layers - 1),
+                ..plan(4096)
+            };
+            let chunk = |c: Option<usize>, g: Option<f64>| token_chunk(&cfg, &p, c, g, None, &CPU);
+            assert_eq!(chunk(Some(64), None).unwrap(), Some(64), "{f}");
+            let need = |c: u64| chunked(&cfg, &p, c).host();
+            let g = (need(100) + need(101)) / 2.0 / GIB;
+            assert_eq!(chunk(None, Some(g)).unwrap(), Some(100), "{f}");
+            let layers = cfg.num_hidden_layers;
+            let (c1, c2) = (
+                family_carry(&cfg, &fam, 1000.0, layers),
+                family_carry(&cfg, &fam, 2000.0, layers),
+            );
+            assert!(c1 > 0.0 && c2 == 2.0 * c1, "{f}: {c1} {c2}");
+            // gpt-oss's layer 0 slides: alone, its carry stops growing at the window
+            let slides = fam.window(cfg.sliding_window, 0).is_some();
+            assert_eq!(slides, f == "gpt_oss");
+            let (w1, w2) = (
+                family_carry(&cfg, &fam, 1e6, 1),
+                family_carry(&cfg, &fam, 2e6, 1),
+            );
+            assert_eq!(slides, w1 == w2, "{f}: {w1} {w2}");
+        }
+    }
+
     /// On a device the chunk leaves room for the layers' output streams when a chunk of at
     /// least STREAM_CHUNK_MIN tokens fits beside them; below that the chunk takes the budget
     /// alone and the streams go through the host.
