@@ -79,9 +79,9 @@ fn rope_table(
 }
 
 /// RoPE on the last `qk_rope_head_dim` dims of each head of x [t, n·dh] at the rows' prompt
-/// positions (a token chunk's start on), on
-/// the path's device: the half-split pairing of transformers' `rotate_half` (Qwen3, gpt-oss,
-/// DeepSeek-V3 as transformers runs it) or the interleaved pairs.
+/// positions (from a token chunk's start), on the path's device: the half-split pairing of
+/// transformers' `rotate_half` (Qwen3, gpt-oss, DeepSeek-V3 as transformers runs it) or the
+/// interleaved pairs.
 fn head_rope(
     op: &Op,
     x: &Tensor,
