@@ -1,9 +1,11 @@
 #!/bin/bash
 # The model families on both backends (issue 23): for each family a tiny `synth --family` model in a
-# real release format, `run` on the CPU and on CUDA, reports compared field by field (run_diff.py).
+# real release format, `run` on the CPU and on CUDA, reports compared field by field (run_diff.py);
+# then CUDA again in token chunks of CHUNK (default 7) against the CPU's whole run, and (V3=1) the
+# DeepSeek-V3 release-dimension layers at 2,048 tokens whole and in chunks of 512 on CUDA.
 # Usage (GPU machine, repository root): OUT=/tmp/fam B=target/release/nvfp4-probe bash probes/device/family_check.sh
 set -u
-OUT=${OUT:-/tmp/fam}; B=${B:-target/release/nvfp4-probe}
+OUT=${OUT:-/tmp/fam}; B=${B:-target/release/nvfp4-probe}; CHUNK=${CHUNK:-7}; V3=${V3:-0}
 mkdir -p "$OUT"
 fail=0
 for fm in qwen3-moe:ct-nvfp4 qwen3-moe:modelopt-nvfp4 deepseek-v3:modelopt-nvfp4 deepseek-v3:fp8-block gpt-oss:mxfp4 gpt-oss:modelopt-nvfp4 gpt-oss:bf16; do
@@ -16,7 +18,22 @@ for fm in qwen3-moe:ct-nvfp4 qwen3-moe:modelopt-nvfp4 deepseek-v3:modelopt-nvfp4
   done
   python3 probes/device/run_diff.py $OUT/$fam-$fmt-cpu.json $OUT/$fam-$fmt-cuda.json > $OUT/$fam-$fmt-diff.txt 2>&1 || fail=1
   echo "$fam $fmt cpu vs cuda: $(head -3 $OUT/$fam-$fmt-diff.txt | tr '\n' ' ')"
+  timeout 300 $B run --model $d --layers 0..$last --seq-len 64 --backend cuda --quiet --chunk $CHUNK --json $OUT/$fam-$fmt-chunk.json > $OUT/$fam-$fmt-chunk.txt 2>&1
+  python3 probes/device/run_diff.py $OUT/$fam-$fmt-cpu.json $OUT/$fam-$fmt-chunk.json > $OUT/$fam-$fmt-chunkdiff.txt 2>&1 || fail=1
+  echo "$fam $fmt cpu whole vs cuda --chunk $CHUNK: $(head -3 $OUT/$fam-$fmt-chunkdiff.txt | tr '\n' ' ')"
 done
+if [ "$V3" = 1 ]; then
+  D=$OUT/v3-release
+  [ -f $D/config.json ] || $B synth --family deepseek-v3 --preset release --format modelopt-nvfp4 --out $D > $OUT/synth-v3.txt 2>&1
+  cat $D/*.safetensors > /dev/null
+  for c in whole 512; do
+    opt=""; [ $c != whole ] && opt="--chunk $c"
+    /usr/bin/time -f "%e" -o $OUT/t.txt timeout 300 $B run --model $D --layers 0..1 --seq-len 2048 --backend cuda --quiet $opt --json $OUT/v3-$c.json > $OUT/v3-$c.txt 2>&1
+    echo "v3 release 2048 tokens $c rc=$? $(cat $OUT/t.txt) s: $(grep -E 'ops, ' $OUT/v3-$c.txt | tail -1)"
+  done
+  python3 probes/device/run_diff.py $OUT/v3-whole.json $OUT/v3-512.json > $OUT/v3-diff.txt 2>&1 || fail=1
+  echo "v3 release whole vs --chunk 512: $(head -3 $OUT/v3-diff.txt | tr '\n' ' ')"
+fi
 # ModelOpt's own export of gpt-oss (tests/data), clean and with its underscore scale keys not loaded
 M=tests/data/hf-families/gpt_oss/modelopt-nvfp4
 for be in cpu cuda; do
