@@ -156,9 +156,9 @@ pub trait Device {
     fn rope_split(&self, x: &Tensor, dh: usize, nope: usize, tab: &RopeTable) -> Result<Tensor>;
     /// Columns [c0, c0 + w) of each row of x [.., cols] → [rows, w] (a copy, no rounding).
     fn slice_cols(&self, x: &Tensor, c0: usize, w: usize) -> Result<Tensor>;
-    /// Causal grouped-query attention (`family::gqa_core`) of q [t, h·dq] over k [t, kvh·dq] and
-    /// v [t, kvh·dv] with the heads' sink logits, if any → [t, h·dv], rounded. One query's
-    /// scores per task at a time, never [t, t].
+    /// Causal grouped-query attention (`family::gqa_core`) of q [t, h·dq] over k [q0 + t, kvh·dq]
+    /// and v [q0 + t, kvh·dv] (`q0` keys of earlier token chunks first) with the heads' sink
+    /// logits, if any → [t, h·dv], rounded. One query's scores per task at a time, never [t, t].
     fn gqa(
         &self,
         q: &Tensor,
