@@ -989,6 +989,54 @@ pub struct RunAgreement {
     pub divergent_gpu: usize,
 }
 
+/// The fields that differ between the op records of two runs of the same job, as
+/// "op id: field path: a vs b". Integers, strings, booleans and amaxes must be equal; other floats
+/// (means, cosines, norms: f64 sums whose atomic order on the GPU varies from run to run) within
+/// 1e-9 relative (as `probes/device/run_diff.py`).
+pub fn differing_ops(a: &[crate::probe::OpRecord], b: &[crate::probe::OpRecord]) -> Vec<String> {
+    use serde_json::Value;
+    fn walk(path: &str, x: &Value, y: &Value, out: &mut Vec<String>) {
+        match (x, y) {
+            (Value::Object(p), Value::Object(q)) => {
+                for k in p.keys().chain(q.keys().filter(|k| !p.contains_key(*k))) {
+                    let (u, v) = (&p.get(k).cloned().unwrap_or(Value::Null), q.get(k));
+                    walk(&format!("{path}.{k}"), u, v.unwrap_or(&Value::Null), out);
+                }
+            }
+            (Value::Array(p), Value::Array(q)) if p.len() == q.len() => {
+                for (i, (u, v)) in p.iter().zip(q).enumerate() {
+                    walk(&format!("{path}[{i}]"), u, v, out);
+                }
+            }
+            (Value::Number(u), Value::Number(v)) if u != v => {
+                let exact = path.ends_with(".amax") || !(u.is_f64() && v.is_f64());
+                let (u, v) = (
+                    u.as_f64().unwrap_or(f64::NAN),
+                    v.as_f64().unwrap_or(f64::NAN),
+                );
+                if exact || (u - v).abs() > 1e-9 * u.abs().max(v.abs()) + 1e-12 {
+                    out.push(format!("{path}: {u} vs {v}"));
+                }
+            }
+            (Value::Number(_), Value::Number(_)) => {}
+            _ if x != y => out.push(format!("{path}: {x} vs {y}")),
+            _ => {}
+        }
+    }
+    if a.len() != b.len() {
+        return vec![format!("{} ops against {}", a.len(), b.len())];
+    }
+    let mut out = Vec::new();
+    for (x, y) in a.iter().zip(b) {
+        let (u, v) = (serde_json::to_value(x), serde_json::to_value(y));
+        match (u, v) {
+            (Ok(u), Ok(v)) => walk(&x.id, &u, &v, &mut out),
+            _ => out.push(format!("{}: record not serializable", x.id)),
+        }
+    }
+    out
+}
+
 /// Compare two run results op by op: NaN/Inf counts exactly, amax and cosines within tolerance.
 pub fn compare_runs(cpu: &RunResult, gpu: &RunResult) -> RunAgreement {
     let mut a = RunAgreement {
@@ -1222,4 +1270,45 @@ pub fn rcp_table(g: &mut Gpu) -> Result<Vec<i8>> {
     g.memset(o.ptr, 0x7F, 1 << 23)?;
     g.kern().rcp_table(1 << 23, o.ptr)?;
     g.download(o.ptr, 1 << 23)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe;
+
+    /// The record comparison behind the self-test's chunking check: blind to f64 sums' last
+    /// bits, not to an amax, a count or a string.
+    #[test]
+    fn differing_ops_sees_amax_and_counts_but_not_f64_sum_noise() {
+        let ck = crate::synth::builtin(0).expect("built-in model");
+        let cfg = ck.model_config().expect("config").clone();
+        let tokens = probe::synthetic_tokens(8, cfg.vocab_size, 3);
+        let opts = probe::RunOptions::new((0, 1), tokens);
+        let r = probe::run(&ck, &opts).expect("run");
+        let a = &r.records;
+        assert!(differing_ops(a, &a.clone()).is_empty());
+        let key = |b: &[probe::OpRecord]| b[3].stats.keys().next().cloned().expect("stats");
+        let k = key(a);
+        let mut b = a.clone();
+        b[3].stats.get_mut(&k).expect("stats").mean_abs *= 1.0 + 1e-12;
+        assert!(
+            differing_ops(a, &b).is_empty(),
+            "sum noise is not a difference"
+        );
+        b[3].stats.get_mut(&k).expect("stats").mean_abs *= 1.0 + 1e-6;
+        let d = differing_ops(a, &b);
+        assert!(d.len() == 1 && d[0].contains("mean_abs"), "{d:?}");
+        let mut b = a.clone();
+        let am = &mut b[3].stats.get_mut(&k).expect("stats").amax;
+        *am = f64::from_bits(am.to_bits() + 1);
+        let d = differing_ops(a, &b);
+        assert!(d.len() == 1 && d[0].contains(".amax"), "{d:?}");
+        let mut b = a.clone();
+        let k5 = key(&b[5..]);
+        b[5].stats.get_mut(&k5).expect("stats").nan += 1;
+        b[7].divergent = !b[7].divergent;
+        assert_eq!(differing_ops(a, &b).len(), 2);
+        assert_eq!(differing_ops(a, &a[1..]).len(), 1, "a missing op");
+    }
 }
