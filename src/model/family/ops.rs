@@ -121,17 +121,11 @@ fn head_rope(
 }
 
 /// The grouped-query attention's dims of a family op (the layer's window, the family's scale)
-/// for `t` queries after `q0` keys of earlier token chunks.
-fn gqa_dims(
-    op: &Op,
-    (t, q0): (usize, usize),
-    cfg: &ModelConfig,
-    fam: &Family,
-    kvh: usize,
-) -> Result<GqaDims> {
+/// for `t` queries over their own keys (`q0` is set once earlier chunks' keys are joined).
+fn gqa_dims(op: &Op, t: usize, cfg: &ModelConfig, fam: &Family, kvh: usize) -> Result<GqaDims> {
     Ok(GqaDims {
         t,
-        q0,
+        q0: 0,
         h: cfg.num_attention_heads,
         kvh,
         dq: cfg.head_dim,
@@ -168,9 +162,9 @@ fn gqa(
         Some(name) => Some(param_n(env, name, h)?),
         None => None,
     };
-    let window = fam.window(cfg.sliding_window, layer_of(op)?);
-    let (k, v) = with_earlier(op, env, k, v, window)?;
-    let dims = gqa_dims(op, (t, k.rows() - t), cfg, fam, kvh)?;
+    let mut dims = gqa_dims(op, t, cfg, fam, kvh)?;
+    let (k, v) = with_earlier(op, env, Cow::Borrowed(k), Cow::Borrowed(v), dims.window)?;
+    dims.q0 = k.rows() - t;
     env.device()
         .gqa(q, &k, &v, sinks.as_ref().map(|s| &s.data[..]), dims)
 }
@@ -182,25 +176,25 @@ fn gqa(
 fn with_earlier<'t>(
     op: &Op,
     env: &mut dyn OpEnv,
-    k: &'t Tensor,
-    v: &'t Tensor,
+    k: Cow<'t, Tensor>,
+    v: Cow<'t, Tensor>,
     window_keys: Option<usize>,
 ) -> Result<(Cow<'t, Tensor>, Cow<'t, Tensor>)> {
     let Some(at) = env.chunk_at() else {
-        return Ok((Cow::Borrowed(k), Cow::Borrowed(v)));
+        return Ok((k, v));
     };
     let (kk, vk) = (format!("{}.k", op.id), format!("{}.v", op.id));
     Ok(match window_keys {
         Some(w) => {
             let tail = w.saturating_sub(1);
             (
-                Cow::Owned(window(env, &kk, k, at, tail)?),
-                Cow::Owned(window(env, &vk, v, at, tail)?),
+                Cow::Owned(window(env, &kk, &k, at, tail)?),
+                Cow::Owned(window(env, &vk, &v, at, tail)?),
             )
         }
         None => (
-            Cow::Owned(history(env, &kk, k.clone(), at)?),
-            Cow::Owned(history(env, &vk, v.clone(), at)?),
+            Cow::Owned(history(env, &kk, k.into_owned(), at)?),
+            Cow::Owned(history(env, &vk, v.into_owned(), at)?),
         ),
     })
 }
@@ -259,10 +253,11 @@ fn mla(
         lora: fam.kv_lora_rank,
     };
     let (k, v) = env.device().mla_keys(kvb, kva, md)?;
-    let (k, v) = with_earlier(op, env, &k, &v, None)?;
+    let (k, v) = with_earlier(op, env, Cow::Owned(k), Cow::Owned(v), None)?;
     let dims = GqaDims {
         window: None,
-        ..gqa_dims(op, (t, k.rows() - t), cfg, fam, h)?
+        q0: k.rows() - t,
+        ..gqa_dims(op, t, cfg, fam, h)?
     };
     env.device().gqa(q, &k, &v, None, dims)
 }
