@@ -749,29 +749,24 @@ impl Gpu {
         bias: &[f32],
         r: Routing,
     ) -> Result<(Vec<f32>, Vec<usize>)> {
-        let (wb, ib) = self.route_dev(logits, r, Pick::TopK(bias))?;
-        let idx: Vec<f32> = self.download(ib.ptr, r.t * r.k)?;
-        Ok((
-            self.download(wb.ptr, r.t * r.k)?,
-            idx.iter().map(|&v| v as usize).collect(),
-        ))
+        let out = self.route_dev(logits, r, Pick::TopK(bias))?;
+        // weights then ids, in one read
+        let mut wts: Vec<f32> = self.download(out.ptr, 2 * r.t * r.k)?;
+        let idx = wts.split_off(r.t * r.k);
+        Ok((wts, idx.iter().map(|&v| v as usize).collect()))
     }
 
     /// `kern::hash_route_weights` on the device: the weights [t, k] of the experts `idx` [t, k]
     /// (valid ids, from the hash router's table). The logits stay on the device; only the
     /// weights come back.
     pub fn hash_route(&mut self, logits: &Data, idx: &[usize], r: Routing) -> Result<Vec<f32>> {
-        let (wb, _) = self.route_dev(logits, r, Pick::Given(idx))?;
-        self.download(wb.ptr, r.t * r.k)
+        let out = self.route_dev(logits, r, Pick::Given(idx))?;
+        self.download(out.ptr, r.t * r.k)
     }
 
-    /// `route_topk` into new device buffers (weights, ids as f32), with the experts `pick` says.
-    fn route_dev(
-        &mut self,
-        logits: &Data,
-        r: Routing,
-        pick: Pick,
-    ) -> Result<(super::cuda::Buf, super::cuda::Buf)> {
+    /// `route_topk` into a new device buffer: the weights [t, k], then the ids [t, k] as f32, of
+    /// the experts `pick` says.
+    fn route_dev(&mut self, logits: &Data, r: Routing, pick: Pick) -> Result<super::cuda::Buf> {
         let Routing {
             t,
             e,
@@ -789,8 +784,8 @@ impl Gpu {
                 (None, Some(self.upload(&ids)?))
             }
         };
-        let wb = self.out(t * k * 4)?;
-        let ib = self.out(t * k * 4)?;
+        let out = self.out(2 * t * k * 4)?;
+        let (wts, ids) = (out.ptr, out.ptr + (t * k * 4) as u64);
         self.kern().route_topk(
             t as u64,
             lb.ptr,
@@ -802,10 +797,10 @@ impl Gpu {
             norm as i32,
             rs,
             gb.as_ref().map_or(0, |b| b.ptr),
-            wb.ptr,
-            ib.ptr,
+            wts,
+            ids,
         )?;
-        Ok((wb, ib))
+        Ok(out)
     }
 
     /// a + b ([`Data`] of equal length), then the path's rounding.

@@ -93,7 +93,7 @@ kernels! {
     "formats.cu" fn decode_bytes(inp: ptr, n: u64, fmt: i32, out: ptr);
     /// Encode n floats: fmt 0 E4M3 satfinite, 1 E2M1, 2 BF16 bits.
     "formats.cu" fn encode_floats(inp: ptr, n: u64, fmt: i32, out: ptr);
-    /// Round to BF16 in place, or into BF16 bits at `out16` (0: in place).
+    /// y = bf16(x) in f32 (y may be x), or BF16 bits at `out16` when it is not 0 (y unused).
     "formats.cu" fn round_bf16(x: ptr, y: ptr, n: u64, out16: ptr);
     "formats.cu" fn count_inexact_bf16(x: ptr, n: u64, cnt: ptr);
     /// y = bf16(y · mul) (round != 0) or y · mul.
