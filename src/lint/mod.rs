@@ -9,6 +9,7 @@
 
 mod checks;
 mod config;
+mod degenerate;
 mod fused;
 pub mod group;
 pub mod layout;
@@ -184,6 +185,11 @@ fn lint_bases(ck: &Checkpoint, rules: &Rules, bases: Vec<String>) -> Result<Repo
     findings.extend(checks::cross_checks(&cx, &metas));
     findings.extend(checks::completeness(&cx));
     findings.extend(config::check_config(&cx, &metas));
+    findings.extend(degenerate::config_findings(&cx));
+    // plain tensors of the layers the weights belong to (and those outside any layer)
+    let layers: std::collections::HashSet<usize> =
+        bases.iter().filter_map(|b| layer_of(b)).collect();
+    findings.extend(degenerate::tensor_findings(&cx, Some(&layers)));
     fused::fused_findings(&cx, &mut findings);
     sort(&mut findings);
     Ok(Report {

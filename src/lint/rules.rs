@@ -67,6 +67,8 @@ pub const RULES: &[RuleInfo] = &[
     r("layout.swizzled", E, "block scales stored in the 128×4 swizzled layout where linear belongs"),
     r("fp8.scale.non-pow2", E, "FP8 block scales that are not powers of two where the config declares UE8M0"),
     r("config.scheme", E, "quantization_config claims a scheme the tensors do not have"),
+    r("config.degenerate", E, "a config value that makes an op degenerate (RMSNorm eps, RoPE theta, routed scaling 0, SwiGLU limit ≤ 0): named by key, not blamed on weights"),
+    r("tensor.non-finite", E, "NaN/Inf in a plain (unquantized) tensor: router correction bias, norm weight, bias, sinks"),
     r("config.ignore", E, "ignore/exclude list disagrees with which weights are quantized"),
     r("tensor.invalid", E, "a weight whose headers cannot be read as any supported scheme"),
     r("weight.missing", E, "a layer the checkpoint holds lacks a weight or parameter its config requires (a whole expert, a projection, a norm)"),

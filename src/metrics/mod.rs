@@ -3,6 +3,8 @@
 //! Everything is accumulated in f64 in one pass, so the numbers do not depend on the order the
 //! backend produced the values in (within f64 rounding).
 
+pub mod head;
+
 use serde::{Deserialize, Serialize};
 
 /// Statistics of one tensor.

@@ -231,6 +231,8 @@ struct Acc {
     sums: Sums,
     /// Kept outputs (`--dump`): per path name, per output id, the chunks' pieces.
     kept: Vec<(String, KeptPieces)>,
+    /// The head's next-token comparisons, chunk by chunk.
+    head: Option<super::HeadMetrics>,
 }
 
 /// One path's kept outputs of an op: per output id, the chunks' pieces.
@@ -268,6 +270,7 @@ impl Acc {
             observed: Vec::new(),
             sums,
             kept: KEPT.iter().map(|n| (n.to_string(), Vec::new())).collect(),
+            head: super::is_head(op).then(super::HeadMetrics::default),
         }
     }
 
@@ -309,6 +312,9 @@ impl Acc {
                         .for_each(|(a, b)| a.merge_later(b));
                 }
             }
+        }
+        if let Some(h) = &mut self.head {
+            h.add(fp, bf, sv);
         }
         match self.shape.first_mut() {
             Some(rows) => *rows += sv.shape.first().copied().unwrap_or(0),
@@ -372,6 +378,7 @@ impl Acc {
                 observed: self.observed,
                 index_output,
                 metrics: PendingStats::Done(parts),
+                head: self.head,
             },
             kept,
         ))

@@ -26,6 +26,7 @@ use serde::Serialize;
 use super::env::{PathEnv, Shared};
 use super::spec::Thresholds;
 use super::OpRecord;
+use crate::metrics::head::HeadCompare;
 use crate::metrics::Compare;
 use crate::model::exec::exec;
 use crate::model::graph::{Op, OpKind};
@@ -85,6 +86,11 @@ pub struct Consequence {
     /// X's isolated rel-L2 with that factor removed (its error that is not magnitude).
     pub rel_l2_without_scale: Option<f64>,
     pub downstream: Vec<Downstream>,
+    /// The op's faulty output carried to the model's output (every later op in the BF16
+    /// oracle's numerics) against the BF16 oracle's next-token distributions, when the run
+    /// reaches the head.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at_output: Option<HeadCompare>,
 }
 
 /// Per followed op: its least-squares factor and its error with the factor removed.
@@ -95,6 +101,9 @@ struct Faulty {
     op: Op,
     iso: Vec<Tensor>,
     scale: Option<f64>,
+    /// Carried to the model's output: the tensors downstream of the op as they are with its
+    /// faulty output (every other op in the BF16 oracle's numerics), by id; None when not carried.
+    shadow: Option<HashMap<String, Tensor>>,
 }
 
 /// The runner's bookkeeping of divergent ops and what their consumers did with their outputs.
@@ -106,7 +115,17 @@ pub(crate) struct Tracker {
     scales: Scales,
     /// Divergent ops kept (bounded: each holds its outputs until its last consumer ran).
     kept: usize,
+    /// Carry divergent ops' errors to the model's output (the run reaches the head, whole prompt).
+    to_output: bool,
+    /// Divergent ops carried so far (bounded by [`MAX_CARRIED`]).
+    carried: usize,
+    /// Per carried op: its effect at the model's output.
+    at_output: HashMap<String, HeadCompare>,
 }
+
+/// Divergent ops whose error is carried to the model's output (each costs one BF16-oracle
+/// execution of every later op); later ones are judged without it.
+pub const MAX_CARRIED: usize = 8;
 
 /// Divergent ops whose consumers are followed; later ones are reported without the analysis.
 pub const MAX_FOLLOWED: usize = 256;
@@ -128,6 +147,14 @@ fn has_index_output(op: &Op) -> bool {
 }
 
 impl Tracker {
+    /// A tracker; `to_output`: carry divergent ops' errors to the model's output.
+    pub fn new(to_output: bool) -> Tracker {
+        Tracker {
+            to_output,
+            ..Default::default()
+        }
+    }
+
     /// Record `rec` (just finished); when divergent, keep its faulty outputs `iso` for its consumers.
     pub fn finished(&mut self, rec: &OpRecord, op: &Op, iso: Vec<Tensor>, oracle: Option<&Tensor>) {
         if !rec.divergent || self.kept >= MAX_FOLLOWED || iso.is_empty() {
@@ -148,18 +175,92 @@ impl Tracker {
         };
         self.found.entry(rec.id.clone()).or_default();
         self.scales.insert(rec.id.clone(), (scale, without));
+        let shadow = (self.to_output && self.carried < MAX_CARRIED).then(|| {
+            self.carried += 1;
+            op.outputs
+                .iter()
+                .cloned()
+                .zip(iso.iter().cloned())
+                .collect()
+        });
         self.faulty.push(Faulty {
             op: op.clone(),
             iso,
             scale,
+            shadow,
         });
     }
 
-    /// Whether `op` consumes an output of a divergent op being followed.
+    /// Whether `op` consumes an output of a divergent op being followed, or a tensor its error
+    /// reached on the way to the model's output.
     pub fn consumes_faulty(&self, op: &Op) -> bool {
-        self.faulty
-            .iter()
-            .any(|f| f.op.outputs.iter().any(|o| op.inputs.contains(o)))
+        self.faulty.iter().any(|f| {
+            f.op.outputs.iter().any(|o| op.inputs.contains(o))
+                || f.shadow
+                    .as_ref()
+                    .is_some_and(|sh| op.inputs.iter().any(|i| sh.contains_key(i)))
+        })
+    }
+
+    /// Carries each followed op's error through `op` (inputs from its shadow where it has them,
+    /// else the BF16 oracle's `vals`), in the BF16 oracle's numerics; at the head, compares with
+    /// the oracle's logits `oracle_out`. Returns the executions it took.
+    fn carry(
+        &mut self,
+        op: &Op,
+        vals: &HashMap<String, Tensor>,
+        oracle_out: &[Tensor],
+        shared: &mut Shared,
+        direct: &HashMap<usize, Vec<Tensor>>,
+    ) -> Result<usize> {
+        let mut execs = 0;
+        for i in 0..self.faulty.len() {
+            let f = &self.faulty[i];
+            let Some(sh) = &f.shadow else { continue };
+            if !op.inputs.iter().any(|id| sh.contains_key(id)) {
+                continue;
+            }
+            let out = match direct.get(&i) {
+                // a direct consumer ran on the faulty output already (its first execution)
+                Some(o)
+                    if op
+                        .inputs
+                        .iter()
+                        .all(|id| !sh.contains_key(id) || f.op.outputs.contains(id)) =>
+                {
+                    o.clone()
+                }
+                _ => {
+                    let inputs: Option<Vec<Tensor>> = op
+                        .inputs
+                        .iter()
+                        .map(|id| sh.get(id).or_else(|| vals.get(id)).cloned())
+                        .collect();
+                    let Some(inputs) = inputs else { continue };
+                    let refs: Vec<&Tensor> = inputs.iter().collect();
+                    let mut env = PathEnv {
+                        kind: PathKind::OracleBf16,
+                        shared: &mut *shared,
+                    };
+                    execs += 1;
+                    exec(op, &refs, &mut env)?
+                }
+            };
+            if super::is_head(op) {
+                if let (Some(x), Some(o)) = (out.first(), oracle_out.first()) {
+                    let vocab = o.shape.last().copied().unwrap_or(0);
+                    let h = HeadCompare::of(&x.data, &o.data, vocab);
+                    self.at_output.insert(self.faulty[i].op.id.clone(), h);
+                }
+            }
+            let f = &mut self.faulty[i];
+            if let Some(sh) = &mut f.shadow {
+                for (id, t) in op.outputs.iter().zip(out) {
+                    sh.insert(id.clone(), t);
+                }
+            }
+        }
+        Ok(execs)
     }
 
     /// Run consumer `op` on each followed divergent op's faulty output it reads (inputs from the
@@ -173,6 +274,7 @@ impl Tracker {
         shared: &mut Shared,
     ) -> Result<usize> {
         let mut execs = 0;
+        let mut direct: HashMap<usize, Vec<Tensor>> = HashMap::new();
         let idx: Vec<usize> = (0..self.faulty.len())
             .filter(|&i| {
                 self.faulty[i]
@@ -217,6 +319,9 @@ impl Tracker {
                 exec(op, &refs, &mut env)
             };
             let out_f = run(&faulty_in)?;
+            if f.shadow.is_some() {
+                direct.insert(i, out_f.clone());
+            }
             let out_s = if f.scale.is_some() {
                 run(&unscaled_in)?
             } else {
@@ -256,22 +361,42 @@ impl Tracker {
             execs += d.execs;
             self.found.entry(f.op.id.clone()).or_default().push(d);
         }
+        execs += self.carry(op, vals, oracle_out, shared, &direct)?;
         Ok(execs)
     }
 
     /// Drop the faulty outputs no later op consumes (after step `step`).
     pub fn retire(&mut self, last_use: &HashMap<&str, usize>, step: usize) {
-        self.faulty.retain(|f| {
-            f.op.outputs
-                .iter()
-                .any(|o| last_use.get(o.as_str()).is_some_and(|&l| l > step))
-        });
+        let live = |o: &str| last_use.get(o).is_some_and(|&l| l > step);
+        for f in &mut self.faulty {
+            if let Some(sh) = &mut f.shadow {
+                sh.retain(|id, _| live(id));
+                if sh.is_empty() {
+                    f.shadow = None;
+                }
+            }
+        }
+        self.faulty
+            .retain(|f| f.op.outputs.iter().any(|o| live(o)) || f.shadow.is_some());
     }
 
-    /// What was measured: per followed op its consumers, and its factor and factor-free error.
-    pub fn into_parts(self) -> (HashMap<String, Vec<Downstream>>, Scales) {
-        (self.found, self.scales)
+    /// What was measured: per followed op its consumers, its factor and factor-free error, and
+    /// its effect at the model's output where carried there.
+    pub fn into_parts(self) -> Measured {
+        Measured {
+            found: self.found,
+            scales: self.scales,
+            at_output: self.at_output,
+        }
     }
+}
+
+/// What the tracker measured (see [`Tracker::into_parts`]).
+#[derive(Default)]
+pub struct Measured {
+    pub found: HashMap<String, Vec<Downstream>>,
+    pub scales: Scales,
+    pub at_output: HashMap<String, HeadCompare>,
 }
 
 /// The noise bound an op's output is held to when judging what reached it.
@@ -282,13 +407,15 @@ fn noise_bound(th: &Thresholds, rec: Option<&OpRecord>) -> f64 {
     (th.noise_multiplier * n).max(th.min_rel_l2)
 }
 
-fn why_absorber(kind: &str) -> &'static str {
-    match kind {
-        "RmsNorm" => "an RMSNorm divides by its input's RMS, so a constant factor on its input does not reach its output",
-        "Router" | "Indexer" => "its choices do not change",
-        _ => "the error does not reach its output",
-    }
+/// Scale-invariant ops: a constant factor on the input does not change the output (RMSNorm,
+/// the families' per-head and latent RMSNorms).
+fn scale_invariant(kind: &str) -> bool {
+    matches!(kind, "RmsNorm" | "HeadNorm" | "LatentNorm")
 }
+
+/// Isolated rel-L2 at or beyond which an op's output is not a perturbation of the oracle's
+/// but a different tensor (zeroed, inverted, garbage): harmful whatever follows.
+pub const HARMFUL_REL_L2: f64 = 0.9;
 
 /// Why a divergent op was not followed into its consumers, for its consequence's text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -299,142 +426,223 @@ pub enum Unfollowed {
     Chunked,
 }
 
-/// Classify every divergent record from what its consumers showed (`found`: per op id) and the
-/// factors measured when it finished (`scales`). Records that were not followed (beyond
-/// [`MAX_FOLLOWED`]) are harmful, as are ops nothing consumes in the run (their output is what the
-/// run ends with).
-pub fn classify(
-    records: &mut [OpRecord],
-    mut found: HashMap<String, Vec<Downstream>>,
-    scales: &Scales,
-    th: &Thresholds,
-    unfollowed: Unfollowed,
-) {
+/// Whether the head comparison `h` of a carried error is within the oracle's own noise at the
+/// output (`noise`: BF16 vs FP32 oracle): top-1 agreement no lower than the oracle's, mean KL
+/// within max(HEAD_KL_NOISE × the oracle's own, HEAD_KL_MIN).
+fn output_unchanged(h: &HeadCompare, noise: Option<&HeadCompare>) -> bool {
+    let (n_top1, n_kl) = noise.map_or((1.0, 0.0), |n| (n.top1, n.kl.unwrap_or(0.0)));
+    let bound = (super::HEAD_KL_NOISE * n_kl).max(super::HEAD_KL_MIN);
+    h.non_finite == 0 && h.top1 >= n_top1 && h.kl.is_some_and(|k| k <= bound)
+}
+
+fn head_text(h: &HeadCompare) -> String {
+    format!(
+        "next-token KL {} nats (max {}), top-1 agreement {:.1} %, top-5 {:.1} %",
+        h.kl.map_or("undefined".into(), |k| format!("{k:.2e}")),
+        h.kl_max.map_or("undefined".into(), |k| format!("{k:.2e}")),
+        h.top1 * 100.0,
+        h.top5 * 100.0
+    )
+}
+
+/// Classify every divergent record from what was measured (`m`: its consumers, its factor and
+/// factor-free error, its effect at the model's output). Absorbed only where proven:
+/// - a constant factor before a scale-invariant op: the error is magnitude-only (its rel-L2 with
+///   the least-squares factor removed is within the op's tolerance) and every consumer is an
+///   RMSNorm whose output is the same with or without the factor (within its noise); or
+/// - measured at the model's output: the op's faulty output carried through every later op
+///   (BF16 oracle numerics) leaves the next-token distributions within the oracle's own noise
+///   (top-1 agreement, mean KL: `output_unchanged`).
+///
+/// Harmful otherwise, and always when the op's own output is non-finite, identically zero where
+/// the oracle's is not, or off by isolated rel-L2 ≥ [`HARMFUL_REL_L2`]. A consumer that happens to
+/// hide the error in this run (a residual sum dominated by its other input) proves nothing.
+pub fn classify(records: &mut [OpRecord], m: Measured, th: &Thresholds, unfollowed: Unfollowed) {
+    let Measured {
+        mut found,
+        scales,
+        at_output,
+    } = m;
     let by_id: HashMap<String, usize> = records
         .iter()
         .enumerate()
         .map(|(i, r)| (r.id.clone(), i))
         .collect();
+    let output_noise: Option<HeadCompare> = records
+        .iter()
+        .find_map(|r| r.head.as_ref().map(|h| h.head_bf16_vs_fp32.clone()));
     for i in 0..records.len() {
         if !records[i].divergent {
             continue;
         }
-        let (scale, without) = scales.get(&records[i].id).copied().unwrap_or((None, None));
+        let id = records[i].id.clone();
+        let (scale, without) = scales.get(&id).copied().unwrap_or((None, None));
         let tol = records[i].tolerance;
-        let mut ds = found.remove(&records[i].id).unwrap_or_default();
+        let mut ds = found.remove(&id).unwrap_or_default();
         for d in &mut ds {
             d.noise = Some(noise_bound(th, by_id.get(&d.op).map(|&j| &records[j])));
         }
-        let self_nf = records[i].stats["served_isolated"].non_finite()
-            && !records[i].stats["oracle_bf16"].non_finite();
+        let at_out = at_output.get(&id).cloned();
+        let served = &records[i].stats["served_isolated"];
+        let oracle = &records[i].stats["oracle_bf16"];
+        let self_nf = served.non_finite() && !oracle.non_finite();
+        let self_zero = served.numel > 0
+            && served.zeros == served.numel
+            && !(oracle.numel > 0 && oracle.zeros == oracle.numel);
+        let iso = records[i].served_isolated_vs_bf16.rel_l2;
         let magnitude_only = without.is_some_and(|w| w <= tol) && !self_nf;
-        let mut absorbed_by = Vec::new();
-        let mut harmful: Option<(String, String)> = None;
+        let base =
+            |severity, why: String, shows_at: Option<String>, absorbed_by: Vec<String>, ds| {
+                Consequence {
+                    severity,
+                    absorbed_by,
+                    shows_at,
+                    why,
+                    scale,
+                    rel_l2_without_scale: without,
+                    downstream: ds,
+                    at_output: at_out.clone(),
+                }
+            };
+        // the op's own output is broken: harmful whatever follows
+        let broken = if self_nf {
+            Some("its own output has NaN/Inf where the oracle has none".to_string())
+        } else if self_zero {
+            Some("its own output is identically zero where the oracle's is not".to_string())
+        } else {
+            iso.filter(|r| *r >= HARMFUL_REL_L2).map(|r| {
+                format!("its own output is not a perturbation of the oracle's (isolated rel-L2 {r:.2e} ≥ {HARMFUL_REL_L2})")
+            })
+        };
+        if let Some(why) = broken {
+            let why = match &at_out {
+                Some(h) => format!("{why}; at the model's output: {}", head_text(h)),
+                None => why,
+            };
+            records[i].consequence = Some(base(
+                Severity::Harmful,
+                why,
+                Some(id.clone()),
+                Vec::new(),
+                ds,
+            ));
+            continue;
+        }
+        // what each consumer shows, and whether it proves absorption (scale invariance)
+        let mut shows: Option<(String, String)> = None;
+        let mut proven: Vec<(String, String)> = Vec::new();
+        let mut hidden: Vec<(String, f64, f64)> = Vec::new();
         for d in &ds {
             let noise = d.noise.unwrap_or(th.min_rel_l2);
-            let verdict: std::result::Result<String, String> = if d.effect.new_non_finite > 0 {
-                Err(format!(
-                    "{} NaN/Inf appear at {}",
-                    d.effect.new_non_finite, d.op
-                ))
+            let eff = d.effect.rel_l2;
+            if d.effect.new_non_finite > 0 {
+                shows.get_or_insert((
+                    d.op.clone(),
+                    format!("{} NaN/Inf appear at {}", d.effect.new_non_finite, d.op),
+                ));
             } else if let Some(a) = d.index_agreement.filter(|a| *a < 1.0) {
-                Err(format!(
-                    "the choices of {} change ({:.1} % of them)",
-                    d.op,
-                    (1.0 - a) * 100.0
-                ))
-            } else if d.effect.rel_l2.is_some_and(|e| e <= noise) {
-                Ok(format!(
-                    "{}: {}'s output moves by rel-L2 {:.2e} ≤ its noise {:.2e}",
-                    why_absorber(&d.kind),
-                    d.op,
-                    d.effect.rel_l2.unwrap_or(0.0),
-                    noise
-                ))
-            } else if magnitude_only && d.magnitude_effect.rel_l2.is_some_and(|e| e <= noise) {
-                Ok(format!(
-                    "{}: the error is a factor ×{:.4} (rel-L2 {:.2e} without it, within the op's tolerance {:.2e}) and {}'s output is the same with or without it (rel-L2 {:.2e} ≤ its noise {:.2e})",
-                    why_absorber(&d.kind),
+                shows.get_or_insert((
+                    d.op.clone(),
+                    format!(
+                        "the choices of {} change ({:.1} % of them)",
+                        d.op,
+                        (1.0 - a) * 100.0
+                    ),
+                ));
+            } else if scale_invariant(&d.kind)
+                && magnitude_only
+                && d.magnitude_effect.rel_l2.is_some_and(|e| e <= noise)
+            {
+                proven.push((d.op.clone(), format!(
+                    "an RMSNorm divides by its input's RMS, so a constant factor on its input does not reach its output: the error is a factor ×{:.4} (rel-L2 {:.2e} without it, within the op's tolerance {:.2e}) and {}'s output is the same with or without it (rel-L2 {:.2e} ≤ its noise {:.2e})",
                     scale.unwrap_or(f64::NAN),
                     without.unwrap_or(f64::NAN),
                     tol,
                     d.op,
                     d.magnitude_effect.rel_l2.unwrap_or(0.0),
                     noise
-                ))
+                )));
+            } else if eff.is_some_and(|e| e <= noise) {
+                hidden.push((d.op.clone(), eff.unwrap_or(0.0), noise));
             } else {
-                Err(format!(
-                    "the error reaches {}'s output (rel-L2 {} vs the oracle, noise {:.2e})",
-                    d.op,
-                    d.effect
-                        .rel_l2
-                        .map_or("undefined".into(), |e| format!("{e:.2e}")),
-                    noise
-                ))
-            };
-            match verdict {
-                Ok(w) => absorbed_by.push((d.op.clone(), w)),
-                Err(w) => {
-                    if harmful.is_none() {
-                        harmful = Some((d.op.clone(), w));
-                    }
-                }
+                shows.get_or_insert((
+                    d.op.clone(),
+                    format!(
+                        "the error reaches {}'s output (rel-L2 {} vs the oracle, noise {:.2e})",
+                        d.op,
+                        eff.map_or("undefined".into(), |e| format!("{e:.2e}")),
+                        noise
+                    ),
+                ));
             }
         }
-        let c = if self_nf {
-            Consequence {
-                severity: Severity::Harmful,
-                absorbed_by: Vec::new(),
-                shows_at: Some(records[i].id.clone()),
-                why: "its own output has NaN/Inf where the oracle has none".into(),
-                scale,
-                rel_l2_without_scale: without,
-                downstream: ds,
-            }
-        } else if let Some((at, why)) = harmful {
-            Consequence {
-                severity: Severity::Harmful,
-                absorbed_by: Vec::new(),
-                shows_at: Some(at),
-                why,
-                scale,
-                rel_l2_without_scale: without,
-                downstream: ds,
-            }
-        } else if ds.is_empty() {
-            Consequence {
-                severity: Severity::Harmful,
-                absorbed_by: Vec::new(),
-                shows_at: None,
-                why: if scales.contains_key(&records[i].id) {
-                    "no later op the run measured consumes its output (it is the last one measured): counted as harmful"
-                        .into()
-                } else {
-                    match unfollowed {
-                        Unfollowed::BeyondLimit => format!(
-                            "not followed downstream (more than {MAX_FOLLOWED} divergent ops): counted as harmful"
-                        ),
-                        Unfollowed::Chunked => "not followed downstream (the run took the prompt in token chunks, which does not replay an op's consumers; run without --chunk, or a shorter prompt, to see whether it is absorbed): counted as harmful".into(),
-                    }
-                },
-                scale,
-                rel_l2_without_scale: without,
-                downstream: ds,
-            }
-        } else {
-            Consequence {
-                severity: Severity::Absorbed,
-                why: absorbed_by
+        let all_proven = !ds.is_empty() && proven.len() == ds.len();
+        let c = if all_proven && shows.is_none() {
+            base(
+                Severity::Absorbed,
+                proven
                     .iter()
                     .map(|(o, w)| format!("{o}: {w}"))
                     .collect::<Vec<_>>()
                     .join("; "),
-                absorbed_by: absorbed_by.into_iter().map(|(o, _)| o).collect(),
-                shows_at: None,
-                scale,
-                rel_l2_without_scale: without,
-                downstream: ds,
-            }
+                None,
+                proven.into_iter().map(|(o, _)| o).collect(),
+                ds,
+            )
+        } else if let Some(h) = at_out
+            .as_ref()
+            .filter(|h| output_unchanged(h, output_noise.as_ref()))
+        {
+            // measured where it matters: the model's next-token distributions
+            let noise_txt = output_noise.as_ref().map_or(String::new(), |n| {
+                format!(" (the BF16 oracle's own against FP32: {})", head_text(n))
+            });
+            base(
+                Severity::Absorbed,
+                format!("measured at the model's output: with this op's error carried through every later op, {}{noise_txt}", head_text(h)),
+                None,
+                vec!["head".to_string()],
+                ds,
+            )
+        } else if let Some(h) = &at_out {
+            base(
+                Severity::Harmful,
+                format!("the error reaches the model's output: {}", head_text(h)),
+                Some("head".to_string()),
+                Vec::new(),
+                ds,
+            )
+        } else if let Some((at, why)) = shows {
+            base(Severity::Harmful, why, Some(at), Vec::new(), ds)
+        } else if !hidden.is_empty() {
+            let (o, e, n) = &hidden[0];
+            base(
+                Severity::Harmful,
+                format!("not proven absorbed: {o}'s output moves by rel-L2 {e:.2e} ≤ its noise {n:.2e} in this run, but only a constant factor before an RMSNorm or an unchanged model output proves an error harmless (run through the head, or with --layers up to the last layer, to measure it there)"),
+                None,
+                Vec::new(),
+                ds,
+            )
+        } else if ds.is_empty() {
+            let why = if scales.contains_key(&id) {
+                "no later op the run measured consumes its output (it is the last one measured): counted as harmful".to_string()
+            } else {
+                match unfollowed {
+                    Unfollowed::BeyondLimit => format!(
+                        "not followed downstream (more than {MAX_FOLLOWED} divergent ops): counted as harmful"
+                    ),
+                    Unfollowed::Chunked => "not followed downstream (the run took the prompt in token chunks, which does not replay an op's consumers; run without --chunk, or a shorter prompt, to see whether it is absorbed): counted as harmful".into(),
+                }
+            };
+            base(Severity::Harmful, why, None, Vec::new(), ds)
+        } else {
+            base(
+                Severity::Harmful,
+                "not proven absorbed".into(),
+                None,
+                Vec::new(),
+                ds,
+            )
         };
         records[i].consequence = Some(c);
     }

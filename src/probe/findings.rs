@@ -347,8 +347,26 @@ pub fn run_findings(res: &RunResult, lint: &[lint::Finding], strict: bool) -> Ve
         .filter(|r| r.divergent)
         .map(|r| r.id.as_str())
         .collect();
-    v.extend(lint_findings(lint, &divergent, strict));
-    v.extend(oracle_anomalies(&res.records, strict));
+    let mut lint_v = lint_findings(lint, &divergent, strict);
+    let anomalies = oracle_anomalies(&res.records, strict);
+    // a degenerate config value (norm eps, routed scaling) zeroes ops on every path: their
+    // oracle anomalies are its measured effect, not broken weights
+    match lint_v
+        .iter_mut()
+        .find(|f| f.kind.as_deref() == Some("config.degenerate"))
+    {
+        Some(cf) if !anomalies.is_empty() => {
+            cf.impact = Impact::Harmful;
+            cf.why = format!(
+                "{}; measured: the oracle's output is degenerate (zero or NaN/Inf) at {} op(s), first {}",
+                cf.why,
+                anomalies.len(),
+                anomalies[0].ops.first().map_or("?", String::as_str)
+            );
+        }
+        _ => v.extend(anomalies),
+    }
+    v.extend(lint_v);
     let steps: std::collections::HashMap<&str, usize> = res
         .records
         .iter()

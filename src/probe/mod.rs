@@ -25,6 +25,7 @@ use serde::Serialize;
 
 use crate::backend::PendingStats;
 use crate::checkpoint::Checkpoint;
+use crate::metrics::head::HeadCompare;
 use crate::metrics::{Compare, Stats};
 use crate::model::graph::Op;
 use crate::numerics::nvfp4::QuantHealth;
@@ -148,6 +149,53 @@ pub struct OpRecord {
     pub shows: bool,
     /// For a divergent op: whether its error reaches a later op (harmful) or is absorbed.
     pub consequence: Option<consequence::Consequence>,
+    /// The model's output (the head op only): next-token KL and top-1/top-5 agreement.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub head: Option<HeadMetrics>,
+}
+
+/// The head's logits on each path compared per position as next-token distributions: served
+/// vs each oracle and the BF16 oracle vs the FP32 one (the oracle's own noise at the output).
+/// Field names are the run JSON's (`head_served_vs_bf16.kl`, …; `head_positions` per position).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HeadMetrics {
+    pub head_served_vs_bf16: HeadCompare,
+    pub head_served_vs_fp32: HeadCompare,
+    pub head_bf16_vs_fp32: HeadCompare,
+    /// Per position: served vs the BF16 oracle.
+    pub head_positions: Vec<crate::metrics::head::HeadPosition>,
+}
+
+impl HeadMetrics {
+    /// Adds a token chunk's logits (FP32 oracle, BF16 oracle, served; [rows, vocab] each).
+    pub fn add(&mut self, fp: &Tensor, bf: &Tensor, sv: &Tensor) {
+        let vocab = sv.shape.last().copied().unwrap_or(0);
+        let (fp, bf, sv) = (&fp.data[..], &bf.data[..], &sv.data[..]);
+        self.head_served_vs_bf16.append(sv, bf, vocab);
+        self.head_served_vs_fp32.append(sv, fp, vocab);
+        self.head_bf16_vs_fp32.append(bf, fp, vocab);
+        self.head_positions = self.head_served_vs_bf16.positions.clone();
+    }
+
+    /// Whether the served path's next-token choices are as close to the BF16 oracle's as the
+    /// oracle's own numerics allow ([`consequence`]'s test "no effect at the model's output"):
+    /// top-1 agreement no lower than the BF16 oracle's with the FP32 oracle, and mean KL within
+    /// max(HEAD_KL_NOISE × the oracle's own, HEAD_KL_MIN).
+    pub fn output_within_noise(&self) -> bool {
+        let (s, n) = (&self.head_served_vs_bf16, &self.head_bf16_vs_fp32);
+        let kl_bound = (HEAD_KL_NOISE * n.kl.unwrap_or(0.0)).max(HEAD_KL_MIN);
+        s.non_finite == 0 && s.top1 >= n.top1 && s.kl.is_some_and(|k| k <= kl_bound)
+    }
+}
+
+/// Mean next-token KL (nats) the served path may add at the output over the oracle's own spread.
+pub const HEAD_KL_NOISE: f64 = 4.0;
+/// … and at least this much.
+pub const HEAD_KL_MIN: f64 = 1e-3;
+
+/// Whether an op's output is the model's output (next-token logits).
+pub(crate) fn is_head(op: &Op) -> bool {
+    op.class == crate::model::graph::OpClass::Head
 }
 
 #[derive(Clone, Debug, Serialize, Default)]
@@ -305,19 +353,13 @@ pub fn run_capturing(
         print_profile(std::mem::take(&mut st.prof));
     }
     crate::profile::write_timeline();
-    let (found, scales) = st.tracker.into_parts();
+    let measured = st.tracker.into_parts();
     let mut records = st.records;
     let unfollowed = match plan.chunk.filter(|&c| c < opts.tokens.len()) {
         Some(_) => consequence::Unfollowed::Chunked,
         None => consequence::Unfollowed::BeyondLimit,
     };
-    consequence::classify(
-        &mut records,
-        found,
-        &scales,
-        &opts.spec.thresholds,
-        unfollowed,
-    );
+    consequence::classify(&mut records, measured, &opts.spec.thresholds, unfollowed);
     let summary = Summary::of(&records);
     Ok((
         RunResult {
@@ -383,6 +425,8 @@ pub(crate) struct PendingRecord {
     /// An index-valued output: its agreements come from the comparisons' equal counts.
     index_output: bool,
     metrics: PendingStats,
+    /// The head's next-token comparisons (the head op only).
+    head: Option<HeadMetrics>,
 }
 
 /// The first half of [`op_record`]: what needs the outputs' values on the host now, and the
@@ -404,6 +448,12 @@ pub(crate) fn op_record_begin(
         let _s = crate::profile::span("metrics: launch");
         measure_launch(&opts.backend, fp, bf, sv, is, &fp_on_bf[0])?
     };
+    let head = is_head(op).then(|| {
+        let _s = crate::profile::span("metrics: head");
+        let mut h = HeadMetrics::default();
+        h.add(fp, bf, sv);
+        h
+    });
     Ok(PendingRecord {
         step,
         op: op.clone(),
@@ -412,6 +462,7 @@ pub(crate) fn op_record_begin(
         observed: observed.to_vec(),
         index_output: is_index_output(op),
         metrics,
+        head,
     })
 }
 
@@ -430,6 +481,7 @@ pub(crate) fn op_record_finish(
         observed,
         index_output,
         metrics,
+        head,
     } = p;
     let (op, touched, observed) = (&op, &touched[..], &observed[..]);
     let ms = {
@@ -529,6 +581,7 @@ pub(crate) fn op_record_finish(
         divergent,
         reason,
         shows,
+        head,
     })
 }
 

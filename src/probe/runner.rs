@@ -132,7 +132,10 @@ impl<'a> Stepper<'a> {
             maps: Default::default(),
             records: Vec::new(),
             captured: Vec::new(),
-            tracker: consequence::Tracker::default(),
+            // carry divergent ops' errors to the model's output when the run reaches it
+            tracker: consequence::Tracker::new(
+                p.ops.iter().any(super::is_head) && p.chunk.is_none_or(|c| c >= opts.tokens.len()),
+            ),
             outputs: BTreeMap::new(),
             queued: None,
             prof: BTreeMap::new(),

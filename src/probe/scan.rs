@@ -566,11 +566,9 @@ pub fn measure_layer(
             g.drop_dead(step, m);
         }
     }
-    let (found, scales) = tracker.into_parts();
     super::consequence::classify(
         &mut records,
-        found,
-        &scales,
+        tracker.into_parts(),
         &opts.spec.thresholds,
         super::consequence::Unfollowed::BeyondLimit,
     );
