@@ -351,7 +351,6 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
 }
 
 fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {
-    let layer = layer_of(op)?;
     let (x, wts, idx) = (inputs[0], inputs[1], inputs[2]);
     let (d, e, k) = (
         cfg.hidden_size,
@@ -371,12 +370,27 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
             per[ex].push((ti, wts.data[ti * k + j]));
         }
     }
+    experts_over(op, x, &per, k, env, cfg)
+}
+
+/// The routed experts over x [t, d] with `per[e]` = (row, routing weight) of expert e, `k` slots
+/// per row: fused where the env's machine has it, else expert by expert.
+fn experts_over(
+    op: &Op,
+    x: &Tensor,
+    per: &[Vec<(usize, f32)>],
+    k: usize,
+    env: &mut dyn OpEnv,
+    cfg: &ModelConfig,
+) -> Result<Tensor> {
+    let layer = layer_of(op)?;
+    let (t, d, e) = (x.rows(), cfg.hidden_size, cfg.n_routed_experts);
     let bases: Vec<&str> = (0..3 * e).map(|i| weight(op, i)).collect::<Result<_>>()?;
     let limit = match bases.first() {
         Some(b) => env.swiglu_limit(b),
         None => cfg.swiglu_limit as f32,
     };
-    if let Some(r) = env.experts_fused(layer, x, &per, k, &bases, limit) {
+    if let Some(r) = env.experts_fused(layer, x, per, k, &bases, limit) {
         return r;
     }
     let mut acc = vec![0.0f32; t * d];
@@ -399,6 +413,65 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
         add_routed(&mut acc, &y, toks, d);
     }
     Ok(Tensor::new(vec![t, d], acc))
+}
+
+/// Rows given to an expert no token reached when the run exercises every expert
+/// (`--exercise-experts`, as calibration does): the prompt's first rows, at most this many.
+pub const EXERCISE_ROWS: usize = 8;
+
+/// Each routed expert's own output, unweighted, on the rows routed to it: a routed-experts op
+/// (`OpKind::Experts`, inputs x [t, d], routing weights and ids [t, k]) run once over one row per
+/// (token, slot) with weight 1, so that row s is expert `owner[s]`'s output on its token. With
+/// `exercise`, every expert no token reached also gets the first [`EXERCISE_ROWS`] rows (they do
+/// not enter the model's output: this is a measurement beside the op). Returns (rows [s, d],
+/// owner of each row, its token).
+pub fn experts_by_expert(
+    op: &Op,
+    inputs: &[&Tensor],
+    env: &mut dyn OpEnv,
+    exercise: bool,
+) -> Result<(Tensor, Vec<usize>, Vec<usize>)> {
+    let cfg = env.cfg().clone();
+    let (x, idx) = (inputs[0], inputs[2]);
+    let (d, e, k) = (
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+    );
+    let t = x.rows();
+    check_shape(op, "x", x, &[t, d])?;
+    check_shape(op, "expert ids", idx, &[t, k])?;
+    let mut slots: Vec<(usize, usize)> = Vec::with_capacity(t * k);
+    let mut reached = vec![false; e];
+    for ti in 0..t {
+        for j in 0..k {
+            let v = idx.data[ti * k + j];
+            let ex = as_index(v, e)
+                .ok_or_else(|| internal(op, format!("expert id {v} is not an integer < {e}")))?;
+            reached[ex] = true;
+            slots.push((ex, ti));
+        }
+    }
+    if exercise {
+        for (ex, r) in reached.iter().enumerate() {
+            if !r {
+                slots.extend((0..t.min(EXERCISE_ROWS)).map(|ti| (ex, ti)));
+            }
+        }
+    }
+    let mut per: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+    let mut rows = Vec::with_capacity(slots.len() * d);
+    for (s, &(ex, ti)) in slots.iter().enumerate() {
+        per[ex].push((s, 1.0));
+        rows.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
+    }
+    let xs = Tensor::new(vec![slots.len(), d], rows);
+    let y = experts_over(op, &xs, &per, 1, env, &cfg)?;
+    Ok((
+        y,
+        slots.iter().map(|s| s.0).collect(),
+        slots.iter().map(|s| s.1).collect(),
+    ))
 }
 
 fn shared(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result<Tensor> {

@@ -193,7 +193,7 @@ fn chunk_step(
 ) -> Result<()> {
     let opts = st.opts;
     let report = op.layer.is_none_or(|l| l >= st.a) && opts.spec.selects(&op.id);
-    let ex = execs(&mut st.shared, op, maps, report, |outs| {
+    let ex = execs(&mut st.shared, op, maps, report, st.opts.experts, |outs| {
         // the loader follows the routing of the first chunk
         if c == 0 {
             hooks.routed(step, outs)
@@ -233,6 +233,8 @@ struct Acc {
     kept: Vec<(String, KeptPieces)>,
     /// The head's next-token comparisons, chunk by chunk.
     head: Option<super::HeadMetrics>,
+    /// A routed-experts op's experts one by one, chunk by chunk.
+    per_expert: Option<super::experts::PerExpert>,
 }
 
 /// One path's kept outputs of an op: per output id, the chunks' pieces.
@@ -271,6 +273,7 @@ impl Acc {
             sums,
             kept: KEPT.iter().map(|n| (n.to_string(), Vec::new())).collect(),
             head: super::is_head(op).then(super::HeadMetrics::default),
+            per_expert: None,
         }
     }
 
@@ -315,6 +318,12 @@ impl Acc {
         }
         if let Some(h) = &mut self.head {
             h.add(fp, bf, sv);
+        }
+        if let Some(p) = &ex.per_expert {
+            match &mut self.per_expert {
+                Some(a) => a.merge(p.clone()),
+                None => self.per_expert = Some(p.clone()),
+            }
         }
         match self.shape.first_mut() {
             Some(rows) => *rows += sv.shape.first().copied().unwrap_or(0),
@@ -379,6 +388,7 @@ impl Acc {
                 index_output,
                 metrics: PendingStats::Done(parts),
                 head: self.head,
+                per_expert: self.per_expert,
             },
             kept,
         ))

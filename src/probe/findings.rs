@@ -226,6 +226,68 @@ pub fn lint_finding(l: &lint::Finding, diverged: bool, strict: bool) -> Option<F
     Some(f)
 }
 
+/// A routed-experts op whose own experts diverge one by one (each on its rows, against a
+/// tolerance from its row count), as one finding naming them: the op's average over every
+/// expert hides one broken expert among many healthy ones. Harmful: the tokens routed to it get a
+/// wrong FFN output, and nothing proves that harmless.
+pub fn expert_finding(r: &OpRecord) -> Option<Finding> {
+    let bad: Vec<&crate::probe::experts::ExpertRecord> =
+        r.experts.as_ref()?.iter().filter(|e| e.divergent).collect();
+    if bad.is_empty() {
+        return None;
+    }
+    let ids: Vec<String> = bad.iter().map(|e| e.expert.to_string()).collect();
+    let reached = r
+        .experts
+        .as_ref()
+        .map_or(0, |v| v.iter().filter(|e| e.rows > 0).count());
+    let tensors: Vec<String> = r
+        .weights
+        .iter()
+        .map(|(b, _)| b.clone())
+        .filter(|b| {
+            bad.iter()
+                .any(|e| b.contains(&format!(".experts.{}.", e.expert)))
+        })
+        .collect();
+    let first = bad[0];
+    let op_err = r
+        .served_isolated_vs_bf16
+        .rel_l2
+        .map_or("undefined".into(), |x| format!("{x:.3e}"));
+    Some(Finding {
+        source: Source::Divergence,
+        impact: Impact::Harmful,
+        level: Level::Error,
+        ops: vec![r.id.clone()],
+        tensors,
+        parameter: None,
+        kind: Some("expert".into()),
+        summary: format!(
+            "{} expert{} {} diverge{} on {} own rows: expert {}: {}",
+            r.id,
+            if bad.len() > 1 { "s" } else { "" },
+            ids.join(", "),
+            if bad.len() > 1 { "" } else { "s" },
+            if bad.len() > 1 { "their" } else { "its" },
+            first.expert,
+            first.reason.as_deref().unwrap_or("beyond its tolerance")
+        ),
+        values: Vec::new(),
+        absorbed_by: Vec::new(),
+        why: format!(
+            "{} of the {reached} experts tokens reached; the whole op's isolated rel-L2 {op_err} (tolerance {:.3e}) averages it with the healthy ones, but every token routed to {} gets a wrong FFN output",
+            bad.len(),
+            r.tolerance,
+            if bad.len() > 1 { "them" } else { "it" }
+        ),
+        fix: Some(format!(
+            "`nvfp4-probe bisect` names the parameter; check expert {}'s scales against its siblings (`nvfp4-probe inspect --filter '*experts.{}.*'`)",
+            first.expert, first.expert
+        )),
+    })
+}
+
 /// The lint findings of the layers a run read as findings, one per root cause (same rule, op,
 /// impact and fix: the three input scales of one shared expert are one finding naming three
 /// tensors). `divergent` are the ops that diverged in the run.
@@ -344,9 +406,15 @@ pub fn run_findings(res: &RunResult, lint: &[lint::Finding], strict: bool) -> Ve
     let divergent: std::collections::HashSet<&str> = res
         .records
         .iter()
-        .filter(|r| r.divergent)
+        .filter(|r| {
+            r.divergent
+                || r.experts
+                    .as_ref()
+                    .is_some_and(|v| v.iter().any(|e| e.divergent))
+        })
         .map(|r| r.id.as_str())
         .collect();
+    v.extend(res.records.iter().filter_map(expert_finding));
     let mut lint_v = lint_findings(lint, &divergent, strict);
     let anomalies = oracle_anomalies(&res.records, strict);
     // a degenerate config value (norm eps, routed scaling) zeroes ops on every path: their

@@ -7,6 +7,7 @@ pub mod consequence;
 pub mod env;
 
 mod chunked;
+pub mod experts;
 pub mod findings;
 pub mod prefill;
 pub mod progress;
@@ -68,6 +69,8 @@ pub struct RunOptions {
     /// `--served-chunk` / `--engine-fault`: the served path prefills as an engine does
     /// (`prefill`).
     pub prefill: Option<crate::served::engine::Prefill>,
+    /// Which routed experts are measured one by one (`--exercise-experts`, `--no-expert-metrics`).
+    pub experts: experts::ExpertMetrics,
 }
 
 impl RunOptions {
@@ -91,6 +94,7 @@ impl RunOptions {
             chunk: None,
             mem_gib: None,
             prefill: None,
+            experts: experts::ExpertMetrics::Routed,
         }
     }
 
@@ -149,6 +153,13 @@ pub struct OpRecord {
     pub shows: bool,
     /// For a divergent op: whether its error reaches a later op (harmful) or is absorbed.
     pub consequence: Option<consequence::Consequence>,
+    /// A routed-experts op: each expert a token reached (or `--exercise-experts` gave rows),
+    /// served vs the BF16 oracle on its own rows, with its tolerance and verdict.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<Vec<experts::ExpertRecord>>,
+    /// … and the experts no token reached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts_unreached: Option<Vec<usize>>,
     /// The model's output (the head op only): next-token KL and top-1/top-5 agreement.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub head: Option<HeadMetrics>,
@@ -427,6 +438,8 @@ pub(crate) struct PendingRecord {
     metrics: PendingStats,
     /// The head's next-token comparisons (the head op only).
     head: Option<HeadMetrics>,
+    /// A routed-experts op's experts one by one.
+    per_expert: Option<experts::PerExpert>,
 }
 
 /// The first half of [`op_record`]: what needs the outputs' values on the host now, and the
@@ -463,6 +476,7 @@ pub(crate) fn op_record_begin(
         index_output: is_index_output(op),
         metrics,
         head,
+        per_expert: None,
     })
 }
 
@@ -482,6 +496,7 @@ pub(crate) fn op_record_finish(
         index_output,
         metrics,
         head,
+        per_expert,
     } = p;
     let (op, touched, observed) = (&op, &touched[..], &observed[..]);
     let ms = {
@@ -581,8 +596,17 @@ pub(crate) fn op_record_finish(
         divergent,
         reason,
         shows,
+        experts_unreached: per_expert
+            .as_ref()
+            .map(|p| p.unreached(opts_experts_of(ckpt))),
+        experts: per_expert.map(|p| p.records(tol)),
         head,
     })
+}
+
+/// Routed experts per layer of the run's model (0 when its config cannot be read).
+fn opts_experts_of(ckpt: &Checkpoint) -> usize {
+    ckpt.model_config().map_or(0, |c| c.n_routed_experts)
 }
 
 /// One op's statistics and comparisons (the four paths' outputs and the noise-floor exec).

@@ -179,12 +179,20 @@ impl<'a> Stepper<'a> {
             fp_on_bf,
             touched,
             observed,
-        } = execs(&mut self.shared, op, &self.maps, report, |outs| {
-            hooks.routed(step, outs)
-        })?;
+            per_expert,
+        } = execs(
+            &mut self.shared,
+            op,
+            &self.maps,
+            report,
+            opts.experts,
+            |outs| hooks.routed(step, outs),
+        )?;
         if report {
             let t_m = Instant::now();
-            let p = op_record_begin(opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed)?;
+            let mut p =
+                op_record_begin(opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed)?;
+            p.per_expert = per_expert;
             // what bisect would start from, should this op diverge
             let cand =
                 (self.capture && self.captured.len() < MAX_CAPTURES).then(|| replay::Capture {
@@ -307,6 +315,8 @@ pub(super) struct Execs {
     pub fp_on_bf: Vec<Tensor>,
     pub touched: Vec<String>,
     pub observed: Vec<(String, crate::served::LinearObs)>,
+    /// A routed-experts op's experts one by one (reported ops, unless switched off).
+    pub per_expert: Option<super::experts::PerExpert>,
 }
 
 /// Runs `op` on every path (inputs from `maps`, one per path), tells `routed` what the paths
@@ -317,6 +327,7 @@ pub(super) fn execs(
     op: &Op,
     maps: &[HashMap<String, Tensor>; 3],
     report: bool,
+    experts: super::experts::ExpertMetrics,
     routed: impl FnOnce(&[Vec<Tensor>]),
 ) -> Result<Execs> {
     // the linears' hook: an op's weights preloaded in one batch, or a routed-experts op
@@ -363,6 +374,7 @@ pub(super) fn execs(
             fp_on_bf: Vec::new(),
             touched,
             observed,
+            per_expert: None,
         });
     }
     // the served numerics differ from the BF16 oracle's where a weight is quantized, and
@@ -386,12 +398,18 @@ pub(super) fn execs(
         shared.flush_experts()?;
         observed.append(&mut shared.observed);
     }
+    // each routed expert on its own rows, served vs the BF16 oracle (on the oracle's inputs)
+    let per_expert = {
+        let _s = crate::profile::span("exec: experts one by one");
+        super::experts::measure(shared, op, &bf_inputs, experts)?
+    };
     Ok(Execs {
         outs,
         iso,
         fp_on_bf,
         touched,
         observed,
+        per_expert,
     })
 }
 
