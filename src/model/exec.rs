@@ -466,7 +466,12 @@ pub fn experts_by_expert(
         rows.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
     }
     let xs = Tensor::new(vec![slots.len(), d], rows);
-    let y = experts_over(op, &xs, &per, 1, env, &cfg)?;
+    let y = match op.kind {
+        OpKind::GptOssExperts => {
+            super::family::ops::gpt_oss::experts_over(op, &xs, &per, env, &cfg)?
+        }
+        _ => experts_over(op, &xs, &per, 1, env, &cfg)?,
+    };
     Ok((
         y,
         slots.iter().map(|s| s.0).collect(),

@@ -188,7 +188,7 @@ pub(crate) fn measure(
     bf_inputs: &[&Tensor],
     mode: ExpertMetrics,
 ) -> Result<Option<PerExpert>> {
-    if op.kind != OpKind::Experts || mode == ExpertMetrics::Off {
+    if !matches!(op.kind, OpKind::Experts | OpKind::GptOssExperts) || mode == ExpertMetrics::Off {
         return Ok(None);
     }
     let exercise = mode == ExpertMetrics::Exercise;

@@ -11,7 +11,7 @@
 //! is exact bookkeeping: gpt-oss's experts gather their token rows and add their routed outputs
 //! there, in f32 in expert order, on every backend.
 
-mod gpt_oss;
+pub(crate) mod gpt_oss;
 
 use super::super::env::{
     check_shape, history, internal, layer_of, param_n, pos0, weight, window, OpEnv,

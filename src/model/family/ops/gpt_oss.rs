@@ -34,25 +34,16 @@ pub fn experts(
     env: &mut dyn OpEnv,
     cfg: &ModelConfig,
 ) -> Result<Tensor> {
-    let layer = layer_of(op)?;
     let (x, wts, idx) = (inputs[0], inputs[1], inputs[2]);
-    let (d, e, k, i) = (
+    let (d, e, k) = (
         cfg.hidden_size,
         cfg.n_routed_experts,
         cfg.num_experts_per_tok,
-        cfg.moe_intermediate_size,
     );
     let t = x.rows();
     check_shape(op, "x", x, &[t, d])?;
     check_shape(op, "routing weights", wts, &[t, k])?;
     check_shape(op, "expert ids", idx, &[t, k])?;
-    let per_expert = op.weights.len().checked_div(e).unwrap_or(0);
-    if !(per_expert == 4 || per_expert == 6) || op.weights.len() != per_expert * e {
-        return Err(internal(
-            op,
-            format!("{} weights for {e} experts of 4 or 6", op.weights.len()),
-        ));
-    }
     let mut per: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
     for ti in 0..t {
         for j in 0..k {
@@ -65,6 +56,32 @@ pub fn experts(
             }
             per[v as usize].push((ti, wts.data[ti * k + j]));
         }
+    }
+    experts_over(op, x, &per, env, cfg)
+}
+
+/// The experts over x [t, D] with `per[e]` = (row, routing weight) of expert e (the op's math
+/// after routing; `model::exec::experts_by_expert` runs it over one row per (token, slot)).
+pub fn experts_over(
+    op: &Op,
+    x: &Tensor,
+    per: &[Vec<(usize, f32)>],
+    env: &mut dyn OpEnv,
+    cfg: &ModelConfig,
+) -> Result<Tensor> {
+    let layer = layer_of(op)?;
+    let (t, d, e, i) = (
+        x.rows(),
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.moe_intermediate_size,
+    );
+    let per_expert = op.weights.len().checked_div(e).unwrap_or(0);
+    if !(per_expert == 4 || per_expert == 6) || op.weights.len() != per_expert * e {
+        return Err(internal(
+            op,
+            format!("{} weights for {e} experts of 4 or 6", op.weights.len()),
+        ));
     }
     let limit = env.swiglu_limit(weight(op, 0)?);
     let mut acc = vec![0.0f32; t * d];
