@@ -36,8 +36,8 @@ pub enum Level {
 }
 
 /// What a finding does, for ordering and wording: harmful and absorbed are measured
-/// (`consequence`); `latent` is a lint error whose op the run does not show diverging (the
-/// engine's numerics happen to mask it, e.g. the fused max takes the sibling's healthy scale).
+/// (`consequence`); `latent` is a lint error whose op the run does not show diverging and that no
+/// measurement decides (a `fused.mismatch` is decided: [`measure_fused_lint`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Impact {
