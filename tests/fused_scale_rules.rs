@@ -141,23 +141,27 @@ struct Case {
     gate: &'static str,
     up: &'static str,
     op: &'static str,
+    /// Whether the ×4 plant diverges at this prompt (not on gpt-oss: measured within tolerance).
+    x4_diverges: bool,
 }
 
 fn cases() -> (Vec<Case>, Vec<TempDir>) {
     let mut keep = Vec::new();
     let mut out = Vec::new();
-    for (fam, fmt, ct) in [
-        ("qwen3_moe", "modelopt-nvfp4", false),
-        ("qwen3_moe", "ct-nvfp4", true),
-        ("deepseek_v3", "modelopt-nvfp4", false),
-        ("deepseek_v3", "ct-nvfp4", true),
+    for (fam, fmt, ct, expert) in [
+        ("qwen3_moe", "modelopt-nvfp4", false, "experts.3"),
+        ("qwen3_moe", "ct-nvfp4", true, "experts.3"),
+        ("deepseek_v3", "modelopt-nvfp4", false, "experts.3"),
+        ("deepseek_v3", "ct-nvfp4", true, "experts.3"),
+        // llm-compressor's gpt-oss `LinearExperts`: one module per expert and projection
+        ("gpt_oss", "ct-nvfp4", true, "experts.experts.3"),
     ] {
         let key = if ct {
             "weight_global_scale"
         } else {
             "weight_scale_2"
         };
-        let x = "model.layers.1.mlp.experts.3";
+        let x = format!("model.layers.1.mlp.{expert}");
         out.push(Case {
             what: Box::leak(format!("{fam} {fmt}").into_boxed_str()),
             src: family_dir(fam, fmt),
@@ -167,6 +171,7 @@ fn cases() -> (Vec<Case>, Vec<TempDir>) {
             gate: "layers.1.ffn.experts.3.w1",
             up: "layers.1.ffn.experts.3.w3",
             op: "L1.ffn.experts",
+            x4_diverges: fam != "gpt_oss",
         });
     }
     for (format, ct) in [(Format::ModelOptNvfp4, false), (Format::CtNvfp4, true)] {
@@ -190,6 +195,7 @@ fn cases() -> (Vec<Case>, Vec<TempDir>) {
             gate: "layers.1.ffn.experts.3.w1",
             up: "layers.1.ffn.experts.3.w3",
             op: "L1.ffn.experts",
+            x4_diverges: true,
         });
         keep.push(base);
         keep.push(prod);
@@ -301,7 +307,8 @@ fn merged_linears_take_the_max() {
 /// One expert's gate tensor scale off by ×1.5 (and ×4) on every producer-made MoE checkpoint:
 /// under the default profile and vLLM's emulation backend the run measures lint's
 /// `fused.mismatch` at the experts op — absorbed with the op's numbers when the op stays within
-/// its tolerance, harmful when it diverges — and the ×4 plant diverges.
+/// its tolerance, harmful when it diverges — and the ×4 plant diverges (but on gpt-oss, where the
+/// op stays within its tolerance at this prompt: then it is absorbed with its numbers).
 #[test]
 fn expert_gate_up_mismatch_is_measured_not_latent() {
     let (cases, _keep) = cases();
@@ -314,7 +321,7 @@ fn expert_gate_up_mismatch_is_measured_not_latent() {
                 let (code, v) = run_json(d.path(), profile);
                 assert_eq!(v["served_profile"], profile);
                 let diverged = assert_measured(&v, c.op, c.up_scale, &what);
-                if must_diverge {
+                if must_diverge && c.x4_diverges {
                     assert!(diverged, "{what}: the ×4 plant does not diverge");
                     assert_eq!(code, 1, "{what}");
                 }

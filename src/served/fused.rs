@@ -120,7 +120,8 @@ pub enum Which {
 
 /// The stored value the engine keeps for a group whose members store `values` (in the group's
 /// order, each in the checkpoint's own convention `conv`), and the index of the member it comes
-/// from. Non-finite or absent values are skipped as `f32::max` skips NaN (None: no value at all).
+/// from. NaN values are skipped, as `f32::max` skips them (None: no value at all); a routed
+/// expert's weight scale is the gate's whatever it holds.
 pub fn kept(
     kind: GroupKind,
     which: Which,
