@@ -329,3 +329,49 @@ fn expert_gate_up_mismatch_is_measured_not_latent() {
         }
     }
 }
+
+/// Bisect names the parameter of a diverging expert gate/up mismatch: the up shard's own stored
+/// tensor scale restores it (`weight-own-shard`), the merged value is the gate's.
+#[test]
+fn bisect_names_the_up_shards_own_scale() {
+    use nvfp4_probe::bisect;
+    use nvfp4_probe::probe::findings::{Impact, Source};
+    use nvfp4_probe::probe::{self, RunOptions};
+    let (cases, _keep) = cases();
+    for c in cases.iter().filter(|c| c.x4_diverges) {
+        let d = planted(&c.src, c.gate_scale, 4.0, c.ct);
+        let ck = Checkpoint::open(d.path()).unwrap();
+        let cfg = ck.model_config().unwrap();
+        let last = 2.min(cfg.num_hidden_layers - 1);
+        let opts = RunOptions::new((0, last), probe::synthetic_tokens(32, cfg.vocab_size, 0));
+        let r = bisect::bisect(&ck, &opts).unwrap();
+        let text = probe::findings::terminal(&r.findings);
+        let f = r
+            .findings
+            .iter()
+            .find(|f| f.source == Source::Divergence && f.ops == vec![c.op.to_string()])
+            .unwrap_or_else(|| panic!("{}: no divergence at {}:\n{text}", c.what, c.op));
+        assert_eq!(f.impact, Impact::Harmful, "{}:\n{text}", c.what);
+        assert_eq!(
+            f.kind.as_deref(),
+            Some("weight-own-shard"),
+            "{}:\n{text}",
+            c.what
+        );
+        let v = &f.values[0];
+        assert_eq!(v.tensor.as_deref(), Some(c.up_scale), "{}:\n{text}", c.what);
+        // current: the gate's decode scale (the merged value); corrected: the up shard's own
+        assert_eq!(
+            v.current,
+            Some(stored_decode(&ck, c.gate)),
+            "{}:\n{text}",
+            c.what
+        );
+        assert_eq!(
+            v.corrected,
+            Some(stored_decode(&ck, c.up)),
+            "{}:\n{text}",
+            c.what
+        );
+    }
+}
