@@ -591,9 +591,12 @@ const BISECT: &[BisectCase] = &[
         Family::NibbleOrder,
         "layers.3.ffn.shared_experts.",
     ),
+    // w3 stored with a 1.6x larger tensor scale: vLLM's fused MoE keeps w1's, so up decodes x1.6
+    // under compressed-tensors (g3/g1) and x1/1.6 under ModelOpt (d1/d3, within the op's
+    // tolerance at this prompt: lint's finding is then absorbed by measurement)
     (
         Kind::DeepseekV3,
-        Format::ModelOptNvfp4,
+        Format::CtNvfp4,
         "w13-scale-mismatch@L3.ffn.experts",
         false,
         "L3.ffn.experts",

@@ -634,6 +634,7 @@ fn all_findings(
     }
     let divergent: std::collections::HashSet<&str> = divs.iter().map(|d| d.op.as_str()).collect();
     out.extend(findings::lint_findings(lint, &divergent, false));
+    findings::measure_fused_lint(&mut out, records, false);
     let steps: HashMap<&str, usize> = records.iter().map(|r| (r.id.as_str(), r.step)).collect();
     findings::sort(&mut out, |op| steps.get(op).copied().unwrap_or(usize::MAX));
     out
@@ -927,18 +928,10 @@ pub(super) fn override_hypothesis(
     }
 }
 
-fn sibling(base: &str) -> Option<String> {
-    for (a, b) in [
-        (".w1", ".w3"),
-        (".w3", ".w1"),
-        (".attn.wq_a", ".attn.wkv"),
-        (".attn.wkv", ".attn.wq_a"),
-    ] {
-        if let Some(p) = base.strip_suffix(a) {
-            return Some(format!("{p}{b}"));
-        }
-    }
-    None
+/// The first other member of `base`'s fused group in the checkpoint (`served::fused`).
+fn sibling(ckpt: &crate::checkpoint::Checkpoint, base: &str) -> Option<String> {
+    let (_, members) = crate::served::fused::members_in(ckpt, base)?;
+    members.into_iter().find(|m| m != base)
 }
 
 fn is_moe(base: &str) -> bool {
@@ -1050,7 +1043,7 @@ fn hypotheses(
     let mut sib: HashMap<String, Nvfp4Params> = HashMap::new();
     for b in bases {
         if let Some(w) = winfo(rp, b)? {
-            if let Some(s) = sibling(b) {
+            if let Some(s) = sibling(rp.ckpt(), b) {
                 if rp
                     .ckpt()
                     .weight_scheme(&s)
@@ -1131,10 +1124,10 @@ fn hypotheses(
         ("weight-div2688", 3, Family::WeightScale, "the weight global scale is off by 448·6 = 2688",
          Box::new(|_b, w| weight(w.p.d_w / 2688.0, w))),
         ("weight-own-shard", 0, Family::WeightScale,
-         "the engine merges the fused pair's weight global scales (max over shards) and the sibling's value does not fit this shard (its own stored value restores it)",
+         "the engine keeps one weight global scale for the fused group (the max over a merged linear, the gate's for a routed expert's w13) and the sibling's value does not fit this shard (its own stored value restores it)",
          Box::new(|_b, w| if w.fused_w { weight(own_weight(w), w) } else { None })),
         ("input-own-shard", 0, Family::InputScale,
-         "the engine merges the fused pair's activation scales (max over shards) and the sibling's value does not fit this shard (its own stored value restores it)",
+         "the engine keeps one activation scale for the fused group (the max decode scale) and the sibling's value does not fit this shard (its own stored value restores it)",
          Box::new(|_b, w| if w.fused_i { own_input(w).and_then(|g| input(g, w)) } else { None })),
         ("weight-sibling-shard", 5, Family::WeightScale,
          "the weight global scale differs from the fused sibling shard's (the engine keeps one per merged layer)",
@@ -1180,7 +1173,12 @@ fn hypotheses(
             _ => None,
         };
         let from_sibling = if kind.ends_with("own-shard") {
-            match sibling(&changed[0]) {
+            let which = if fam == Family::InputScale {
+                crate::served::fused::Which::Activation
+            } else {
+                crate::served::fused::Which::Weight
+            };
+            match crate::served::fused::kept_from(rp.ckpt(), &changed[0], w.conv, which) {
                 Some(sb) => rp
                     .meta(&sb)
                     .ok()

@@ -14,6 +14,7 @@ use crate::checkpoint::quant::implied_amax;
 use crate::checkpoint::{Dtype, Fp8ScaleKind, Scheme, WeightMeta};
 use crate::numerics::nvfp4::Convention;
 use crate::numerics::{e4m3, swizzle, ue8m0};
+use crate::served::fused;
 use crate::Error;
 
 const FP4_FP8_MAX: f64 = 2688.0;
@@ -1028,18 +1029,36 @@ fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
             if ratio <= th.fused_warning {
                 continue;
             }
-            let kept = a.max(bv);
-            // the shard whose own value lost the merge
-            let mis_base = if a < bv {
-                m.canonical.as_str()
+            // the engine's rule for this group (`served::fused`): which stored value it keeps
+            let kind = fused::group(&m.canonical).map_or(fused::GroupKind::Merged, |g| g.kind);
+            let w = if which == "weight" {
+                fused::Which::Weight
             } else {
-                p.canonical.as_str()
+                fused::Which::Activation
             };
-            let (mis, factor) = match conv {
-                // vLLM keeps max(g): the shard with the smaller g decodes ×g_i/g_max.
-                Convention::CompressedTensors => (if a < bv { ta } else { tb }, 1.0 / ratio),
-                // vLLM keeps max(d): the shard with the smaller d decodes ×d_max/d_i.
-                Convention::ModelOpt => (if a < bv { ta } else { tb }, ratio),
+            let Some((kept, at)) = fused::kept(kind, w, conv, &[a, bv]) else {
+                continue;
+            };
+            // the shard whose own value lost the merge, and its own stored value
+            let (mis_base, mis, own) = if at == 0 {
+                (p.canonical.as_str(), tb, bv)
+            } else {
+                (m.canonical.as_str(), ta, a)
+            };
+            // what the shard's decode scale is multiplied by: d_kept/d_own (ModelOpt stores d),
+            // g_own/g_kept (compressed-tensors stores g = 1/d)
+            let factor = match conv {
+                Convention::CompressedTensors => (own / kept) as f64,
+                Convention::ModelOpt => (kept / own) as f64,
+            };
+            let rule = match kind {
+                fused::GroupKind::RoutedW13 if which == "weight" => {
+                    "vLLM's fused MoE: the gate (w1) shard's, "
+                }
+                fused::GroupKind::RoutedW13 if conv == Convention::CompressedTensors => {
+                    "vLLM's fused MoE: the largest decode scale = the smallest, "
+                }
+                _ => "vLLM: the max, ",
             };
             let absorbed = if which == "weight" {
                 absorbing_norm(mis_base, factor)
@@ -1054,7 +1073,7 @@ fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
                 W
             };
             let file = file_of(cx, tb, &p.file);
-            let mut evidence = format!("{which} tensor scales of a fused pair differ: `{ta}` = {}, `{tb}` = {} (ratio {}); an engine that fuses them keeps one (vLLM: the max, {}) and `{mis}` then {} ×{}", g(a as f64), g(bv as f64), g(ratio), g(kept as f64), if which == "weight" { "decodes" } else { "has its activations scaled" }, g(factor));
+            let mut evidence = format!("{which} tensor scales of a fused pair differ: `{ta}` = {}, `{tb}` = {} (ratio {}); an engine that fuses them keeps one ({rule}{}) and `{mis}` then {} ×{}", g(a as f64), g(bv as f64), g(ratio), g(kept as f64), if which == "weight" { "decodes" } else { "has its activations scaled" }, g(factor));
             if let Some(norm) = &absorbed {
                 evidence.push_str(&format!("; absorbed by {norm}: an RMSNorm divides by its input's RMS, and a wrong weight tensor scale multiplies the shard's output by one constant, so the norm's output does not change (a warning; `--strict` makes it an error)"));
             }

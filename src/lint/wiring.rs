@@ -51,24 +51,22 @@ pub fn input_norms(base: &str) -> Vec<String> {
 }
 
 /// The linears fused with `base` into one GEMM that come after it in its group (each pair is
-/// then seen once).
+/// then seen once): the served path's table of fused groups (`served::fused`). `attn.wq_a` is
+/// fused with V4's `attn.wkv` or DeepSeek-V3's `attn.kv_a_proj_with_mqa`, whichever is there.
 pub fn fused_partners(base: &str) -> Vec<String> {
-    let Some((prefix, rest)) = split(base) else {
-        return Vec::new();
-    };
-    let tails: &[&str] = match rest {
-        "attn.wq_a" => &["attn.wkv", "attn.kv_a_proj_with_mqa"],
-        "attn.q_proj" => &["attn.k_proj", "attn.v_proj"],
-        "attn.k_proj" => &["attn.v_proj"],
-        "ffn.gate_proj" => &["ffn.up_proj"],
-        r if (r.starts_with("ffn.experts.") || r.starts_with("ffn.shared_experts"))
-            && r.ends_with(".w1") =>
-        {
-            return vec![format!("{}.w3", &base[..base.len() - 3])];
+    let mut alts = vec![base.to_string()];
+    if let Some(p) = base.strip_suffix(".attn.wq_a") {
+        alts.push(format!("{p}.attn.kv_a_proj_with_mqa"));
+    }
+    let mut out = Vec::new();
+    for a in alts {
+        if let Some(g) = crate::served::fused::group(&a) {
+            if let Some(i) = g.members.iter().position(|m| m == base) {
+                out.extend(g.members[i + 1..].iter().cloned());
+            }
         }
-        _ => &[],
-    };
-    tails.iter().map(|t| format!("{prefix}{t}")).collect()
+    }
+    out
 }
 
 /// The RMSNorm op that reads `base`'s whole output, so that a constant factor on that output does

@@ -36,8 +36,8 @@ pub enum Level {
 }
 
 /// What a finding does, for ordering and wording: harmful and absorbed are measured
-/// (`consequence`); `latent` is a lint error whose op the run does not show diverging (the
-/// engine's numerics happen to mask it, e.g. the fused max takes the sibling's healthy scale).
+/// (`consequence`); `latent` is a lint error whose op the run does not show diverging and that no
+/// measurement decides (a `fused.mismatch` is decided: [`measure_fused_lint`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Impact {
@@ -323,6 +323,55 @@ pub fn lint_findings(
     out
 }
 
+/// A `fused.mismatch` lint error is decided by the served profile: the served path applies the
+/// engine's fused-scale rule to every fused group (`served::fused`), so the run measured what the
+/// engine does with the differing scales at the finding's op. Where that op diverged the finding
+/// is already harmful; where it ran and did not diverge, it is absorbed by measurement (a warning
+/// with the op's numbers; `--strict` makes it an error) instead of latent. It stays latent where
+/// no measurement decides: its op is not among `records`, or no weight of the op belongs to a
+/// fused group the served path merges.
+pub fn measure_fused_lint(findings: &mut [Finding], records: &[OpRecord], strict: bool) {
+    for f in findings.iter_mut() {
+        if f.source != Source::Lint
+            || f.impact != Impact::Latent
+            || f.kind.as_deref() != Some("fused.mismatch")
+        {
+            continue;
+        }
+        let Some(r) = f
+            .ops
+            .first()
+            .and_then(|o| records.iter().find(|r| &r.id == o))
+        else {
+            continue;
+        };
+        if r.divergent
+            || !r
+                .weights
+                .iter()
+                .any(|(b, s)| s.starts_with("nvfp4") && crate::served::fused::group(b).is_some())
+        {
+            continue;
+        }
+        let c = &r.served_isolated_vs_bf16;
+        let rel = c.rel_l2.map_or("—".to_string(), |v| format!("{v:.3e}"));
+        f.impact = Impact::Absorbed;
+        f.why = format!(
+            "measured: the served path keeps the engine's one scale for the fused group (docs/NVFP4.md §3.4) and {} stays within its tolerance (isolated rel-L2 {rel} ≤ {:.3e}), so the differing scales are absorbed at this prompt — {}",
+            r.id, r.tolerance, f.why
+        );
+        f.values.push(OpValue {
+            op: r.id.clone(),
+            tensor: None,
+            current: None,
+            corrected: None,
+            before: c.clone(),
+            after: None,
+        });
+        f.set_strict(strict);
+    }
+}
+
 /// The main data input of an op id, by the graph's conventions (None for ops that mix several).
 pub fn input_of(id: &str) -> Option<String> {
     let (l, rest) = id.split_once('.')?;
@@ -434,6 +483,7 @@ pub fn run_findings(res: &RunResult, lint: &[lint::Finding], strict: bool) -> Ve
         }
         _ => v.extend(anomalies),
     }
+    measure_fused_lint(&mut lint_v, &res.records, strict);
     v.extend(lint_v);
     let steps: std::collections::HashMap<&str, usize> = res
         .records

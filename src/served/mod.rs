@@ -19,6 +19,7 @@ use crate::Result;
 
 pub mod engine;
 pub mod faults;
+pub mod fused;
 pub mod linears;
 pub mod profile;
 
@@ -140,24 +141,9 @@ pub struct LinearObs {
     pub params: Option<Nvfp4Params>,
 }
 
-fn sibling(base: &str) -> Option<String> {
-    if let Some(p) = base.strip_suffix(".w1") {
-        return Some(format!("{p}.w3"));
-    }
-    if let Some(p) = base.strip_suffix(".w3") {
-        return Some(format!("{p}.w1"));
-    }
-    if let Some(p) = base.strip_suffix(".attn.wq_a") {
-        return Some(format!("{p}.attn.wkv"));
-    }
-    if let Some(p) = base.strip_suffix(".attn.wkv") {
-        return Some(format!("{p}.attn.wq_a"));
-    }
-    None
-}
-
 /// The loader's reading of the stored NVFP4 scalars (vLLM `process_weights_after_loading`, docs/NVFP4.md §3.5),
-/// including the max() that fused engines take over a merged pair (§3.4), then loader faults.
+/// including the one tensor scale a fused engine keeps for a fused group ([`fused`]: the max over a
+/// merged dense linear, the gate's weight scale for a routed expert's `w13`; §3.4), then loader faults.
 pub fn resolve_nvfp4(
     ckpt: &Checkpoint,
     qw: &QuantWeight,
@@ -188,16 +174,12 @@ pub fn resolve_nvfp4_named(
     fuse_pairs: bool,
     faults: &[&Fault],
 ) -> Nvfp4Params {
-    let (mut wg, mut ig) = (weight_global, input_global.unwrap_or(0.0));
-    if fuse_pairs {
-        if let Some(sib) = sibling(canonical) {
-            if let Some((sw, si)) = ckpt.nvfp4_scalars(&sib) {
-                // vLLM keeps one scale per merged layer: max over shards (max g for CT, max d for ModelOpt)
-                wg = wg.max(sw);
-                ig = ig.max(si.unwrap_or(0.0));
-            }
-        }
-    }
+    let (mut wg, mut ig) = if fuse_pairs {
+        // the engine keeps one scale per fused weight (`fused`'s table and rules)
+        fused::merged_scalars(ckpt, canonical, conv, weight_global, input_global)
+    } else {
+        (weight_global, input_global.unwrap_or(0.0))
+    };
     let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
     if has(FaultKind::MissingBlockScales) {
         // the scale keys never loaded: the engine's parameters keep their initial 1.0
