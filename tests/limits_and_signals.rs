@@ -30,7 +30,7 @@ fn bin() -> Command {
 }
 
 /// `cmd` with the soft and hard limit `res` set to `value` in the child before exec.
-fn limited(mut cmd: Command, res: libc::__rlimit_resource_t, value: u64) -> Command {
+fn limited(mut cmd: Command, res: libc::c_int, value: u64) -> Command {
     // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec. The
     // child keeps the default disposition of SIGXFSZ (terminate), as a shell's `ulimit` does.
     unsafe {
@@ -39,7 +39,7 @@ fn limited(mut cmd: Command, res: libc::__rlimit_resource_t, value: u64) -> Comm
                 rlim_cur: value as libc::rlim_t,
                 rlim_max: value as libc::rlim_t,
             };
-            if libc::setrlimit(res, &lim) != 0 {
+            if libc::setrlimit(res as _, &lim) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -149,7 +149,7 @@ fn synth_tiny(dir: &Path, format: &str) {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
 }
 
-/// 1. A budget above RLIMIT_AS is bounded by it: the run that fits `--max-mem 1000` but not
+/// Item 1: A budget above RLIMIT_AS is bounded by it: the run that fits `--max-mem 1000` but not
 /// the address space is refused with the estimate (on main: it ran and aborted in the
 /// allocator); a small run under the same budget still runs.
 #[test]
@@ -158,7 +158,7 @@ fn max_mem_above_the_address_space_limit_is_refused_like_the_estimate() {
         let mut c = bin();
         c.args(["run", "--backend", "cpu", "--layers", "0..4", "--quiet"])
             .args(extra);
-        output(limited(c, libc::RLIMIT_AS, CAP))
+        output(limited(c, libc::RLIMIT_AS as libc::c_int, CAP))
     };
     let o = run(&[
         "--seq-len",
@@ -181,7 +181,7 @@ fn max_mem_above_the_address_space_limit_is_refused_like_the_estimate() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
 }
 
-/// 2. The large presets are refused before anything is allocated or created; tiny still fits.
+/// Item 2: The large presets are refused before anything is allocated or created; tiny still fits.
 #[test]
 fn synth_of_a_large_preset_is_refused_up_front_under_a_low_limit() {
     let d = tempfile::tempdir().unwrap();
@@ -194,7 +194,7 @@ fn synth_of_a_large_preset_is_refused_up_front_under_a_low_limit() {
         let out = d.path().join("big");
         let mut c = bin();
         c.arg("synth").args(args).arg("--out").arg(&out);
-        let o = output(limited(c, libc::RLIMIT_AS, CAP));
+        let o = output(limited(c, libc::RLIMIT_AS as libc::c_int, CAP));
         refused(&o, &["estimated", "GiB", "limit", "synth --preset"]);
         let left = entries(d.path());
         assert!(left.is_empty(), "{args:?} left {left:?}");
@@ -202,7 +202,7 @@ fn synth_of_a_large_preset_is_refused_up_front_under_a_low_limit() {
     let mut c = bin();
     c.args(["synth", "--preset", "tiny", "--out"])
         .arg(d.path().join("tiny"));
-    let o = output(limited(c, libc::RLIMIT_AS, CAP));
+    let o = output(limited(c, libc::RLIMIT_AS as libc::c_int, CAP));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
 }
 
@@ -261,7 +261,7 @@ fn wait_for(mut f: impl FnMut() -> bool) -> bool {
     false
 }
 
-/// 3. RLIMIT_FSIZE with the default SIGXFSZ disposition (a shell's `ulimit -f`): every
+/// Item 3: RLIMIT_FSIZE with the default SIGXFSZ disposition (a shell's `ulimit -f`): every
 /// command's output write fails with exit 2 naming the output; no temporary, no output.
 #[test]
 fn a_file_size_limit_fails_every_output_write_with_exit_2() {
@@ -353,7 +353,7 @@ fn a_file_size_limit_fails_every_output_write_with_exit_2() {
     for (args, named) in cases {
         let mut c = bin();
         c.args(&args);
-        let o = output(limited(c, libc::RLIMIT_FSIZE, 64));
+        let o = output(limited(c, libc::RLIMIT_FSIZE as libc::c_int, 64));
         let err = refused(&o, &[&named.display().to_string()]);
         assert!(!err.contains(TMP_PREFIX), "names a temporary: {err}");
         let left = entries(&full);
@@ -361,7 +361,7 @@ fn a_file_size_limit_fails_every_output_write_with_exit_2() {
     }
 }
 
-/// 4. Every shard truncated after it was mapped, before the run reads its weights: the read
+/// Item 4: Every shard truncated after it was mapped, before the run reads its weights: the read
 /// faults (SIGBUS) and the handler says which file and exits 2; no output, no temporary.
 #[test]
 fn a_shard_truncated_while_mapped_is_reported_and_exits_2() {
@@ -419,7 +419,7 @@ fn a_shard_truncated_while_mapped_is_reported_and_exits_2() {
     assert!(temporaries(ws.path()).is_empty());
 }
 
-/// 5. SIGTERM right after the outputs are published (held there): the outputs stay and the
+/// Item 5: SIGTERM right after the outputs are published (held there): the outputs stay and the
 /// message claims no removal (on main: "temporary outputs removed").
 #[test]
 fn sigterm_right_after_publishing_claims_no_removal() {

@@ -106,7 +106,10 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
         }
     }
     // SAFETY: the kernel passes a valid siginfo with SA_SIGINFO
+    #[cfg(target_os = "linux")]
     let addr = unsafe { (*info).si_addr() } as usize;
+    #[cfg(not(target_os = "linux"))]
+    let addr = unsafe { (*info).si_addr } as usize;
     put(b"\nerror: ");
     match file_at(addr) {
         Some(p) => {
