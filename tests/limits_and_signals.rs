@@ -31,6 +31,9 @@ fn bin() -> Command {
 
 /// `cmd` with the soft and hard limit `res` set to `value` in the child before exec.
 fn limited(mut cmd: Command, res: libc::c_int, value: u64) -> Command {
+    // the room RLIMIT_AS leaves counts 64 MiB of allocator arenas per worker thread
+    // (`probe::budget`): a fixed thread count keeps it the same on any machine
+    cmd.env("RAYON_NUM_THREADS", "4");
     // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec. The
     // child keeps the default disposition of SIGXFSZ (terminate), as a shell's `ulimit` does.
     unsafe {
