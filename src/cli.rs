@@ -75,9 +75,10 @@ pub struct TokenArgs {
 /// compare).
 #[derive(Args, Debug, Clone, Default)]
 pub struct MemArgs {
-    /// Memory budget in GiB (host, and device on CUDA) instead of what the machine reports
-    /// available; a run whose estimate exceeds it is refused before it allocates (exit 2). A
-    /// prompt too long to run at once within it runs in token chunks (--chunk).
+    /// Memory budget in GiB (host, and device on CUDA) below what the machine reports available
+    /// (a larger one is held to the machine's limit); a run whose estimate exceeds it is refused
+    /// before it allocates (exit 2). A prompt too long to run at once within it runs in token
+    /// chunks (--chunk).
     #[arg(long, value_name = "GIB")]
     pub max_mem: Option<f64>,
     /// Run each layer over the prompt N tokens at a time: every op of the layer on a chunk, the

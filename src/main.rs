@@ -10,6 +10,9 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // A write past `ulimit -f` fails (EFBIG: exit 2 naming the output) instead of SIGXFSZ
+    // killing the process; a shard truncated while mapped (SIGBUS) says so and exits 2.
+    nvfp4_probe::output::fatal::install();
     nvfp4_probe::profile::mark("start");
     let cli = Cli::parse();
     let code = match std::panic::catch_unwind(|| nvfp4_probe::commands::dispatch(cli)) {

@@ -38,6 +38,10 @@ fn probe(args: &[&str], cap: Option<u64>) -> Out {
     #[cfg(unix)]
     if let Some(cap) = cap {
         use std::os::unix::process::CommandExt;
+        // the address-space room a run may use leaves 64 MiB per worker thread for allocator
+        // arenas (`probe::budget`), and a `--max-mem` is held to that room: a fixed thread count
+        // keeps the room under the cap the same on any machine
+        cmd.env("RAYON_NUM_THREADS", "4");
         // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
         unsafe {
             cmd.pre_exec(move || {

@@ -685,12 +685,10 @@ fn sigterm_mid_write_leaves_no_temporary() {
     }
     let o = child.wait_with_output().unwrap();
     assert!(seen, "no partial shard appeared within 120 s");
-    assert_eq!(
-        o.status.code(),
-        Some(143),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(143), "{err}");
+    // it removed the staged directory, and says so
+    assert!(err.contains("temporary outputs removed"), "{err}");
     let left: Vec<_> = std::fs::read_dir(&d)
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -206,14 +206,16 @@ impl Checkpoint {
                 "no model.safetensors, index or *.safetensors file",
             ));
         }
-        Self::assemble(
+        let ck = Self::assemble(
             dir.to_path_buf(),
             config_path,
             config,
             hf_quant,
             shards,
             index,
-        )
+        )?;
+        crate::output::test_hold("mapped");
+        Ok(ck)
     }
 
     /// The same over in-memory safetensors buffers (`name → bytes`); an entry named

@@ -20,6 +20,8 @@ pub(crate) enum Backing {
 
 pub(crate) struct Shard {
     pub path: PathBuf,
+    /// The mapping registered for the SIGBUS handler (`output::fatal`), which names the file.
+    _watched: Option<crate::output::fatal::Watched>,
     backing: Backing,
 }
 
@@ -71,7 +73,9 @@ pub(crate) fn map_file(path: &Path) -> Result<Shard> {
         ));
     }
     // SAFETY: the map is read-only; a checkpoint rewritten underneath a running probe is
-    // outside what this tool supports (same contract as every mmap-based safetensors loader).
+    // outside what this tool supports (same contract as every mmap-based safetensors loader):
+    // a read of a truncated part faults (SIGBUS), which `output::fatal` reports as such, naming
+    // the file (exit 2).
     let mmap = unsafe { memmap2::Mmap::map(&file) }
         .map_err(|e| Error::bad(path, None, format!("cannot map shard: {e}")))?;
     // Reads are tensor-granular and often tiny (a 4-byte tensor scale next to megabytes of
@@ -81,6 +85,7 @@ pub(crate) fn map_file(path: &Path) -> Result<Shard> {
     let _ = mmap.advise(memmap2::Advice::Random);
     Ok(Shard {
         path: path.to_path_buf(),
+        _watched: crate::output::fatal::watch(mmap.as_ptr(), mmap.len(), path),
         backing: Backing::Mmap(mmap),
     })
 }
@@ -111,6 +116,7 @@ impl Shard {
 pub(crate) fn mem_shard(path: PathBuf, bytes: Vec<u8>) -> Shard {
     Shard {
         path,
+        _watched: None,
         backing: Backing::Mem(bytes),
     }
 }

@@ -17,6 +17,9 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
         .as_ref()
         .ok_or_else(|| Error::usage("synth: --out DIR is required"))?;
     let opts = options(a)?;
+    // nothing of the checkpoint's size is allocated, and no directory made, before its
+    // estimate fits what the machine offers
+    memory_check(&opts, &a.preset)?;
     let (st, files) = synth::synth_to_dir_with(&opts, out, a.force)?;
     for f in &files {
         println!("wrote {}", out.join(f).display());
@@ -48,6 +51,28 @@ pub fn main(a: &SynthArgs) -> Result<i32> {
         }
     );
     Ok(0)
+}
+
+/// Refuse (exit 2) a synth whose estimated peak memory exceeds the host's limit (the least of
+/// MemAvailable, the cgroup's room and RLIMIT_AS's room, as a run's budget).
+fn memory_check(opts: &SynthOptions, preset: &str) -> Result<()> {
+    use crate::probe::budget::{gib, host_limit};
+    let m = synth::memory_estimate(opts)?;
+    let limit = host_limit();
+    if m.total() > limit.bytes {
+        return Err(Error::usage(format!(
+            "synth --preset {preset} ({}{}) needs an estimated {} of host memory (tensors being made {}, shard buffers {}; {} written) but the limit is {} ({}); choose a smaller preset or --layers, or give it more memory",
+            opts.family.map_or(String::new(), |k| format!("{} ", k.label())),
+            opts.format.name(),
+            gib(m.total()),
+            gib(m.generation),
+            gib(m.shards),
+            gib(m.written),
+            gib(limit.bytes),
+            limit.source
+        )));
+    }
+    Ok(())
 }
 
 /// The synth options the command line asks for.

@@ -9,12 +9,15 @@
 //! - **When**: a command's outputs are staged as temporaries beside their targets
 //!   ([`Outputs`]) and published together by renames only when every one of them is complete;
 //!   a failing publish puts back what it replaced. Temporaries are removed on error (drop) and
-//!   on SIGINT/SIGTERM/SIGHUP ([`cleanup`]).
+//!   on SIGINT/SIGTERM/SIGHUP ([`cleanup`]); a write past the file-size limit fails (EFBIG, not
+//!   SIGXFSZ) and a checkpoint truncated under its mapping (SIGBUS) ends in exit 2 with the
+//!   temporaries removed ([`fatal`]).
 //!
 //! Errors name the path the user gave (and its real path when it differs), never a temporary.
 //! Every refusal is an [`Error::Usage`] or [`Error::Io`]: exit 2.
 
 pub mod cleanup;
+pub mod fatal;
 pub mod resolve;
 
 use std::io::Write;
@@ -29,6 +32,45 @@ pub use resolve::real_path;
 pub const TMP_PREFIX: &str = ".nvfp4-probe-tmp-";
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// The environment variable of [`test_hold`].
+pub const TEST_HOLD_ENV: &str = "NVFP4_PROBE_TEST_HOLD";
+
+/// A test's hold on the process at a named point: with `NVFP4_PROBE_TEST_HOLD=POINT:FILE` set
+/// and `point` equal to POINT, the first time the process gets there it creates FILE and waits
+/// (up to 120 s) until FILE is removed, so an integration test can act at that exact moment
+/// through the real paths (truncate a mapped shard: a real SIGBUS; send SIGTERM right after the
+/// outputs are published). Points: `mapped` (a checkpoint's shards mapped and their headers
+/// read, `Checkpoint::open`), `published` (a command's outputs renamed into place). Without the
+/// variable it costs one environment lookup.
+pub fn test_hold(point: &str) {
+    static DONE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let Some(v) = std::env::var_os(TEST_HOLD_ENV) else {
+        return;
+    };
+    let v = v.to_string_lossy();
+    let Some((p, file)) = v.split_once(':') else {
+        return;
+    };
+    if p != point {
+        return;
+    }
+    {
+        let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
+        if done.iter().any(|d| d == point) {
+            return;
+        }
+        done.push(point.to_string());
+    }
+    let file = Path::new(file);
+    if std::fs::write(file, point).is_err() {
+        return;
+    }
+    let t0 = std::time::Instant::now();
+    while file.exists() && t0.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
 
 /// A fresh temporary name for `name`: `.nvfp4-probe-tmp-<pid>-<n>-<name>` (the name last, so a
 /// writer that picks its format by extension, like the PNG encoder, sees the right one).
@@ -362,6 +404,7 @@ impl Outputs {
         for b in &backups {
             cleanup::discard(b);
         }
+        test_hold("published");
         Ok(staged.into_iter().map(|s| s.user).collect())
     }
 

@@ -6,7 +6,8 @@
 //! tokens²). A request the
 //! machine cannot hold used to end in an allocator abort or the OOM killer minutes in; now it is
 //! refused up front (exit 2) with the estimate and the limit in the message, and `--max-mem GIB`
-//! replaces the detected limit for users who know better. The estimate is deliberately an upper
+//! sets a budget below the detected limit (never above it: a budget beyond `RLIMIT_AS`, the
+//! cgroup or `MemAvailable` would only trade the refusal for an allocator abort). The estimate is deliberately an upper
 //! bound of the peak (every path's live tensors at once, the largest op's weights in all their
 //! copies); it is checked against the tiny model's measured peaks in the tests.
 //!
@@ -422,6 +423,20 @@ pub fn max_mem_limit(gib_arg: f64) -> Result<Limit> {
     })
 }
 
+/// `--max-mem GIB` bounded by what was detected (`host_limit`, `device_limit`): the smaller of
+/// the two, so a budget above the machine's real limit is refused exactly as the automatic
+/// estimate is, naming that limit.
+pub fn max_mem_bounded(gib_arg: f64, detected: Option<Limit>) -> Result<Limit> {
+    let given = max_mem_limit(gib_arg)?;
+    Ok(match detected {
+        Some(d) if d.bytes < given.bytes => Limit {
+            bytes: d.bytes,
+            source: format!("{}; below --max-mem {gib_arg}", d.source),
+        },
+        _ => given,
+    })
+}
+
 fn read(path: &str) -> Option<String> {
     std::fs::read_to_string(path).ok()
 }
@@ -585,13 +600,13 @@ pub fn check(
 ) -> Result<Estimate> {
     let est = estimate(cfg, plan);
     let host = match max_mem {
-        Some(g) => max_mem_limit(g)?,
+        Some(g) => max_mem_bounded(g, Some(host_limit()))?,
         None => host_limit(),
     };
     let layers = format!("layers {}..{}", plan.layers.0, plan.layers.1);
     if est.host() > host.bytes {
         return Err(Error::usage(format!(
-            "{what} needs an estimated {} of host memory ({layers}, {} tokens: {}) but the limit is {} ({}); run fewer tokens or layers, or set the budget with --max-mem GIB",
+            "{what} needs an estimated {} of host memory ({layers}, {} tokens: {}) but the limit is {} ({}); run fewer tokens or layers (--max-mem GIB sets a lower budget, never one above the machine's limit)",
             gib(est.host()),
             plan.tokens,
             est.parts(),
@@ -601,12 +616,12 @@ pub fn check(
     }
     if let (Some(need), true) = (est.device, backend.on_device()) {
         let dev = match max_mem {
-            Some(g) => Some(max_mem_limit(g)?),
+            Some(g) => Some(max_mem_bounded(g, device_limit(backend))?),
             None => device_limit(backend),
         };
         if let Some(dev) = dev.filter(|d| need > d.bytes) {
             return Err(Error::usage(format!(
-                "{what} needs an estimated {} of device memory ({layers}, {} tokens: activations {}, attention {}, loader staging) but the limit is {} ({}); run fewer tokens or layers, or set the budget with --max-mem GIB",
+                "{what} needs an estimated {} of device memory ({layers}, {} tokens: activations {}, attention {}, loader staging) but the limit is {} ({}); run fewer tokens or layers (--max-mem GIB sets a lower budget, never one above the machine's limit)",
                 gib(need),
                 plan.tokens,
                 gib(est.activations),
@@ -646,9 +661,10 @@ pub fn streams_fit_device(
         return false;
     };
     let streams = device_streams(cfg, plan);
-    let limit = match mem_gib.or(max_mem) {
-        Some(g) => g * GIB,
-        None => device_limit(backend).map_or(0.0, |l| l.bytes),
+    let limit = match (mem_gib, max_mem) {
+        (Some(g), _) => g * GIB,
+        (None, Some(g)) => max_mem_bounded(g, device_limit(backend)).map_or(0.0, |l| l.bytes),
+        (None, None) => device_limit(backend).map_or(0.0, |l| l.bytes),
     };
     need + streams <= limit
 }
@@ -690,7 +706,8 @@ pub fn token_chunk(
         Some(g) => g * GIB,
         None => {
             let limit = match (max_mem, plan.device) {
-                (Some(g), _) => Some(max_mem_limit(g)?),
+                (Some(g), true) => Some(max_mem_bounded(g, device_limit(backend))?),
+                (Some(g), false) => Some(max_mem_bounded(g, Some(host_limit()))?),
                 (None, true) => device_limit(backend),
                 (None, false) => Some(host_limit()),
             };
@@ -1004,6 +1021,36 @@ mod tests {
         assert!(check(&cfg, &plan(64), Some(8.0), &CPU, "x").is_ok());
         assert!(check(&cfg, &plan(64), Some(0.0), &CPU, "x").is_err());
         assert!(check(&cfg, &plan(64), Some(f64::NAN), &CPU, "x").is_err());
+    }
+
+    /// Issue 44: a `--max-mem` above the machine's real limit is bounded by it, so a run whose
+    /// estimate fits the budget but not the machine is refused naming the machine's limit, as
+    /// without `--max-mem`; a budget below the limit stays the limit.
+    #[test]
+    fn max_mem_above_the_real_limit_is_bounded_by_it() {
+        let cfg = tiny();
+        let host = host_limit();
+        // a prompt whose estimate exceeds the machine but not a budget of 2^40 GiB
+        let mut t = 1u64 << 20;
+        while estimate(&cfg, &plan(t)).host() <= host.bytes {
+            t *= 2;
+        }
+        let huge = (1u64 << 40) as f64;
+        assert!(estimate(&cfg, &plan(t)).host() < huge * GIB);
+        let e = check(&cfg, &plan(t), Some(huge), &CPU, "--seq-len N")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("below --max-mem {huge}")), "{e}");
+        assert!(e.contains("estimated"), "{e}");
+        let l = max_mem_bounded(huge, Some(host.clone())).unwrap();
+        assert_eq!(l.bytes, host.bytes);
+        let small = max_mem_bounded(1e-3, Some(host)).unwrap();
+        assert_eq!(small.bytes, 1e-3 * GIB);
+        assert_eq!(small.source, "--max-mem 0.001");
+        assert!(max_mem_bounded(-1.0, None).is_err());
+        // under a huge --max-mem the prompt is still cut into chunks the machine can hold
+        let c = token_chunk(&cfg, &plan(t), None, None, Some(huge), &CPU).unwrap();
+        assert!(c.is_some_and(|c| c < t), "{c:?}");
     }
 
     #[test]
