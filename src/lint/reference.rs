@@ -611,6 +611,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_doubled_or_halved_scale_is_named_as_such() {
+        assert_eq!(factor_text(0.5015), "0.5 (measured 0.5015)");
+        assert_eq!(factor_text(1.9991), "2 (measured 1.9991)");
+        // not near a power of two, or no factor at all: the measurement as it is
+        assert_eq!(factor_text(1.28), "1.28");
+        assert_eq!(factor_text(1.004), "1.004");
+        assert_eq!(nearest_power_of_two(0.25), Some(0.25));
+        assert_eq!(nearest_power_of_two(0.7), None);
+        assert_eq!(nearest_power_of_two(f64::NAN), None);
+    }
+
+    #[test]
     fn stats_of_scaled_and_orthogonal() {
         let r: Vec<f32> = (0..64)
             .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1)
