@@ -266,6 +266,29 @@ fn deepseek_v3_modelopt_run_with_reference() {
     );
     assert_eq!(code, 0, "{out}");
     assert!(reference_errors(&f).is_empty(), "{f:#}");
+    // two experts of one op with the same fault: one finding naming both scales
+    let t5 = "model.layers.1.mlp.experts.5.down_proj.weight_scale_2";
+    let d = scaled(
+        &family("deepseek_v3/modelopt-nvfp4"),
+        &[(t, 2.0), (t5, 2.0)],
+    );
+    let (code, out, f) = json_findings(&["run", "--quiet"], d.path(), Some(&bf16));
+    assert_eq!(code, 1, "{out}");
+    let refs = reference_errors(&f);
+    assert_eq!(refs.len(), 1, "{f:#}");
+    let tensors = refs[0]["tensors"].as_array().unwrap();
+    assert!(
+        tensors.iter().any(|x| x == t) && tensors.iter().any(|x| x == t5),
+        "{f:#}"
+    );
+    assert!(
+        refs[0]["summary"]
+            .as_str()
+            .unwrap()
+            .starts_with("2 weights"),
+        "{}",
+        refs[0]["summary"]
+    );
 }
 
 /// The reference is only read: an output inside it is refused (exit 2) before anything runs,
@@ -318,4 +341,51 @@ fn the_reference_is_never_written() {
     for (f, b) in before {
         assert_eq!(std::fs::read(r.path().join(&f)).unwrap(), b, "{f}");
     }
+}
+
+/// DeepSeek-V4 (the synthetic tiny model, compressed-tensors NVFP4), layer 1's `wo_b`
+/// weight_global_scale ×2: no fused partner and the oracle shares it, so `run` alone exits 0;
+/// against the BF16 synth of the same seed `run --reference` exits 1 naming the scale and ×0.5.
+/// The built-in model (no `--model`) against that BF16 original is clean.
+#[test]
+fn deepseek_v4_synth_run_with_reference() {
+    use nvfp4_probe::synth::Format;
+    let t = "layers.1.attn.wo_b.weight_global_scale";
+    let ct = verdict_support::synth(Format::CtNvfp4, 0, &[]);
+    let d = scaled(ct.path(), &[(t, 2.0)]);
+    let bf16 = verdict_support::synth(Format::Bf16, 0, &[]);
+    let args = ["run", "--quiet", "--layers", "1", "--seq-len", "8"];
+    let (code, out, _) = json_findings(&args, d.path(), None);
+    assert_eq!(code, 0, "{out}");
+    let (code, out, f) = json_findings(&args, d.path(), Some(bf16.path()));
+    assert_eq!(code, 1, "{out}");
+    let refs = reference_errors(&f);
+    assert_eq!(refs.len(), 1, "{f:#}");
+    assert_eq!(refs[0]["tensors"][0], t);
+    assert_eq!(refs[0]["parameter"], "weight_global_scale");
+    assert_eq!(refs[0]["ops"], serde_json::json!(["L1.attn.wo_b"]));
+    assert!(
+        refs[0]["summary"].as_str().unwrap().contains("×0.5 "),
+        "{}",
+        refs[0]["summary"]
+    );
+    // the built-in model is the official-mixed synth of seed 0
+    let tmp = TempDir::new().unwrap();
+    let json = tmp.path().join("run.json");
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("nvfp4-probe"))
+        .args(args)
+        .args(["--backend", "cpu", "--reference"])
+        .arg(bf16.path())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(reference_errors(&v["summary"]["findings"]).is_empty());
 }

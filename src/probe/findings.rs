@@ -271,7 +271,7 @@ pub fn reference_findings(
     divergent: &std::collections::HashSet<&str>,
     strict: bool,
 ) -> Vec<Finding> {
-    let mut out = Vec::new();
+    let mut out: Vec<(Finding, usize)> = Vec::new();
     for r in refs {
         let l = &r.finding;
         let diverged = l.op.as_deref().is_some_and(|o| divergent.contains(o));
@@ -299,9 +299,25 @@ pub fn reference_findings(
                 l.rule, l.tensor
             ),
         };
-        out.push(f);
+        // one root cause over many weights of an op (every expert's scale): one finding
+        match out.iter_mut().find(|(g, _)| {
+            g.kind == f.kind && g.ops == f.ops && g.impact == f.impact && g.fix == f.fix
+        }) {
+            Some((g, n)) => {
+                g.tensors.extend(f.tensors);
+                *n += 1;
+            }
+            None => out.push((f, 1)),
+        }
     }
-    out
+    out.into_iter()
+        .map(|(mut f, n)| {
+            if n > 1 {
+                f.summary = format!("{n} weights — {} (each named in `tensors`)", f.summary);
+            }
+            f
+        })
+        .collect()
 }
 
 /// The main data input of an op id, by the graph's conventions (None for ops that mix several).
