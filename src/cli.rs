@@ -176,6 +176,11 @@ pub struct RunArgs {
     /// removes) are errors too: exit 1 instead of 0.
     #[arg(long)]
     pub strict: bool,
+    /// The original (BF16/FP8, any supported layout) to compare the weights the run reads with,
+    /// tensor by tensor as `lint --reference` does: a weight that decodes off it is an error
+    /// naming the stored scale and the factor. Read only.
+    #[arg(long, value_name = "DIR")]
+    pub reference: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -312,6 +317,10 @@ pub struct BisectArgs {
     /// Absorbed findings are errors too: exit 1 instead of 0.
     #[arg(long)]
     pub strict: bool,
+    /// The original (BF16/FP8, any supported layout) to compare the weights the search reads
+    /// with, as `run --reference` does. Read only.
+    #[arg(long, value_name = "DIR")]
+    pub reference: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -153,6 +153,14 @@ fn commands() -> Vec<(Vec<&'static str>, &'static str, Kind)> {
     ];
     let lint = vec!["lint", "--model", "MODEL"];
     let lint_ref = vec!["lint", "--model", "OTHER", "--reference", "MODEL"];
+    // `run`/`bisect --reference MODEL`: the original is as protected as the model
+    let with_ref = |cmd: &[&'static str]| -> Vec<&'static str> {
+        let mut v = cmd.to_vec();
+        v[2] = "OTHER";
+        v.extend(["--reference", "MODEL"]);
+        v
+    };
+    let (run_ref, bisect_ref) = (with_ref(&run), with_ref(&bisect));
     let inspect = vec!["inspect", "--model", "MODEL"];
     let dequant = vec![
         "inspect",
@@ -170,6 +178,9 @@ fn commands() -> Vec<(Vec<&'static str>, &'static str, Kind)> {
         (run, "--dump", Kind::Dir),
         (bisect.clone(), "--json", Kind::File),
         (bisect, "--markdown", Kind::File),
+        (run_ref.clone(), "--json", Kind::File),
+        (run_ref, "--dump", Kind::Dir),
+        (bisect_ref, "--markdown", Kind::File),
         (lint.clone(), "--json", Kind::File),
         (lint, "--markdown", Kind::File),
         (lint_ref.clone(), "--json", Kind::File),

@@ -6,13 +6,17 @@ use crate::error::{EXIT_FINDINGS, EXIT_OK};
 use crate::output::Outputs;
 use crate::Result;
 
-use super::run::guard;
+use super::run::{add_reference_findings, guard, guard_reference, reference_check};
 
 pub fn main(args: &BisectArgs) -> Result<i32> {
     let inputs = [&args.tokens.tokens];
     let outputs = [&args.json, &args.markdown];
     // refused before anything is opened, and again with the checkpoint's shards known
-    let early = Outputs::new(guard(args.model.as_deref(), None, &inputs));
+    let early = Outputs::new(guard_reference(
+        guard(args.model.as_deref(), None, &inputs),
+        args.reference.as_deref(),
+        None,
+    ));
     for out in outputs.into_iter().flatten() {
         early.check(out)?;
     }
@@ -28,11 +32,20 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
         &args.mem,
         &args.engine,
     )?;
-    let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
+    let (rck, refs) = reference_check(&p.ckpt, args.reference.as_deref(), p.opts.layers.1)?;
+    let g = guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs);
+    let mut outs = Outputs::new(guard_reference(g, args.reference.as_deref(), rck.as_ref()));
     for out in outputs.into_iter().flatten() {
         outs.check(out)?;
     }
+    drop(rck);
     let mut r = bisect::bisect_with(&p.ckpt, &p.opts, args.search)?;
+    // `--reference`: the weights against the original, among the findings (levels as without
+    // --strict until set_strict)
+    let divergent = r.divergences.iter().map(|d| d.op.as_str()).collect();
+    let mut extra = Vec::new();
+    add_reference_findings(&mut extra, &refs, &divergent, false);
+    r.findings.extend(extra);
     r.set_strict(args.strict);
     p.meta.seconds = r.seconds_run + r.seconds_bisect;
     p.meta.bytes_read = p.ckpt.bytes_read();

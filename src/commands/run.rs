@@ -319,6 +319,45 @@ pub fn guard(
     g
 }
 
+/// `--reference DIR` in the outputs' guard: the directory, and its shards once it is open (an
+/// output never goes inside the original, which is only read).
+pub fn guard_reference(g: Guard, dir: Option<&Path>, rck: Option<&Checkpoint>) -> Guard {
+    let Some(d) = dir else { return g };
+    let g = g.model_dir(d);
+    match rck {
+        Some(c) => g.checkpoint(c),
+        None => g,
+    }
+}
+
+/// `--reference DIR`: the original opened (exit 2 when it is unusable) and compared, before
+/// anything runs, with the weights a run of layers 0..=`last` reads.
+pub fn reference_check(
+    ckpt: &Checkpoint,
+    dir: Option<&Path>,
+    last: usize,
+) -> Result<(Option<Checkpoint>, Vec<crate::lint::reference::RefFinding>)> {
+    let Some(d) = dir else {
+        return Ok((None, Vec::new()));
+    };
+    let rck = Checkpoint::open(d)?;
+    let refs =
+        crate::lint::reference::compare_layers(ckpt, &rck, &crate::lint::Rules::default(), last)?;
+    crate::profile::mark("reference compared");
+    Ok((Some(rck), refs))
+}
+
+/// The reference findings among a command's findings (`divergent`: the ops that diverged, which
+/// make a reference finding of theirs harmful); the caller orders them.
+pub fn add_reference_findings(
+    found: &mut Vec<probe::findings::Finding>,
+    refs: &[crate::lint::reference::RefFinding],
+    divergent: &std::collections::HashSet<&str>,
+    strict: bool,
+) {
+    found.extend(probe::findings::reference_findings(refs, divergent, strict));
+}
+
 /// Check `run`'s outputs against `outs`' guard.
 fn check_outputs(args: &RunArgs, outs: &Outputs) -> Result<()> {
     for out in [&args.json, &args.markdown].into_iter().flatten() {
@@ -338,9 +377,10 @@ fn check_outputs(args: &RunArgs, outs: &Outputs) -> Result<()> {
 pub fn main(args: &RunArgs) -> Result<i32> {
     let inputs = [&args.probe, &args.tokens.tokens];
     // refused before anything is opened, and again with the checkpoint's shards known
+    let early = guard(args.model.as_deref(), None, &inputs);
     check_outputs(
         args,
-        &Outputs::new(guard(args.model.as_deref(), None, &inputs)),
+        &Outputs::new(guard_reference(early, args.reference.as_deref(), None)),
     )?;
     let mut p = prepare(
         args.model.as_deref(),
@@ -354,8 +394,11 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         &args.mem,
         &args.engine,
     )?;
-    let mut outs = Outputs::new(guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs));
+    let (rck, refs) = reference_check(&p.ckpt, args.reference.as_deref(), p.opts.layers.1)?;
+    let g = guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs);
+    let mut outs = Outputs::new(guard_reference(g, args.reference.as_deref(), rck.as_ref()));
     check_outputs(args, &outs)?;
+    drop(rck);
     p.opts.keep_outputs = args.dump.is_some();
     if let Some(r) = &args.dump_rows {
         p.opts.keep_rows = Some(r.resolve(p.opts.tokens.len())?);
@@ -365,7 +408,24 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     crate::profile::mark("runner done");
     // the static lint of what the run read: a broken scale the oracle shares never diverges
     let lint = crate::lint::lint_layers(&p.ckpt, &crate::lint::Rules::default(), p.opts.layers.1)?;
-    let found = probe::findings::run_findings(&res, &lint.findings, args.strict);
+    let mut found = probe::findings::run_findings(&res, &lint.findings, args.strict);
+    if !refs.is_empty() {
+        let divergent = res
+            .records
+            .iter()
+            .filter(|r| r.divergent)
+            .map(|r| r.id.as_str())
+            .collect();
+        add_reference_findings(&mut found, &refs, &divergent, args.strict);
+        let steps: std::collections::HashMap<&str, usize> = res
+            .records
+            .iter()
+            .map(|r| (r.id.as_str(), r.step))
+            .collect();
+        probe::findings::sort(&mut found, |op| {
+            steps.get(op).copied().unwrap_or(usize::MAX)
+        });
+    }
     let exit = probe::findings::exit_code(&found);
     res.summary.findings = Some(found);
     p.meta.seconds = res.seconds;

@@ -983,24 +983,228 @@ const ABSORBED_MIN_FACTOR: f64 = 0.25;
 
 /// The RMSNorm that follows a fused shard (`wiring::output_norm_op`: V4's q_a/kv, V3's q_a,
 /// Qwen3's q/k), when a constant factor on the shard's output is absorbed by it.
-fn absorbing_norm(base: &str, factor: f64) -> Option<String> {
+pub(super) fn absorbing_norm(base: &str, factor: f64) -> Option<String> {
     if !(factor.is_finite() && factor >= ABSORBED_MIN_FACTOR) {
         return None;
     }
     wiring::output_norm_op(base)
 }
 
-fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
-    let th = cx.th();
+/// The fused groups among `nv` (members of one convention), each in wiring order: a member no
+/// other member names as its partner first (q_proj, then k_proj, then v_proj; w1, then w3).
+fn fused_groups<'m>(nv: &[&'m WeightMeta]) -> Vec<Vec<&'m WeightMeta>> {
     let by: HashMap<&str, &WeightMeta> = nv.iter().map(|m| (m.canonical.as_str(), *m)).collect();
-    let pairs = nv.iter().flat_map(|m| {
-        wiring::fused_partners(&m.canonical)
-            .into_iter()
-            .filter_map(|p| by.get(p.as_str()).map(|p| (*m, *p)))
-    });
-    for (m, p) in pairs {
-        if m.convention != p.convention {
+    let mut groups: Vec<Vec<&WeightMeta>> = Vec::new();
+    for m in nv {
+        let mut members = vec![*m];
+        members.extend(
+            wiring::fused_partners(&m.canonical)
+                .iter()
+                .filter_map(|p| by.get(p.as_str()).copied())
+                .filter(|p| p.convention == m.convention),
+        );
+        if members.len() < 2 {
             continue;
+        }
+        let same = |a: &WeightMeta, b: &WeightMeta| a.canonical == b.canonical;
+        match groups
+            .iter_mut()
+            .find(|g| g.iter().any(|x| members.iter().any(|y| same(x, y))))
+        {
+            Some(g) => {
+                for y in members {
+                    if !g.iter().any(|x| same(x, y)) {
+                        g.push(y);
+                    }
+                }
+            }
+            None => groups.push(members),
+        }
+    }
+    for grp in &mut groups {
+        // how many members name it as their partner: 0 for the head
+        let named = |m: &WeightMeta| {
+            grp.iter()
+                .filter(|x| wiring::fused_partners(&x.canonical).contains(&m.canonical))
+                .count()
+        };
+        let mut keyed: Vec<(usize, String, &'m WeightMeta)> = grp
+            .iter()
+            .map(|m| (named(m), m.canonical.clone(), *m))
+            .collect();
+        keyed.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        *grp = keyed.into_iter().map(|k| k.2).collect();
+    }
+    groups
+}
+
+fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
+    for grp in fused_groups(nv) {
+        if grp.len() >= 3 {
+            odd_one_out(cx, &grp, out);
+        } else {
+            fused_pair(cx, grp[0], grp[1], &["weight", "activation"], out);
+        }
+    }
+}
+
+/// The short name of a member in the evidence: the canonical base's last component (`v_proj`).
+fn member(m: &WeightMeta) -> &str {
+    m.canonical.rsplit('.').next().unwrap_or(&m.canonical)
+}
+
+/// A fused group of three or more (Qwen3's and gpt-oss's q/k/v): the member whose tensor scale
+/// disagrees with all the others, which agree among themselves, is the one that is wrong; the
+/// finding names it, and whether its own consumer absorbs the factor. When no majority agrees the
+/// finding says that lint cannot tell which member is wrong (`--reference` can).
+fn odd_one_out(cx: &Cx, grp: &[&WeightMeta], out: &mut Vec<Finding>) {
+    let th = cx.th();
+    let conv = grp[0].convention.unwrap_or(Convention::ModelOpt);
+    let names = grp.iter().map(|m| member(m)).collect::<Vec<_>>().join(", ");
+    type Pick = fn(&WeightMeta) -> (Option<f32>, Option<&String>);
+    let picks: [(&str, Pick); 2] = [
+        ("weight", |m| {
+            (m.weight_global, m.tensors.global_scale.as_ref())
+        }),
+        ("activation", |m| {
+            (m.input_global, m.tensors.input_scale.as_ref())
+        }),
+    ];
+    for (which, pick) in picks {
+        let vals: Vec<(&WeightMeta, f32, &String)> = grp
+            .iter()
+            .filter_map(|m| {
+                let (v, t) = pick(m);
+                let (v, t) = (v?, t?);
+                (v > 0.0 && v.is_finite()).then_some((*m, v, t))
+            })
+            .collect();
+        if vals.len() < 2 {
+            continue;
+        }
+        if vals.len() == 2 {
+            // a member without the scalar: the two that have it, as a pair
+            fused_pair(cx, vals[0].0, vals[1].0, &[which], out);
+            continue;
+        }
+        let agree = |a: f32, b: f32| (a.max(b) / a.min(b)) as f64 <= th.fused_warning;
+        let hi = vals.iter().map(|v| v.1).fold(f32::MIN, f32::max);
+        let lo = vals.iter().map(|v| v.1).fold(f32::MAX, f32::min);
+        if agree(hi, lo) {
+            continue;
+        }
+        let listed = vals
+            .iter()
+            .map(|(_, v, t)| format!("`{t}` = {}", g(*v as f64)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        // the member every other member disagrees with, while those agree among themselves
+        let odd = (0..vals.len()).find(|&i| {
+            let rest: Vec<f32> = (0..vals.len())
+                .filter(|&j| j != i)
+                .map(|j| vals[j].1)
+                .collect();
+            rest.iter().all(|&x| !agree(x, vals[i].1)) && rest.iter().all(|&x| agree(x, rest[0]))
+        });
+        let Some(i) = odd else {
+            let ratio = (hi / lo) as f64;
+            let sev = if ratio >= th.fused_error { E } else { W };
+            let (m, _, t) = vals[0];
+            let file = file_of(cx, t, &m.file);
+            push(out, cx.finding(
+                "fused.mismatch",
+                sev,
+                t,
+                &file,
+                &m.canonical,
+                format!("{which} tensor scales of a fused group ({names}) all differ: {listed} (largest ratio {}); no two agree, so lint cannot tell which member is wrong (`lint --reference ORIGINAL` compares each with the original); an engine that fuses them keeps one (vLLM: the max, {}) and every other member decodes off its own scale", g(ratio), g(hi as f64)),
+                "Re-export with linked observers so the members share one tensor scale (max amax of the group, docs/NVFP4.md §3.4); vLLM #54974.",
+            ));
+            continue;
+        };
+        let (m, v, t) = vals[i];
+        let major = vals[if i == 0 { 1 } else { 0 }].1;
+        let ratio = (v.max(major) / v.min(major)) as f64;
+        // the odd member's own reading relative to its group's (CT g divides, ModelOpt d multiplies)
+        let own = match conv {
+            Convention::CompressedTensors => (major / v) as f64,
+            Convention::ModelOpt => (v / major) as f64,
+        };
+        let others: Vec<&WeightMeta> = vals
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, x)| x.0)
+            .collect();
+        let agreeing = others
+            .iter()
+            .map(|o| format!("`{}`", member(o)))
+            .collect::<Vec<_>>()
+            .join(" and ");
+        // vLLM keeps the max: when it is the odd member's, the others decode off theirs
+        let kept_is_odd = v > major;
+        let sib = match conv {
+            Convention::CompressedTensors => 1.0 / ratio,
+            Convention::ModelOpt => ratio,
+        };
+        let mut evidence = format!(
+            "{which} tensor scales of a fused group ({names}) disagree: {listed}; {agreeing} agree, `{}` is the odd one out (ratio {}), so `{t}` is the one off: `{}` {} ×{} relative to its group's",
+            member(m),
+            g(ratio),
+            member(m),
+            if which == "weight" { "decodes" } else { "has its activations scaled" },
+            g(own)
+        );
+        evidence.push_str(&if kept_is_odd {
+            format!("; an engine that fuses them keeps one (vLLM: the max, {}, the odd member's) and {agreeing} then {} ×{}", g(v as f64), if which == "weight" { "decode" } else { "have their activations scaled" }, g(sib))
+        } else {
+            format!("; an engine that fuses them keeps one (vLLM: the max, {}, the group's) and reads `{}` with it", g(major as f64), member(m))
+        });
+        let mut absorbed = None;
+        if which == "weight" {
+            let own_norm = absorbing_norm(&m.canonical, own);
+            let sibs_absorbed = !kept_is_odd
+                || others
+                    .iter()
+                    .all(|o| absorbing_norm(&o.canonical, sib).is_some());
+            match (&own_norm, wiring::output_norm_op(&m.canonical)) {
+                (Some(norm), _) if sibs_absorbed => {
+                    evidence.push_str(&format!("; absorbed by {norm}: an RMSNorm divides by its input's RMS, and a wrong weight tensor scale multiplies `{}`'s output by one constant, so the norm's output does not change (a warning; `--strict` makes it an error)", member(m)));
+                    absorbed = own_norm;
+                }
+                (Some(norm), _) => evidence.push_str(&format!("; {norm} absorbs `{}`'s own factor, but not the engine's on the members without a norm after them", member(m))),
+                (None, Some(norm)) => evidence.push_str(&format!("; not absorbed: {norm} follows `{}`, but a factor below ×{ABSORBED_MIN_FACTOR} lets its eps matter", member(m))),
+                (None, None) => evidence.push_str(&format!("; not absorbed: no norm reads `{}`'s output", member(m))),
+            }
+        }
+        let sev: Severity = if absorbed.is_some() || ratio < th.fused_error {
+            W
+        } else {
+            E
+        };
+        let file = file_of(cx, t, &m.file);
+        if let Some(mut f) = cx.finding(
+            "fused.mismatch",
+            sev,
+            t,
+            &file,
+            &m.canonical,
+            evidence,
+            "Re-export the odd member's tensor scale with its group's (linked observers: one tensor scale per fused group, max amax of the group, docs/NVFP4.md §3.4); vLLM #54974.",
+        ) {
+            f.absorbed_by = absorbed;
+            out.push(f);
+        }
+    }
+}
+
+/// Two members of a fused GEMM (w1/w3, V4's q_a/kv, V3's q_a/kv_a): which one loses the
+/// engine's merge and by how much.
+fn fused_pair(cx: &Cx, m: &WeightMeta, p: &WeightMeta, kinds: &[&str], out: &mut Vec<Finding>) {
+    let th = cx.th();
+    {
+        if m.convention != p.convention {
+            return;
         }
         let conv = m.convention.unwrap_or(Convention::ModelOpt);
         for (which, a, bb, ta, tb) in [
@@ -1022,6 +1226,9 @@ fn fused(cx: &Cx, nv: &[&WeightMeta], out: &mut Vec<Finding>) {
             let (Some(a), Some(bv), Some(ta), Some(tb)) = (a, bb, ta, tb) else {
                 continue;
             };
+            if !kinds.contains(&which) {
+                continue;
+            }
             if !(a > 0.0 && bv > 0.0 && a.is_finite() && bv.is_finite()) {
                 continue;
             }

@@ -9,7 +9,7 @@
 //! and checking the reference is matched. Pairs are streamed: one tensor of each checkpoint in
 //! memory at a time.
 
-use super::rules::Severity::{Error as E, Info as I};
+use super::rules::Severity::{Error as E, Info as I, Warning as W};
 use super::{Cx, Finding, Rules};
 use crate::checkpoint::{Checkpoint, Dtype, QuantWeight, Scheme, WeightFormat};
 use crate::numerics::nvfp4::Convention;
@@ -83,6 +83,62 @@ pub fn pair_stats(a: &[f32], r: &[f32], cols: usize) -> PairStats {
         row_log_std,
         non_finite: bad,
     }
+}
+
+/// A measured constant factor as the tensor scale means it: the nearest power of two when the
+/// measurement is within 2 % of it (a doubled or halved scale; the measured value differs by the
+/// quantization's own error), else the value itself.
+pub fn factor_text(n: f64) -> String {
+    match nearest_power_of_two(n) {
+        Some(p) if p != 1.0 => format!("{} (measured {})", g(p), g(n)),
+        _ => g(n),
+    }
+}
+
+fn nearest_power_of_two(n: f64) -> Option<f64> {
+    if !(n.is_finite() && n > 0.0) {
+        return None;
+    }
+    let k = n.log2().round();
+    ((n.log2() - k).abs() < 0.03).then(|| 2f64.powi(k as i32))
+}
+
+/// The stored tensor scale that makes a weight decode `n` × its reference, and the value that
+/// reproduces the reference: (tensor, leaf, stored, corrected). CT's `weight_global_scale` is
+/// the encode multiplier g (decoded = stored / g: corrected g·n), ModelOpt's `weight_scale_2`
+/// the decode multiplier d (corrected d/n).
+fn scale_fix(w: &QuantWeight, n: f64) -> Option<(String, &'static str, f32, f32)> {
+    let WeightFormat::Nvfp4 {
+        weight_global,
+        convention,
+        ..
+    } = &w.format
+    else {
+        return None;
+    };
+    let tensor = w.tensors.global_scale.clone()?;
+    let n = nearest_power_of_two(n).unwrap_or(n);
+    let gs = *weight_global as f64;
+    Some(match convention {
+        Convention::CompressedTensors => (
+            tensor,
+            "weight_global_scale",
+            *weight_global,
+            (gs * n) as f32,
+        ),
+        Convention::ModelOpt => (tensor, "weight_scale_2", *weight_global, (gs / n) as f32),
+    })
+}
+
+/// A reference finding with what a run needs to name it: the constant factor the weight
+/// decodes off its reference by (`reference.global-scale`) and the stored tensor scale that
+/// does it, with its value and the one that reproduces the reference.
+#[derive(Clone, Debug)]
+pub struct RefFinding {
+    pub finding: Finding,
+    pub factor: Option<f64>,
+    /// (checkpoint tensor, its leaf as the format names it, stored value, corrected value).
+    pub scale: Option<(String, &'static str, f32, f32)>,
 }
 
 fn close(x: f64, y: f64, tol: f64) -> bool {
@@ -253,7 +309,14 @@ pub fn diagnose(
     );
     if s.non_finite == 0 && s.cos >= th.reference_cos && s.row_log_std < 0.05 {
         let n = s.norm_ratio;
-        let mut reading = format!("a constant factor {}", g(n));
+        let mut reading = format!("a constant factor {}", factor_text(n));
+        if let Some((t, leaf, stored, right)) = scale_fix(w, n) {
+            reading.push_str(&format!(
+                ": the stored {leaf} `{t}` = {} decodes it so; {} reproduces the reference",
+                g(stored as f64),
+                g(right as f64)
+            ));
+        }
         if let WeightFormat::Nvfp4 {
             weight_global,
             convention,
@@ -329,9 +392,39 @@ pub fn diagnose(
 
 /// Compare every quantised weight of `ck` with the same weight of `reference`.
 pub fn compare(ck: &Checkpoint, reference: &Checkpoint, rules: &Rules) -> Result<Vec<Finding>> {
+    Ok(compare_where(ck, reference, rules, |_| true)?
+        .into_iter()
+        .map(|r| r.finding)
+        .collect())
+}
+
+/// [`compare`] over the weights and parameters a run of layers 0..=`last` reads (those of these
+/// layers and those outside any layer), with each finding's factor and stored scale.
+pub fn compare_layers(
+    ck: &Checkpoint,
+    reference: &Checkpoint,
+    rules: &Rules,
+    last: usize,
+) -> Result<Vec<RefFinding>> {
+    compare_where(ck, reference, rules, |name| {
+        super::layer_of(name).is_none_or(|l| l <= last)
+    })
+}
+
+fn compare_where(
+    ck: &Checkpoint,
+    reference: &Checkpoint,
+    rules: &Rules,
+    keep: impl Fn(&str) -> bool,
+) -> Result<Vec<RefFinding>> {
     let cx = Cx::new(ck, rules);
     let mut out = Vec::new();
-    for base in ck.weight_bases() {
+    let plain = |f: Finding| RefFinding {
+        finding: f,
+        factor: None,
+        scale: None,
+    };
+    for base in ck.weight_bases().into_iter().filter(|b| keep(b)) {
         let Ok(meta) = ck.weight_meta(&base) else {
             continue;
         };
@@ -344,7 +437,7 @@ pub fn compare(ck: &Checkpoint, reference: &Checkpoint, rules: &Rules) -> Result
         let r = match reference.weight(&base).and_then(|x| x.dequantize()) {
             Ok(r) => r,
             Err(e) => {
-                out.extend(cx.finding("reference.absent", I, &tensor, &meta.file, &base, format!("no comparable weight in the reference: {e}"), "Nothing to fix; point --reference at a checkpoint of the same model to cover it."));
+                out.extend(cx.finding("reference.absent", I, &tensor, &meta.file, &base, format!("no comparable weight in the reference: {e}"), "Nothing to fix; point --reference at a checkpoint of the same model to cover it.").map(plain));
                 continue;
             }
         };
@@ -353,27 +446,54 @@ pub fn compare(ck: &Checkpoint, reference: &Checkpoint, rules: &Rules) -> Result
                 && a.shape.len() == 2
                 && r.shape[0] == a.shape[1]
                 && r.shape[1] == a.shape[0];
-            out.extend(cx.finding(
-                "reference.mismatch",
-                E,
-                &tensor,
-                &meta.file,
-                &base,
-                format!(
-                    "shape {:?} vs reference {:?}{}",
-                    a.shape,
-                    r.shape,
-                    if t { " (transposed)" } else { "" }
-                ),
-                "Store linear weights as [out, in] like the reference.",
-            ));
+            out.extend(
+                cx.finding(
+                    "reference.mismatch",
+                    E,
+                    &tensor,
+                    &meta.file,
+                    &base,
+                    format!(
+                        "shape {:?} vs reference {:?}{}",
+                        a.shape,
+                        r.shape,
+                        if t { " (transposed)" } else { "" }
+                    ),
+                    "Store linear weights as [out, in] like the reference.",
+                )
+                .map(plain),
+            );
             continue;
         }
         if let Some((rule, ev, fix)) = diagnose(&w, &a.data, &r.data, rules)? {
-            out.extend(cx.finding(rule, E, &tensor, &meta.file, &base, ev, &fix));
+            let Some(mut f) = cx.finding(rule, E, &tensor, &meta.file, &base, ev, &fix) else {
+                continue;
+            };
+            let (mut factor, mut scale) = (None, None);
+            if rule == "reference.global-scale" {
+                let n = pair_stats(&a.data, &r.data, w.in_features).norm_ratio;
+                factor = Some(n);
+                scale = scale_fix(&w, n);
+                // a constant factor on a linear's output that an RMSNorm reads is absorbed there
+                if let Some(norm) = super::checks::absorbing_norm(&base, n) {
+                    f.evidence.push_str(&format!("; absorbed by {norm}: an RMSNorm divides by its input's RMS, so a constant factor on this linear's output does not change the norm's (a warning; `--strict` makes it an error)"));
+                    f.severity = f.severity.min(W);
+                    f.absorbed_by = Some(norm);
+                }
+            }
+            out.push(RefFinding {
+                finding: f,
+                factor,
+                scale,
+            });
         }
     }
-    out.extend(compare_params(&cx, reference));
+    out.extend(
+        compare_params(&cx, reference)
+            .into_iter()
+            .filter(|f| keep(&f.tensor))
+            .map(plain),
+    );
     Ok(out)
 }
 
@@ -489,6 +609,18 @@ fn compare_params(cx: &Cx, reference: &Checkpoint) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_doubled_or_halved_scale_is_named_as_such() {
+        assert_eq!(factor_text(0.5015), "0.5 (measured 0.5015)");
+        assert_eq!(factor_text(1.9991), "2 (measured 1.9991)");
+        // not near a power of two, or no factor at all: the measurement as it is
+        assert_eq!(factor_text(1.28), "1.28");
+        assert_eq!(factor_text(1.004), "1.004");
+        assert_eq!(nearest_power_of_two(0.25), Some(0.25));
+        assert_eq!(nearest_power_of_two(0.7), None);
+        assert_eq!(nearest_power_of_two(f64::NAN), None);
+    }
 
     #[test]
     fn stats_of_scaled_and_orthogonal() {

@@ -63,7 +63,7 @@ pub const RULES: &[RuleInfo] = &[
     r("scale.convention", E, "a tensor scale that fits only the other producer's convention (reciprocal) or is off by 2688"),
     r("scale.input.implausible", E, "activation amax implied by the input scale impossible at the op's position (e.g. outside the RMSNorm bounds)"),
     r("scale.input.spread", E, "activation amax of one expert differs by orders of magnitude from the layer's other experts"),
-    r("fused.mismatch", E, "members of a fused GEMM (w1/w3, q_a/kv) carry different tensor scales; engines keep one"),
+    r("fused.mismatch", E, "members of a fused GEMM (w1/w3, q_a/kv, q/k/v) carry different tensor scales; engines keep one (a group of three names its odd member)"),
     r("layout.swizzled", E, "block scales stored in the 128×4 swizzled layout where linear belongs"),
     r("fp8.scale.non-pow2", E, "FP8 block scales that are not powers of two where the config declares UE8M0"),
     r("config.scheme", E, "quantization_config claims a scheme the tensors do not have"),

@@ -372,6 +372,65 @@ pub fn measure_fused_lint(findings: &mut [Finding], records: &[OpRecord], strict
     }
 }
 
+/// `--reference`: the comparison of the weights the run read with the original
+/// (`lint::reference::compare_layers`) as findings, like the lint's (source `lint`, kind the
+/// `reference.*` rule): a weight that decodes off its reference is an error even when nothing
+/// diverges (the oracle reads the same stored scale). One whose stored tensor scale is the cause
+/// names that tensor, the factor and the value that reproduces the reference.
+pub fn reference_findings(
+    refs: &[lint::reference::RefFinding],
+    divergent: &std::collections::HashSet<&str>,
+    strict: bool,
+) -> Vec<Finding> {
+    let mut out: Vec<(Finding, usize)> = Vec::new();
+    for r in refs {
+        let l = &r.finding;
+        let diverged = l.op.as_deref().is_some_and(|o| divergent.contains(o));
+        let Some(mut f) = lint_finding(l, diverged, strict) else {
+            continue;
+        };
+        let op = l.op.as_deref().unwrap_or("the run");
+        f.summary = match (&r.scale, r.factor) {
+            (Some((tensor, leaf, stored, right)), _) => {
+                f.tensors = vec![tensor.clone(), l.tensor.clone()];
+                f.parameter = Some(leaf.to_string());
+                format!(
+                    "reference: `{tensor}` makes `{}` decode ×{} of the original's at {op} (stored {stored}, {right} reproduces it)",
+                    l.tensor,
+                    lint::reference::factor_text(r.factor.unwrap_or(1.0))
+                )
+            }
+            (None, Some(n)) => format!(
+                "reference: `{}` decodes ×{} of the original's at {op}",
+                l.tensor,
+                lint::reference::factor_text(n)
+            ),
+            (None, None) => format!(
+                "reference {}: `{}` differs from the original's at {op}",
+                l.rule, l.tensor
+            ),
+        };
+        // one root cause over many weights of an op (every expert's scale): one finding
+        match out.iter_mut().find(|(g, _)| {
+            g.kind == f.kind && g.ops == f.ops && g.impact == f.impact && g.fix == f.fix
+        }) {
+            Some((g, n)) => {
+                g.tensors.extend(f.tensors);
+                *n += 1;
+            }
+            None => out.push((f, 1)),
+        }
+    }
+    out.into_iter()
+        .map(|(mut f, n)| {
+            if n > 1 {
+                f.summary = format!("{n} weights — {} (each named in `tensors`)", f.summary);
+            }
+            f
+        })
+        .collect()
+}
+
 /// The main data input of an op id, by the graph's conventions (None for ops that mix several).
 pub fn input_of(id: &str) -> Option<String> {
     let (l, rest) = id.split_once('.')?;
