@@ -93,16 +93,6 @@ fn algo_scheme(algo: &str) -> Option<Scheme> {
 }
 
 impl Checkpoint {
-    /// The file the quantization config comes from: config.json, or hf_quant_config.json when
-    /// only that declares it.
-    pub fn quant_config_file(&self) -> PathBuf {
-        if self.config.get("quantization_config").is_none() && self.hf_quant.is_some() {
-            self.location.join("hf_quant_config.json")
-        } else {
-            self.config_path.clone()
-        }
-    }
-
     /// The quantization config resolved ([`Declared`]), or why it cannot be (a method, format or
     /// algorithm this tool does not read, a field of the wrong type): the tensors cannot be
     /// checked against such a config, so lint reports it (`config.scheme`) and `run` refuses it.

@@ -163,9 +163,6 @@ pub fn prepare(
         .or(spec_layers)
         .unwrap_or(LayerRange::default_for(cfg.num_hidden_layers))
         .check(cfg.num_hidden_layers)?;
-    // every shape the config fixes, for the layers run (lint: `config.model`), before any op runs
-    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
-    crate::checkpoint::shapes::check_shapes(&ckpt, &cfg, b, with_head)?;
     if backend_sel.on_device() {
         // the disk starts on the first layer's weights while the rest of the command sets up
         let n = crate::backend::readahead::start_early_read(
@@ -175,6 +172,10 @@ pub fn prepare(
         );
         crate::profile::mark(&format!("early read of {:.1} MB started", n as f64 / 1e6));
     }
+    // every shape the config fixes, for the layers run (lint: `config.model`), before any op runs
+    // (headers and scalar scales: the metas lint reads again after the run, cached)
+    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+    crate::checkpoint::shapes::check_shapes(&ckpt, &cfg, b, with_head)?;
     let profile = Profile::parse(
         served
             .or(spec.served.as_deref())

@@ -551,6 +551,22 @@ mod tests {
         // the indexer ropes its last qk_rope_head_dim dims: it must have that many
         let e = err(|v| v["index_head_dim"] = json!(32));
         assert!(e.contains("`index_head_dim`"), "{e}");
+        // a value of the wrong type is refused, not read as the default (issue 44)
+        let e = err(|v| v["norm_topk_prob"] = json!("false"));
+        assert!(e.contains("`norm_topk_prob` is not a boolean"), "{e}");
+        let e = err(|v| v["score_func"] = json!(5));
+        assert!(e.contains("`score_func`"), "{e}");
+        let e = err(|v| v["scoring_func"] = json!("softplus"));
+        assert!(e.contains("`scoring_func` is not one of"), "{e}");
+        let e = err(|v| v["rope_scaling"] = json!({"type": 3}));
+        assert!(e.contains("`rope_scaling.type`"), "{e}");
+        let e = err(|v| v["mlp_layer_types"] = json!("hash_moe"));
+        assert!(e.contains("`mlp_layer_types`"), "{e}");
+        let mut ok = base();
+        ok["norm_topk_prob"] = json!(false);
+        ok["score_func"] = json!("sigmoid");
+        let c = ModelConfig::from_json(&ok).unwrap();
+        assert!(!c.norm_topk_prob && c.scoring_func == "sigmoid");
     }
 
     #[test]

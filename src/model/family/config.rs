@@ -612,6 +612,13 @@ mod tests {
         assert!(m.contains("`kv_lora_rank`"), "{m}");
         let m = e(&|v| v["scoring_func"] = json!("softmax"));
         assert!(m.contains("`scoring_func`"), "{m}");
+        // values of the wrong type are refused, not read as the default (issue 44)
+        let m = e(&|v| v["scoring_func"] = json!(5));
+        assert!(m.contains("`scoring_func` is not a string"), "{m}");
+        let m = e(&|v| v["rope_scaling"]["type"] = json!(3));
+        assert!(m.contains("`rope_scaling.type` is not a string"), "{m}");
+        let m = e(&|v| v["norm_topk_prob"] = json!("false"));
+        assert!(m.contains("`norm_topk_prob` is not a boolean"), "{m}");
         let m = e(&|v| v["rope_scaling"]["factor"] = json!(-1));
         assert!(m.contains("`rope_parameters.factor`"), "{m}");
         let m = e(&|v| {
