@@ -244,9 +244,10 @@ fn num_hidden_layers_1e9_is_refused_by_run_and_bounded_in_inspect_and_lint() {
         c.as_object_mut().unwrap().remove("compress_ratios");
     });
     assert_refused(&run_small(&m, &[]), &["num_hidden_layers", "config.json"]);
-    // inspect and lint still describe the tensors the checkpoint holds, within the cap
+    // inspect and lint still describe the tensors the checkpoint holds, within the cap; inspect
+    // exits 2 as run does (issue 44)
     let o = probe(&["inspect", "--all", "--model", s(&m)], Some(CAP));
-    assert_eq!(o.code, Some(0), "{}", o.all());
+    assert_eq!(o.code, Some(2), "{}", o.all());
     assert!(o.stdout.contains("layers.2.attn.wq_a"), "{}", o.stdout);
     assert!(
         o.all().contains("num_hidden_layers"),

@@ -12,7 +12,9 @@ mod experts;
 pub mod formats;
 pub mod guard;
 pub mod naming;
+pub mod qconfig;
 pub mod quant;
+pub mod shapes;
 mod shard;
 pub mod writer;
 

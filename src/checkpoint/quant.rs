@@ -366,6 +366,8 @@ pub fn expected_shape(cfg: &ModelConfig, base: &str) -> Option<((usize, usize), 
             "hidden_size × moe_intermediate_size·n_shared_experts",
         ),
         "e_proj" | "h_proj" => ((d, d), "hidden_size × hidden_size"),
+        // the families' projections (checkpoint::naming's canonical names)
+        r if cfg.family.is_some() && family_shape(cfg, r).is_some() => family_shape(cfg, r)?,
         r if r.starts_with("ffn.experts.") => {
             if r.ends_with(".w1") || r.ends_with(".w3") {
                 ((ii, d), "moe_intermediate_size × hidden_size")
@@ -381,6 +383,55 @@ pub fn expected_shape(cfg: &ModelConfig, base: &str) -> Option<((usize, usize), 
         _ => return None,
     };
     Some(s)
+}
+
+/// [`expected_shape`] of the names only the families have (`rest`: the name after `layers.N.`).
+fn family_shape(cfg: &ModelConfig, rest: &str) -> Option<((usize, usize), &'static str)> {
+    let f = cfg.family.as_ref()?;
+    let d = cfg.hidden_size;
+    let h = cfg.num_attention_heads;
+    let kv = f.num_key_value_heads;
+    let nope = cfg.head_dim - cfg.qk_rope_head_dim;
+    let is_v3 = f.kind == crate::model::family::Kind::DeepseekV3;
+    Some(match rest {
+        "attn.q_proj" if is_v3 => (
+            (h * cfg.head_dim, d),
+            "num_attention_heads·(qk_nope_head_dim+qk_rope_head_dim) × hidden_size",
+        ),
+        "attn.q_proj" => (
+            (h * cfg.head_dim, d),
+            "num_attention_heads·head_dim × hidden_size",
+        ),
+        "attn.k_proj" => (
+            (kv * cfg.head_dim, d),
+            "num_key_value_heads·head_dim × hidden_size",
+        ),
+        "attn.v_proj" => (
+            (kv * f.v_head_dim, d),
+            "num_key_value_heads·head_dim × hidden_size",
+        ),
+        "attn.o_proj" if is_v3 => (
+            (d, h * f.v_head_dim),
+            "hidden_size × num_attention_heads·v_head_dim",
+        ),
+        "attn.o_proj" => (
+            (d, h * f.v_head_dim),
+            "hidden_size × num_attention_heads·head_dim",
+        ),
+        "attn.kv_a_proj_with_mqa" => (
+            (f.kv_lora_rank + cfg.qk_rope_head_dim, d),
+            "kv_lora_rank+qk_rope_head_dim × hidden_size",
+        ),
+        "attn.kv_b_proj" => (
+            (h * (nope + f.v_head_dim), f.kv_lora_rank),
+            "num_attention_heads·(qk_nope_head_dim+v_head_dim) × kv_lora_rank",
+        ),
+        "ffn.gate_proj" | "ffn.up_proj" => {
+            ((f.intermediate_size, d), "intermediate_size × hidden_size")
+        }
+        "ffn.down_proj" => ((d, f.intermediate_size), "hidden_size × intermediate_size"),
+        _ => return None,
+    })
 }
 
 /// FP8 block size from `quantization_config.weight_block_size` (default 128×128).
@@ -458,8 +509,37 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Scheme, shapes and scalar scales of a linear weight, reading no packed or dense bytes.
+    /// Scheme, shapes and scalar scales of a linear weight, reading no packed or dense bytes;
+    /// a logical shape that contradicts config.json is refused ([`Checkpoint::check_config_shape`]).
     pub fn weight_meta(&self, base: &str) -> Result<WeightMeta> {
+        let m = self.weight_meta_unchecked(base)?;
+        self.check_config_shape(&m)?;
+        Ok(m)
+    }
+
+    /// A logical shape that contradicts what config.json fixes for the weight (nothing to check
+    /// when the config is unusable: that is reported on its own). The refusal names the weight's
+    /// file and tensor, config.json and the fields.
+    pub fn check_config_shape(&self, meta: &WeightMeta) -> Result<()> {
+        if let Ok(cfg) = self.model_config() {
+            if let Some(((o, i), fields)) = expected_shape(cfg, &meta.canonical) {
+                if (o, i) != (meta.out_features, meta.in_features) {
+                    return Err(Error::bad(
+                        &meta.file,
+                        Some(&meta.tensors.weight),
+                        format!(
+                            "logical shape [{}, {}] contradicts config.json: expected [{o}, {i}] ({fields})",
+                            meta.out_features, meta.in_features
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Checkpoint::weight_meta`] without the check against config.json.
+    pub fn weight_meta_unchecked(&self, base: &str) -> Result<WeightMeta> {
         if let Some(m) = self
             .meta_cache
             .lock()
@@ -535,20 +615,6 @@ impl Checkpoint {
             self.generic_meta(&mut meta, spec, &sname, &si, &label)?;
         } else {
             self.specific_meta(&mut meta, base, &wc, &wi, packed.is_some(), &label)?;
-        }
-        if let Ok(cfg) = self.model_config() {
-            if let Some(((o, i), fields)) = expected_shape(cfg, base) {
-                if (o, i) != (meta.out_features, meta.in_features) {
-                    return Err(Error::bad(
-                        &file,
-                        Some(&label),
-                        format!(
-                            "logical shape [{}, {}] contradicts config.json: expected [{o}, {i}] ({fields})",
-                            meta.out_features, meta.in_features
-                        ),
-                    ));
-                }
-            }
         }
         Ok(meta)
     }

@@ -88,7 +88,9 @@ pub fn rows(ck: &Checkpoint) -> Result<Vec<InspectRow>> {
     bases.sort_by_cached_key(|b| order_key(b));
     bases
         .par_iter()
-        .map(|b| ck.weight_meta(b).and_then(|m| row(ck, &m)))
+        // a shape that contradicts the config is warned about (`lint::warn_incomplete`), not
+        // a reason to describe nothing
+        .map(|b| ck.weight_meta_unchecked(b).and_then(|m| row(ck, &m)))
         .collect()
 }
 
@@ -364,13 +366,19 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         early.check(out)?;
     }
     let ck = Checkpoint::open(&args.model)?;
-    crate::lint::warn_incomplete(&ck);
+    // a config `run` refuses: the tensors are still described, and the exit is 2
+    let refused = crate::lint::warn_incomplete(&ck);
     let mut outs = Outputs::new(Guard::new().model_dir(&args.model).checkpoint(&ck));
     for out in [&args.json, &args.out].into_iter().flatten() {
         outs.check(out)?;
     }
     if let Some(name) = &args.dequant {
-        return dequant(&ck, args, outs, name);
+        let code = dequant(&ck, args, outs, name)?;
+        return Ok(if refused {
+            crate::error::EXIT_UNUSABLE
+        } else {
+            code
+        });
     }
     let mut rows = rows(&ck)?;
     if let Some(g) = &args.filter {
@@ -413,6 +421,13 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
             "one line per layer; `--filter 'layers.3.*'` lists those weights, `--all` every weight, \
              `lint` checks their scales"
         );
+    }
+    if refused {
+        eprintln!(
+            "error: {}: `run` refuses this config (see the warnings above); the weights are listed as stored",
+            ck.config_path().display()
+        );
+        return Ok(crate::error::EXIT_UNUSABLE);
     }
     Ok(crate::error::EXIT_OK)
 }

@@ -144,6 +144,8 @@ pub fn prepare(
     let ckpt = ckpt?;
     crate::profile::mark("checkpoint opened");
     let cfg = ckpt.model_config()?.clone();
+    // a quantization config the tensors cannot be checked against (lint: `config.scheme`)
+    ckpt.check_quant_declared()?;
     // a model family whose ops have no CUDA version yet: `auto` runs it on the CPU, `cuda` refuses
     if let (Some(why), true) = (
         crate::model::family::cuda_unsupported(&cfg),
@@ -170,6 +172,10 @@ pub fn prepare(
         );
         crate::profile::mark(&format!("early read of {:.1} MB started", n as f64 / 1e6));
     }
+    // every shape the config fixes, for the layers run (lint: `config.model`), before any op runs
+    // (headers and scalar scales: the metas lint reads again after the run, cached)
+    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
+    crate::checkpoint::shapes::check_shapes(&ckpt, &cfg, b, with_head)?;
     let profile = Profile::parse(
         served
             .or(spec.served.as_deref())
@@ -184,7 +190,6 @@ pub fn prepare(
     crate::profile::mark("options checked");
     // the run's memory estimate is checked as soon as the token count is known, before the
     // tokens (or anything else of the run's size) are made; a long CPU run is announced
-    let with_head = b + 1 == cfg.num_hidden_layers && ckpt.resolve("head.weight").is_some();
     let on_device = backend_sel.on_device();
     let fits = |n: u64, what: &str| -> Result<()> {
         let plan = crate::probe::budget::Plan {

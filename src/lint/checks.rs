@@ -79,13 +79,29 @@ fn other_amax(c: Convention, stored: f32) -> f64 {
 
 pub(crate) fn check_weight(cx: &Cx, base: &str) -> (Vec<Finding>, Option<WeightMeta>) {
     let mut out = Vec::new();
-    let meta = match cx.ck.weight_meta(base) {
+    let meta = match cx.ck.weight_meta_unchecked(base) {
         Ok(m) => m,
         Err(e) => {
             meta_error(cx, base, e, &mut out);
             return (out, None);
         }
     };
+    // the check `run` makes before any op (`checkpoint::shapes`)
+    if let Err(e) = cx.ck.check_config_shape(&meta) {
+        push(
+            &mut out,
+            cx.finding(
+                "config.model",
+                E,
+                &meta.tensors.weight,
+                &meta.file,
+                base,
+                e.to_string(),
+                "Fix config.json or the tensor: engines build the module from the config, and `run` refuses the checkpoint.",
+            ),
+        );
+        return (out, None);
+    }
     if meta.scheme == Scheme::Dense {
         return (out, Some(meta));
     }
@@ -761,6 +777,19 @@ pub(crate) fn completeness(cx: &Cx) -> Vec<Finding> {
             "",
             msg.clone(),
             "Fix config.json: engines build the model's modules from it, and `run` refuses it.",
+        ));
+    }
+    // parameters (norms, biases, mHC, compressors' `ape`, sinks) against the config, the check
+    // `run` makes before any op (`checkpoint::shapes`)
+    for p in crate::checkpoint::shapes::shape_problems(cx.ck) {
+        out.extend(cx.finding(
+            "config.model",
+            E,
+            &p.tensor,
+            &p.file,
+            &p.base,
+            p.to_error().to_string(),
+            "Fix config.json or the tensor: engines build the module from the config, and `run` refuses the checkpoint.",
         ));
     }
     for m in cx.ck.missing_tensors() {

@@ -9,12 +9,11 @@
 
 use std::collections::HashSet;
 
-use serde_json::Value;
-
 use super::checks::raw_stem;
 use super::rules::Severity::{Error as E, Info as I, Warning as W};
 use super::{Cx, Finding};
-use crate::checkpoint::formats::{InFp8, TABLE};
+use crate::checkpoint::formats::InFp8;
+use crate::checkpoint::qconfig::Declared;
 use crate::checkpoint::{Scheme, WeightMeta};
 
 /// One ignore/exclude entry, compiled once: `re:` entries are Python `re.match` patterns
@@ -53,16 +52,6 @@ fn matches(entry: &str, name: &str) -> Option<bool> {
     Entry::new(entry).matches(name)
 }
 
-fn str_list(v: Option<&Value>) -> Vec<String> {
-    v.and_then(|x| x.as_array())
-        .map(|a| {
-            a.iter()
-                .filter_map(|e| e.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// The proper dotted prefixes of a name: `a.b.c` → `a`, `a.b`.
 fn dotted_prefixes(name: &str) -> Vec<String> {
     name.match_indices('.')
@@ -78,73 +67,57 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
     let mut out = Vec::new();
     let cfg_file = cx.ck.config_path().to_path_buf();
     let quantized: Vec<&WeightMeta> = metas.iter().filter(|m| m.scheme != Scheme::Dense).collect();
-    let Some(q) = cx.ck.quantization_config() else {
-        if let Some(m) = quantized.first() {
-            let mut schemes: Vec<&str> = quantized.iter().map(|m| m.scheme_label()).collect();
-            schemes.sort();
-            schemes.dedup();
+    let declared = match cx.ck.quant_declared() {
+        Ok(d) => d,
+        Err(u) => {
+            // a declaration the tensors cannot be checked against: never reported clean
             out.extend(cx.finding(
                 "config.scheme",
                 E,
-                &m.tensors.weight,
-                &cfg_file,
-                &m.canonical,
-                format!("config.json declares no quantization_config, but {} weights are quantized ({})", quantized.len(), schemes.join(", ")),
-                "Add the quantization_config of the producer that wrote the tensors; engines load them as BF16 otherwise.",
+                &u.field,
+                &u.file,
+                "",
+                format!("`{}` in {}: {}", u.field, u.file.display(), u.msg),
+                "Write the quantization config of the producer that made the tensors (a scheme this tool reads: docs/NVFP4.md §3.4), or convert the tensors; `run` refuses the checkpoint until then.",
             ));
+            return out;
         }
-        return out;
     };
-    let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("");
+    let q = cx.ck.quantization_config().cloned().unwrap_or_default();
     let hq = cx.ck.hf_quant_config().and_then(|h| h.get("quantization"));
     // (scheme every non-ignored weight must have, ignore entries, what "ignored" means)
-    let (expected, ignore, label): (Option<Scheme>, Vec<String>, &str) = match method {
-        "compressed-tensors" => {
-            let fmt = q
-                .get("format")
-                .and_then(|v| v.as_str())
-                .map(str::to_string)
-                .or_else(|| {
-                    q.get("config_groups")
-                        .and_then(|g| g.as_object())
-                        .and_then(|g| {
-                            g.values()
-                                .find_map(|x| x.get("format")?.as_str().map(str::to_string))
-                        })
-                })
-                .unwrap_or_default();
-            let exp = TABLE
-                .iter()
-                .find(|s| s.config.ct_format.is_some_and(|f| fmt.contains(f)))
-                .map(|s| s.scheme);
-            (exp, str_list(q.get("ignore")), "ignore")
-        }
-        "modelopt" => {
-            let algo = q.get("quant_algo").and_then(|v| v.as_str()).unwrap_or("");
-            let mut ex = str_list(q.get("exclude_modules"));
-            if ex.is_empty() {
-                ex = str_list(hq.and_then(|h| h.get("exclude_modules")));
+    let (expected, ignore, label, method): (Option<Scheme>, Vec<String>, &str, &str) =
+        match &declared {
+            Declared::None => {
+                if let Some(m) = quantized.first() {
+                    let mut schemes: Vec<&str> =
+                        quantized.iter().map(|m| m.scheme_label()).collect();
+                    schemes.sort();
+                    schemes.dedup();
+                    out.extend(cx.finding(
+                        "config.scheme",
+                        E,
+                        &m.tensors.weight,
+                        &cfg_file,
+                        &m.canonical,
+                        format!("config.json declares no quantization_config, but {} weights are quantized ({})", quantized.len(), schemes.join(", ")),
+                        "Add the quantization_config of the producer that wrote the tensors; engines load them as BF16 otherwise.",
+                    ));
+                }
+                return out;
             }
-            let exp = TABLE
-                .iter()
-                .find(|s| s.config.modelopt_algo == Some(algo))
-                .map(|s| s.scheme);
-            (exp, ex, "exclude_modules")
-        }
-        // gpt-oss's release: MXFP4 experts, `modules_to_not_convert` the rest
-        "mxfp4" => (
-            Some(Scheme::Mxfp4),
-            str_list(q.get("modules_to_not_convert")),
-            "modules_to_not_convert",
-        ),
-        "fp8" => {
-            let mut ex = str_list(q.get("ignore"));
-            if ex.is_empty() {
-                ex = str_list(q.get("exclude_modules"));
-            }
-            (None, ex, "ignore")
-        }
-        _ => return out,
+            Declared::Uniform {
+                method,
+                scheme,
+                ignore_key,
+                ignore,
+            } => (Some(*scheme), ignore.clone(), *ignore_key, method.as_str()),
+            Declared::Fp8 { ignore } => (None, ignore.clone(), "ignore", "fp8"),
+            Declared::Mixed { ignore, .. } => (None, ignore.clone(), "exclude_modules", "mixed"),
+        };
+    let mixed_layers = match &declared {
+        Declared::Mixed { layers, .. } => Some(layers),
+        _ => None,
     };
     // module entries cover what lies under the module: every dotted prefix of the name is matched
     let prefixes = method == "mxfp4";
@@ -196,6 +169,16 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             out.extend(cx.finding(rule, E, &m.tensors.weight, &m.file, &m.canonical, ev, fix));
         };
         match method {
+            "mixed" => {
+                // ModelOpt MIXED_PRECISION: the scheme quantized_layers gives the module
+                let listed = mixed_layers.and_then(|l| l.get(&stem));
+                match listed {
+                    Some(&exp) if m.scheme != exp => emit("config.scheme", format!("quantization_config (modelopt, MIXED_PRECISION) lists `{stem}` as {}, its tensors are {label_s}", exp.label(m.weight_dtype)), "Regenerate quantized_layers from the exported tensors (or re-export the weight)."),
+                    Some(_) => {}
+                    None if m.scheme != Scheme::Dense && !ign => emit("config.scheme", format!("`{stem}` is stored {label_s} but quantized_layers (modelopt, MIXED_PRECISION) does not list it: an engine builds it as an unquantized layer"), "Regenerate quantized_layers from the exported tensors."),
+                    None => {}
+                }
+            }
             "compressed-tensors" | "modelopt" | "mxfp4" => {
                 let Some(exp) = expected else { continue };
                 let exp_l = exp.label(m.weight_dtype);

@@ -203,14 +203,44 @@ fn lint_bases(ck: &Checkpoint, rules: &Rules, bases: Vec<String>) -> Result<Repo
 }
 
 /// What `inspect` says on stderr about a checkpoint it can list but not fully use: an unusable
-/// config (shapes are then not checked against it) and tensors its layers lack (the same
-/// detection as lint's `config.model` and `weight.missing`).
-pub fn warn_incomplete(ck: &Checkpoint) {
+/// config (shapes are then not checked against it), a quantization config the tensors cannot
+/// be checked against, tensors whose shapes contradict the config (the same detection as lint's
+/// `config.model` and `config.scheme`, what `run` refuses), and tensors its layers lack (lint's
+/// `weight.missing`). Returns whether the config is one `run` refuses (`inspect` then exits 2
+/// after describing the tensors).
+pub fn warn_incomplete(ck: &Checkpoint) -> bool {
+    const SHOWN: usize = 20;
+    let mut refused = false;
     if let Err(e) = ck.model_config() {
         eprintln!("warning: {e} (weights are listed without checking their shapes against it)");
+        refused = true;
+    }
+    if let Err(u) = ck.quant_declared() {
+        eprintln!("warning: {}", u.to_error());
+        refused = true;
+    }
+    let mut shapes: Vec<String> = crate::checkpoint::shapes::shape_problems(ck)
+        .iter()
+        .map(|p| p.to_error().to_string())
+        .collect();
+    for b in ck.weight_bases() {
+        if let Ok(m) = ck.weight_meta_unchecked(&b) {
+            if let Err(e) = ck.check_config_shape(&m) {
+                shapes.push(e.to_string());
+            }
+        }
+    }
+    refused |= !shapes.is_empty();
+    for s in shapes.iter().take(SHOWN) {
+        eprintln!("warning: {s}");
+    }
+    if shapes.len() > SHOWN {
+        eprintln!(
+            "warning: … and {} more tensors whose shapes contradict config.json (`nvfp4-probe lint` lists them all)",
+            shapes.len() - SHOWN
+        );
     }
     let missing = ck.missing_tensors();
-    const SHOWN: usize = 20;
     for m in missing.iter().take(SHOWN) {
         eprintln!(
             "warning: missing tensor `{}` ({}) in {}",
@@ -225,6 +255,7 @@ pub fn warn_incomplete(ck: &Checkpoint) {
             missing.len() - SHOWN
         );
     }
+    refused
 }
 
 /// Lint `model`, and with a reference also compare tensor by tensor.

@@ -64,6 +64,11 @@ pub struct ModelConfig {
     pub family: Option<super::family::kind::Family>,
 }
 
+/// The router scorings of `scoring_func` (`device::kern::Scoring`).
+const SCORING_FUNCS: [&str; 3] = ["sqrtsoftplus", "sigmoid", "softmax"];
+/// The rope types of `rope_scaling` / `rope_parameters.compress` this tool reads.
+const ROPE_TYPES: [&str; 2] = ["default", "yarn"];
+
 fn get<'a>(v: &'a Value, keys: &[&str]) -> Option<&'a Value> {
     keys.iter().find_map(|k| v.get(*k).filter(|x| !x.is_null()))
 }
@@ -227,7 +232,17 @@ pub(super) fn parse_v4(v: &Value) -> Result<ModelConfig> {
             .collect()
     };
 
-    let num_hash_layers = if let Some(m) = get(v, &["mlp_layer_types"]).and_then(Value::as_array) {
+    let num_hash_layers = if let Some(m) = get(v, &["mlp_layer_types"]) {
+        let m = m
+            .as_array()
+            .ok_or_else(|| Error::usage("config field `mlp_layer_types` is not an array"))?;
+        for (i, t) in m.iter().enumerate() {
+            limits::typed(
+                &format!("mlp_layer_types[{i}]"),
+                Some(t),
+                limits::Typed::Str,
+            )?;
+        }
         m.iter()
             .take_while(|t| t.as_str() == Some("hash_moe"))
             .count()
@@ -266,11 +281,28 @@ pub(super) fn parse_v4(v: &Value) -> Result<ModelConfig> {
         Some(x) => float_at("rope_parameters.compress.rope_theta", x, Sign::Positive)?,
         None => fl(&["compress_rope_theta"], Some(160000.0), Sign::Positive)?,
     };
-    let is_yarn =
-        |c: &&Value| c.get("rope_type").or(c.get("type")).and_then(Value::as_str) == Some("yarn");
-    let (yarn_src, yarn_field) = match compress.filter(is_yarn) {
-        Some(c) => (Some(c), "rope_parameters.compress"),
-        None => (get(v, &["rope_scaling"]).filter(is_yarn), "rope_scaling"),
+    // the rope's type, a name this tool reads (a number or another name is refused, not read as
+    // the plain rope)
+    let is_yarn = |c: &Value, field: &str| -> Result<bool> {
+        let key = if c.get("rope_type").is_some_and(|x| !x.is_null()) {
+            "rope_type"
+        } else {
+            "type"
+        };
+        let ty = limits::str_field(&format!("{field}.{key}"), c.get(key), Some(&ROPE_TYPES))?;
+        Ok(ty.as_deref() == Some("yarn"))
+    };
+    let compress_yarn = match compress {
+        Some(c) => is_yarn(c, "rope_parameters.compress")?,
+        None => false,
+    };
+    let (yarn_src, yarn_field) = if compress_yarn {
+        (compress, "rope_parameters.compress")
+    } else {
+        match get(v, &["rope_scaling"]) {
+            Some(s) if is_yarn(s, "rope_scaling")? => (Some(s), "rope_scaling"),
+            _ => (None, "rope_scaling"),
+        }
     };
     let yarn = match yarn_src {
         None => None,
@@ -340,13 +372,15 @@ pub(super) fn parse_v4(v: &Value) -> Result<ModelConfig> {
             Some(1.0),
             Sign::Any,
         )?,
-        norm_topk_prob: get(v, &["norm_topk_prob"])
-            .and_then(Value::as_bool)
-            .unwrap_or(true),
-        scoring_func: get(v, &["scoring_func", "score_func"])
-            .and_then(Value::as_str)
-            .unwrap_or("sqrtsoftplus")
-            .to_string(),
+        norm_topk_prob: limits::bool_field("norm_topk_prob", get(v, &["norm_topk_prob"]), true)?,
+        scoring_func: {
+            let key = ["scoring_func", "score_func"]
+                .into_iter()
+                .find(|k| get(v, &[k]).is_some())
+                .unwrap_or("scoring_func");
+            limits::str_field(key, get(v, &[key]), Some(&SCORING_FUNCS))?
+                .unwrap_or_else(|| "sqrtsoftplus".into())
+        },
         swiglu_limit: fl(&["swiglu_limit"], Some(10.0), Sign::Any)?,
         index_n_heads: us(&["index_n_heads"], Some(64), &limits::INDEX_N_HEADS)?,
         index_head_dim: us(&["index_head_dim"], Some(128), &limits::INDEX_HEAD_DIM)?,
@@ -517,6 +551,22 @@ mod tests {
         // the indexer ropes its last qk_rope_head_dim dims: it must have that many
         let e = err(|v| v["index_head_dim"] = json!(32));
         assert!(e.contains("`index_head_dim`"), "{e}");
+        // a value of the wrong type is refused, not read as the default (issue 44)
+        let e = err(|v| v["norm_topk_prob"] = json!("false"));
+        assert!(e.contains("`norm_topk_prob` is not a boolean"), "{e}");
+        let e = err(|v| v["score_func"] = json!(5));
+        assert!(e.contains("`score_func`"), "{e}");
+        let e = err(|v| v["scoring_func"] = json!("softplus"));
+        assert!(e.contains("`scoring_func` is not one of"), "{e}");
+        let e = err(|v| v["rope_scaling"] = json!({"type": 3}));
+        assert!(e.contains("`rope_scaling.type`"), "{e}");
+        let e = err(|v| v["mlp_layer_types"] = json!("hash_moe"));
+        assert!(e.contains("`mlp_layer_types`"), "{e}");
+        let mut ok = base();
+        ok["norm_topk_prob"] = json!(false);
+        ok["score_func"] = json!("sigmoid");
+        let c = ModelConfig::from_json(&ok).unwrap();
+        assert!(!c.norm_topk_prob && c.scoring_func == "sigmoid");
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //! three sizes inside 64 bits, so later arithmetic cannot overflow. Token-dependent memory is
 //! checked separately, against what the machine has (`probe::budget`).
 
+use serde_json::Value;
+
 use crate::{Error, Result};
 
 /// An integer config field's accepted range, with the reason shown in refusals.
@@ -175,6 +177,57 @@ pub fn check_float(field: &str, v: f64, sign: Sign) -> Result<f64> {
     Err(Error::usage(format!(
         "config field `{field}` = {v} is not {want}"
     )))
+}
+
+/// What a typed config field may hold when it is not a number (numbers: [`Range`],
+/// [`check_float`]): the one reader of booleans and names, so that a value of the wrong type is
+/// refused naming the field instead of being read as its default (`"false"` read as true,
+/// `scoring_func: 5` as the default scoring).
+pub enum Typed<'a> {
+    /// `true` or `false`.
+    Bool,
+    /// A string.
+    Str,
+    /// One of these strings.
+    OneOf(&'a [&'a str]),
+}
+
+/// The field's value checked against `want`: `None` when absent or null (the caller's default
+/// applies), else the value, or the refusal naming `field` and what it holds.
+pub fn typed<'v>(field: &str, v: Option<&'v Value>, want: Typed) -> Result<Option<&'v Value>> {
+    let Some(x) = v.filter(|x| !x.is_null()) else {
+        return Ok(None);
+    };
+    let why = match (&want, x) {
+        (Typed::Bool, Value::Bool(_)) | (Typed::Str, Value::String(_)) => return Ok(Some(x)),
+        (Typed::OneOf(ok), Value::String(s)) if ok.contains(&s.as_str()) => return Ok(Some(x)),
+        (Typed::Bool, _) => "is not a boolean (true or false)".to_string(),
+        (Typed::Str, _) => "is not a string".to_string(),
+        (Typed::OneOf(ok), _) => format!("is not one of {}", ok.join(", ")),
+    };
+    Err(Error::usage(format!("config field `{field}` {why}: {x}")))
+}
+
+/// [`typed`] of a boolean, `default` when absent.
+pub fn bool_field(field: &str, v: Option<&Value>, default: bool) -> Result<bool> {
+    Ok(typed(field, v, Typed::Bool)?
+        .and_then(Value::as_bool)
+        .unwrap_or(default))
+}
+
+/// [`typed`] of a name: `None` when absent.
+pub fn str_field(
+    field: &str,
+    v: Option<&Value>,
+    allowed: Option<&[&str]>,
+) -> Result<Option<String>> {
+    let want = match allowed {
+        Some(a) => Typed::OneOf(a),
+        None => Typed::Str,
+    };
+    Ok(typed(field, v, want)?
+        .and_then(Value::as_str)
+        .map(str::to_string))
 }
 
 #[cfg(test)]

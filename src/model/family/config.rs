@@ -78,12 +78,7 @@ impl Reader<'_> {
         }
     }
     fn bool(&self, key: &str, default: bool) -> Result<bool> {
-        match self.get(key) {
-            Some(x) => x
-                .as_bool()
-                .ok_or_else(|| Error::usage(format!("config field `{key}` is not a boolean: {x}"))),
-            None => Ok(default),
-        }
+        limits::bool_field(key, self.get(key), default)
     }
 }
 
@@ -106,10 +101,23 @@ fn rope_theta(r: &Reader, default: f64) -> Result<(f64, Option<String>)> {
         }
         None => r.float("rope_theta", default, Sign::Positive)?,
     };
-    let ty = params
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    // a number or another non-name is refused, not read as the default rope
+    let ty = match params {
+        Some(p) => {
+            let section = if r.get("rope_parameters").is_some() {
+                "rope_parameters"
+            } else {
+                "rope_scaling"
+            };
+            let key = if p.get("rope_type").is_some_and(|x| !x.is_null()) {
+                "rope_type"
+            } else {
+                "type"
+            };
+            limits::str_field(&format!("{section}.{key}"), p.get(key), None)?
+        }
+        None => None,
+    };
     Ok((theta, ty))
 }
 
@@ -343,10 +351,8 @@ fn deepseek_v3(v: &Value) -> Result<ModelConfig> {
     cfg.n_shared_experts = r.usize(&["n_shared_experts"], Some(1), &limits::N_SHARED_EXPERTS)?;
     cfg.norm_topk_prob = r.bool("norm_topk_prob", true)?;
     cfg.routed_scaling_factor = r.float("routed_scaling_factor", 1.0, Sign::Any)?;
-    let scoring = r
-        .get("scoring_func")
-        .and_then(Value::as_str)
-        .unwrap_or("sigmoid");
+    let scoring = limits::str_field("scoring_func", r.get("scoring_func"), None)?;
+    let scoring = scoring.as_deref().unwrap_or("sigmoid");
     if scoring != "sigmoid" {
         return Err(Error::usage(format!(
             "config field `scoring_func` = `{scoring}`: DeepSeek-V3 routes on sigmoid scores"
@@ -606,6 +612,13 @@ mod tests {
         assert!(m.contains("`kv_lora_rank`"), "{m}");
         let m = e(&|v| v["scoring_func"] = json!("softmax"));
         assert!(m.contains("`scoring_func`"), "{m}");
+        // values of the wrong type are refused, not read as the default (issue 44)
+        let m = e(&|v| v["scoring_func"] = json!(5));
+        assert!(m.contains("`scoring_func` is not a string"), "{m}");
+        let m = e(&|v| v["rope_scaling"]["type"] = json!(3));
+        assert!(m.contains("`rope_scaling.type` is not a string"), "{m}");
+        let m = e(&|v| v["norm_topk_prob"] = json!("false"));
+        assert!(m.contains("`norm_topk_prob` is not a boolean"), "{m}");
         let m = e(&|v| v["rope_scaling"]["factor"] = json!(-1));
         assert!(m.contains("`rope_parameters.factor`"), "{m}");
         let m = e(&|v| {

@@ -29,14 +29,7 @@ pub(super) fn gpt_oss(v: &Value) -> Result<ModelConfig> {
         None | Some("default") => (None, 1.0),
         Some("yarn") => {
             let p = params.unwrap_or(&Value::Null);
-            let truncate = match p.get("truncate").filter(|x| !x.is_null()) {
-                None => true,
-                Some(x) => x.as_bool().ok_or_else(|| {
-                    Error::usage(format!(
-                        "config field `rope_parameters.truncate` is not a boolean: {x}"
-                    ))
-                })?,
-            };
+            let truncate = limits::bool_field("rope_parameters.truncate", p.get("truncate"), true)?;
             let y = super::super::super::config::Yarn {
                 factor: rope_param(p, "factor", 1.0)?,
                 original_max_position_embeddings: rope_param(
