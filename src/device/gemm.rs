@@ -92,7 +92,17 @@ fn tile_product_any(
     let tc = c1 - c0;
     for r0 in (0..m).step_by(ROWS) {
         let rows = ROWS.min(m - r0);
-        let xb = &xd[r0 * k..(r0 + rows) * k];
+        // a last block of fewer rows is padded with zero rows, so that the kernel always runs
+        // over ROWS rows (fixed loops vectorize); the padded rows' sums are not written
+        let pad;
+        let xb: &[f64] = if rows == ROWS {
+            &xd[r0 * k..(r0 + rows) * k]
+        } else {
+            let mut v = vec![0f64; ROWS * k];
+            v[..rows * k].copy_from_slice(&xd[r0 * k..(r0 + rows) * k]);
+            pad = v;
+            &pad
+        };
         let mut c = c0;
         while c < c1 {
             let two = c + 1 < c1;
@@ -114,8 +124,8 @@ fn tile_product_any(
     }
 }
 
-/// The dot products of `rows` (≤ [`ROWS`]) rows of `xb` (f64, `k` wide) with `wa` and with
-/// `wb`, each in [`matmul_nt`]'s order.
+/// The dot products of the first `rows` of the [`ROWS`] rows of `xb` (f64, `k` wide) with `wa`
+/// and with `wb`, each in [`matmul_nt`]'s order (every row is summed; `rows` bounds the tails).
 #[inline(always)]
 fn dot_rows2(
     xb: &[f64],
@@ -135,7 +145,7 @@ fn dot_rows2(
             va[j] = wa[i + j] as f64;
             vb[j] = wb[i + j] as f64;
         }
-        for r in 0..rows {
+        for r in 0..ROWS {
             let xs = &xb[r * k + i..r * k + i + 4];
             for j in 0..4 {
                 pa[r][j] += xs[j] * va[j];
