@@ -118,9 +118,37 @@ fn check_op_numbers(op: &Value, name: &Path, id: &str) -> Result<()> {
                 if let Some((f, x)) = fields.iter().find(|(_, x)| !numeric(x)) {
                     return bad(format!("{g}.{f}"), x);
                 }
+                for (f, x) in fields {
+                    if let Some(why) = x.as_f64().and_then(|x| impossible(f, x)) {
+                        return Err(Error::bad(
+                            name,
+                            None,
+                            format!("op `{id}`: `{g}.{f}` = {x} is impossible ({why})"),
+                        ));
+                    }
+                }
             }
             other => return bad(g, other),
         }
     }
     Ok(())
+}
+
+/// Why a metric's value cannot come from a run, or `None` when it can: the ranges the metrics
+/// (`src/metrics`) produce. A gate reading `rel_l2: -1` or `cos: 1.5` would otherwise pass or fail
+/// on a number no run can write. Fields not listed (added later within `/1`) are not judged.
+fn impossible(field: &str, x: f64) -> Option<&'static str> {
+    match field {
+        "cos" if !(-1.0..=1.0).contains(&x) => Some("a cosine lies in [-1, 1]"),
+        "rel_l2" | "max_abs_err" | "amax_ratio" | "amax" | "mean_abs" if x < 0.0 => {
+            Some("it is ≥ 0")
+        }
+        "sqnr_db" if x > 300.0 => Some("SQNR is capped at 300 dB"),
+        "nan" | "inf" | "zeros" | "numel" | "new_non_finite" | "max_abs_idx"
+            if x < 0.0 || x.fract() != 0.0 =>
+        {
+            Some("a count is a whole number ≥ 0")
+        }
+        _ => None,
+    }
 }

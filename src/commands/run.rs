@@ -40,12 +40,14 @@ pub fn resolve_tokens(
         Ok((ids, source))
     };
     if let Some(ids) = &t.token_ids {
+        outside_vocab(ids, vocab).map_err(|m| Error::usage(format!("--token-ids: {m}")))?;
         return counted(ids.clone(), "--token-ids".into(), "--token-ids".into());
     }
     if let Some(f) = &t.tokens {
         let text = crate::input::read_text(f, "token file", crate::input::SMALL_FILE_MAX)?;
         let ids: Vec<u32> = serde_json::from_str(&text)
             .map_err(|e| Error::bad(f, None, format!("expected a JSON array of token ids: {e}")))?;
+        outside_vocab(&ids, vocab).map_err(|m| Error::bad(f, None, m))?;
         let name = format!("--tokens {}", f.display());
         return counted(ids, name, format!("file {}", f.display()));
     }
@@ -54,6 +56,8 @@ pub fn resolve_tokens(
         return counted(ids, "--prompt".into(), "prompt".into());
     }
     if let Some(ids) = &spec.tokens.ids {
+        outside_vocab(ids, vocab)
+            .map_err(|m| Error::usage(format!("probe spec `{}`: tokens.ids: {m}", spec.name)))?;
         let name = "the probe spec's token ids".to_string();
         return counted(ids.clone(), name, format!("probe {}", spec.name));
     }
@@ -63,6 +67,18 @@ pub fn resolve_tokens(
         probe::synthetic_tokens(n, vocab, seed),
         format!("synthetic (seed {seed})"),
     ))
+}
+
+/// The first id at or past `vocab`, said with its position (the runner checks every source
+/// again; here the message can name where the id came from).
+fn outside_vocab(ids: &[u32], vocab: usize) -> std::result::Result<(), String> {
+    match ids.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(format!(
+            "token id {} (position {i}) is outside the model's vocabulary (vocab_size {vocab})",
+            ids[i]
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Pick the backend; `auto` falls back to the CPU with one line saying why, an explicit
@@ -186,7 +202,8 @@ pub fn prepare(
         .map(|s| Fault::parse(s))
         .collect::<Result<Vec<_>>>()?;
     crate::served::faults::check_loader_faults(&ckpt, &faults)?;
-    let prefill = prefill_of(engine, &cfg)?;
+    crate::served::faults::check_fault_layers(&faults, (a, b))?;
+    let prefill = prefill_of(engine, &cfg, (a, b))?;
     crate::profile::mark("options checked");
     // the run's memory estimate is checked as soon as the token count is known, before the
     // tokens (or anything else of the run's size) are made; a long CPU run is announced
@@ -275,6 +292,7 @@ pub fn prepare(
 fn prefill_of(
     engine: &crate::cli::EngineArgs,
     cfg: &crate::model::ModelConfig,
+    layers: (usize, usize),
 ) -> Result<Option<crate::served::engine::Prefill>> {
     use crate::served::engine::{EngineFault, Prefill};
     let Some(n) = engine.served_chunk else {
@@ -301,6 +319,7 @@ fn prefill_of(
             )));
         }
     }
+    crate::served::engine::check_fault_layers(&faults, layers)?;
     Prefill::new(n, faults).map(Some)
 }
 

@@ -5,6 +5,7 @@
 //! a specific rule placed before a general one overrides it, and an absolute floor written by the
 //! user does not switch off the built-in relative check. `skip = true` claims all three.
 
+use crate::model::op::OpClass;
 use crate::{Error, Result};
 use serde::Deserialize;
 use std::path::Path;
@@ -286,6 +287,24 @@ fn known(name: &str, list: &[&str], what: &str) -> std::result::Result<(), Strin
     }
 }
 
+/// A rule's `class` must name an op class of the run JSON, or be a glob matching at least one:
+/// `class = "moe"` (the class is `Moe`) would otherwise match no op and the rule check nothing.
+fn known_class(class: &str) -> std::result::Result<(), String> {
+    let names = OpClass::ALL.map(OpClass::name);
+    if names.iter().any(|n| glob_match(class, n)) {
+        return Ok(());
+    }
+    let hint = names
+        .iter()
+        .find(|n| n.eq_ignore_ascii_case(class))
+        .map(|n| format!("; did you mean `{n}`? classes are case-sensitive"))
+        .unwrap_or_default();
+    Err(format!(
+        "unknown op class `{class}`: it matches no op (known classes: {}; globs allowed{hint})",
+        names.join(", ")
+    ))
+}
+
 /// The path whose stats a comparison's first operand comes from, so `metric = "nan"` with
 /// `compare = "served_isolated_vs_bf16"` counts NaN in the isolated served output.
 pub fn comparison_path(compare: &str) -> Option<&'static str> {
@@ -398,6 +417,9 @@ fn convert(r: RawRule, origin: &str) -> std::result::Result<Rule, String> {
             "*".to_string()
         }
     };
+    if let Some(c) = &r.class {
+        known_class(c)?;
+    }
     match metric.source_kind() {
         SourceKind::Comparison => known(&source, &COMPARISONS, "comparison")?,
         SourceKind::Path => known(&source, &PATHS, "path")?,
@@ -550,10 +572,34 @@ mod tests {
             "[[rule]]\nmetric = \"cos\"\nmin = nan\n",
             "[[rule]]\nmetric = \"cos\"\ncompare = \"served_isolated_vs_bf61\"\nmin = 0.9\n",
             "[[rule]]\nmetric = \"nan\"\npath = \"serverd\"\nmax = 0\n",
+            "[[rule]]\nclass = \"moe\"\nmetric = \"cos\"\nmin = 0.9\n",
+            "[[rule]]\nclass = \"X*\"\nmetric = \"cos\"\nmin = 0.9\n",
             "not toml at all [",
         ] {
             let e = Tolerances::from_toml(bad, "bad.toml").unwrap_err();
             assert!(e.to_string().contains("bad.toml"), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn classes_are_the_run_json_spelling_and_globs_must_match_one() {
+        for c in OpClass::ALL {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.name());
+        }
+        for ok in ["Moe", "M*", "*", "Linear"] {
+            let t = format!("[[rule]]\nclass = \"{ok}\"\nmetric = \"cos\"\nmin = 0.9\n");
+            Tolerances::from_toml(&t, "t.toml").unwrap();
+        }
+        let e = Tolerances::from_toml(
+            "[[rule]]\nclass = \"moe\"\nmetric = \"cos\"\nmin = 0.9\n",
+            "t.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("t.toml") && e.contains("`moe`") && e.contains("Moe"),
+            "{e}"
+        );
+        assert!(e.contains("Linear") && e.contains("Attention"), "{e}");
     }
 }

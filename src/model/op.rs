@@ -85,6 +85,42 @@ pub enum OpClass {
     Head,
 }
 
+impl OpClass {
+    /// Every class, as the run JSON's `class` field spells them (the variant names).
+    pub const ALL: [OpClass; 12] = [
+        OpClass::Embed,
+        OpClass::Mix,
+        OpClass::Norm,
+        OpClass::Linear,
+        OpClass::Rope,
+        OpClass::Attention,
+        OpClass::Compressor,
+        OpClass::Indexer,
+        OpClass::Router,
+        OpClass::Moe,
+        OpClass::Elementwise,
+        OpClass::Head,
+    ];
+
+    /// The class's name in the run JSON (serde writes the variant name).
+    pub fn name(self) -> &'static str {
+        match self {
+            OpClass::Embed => "Embed",
+            OpClass::Mix => "Mix",
+            OpClass::Norm => "Norm",
+            OpClass::Linear => "Linear",
+            OpClass::Rope => "Rope",
+            OpClass::Attention => "Attention",
+            OpClass::Compressor => "Compressor",
+            OpClass::Indexer => "Indexer",
+            OpClass::Router => "Router",
+            OpClass::Moe => "Moe",
+            OpClass::Elementwise => "Elementwise",
+            OpClass::Head => "Head",
+        }
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Op {
     pub id: String,

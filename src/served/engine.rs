@@ -63,6 +63,21 @@ pub struct EngineFault {
     pub layer: Option<usize>,
 }
 
+/// Refuse engine faults at a layer the run does not probe (`--layers A..B`, inclusive): no
+/// chunk boundary of the served prefill is crossed there, so the fault would change nothing.
+pub fn check_fault_layers(faults: &[EngineFault], (a, b): (usize, usize)) -> Result<()> {
+    for f in faults {
+        if let Some(l) = f.layer.filter(|l| !(a..=b).contains(l)) {
+            return Err(Error::usage(format!(
+                "engine fault `{}`: targets layer {l}, outside the layers this run probes (--layers {a}..{b}); \
+                 it would change nothing (widen --layers to include L{l})",
+                f.spec()
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl EngineFault {
     pub fn parse(spec: &str) -> Result<EngineFault> {
         let (k, t) = match spec.split_once('@') {
@@ -150,6 +165,24 @@ mod tests {
         for k in EngineFaultKind::ALL {
             assert_eq!(EngineFaultKind::parse(k.name()), Some(k));
         }
+    }
+
+    #[test]
+    fn faults_at_layers_outside_the_run_are_refused() {
+        let f = |s: &str| EngineFault::parse(s).unwrap();
+        let e = check_fault_layers(&[f("compressor-state-lost@L3")], (0, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("compressor-state-lost@L3") && e.contains("--layers 0..1"),
+            "{e}"
+        );
+        assert!(check_fault_layers(&[f("rope-position-reset@L0")], (1, 4)).is_err());
+        check_fault_layers(
+            &[f("rope-position-reset@L1"), f("compressor-state-lost")],
+            (1, 4),
+        )
+        .unwrap();
     }
 
     #[test]

@@ -506,6 +506,43 @@ pub fn reorder_w13<T: Copy>(
     w
 }
 
+/// The layer a fault target names: `L3.ffn.experts`, `L3`, `layers.3.ffn.experts.0.w1` or a
+/// checkpoint name holding `layers.3.`; `None` for targets outside the layers (`head`, `embed`).
+pub fn target_layer(target: &str) -> Option<usize> {
+    let num = |rest: &str| -> Option<usize> {
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        let after = &rest[digits.len()..];
+        (!digits.is_empty() && (after.is_empty() || after.starts_with('.')))
+            .then(|| digits.parse().ok())
+            .flatten()
+    };
+    if let Some(n) = target.strip_prefix('L').and_then(num) {
+        return Some(n);
+    }
+    let i = target.find("layers.")?;
+    if i > 0 && !target[..i].ends_with('.') {
+        return None;
+    }
+    num(&target[i + "layers.".len()..])
+}
+
+/// Refuse loader faults whose target lies in a layer the run does not probe (`--layers A..B`,
+/// inclusive): the served path reads no weight of it, so the fault would silently change
+/// nothing.
+pub fn check_fault_layers(faults: &[Fault], (a, b): (usize, usize)) -> Result<()> {
+    for f in faults {
+        if let Some(l) = target_layer(&f.target).filter(|l| !(a..=b).contains(l)) {
+            return Err(Error::usage(format!(
+                "loader fault {}@{}: targets layer {l}, outside the layers this run probes (--layers {a}..{b}); \
+                 the served path reads no weight of it, so the fault would change nothing (widen --layers to include L{l})",
+                f.kind.name(),
+                f.target
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Op id → canonical weight base prefix rules: `L1.attn.q_a` ↔ `layers.1.attn.wq_a`,
 /// `L1.ffn.expert.3.w1` ↔ `layers.1.ffn.experts.3.w1`, `L1.ffn.experts` ↔ every routed expert of
 /// layer 1, `L1.ffn.shared` ↔ the shared expert, `L1.attn.wo_a`, `L1.attn.compressor`, …; the
@@ -661,6 +698,33 @@ mod tests {
         assert!(!target_bases_match("L1.attn.k", "layers.1.attn.kv_b_proj"));
         assert!(!target_bases_match("L0.ffn.mlp", "layers.0.ffn.gate"));
         assert!(!target_bases_match("L0.ffn.mlp", "layers.1.ffn.up_proj"));
+    }
+
+    #[test]
+    fn fault_targets_outside_the_layers_run_are_refused() {
+        for (t, l) in [
+            ("L3.ffn.experts", Some(3)),
+            ("L12.attn.q_a", Some(12)),
+            ("L3", Some(3)),
+            ("layers.3.ffn.experts.0.w1", Some(3)),
+            ("model.layers.7.mlp.experts", Some(7)),
+            ("head", None),
+            ("Lx.ffn", None),
+            ("sublayers.3.x", None),
+        ] {
+            assert_eq!(target_layer(t), l, "{t}");
+        }
+        let f = |s: &str| Fault::parse(s).unwrap();
+        let e = check_fault_layers(&[f("inverted-input-scale@L3.ffn.experts")], (0, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("inverted-input-scale@L3.ffn.experts") && e.contains("--layers 0..1"),
+            "{e}"
+        );
+        assert!(check_fault_layers(&[f("inverted-input-scale@L2.ffn.experts")], (3, 4)).is_err());
+        check_fault_layers(&[f("inverted-input-scale@L1.ffn.experts")], (0, 1)).unwrap();
+        check_fault_layers(&[f("inverted-input-scale@head")], (0, 1)).unwrap();
     }
 
     #[test]

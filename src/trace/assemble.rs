@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::model::ModelConfig;
 use crate::trace::names::{NameMap, PerHead, Rule, Shard};
+use crate::trace::precision::{self, Precision};
 use crate::trace::read::{RawTensor, Trace};
 use crate::{Error, Result};
 
@@ -40,6 +41,12 @@ pub struct Mapping {
     /// range, ranks that do not join), with the reason.
     pub skipped: Vec<Skipped>,
     pub notes: Vec<String>,
+    /// Every floating-point tensor of the trace, mapped or not, as (the op it is, or its name when
+    /// no map knows it; the precision its values carry): what the run's precision is read from, so
+    /// that it is the trace's and not the map's (a one-entry map naming a float32 norm of a BF16
+    /// run must not make the run F32). Tensors of integer values (token ids, expert indices) are
+    /// left out.
+    pub carried: Vec<(String, Precision)>,
 }
 
 fn norm_dim(d: i64, nd: usize, file: &std::path::Path, name: &str) -> Result<usize> {
@@ -393,7 +400,46 @@ pub fn assemble(trace: &Trace, map: &NameMap, cfg: &ModelConfig) -> Result<Mappi
         }
     }
     recombine(&mut out, cfg);
+    out.carried = carried_by_tensor(trace, map, cfg, &skip, &has);
     Ok(out)
+}
+
+/// The precision every floating-point tensor of the trace carries, with the op it is: by `map`,
+/// else by the first built-in naming that knows the name (so a weight copy or an index output
+/// left out of a user map is still recognised as one), else its own name. Tensors stored as
+/// integers, `skip`ped ones and those holding only whole numbers (indices stored as floats) are
+/// left out. Every file (rank, pass) counts.
+fn carried_by_tensor(
+    trace: &Trace,
+    map: &NameMap,
+    cfg: &ModelConfig,
+    skip: &[&str],
+    has: &dyn Fn(&str) -> bool,
+) -> Vec<(String, Precision)> {
+    let builtin = [
+        NameMap::Hf,
+        NameMap::Official,
+        NameMap::Vllm,
+        NameMap::Sglang,
+    ];
+    let mut out = Vec::new();
+    for f in &trace.files {
+        for (name, t) in &f.tensors {
+            if skip.contains(&name.as_str())
+                || !matches!(t.dtype.as_str(), "F32" | "F64" | "BF16" | "F16")
+                || t.data.iter().all(|v| !v.is_finite() || v.fract() == 0.0)
+            {
+                continue;
+            }
+            let op = std::iter::once(map)
+                .chain(&builtin)
+                .find_map(|m| m.rules(name, cfg, has).into_iter().next())
+                .map(|r| r.op)
+                .unwrap_or_else(|| name.clone());
+            out.push((op, precision::carried(&t.data, &t.dtype)));
+        }
+    }
+    out
 }
 
 /// vLLM ends a layer at (y₂, X₁, post_f, C_f) and fuses the FFN-side mHC post into the next layer. When

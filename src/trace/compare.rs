@@ -236,12 +236,20 @@ pub fn evaluate(inp: &Inputs) -> Result<Evaluated> {
         .iter()
         .map(|a| (!is_index_op(&a.op)).then(|| precision::carried(&a.data, &a.dtype)))
         .collect();
+    // the run's precision from every tensor of the trace, not only the mapped ones (plus what
+    // was assembled from them, e.g. a recombined layer output)
     let run_p = run_precision(
         inp.mapping
-            .ops
+            .carried
             .iter()
-            .zip(&carried)
-            .filter_map(|(a, p)| Some((a.op.as_str(), (*p)?))),
+            .map(|(op, p)| (op.as_str(), *p))
+            .chain(
+                inp.mapping
+                    .ops
+                    .iter()
+                    .zip(&carried)
+                    .filter_map(|(a, p)| Some((a.op.as_str(), (*p)?))),
+            ),
     );
     for (a, own_p) in inp.mapping.ops.iter().zip(carried) {
         let skip = |reason: String| Skipped {
