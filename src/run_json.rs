@@ -144,6 +144,8 @@ fn impossible(field: &str, x: f64) -> Option<&'static str> {
             Some("it is ≥ 0")
         }
         "sqnr_db" if x > 300.0 => Some("SQNR is capped at 300 dB"),
+        "kl" | "kl_max" if x < 0.0 => Some("a KL divergence is ≥ 0"),
+        "top1" | "top5" if !(0.0..=1.0).contains(&x) => Some("an agreement lies in [0, 1]"),
         "nan" | "inf" | "zeros" | "numel" | "new_non_finite" | "max_abs_idx"
             if x < 0.0 || x.fract() != 0.0 =>
         {

@@ -145,9 +145,17 @@ fn a_nan_in_a_plain_tensor_is_named() {
             "modelopt-nvfp4",
             "model.layers.1.mlp.gate.e_score_correction_bias",
         ),
-        ("deepseek_v3", "ct-nvfp4", "model.layers.1.mlp.gate.e_score_correction_bias"),
+        (
+            "deepseek_v3",
+            "ct-nvfp4",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+        ),
         ("gpt_oss", "ct-nvfp4", "model.layers.1.mlp.router.bias"),
-        ("qwen3_moe", "ct-nvfp4", "model.layers.1.self_attn.k_norm.weight"),
+        (
+            "qwen3_moe",
+            "ct-nvfp4",
+            "model.layers.1.self_attn.k_norm.weight",
+        ),
     ] {
         let d = rewrite(&dir(family, kind), |n, s, b| {
             if n == tensor {

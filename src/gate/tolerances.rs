@@ -34,10 +34,19 @@ pub enum Metric {
     Inf,
     /// The op's isolated verdict, as 0/1.
     Divergent,
+    /// The head's mean next-token KL divergence (nats) of a head comparison.
+    Kl,
+    /// The head's fraction of positions whose top-1 tokens agree.
+    Top1,
+    /// The head's mean top-5 overlap.
+    Top5,
 }
 
+/// The comparison the head's metrics (kl, top1, top5) are read from when a rule names none.
+pub const HEAD_COMPARE: &str = "head_served_vs_bf16";
+
 impl Metric {
-    pub const ALL: [Metric; 7] = [
+    pub const ALL: [Metric; 10] = [
         Metric::Cos,
         Metric::RelL2,
         Metric::AmaxRatio,
@@ -45,7 +54,18 @@ impl Metric {
         Metric::Nan,
         Metric::Inf,
         Metric::Divergent,
+        Metric::Kl,
+        Metric::Top1,
+        Metric::Top5,
     ];
+
+    /// The comparison a rule of this metric reads when it names none.
+    pub fn default_compare(self) -> &'static str {
+        match self {
+            Metric::Kl | Metric::Top1 | Metric::Top5 => HEAD_COMPARE,
+            _ => DEFAULT_COMPARE,
+        }
+    }
 
     pub fn parse(s: &str) -> Option<Metric> {
         Metric::ALL.into_iter().find(|m| m.name() == s)
@@ -61,12 +81,15 @@ impl Metric {
             Metric::Nan => "nan",
             Metric::Inf => "inf",
             Metric::Divergent => "divergent",
+            Metric::Kl => "kl",
+            Metric::Top1 => "top1",
+            Metric::Top5 => "top5",
         }
     }
 
     pub fn direction(self) -> Direction {
         match self {
-            Metric::Cos | Metric::SqnrDb => Direction::HigherBetter,
+            Metric::Cos | Metric::SqnrDb | Metric::Top1 | Metric::Top5 => Direction::HigherBetter,
             Metric::AmaxRatio => Direction::NearBaseline,
             _ => Direction::LowerBetter,
         }
@@ -215,6 +238,32 @@ fn builtin_rules() -> Vec<Rule> {
                 noise_multiplier: None,
             },
         ),
+        // the model's output: next-token agreement may not drop by more than 5 points, KL may
+        // not double (plus 1e-3 nats)
+        rule(
+            Metric::Top1,
+            HEAD_COMPARE,
+            Relative::Drop {
+                d: 0.05,
+                noise_multiplier: None,
+            },
+        ),
+        rule(
+            Metric::Top5,
+            HEAD_COMPARE,
+            Relative::Drop {
+                d: 0.05,
+                noise_multiplier: None,
+            },
+        ),
+        rule(
+            Metric::Kl,
+            HEAD_COMPARE,
+            Relative::Ratio {
+                r: 2.0,
+                slack: 1e-3,
+            },
+        ),
     ]
 }
 
@@ -267,12 +316,15 @@ struct RawRule {
 
 /// Comparisons and paths of `nvfp4-probe.run/1`. A literal name in a rule must be one of these
 /// (a typo would otherwise silently check nothing); a glob may match names added later.
-pub const COMPARISONS: [&str; 5] = [
+pub const COMPARISONS: [&str; 8] = [
     "bf16_vs_fp32",
     "served_isolated_vs_bf16",
     "served_isolated_vs_fp32",
     "served_propagated_vs_bf16",
     "served_propagated_vs_fp32",
+    "head_served_vs_bf16",
+    "head_served_vs_fp32",
+    "head_bf16_vs_fp32",
 ];
 pub const PATHS: [&str; 4] = ["oracle_fp32", "oracle_bf16", "served", "served_isolated"];
 
@@ -390,7 +442,7 @@ fn convert(r: RawRule, origin: &str) -> std::result::Result<Rule, String> {
             }
             r.compare
                 .clone()
-                .unwrap_or_else(|| DEFAULT_COMPARE.to_string())
+                .unwrap_or_else(|| metric.default_compare().to_string())
         }
         SourceKind::Path => match (&r.path, &r.compare) {
             (Some(_), Some(_)) => return Err("give `path` or `compare`, not both".into()),

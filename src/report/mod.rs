@@ -266,7 +266,135 @@ pub fn summary_lines(res: &RunResult) -> Vec<String> {
         )),
         None => v.push("no NaN/Inf on any path".into()),
     }
+    if let Some(h) = res.records.iter().rev().find_map(|r| r.head.as_ref()) {
+        v.push(head_line(h));
+    }
     v
+}
+
+/// The model's output in one line: served vs the BF16 oracle, and the oracle's own spread.
+pub fn head_line(h: &crate::probe::HeadMetrics) -> String {
+    let (s, n) = (&h.head_served_vs_bf16, &h.head_bf16_vs_fp32);
+    let kl = |k: Option<f64>| k.map_or("undefined".into(), |k| format!("{k:.2e}"));
+    format!(
+        "model output (head): served vs BF16 oracle next-token top-1 agreement {:.1} %, top-5 {:.1} %, KL {} nats (max {}{}); BF16 vs FP32 oracle: top-1 {:.1} %, KL {}{}",
+        s.top1 * 100.0,
+        s.top5 * 100.0,
+        kl(s.kl),
+        kl(s.kl_max),
+        s.kl_max_at.map_or(String::new(), |p| format!(" at position {p}")),
+        n.top1 * 100.0,
+        kl(n.kl),
+        s.first_top1_change
+            .map_or(String::new(), |p| format!("; first top-1 change at position {p}"))
+    )
+}
+
+/// The markdown sections of what the run measured beyond the op table: the model's output per
+/// position, and the routed experts one by one (divergent and unreached ones named).
+pub fn output_and_experts_markdown(res: &RunResult) -> String {
+    let mut m = String::new();
+    if let Some(h) = res.records.iter().rev().find_map(|r| r.head.as_ref()) {
+        m.push_str(
+            "
+## Model output
+
+",
+        );
+        m.push_str(&format!(
+            "{}
+
+",
+            head_line(h)
+        ));
+        m.push_str("| position | KL (nats) | top-1 agrees | top-5 overlap | served token | BF16 oracle token |
+|---:|---:|---|---:|---:|---:|
+");
+        const SHOWN: usize = 64;
+        for (i, p) in h.head_positions.iter().enumerate().take(SHOWN) {
+            m.push_str(&format!(
+                "| {i} | {} | {} | {:.2} | {} | {} |
+",
+                p.kl.map_or("NaN".into(), fmt_g),
+                if p.top1 { "yes" } else { "**no**" },
+                p.top5,
+                p.token,
+                p.reference_token
+            ));
+        }
+        if h.head_positions.len() > SHOWN {
+            m.push_str(&format!(
+                "
+({} more positions in the run JSON's `head_positions`)\n",
+                h.head_positions.len() - SHOWN
+            ));
+        }
+    }
+    let with_experts: Vec<&OpRecord> = res.records.iter().filter(|r| r.experts.is_some()).collect();
+    if !with_experts.is_empty() {
+        m.push_str("
+## Routed experts, one by one
+
+Each expert's served output on the rows routed to it against the BF16 oracle's (both fed the oracle's inputs); its tolerance is the op's widened by 1/√rows.
+
+| Op | experts reached | divergent experts | worst expert (rel-L2 / tolerance, rows) | unreached |
+|---|---:|---|---|---|
+");
+        for r in with_experts {
+            let ex = r.experts.as_deref().unwrap_or(&[]);
+            let bad: Vec<String> = ex
+                .iter()
+                .filter(|e| e.divergent)
+                .map(|e| e.expert.to_string())
+                .collect();
+            let worst = ex
+                .iter()
+                .filter(|e| e.rows > 0)
+                .max_by(|a, b| {
+                    let q = |e: &crate::probe::experts::ExpertRecord| {
+                        e.rel_l2.unwrap_or(f64::INFINITY) / e.tolerance
+                    };
+                    q(a).total_cmp(&q(b))
+                })
+                .map_or(String::new(), |e| {
+                    format!(
+                        "{}: {} / {} ({})",
+                        e.expert,
+                        e.rel_l2.map_or("NaN".into(), fmt_g),
+                        fmt_g(e.tolerance),
+                        e.rows
+                    )
+                });
+            let unreached = r.experts_unreached.as_deref().unwrap_or(&[]);
+            m.push_str(&format!(
+                "| `{}` | {} | {} | {} | {} |
+",
+                r.id,
+                ex.iter().filter(|e| e.rows > 0).count(),
+                if bad.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("**{}**", bad.join(", "))
+                },
+                worst,
+                if unreached.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!(
+                        "{} ({})",
+                        unreached.len(),
+                        unreached
+                            .iter()
+                            .take(16)
+                            .map(|e| e.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            ));
+        }
+    }
+    m
 }
 
 /// The markdown report. Its first table is the one people paste into issues.
@@ -309,6 +437,7 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
         ));
     }
     m.push_str("\namax and NaN are the served path's; cosine is served (propagated) against the BF16 oracle.\n");
+    m.push_str(&output_and_experts_markdown(res));
     m.push_str("\n## Details\n\n| Op | amax fp32 | amax bf16 | amax served | noise rel-L2 (bf16 vs fp32, isolated) | isolated rel-L2 | isolated cos | tolerance | NVFP4 activation health | act amax / calib | verdict |\n|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n");
     for r in &res.records {
         m.push_str(&format!(
