@@ -404,7 +404,7 @@ fn full_size_layer_reads_only_scales() {
     let start = std::time::Instant::now();
     let ck = Checkpoint::open(d.path()).unwrap();
     let rows = nvfp4_probe::commands::inspect::rows(&ck).unwrap();
-    let table = nvfp4_probe::commands::inspect::render_table(&rows);
+    let table = nvfp4_probe::commands::inspect::render_table(&rows, 1000);
     let took = start.elapsed();
     assert_eq!(rows.len(), 3 * e + 3);
     assert!(table.contains("layers.0.ffn.experts.255.w2"));

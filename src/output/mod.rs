@@ -16,6 +16,7 @@
 
 pub mod cleanup;
 pub mod resolve;
+pub mod term;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
