@@ -193,6 +193,15 @@ fn lint_and_inspect_fit_120_columns() {
 }
 
 #[test]
+fn synth_fault_list_fits_120_columns() {
+    let d = tempfile::tempdir().unwrap();
+    let (code, s) = run(&["synth", "--list-faults"], d.path());
+    assert_eq!(code, 0, "{s}");
+    assert!(s.contains("missing-block-scales") && s.contains("inverted-input-scale"));
+    assert_fits("synth --list-faults", &s);
+}
+
+#[test]
 fn compare_fits_120_columns() {
     let d = tempfile::tempdir().unwrap();
     let (code, s) = run(
@@ -323,9 +332,9 @@ fn help_texts_name_no_source_code() {
             assert!(!h.contains(bad), "{what} help contains `{bad}`:\n{h}");
         }
         for m in constant.find_iter(h) {
-            // an environment variable the user sets is no source name
+            // an environment variable the user sets, a value's placeholder, is no source name
             assert!(
-                h[..m.start()].ends_with('$'),
+                h[..m.start()].ends_with(['$', '<']),
                 "{what} help names the constant `{}`",
                 m.as_str()
             );

@@ -218,6 +218,11 @@ pub fn render_summary(rows: &[InspectRow], width: usize) -> String {
             },
         ]);
     }
+    // every column stays whole but the formats, which wrap after their commas
+    let max = t.column_max_content_widths();
+    for (i, w) in max.iter().enumerate().filter(|(i, _)| *i != 2) {
+        crate::output::term::keep(&mut t, i, *w as usize);
+    }
     t.to_string()
 }
 
@@ -254,10 +259,29 @@ fn scale_cell(s: &Option<ScaleSummary>) -> String {
     }
 }
 
+/// A number in five significant digits for a table cell (the JSON keeps every digit).
+fn short(x: f32) -> String {
+    let a = x.abs();
+    if x.is_nan() || x.is_infinite() || x == 0.0 {
+        format!("{x}")
+    } else if (1e-3..1e6).contains(&a) {
+        let decimals = (4 - a.log10().floor() as i32).max(0) as usize;
+        let t = format!("{x:.decimals$}");
+        if t.contains('.') {
+            t.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            t
+        }
+    } else {
+        format!("{x:.4e}")
+    }
+}
+
+/// A global scale as stored, then the amax it implies: `2060.3 → 1.3047`.
 fn global_cell(stored: Option<f32>, implied: Option<f32>) -> String {
     match (stored, implied) {
-        (Some(s), Some(a)) => format!("{} (amax {})", num(s), num(a)),
-        (Some(s), None) => num(s),
+        (Some(s), Some(a)) => format!("{} → {}", short(s), short(a)),
+        (Some(s), None) => short(s),
         _ => "-".into(),
     }
 }
@@ -295,8 +319,9 @@ pub fn render_table(rows: &[InspectRow], width: usize) -> String {
             [
                 format!("{}\n{}", r.scheme, r.convention.unwrap_or("-")),
                 format!("{}×{}", r.shape[0], r.shape[1]),
-                scales.replace(" (amax ", " → ").replace(')', ""),
-                scale_cell(&r.block_scale),
+                scales,
+                // two lines: the table fits 120 columns with every weight's name whole
+                scale_cell(&r.block_scale).replacen(" · NaN", "\n· NaN", 1),
                 r.weight_amax_from_scales
                     .map(num)
                     .unwrap_or_else(|| "-".into()),
@@ -316,15 +341,23 @@ pub fn render_table(rows: &[InspectRow], width: usize) -> String {
     let name_max = spare(width, &others).max(30);
     let mut t = crate::output::term::table(width);
     t.set_header(header);
+    let mut name_w = 0;
     for (r, c) in rows.iter().zip(cells) {
         let mut name = wrap_name(&r.canonical, name_max);
         if raw_differs && r.raw != r.canonical {
             name.push('\n');
             name.push_str(&wrap_name(&r.raw, name_max));
         }
+        name_w = name_w.max(cell_width(&name));
         let mut row = vec![name];
         row.extend(c);
         t.add_row(row);
+    }
+    // names, schemes, shapes, block scales and amaxes stay whole; the global scales wrap
+    use crate::output::term::keep;
+    keep(&mut t, 0, name_w);
+    for (i, w) in others.iter().enumerate().filter(|(i, _)| *i != 2) {
+        keep(&mut t, i + 1, *w);
     }
     t.to_string()
 }
@@ -418,7 +451,7 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
     }
     outs.publish_and_report()?;
     let width = crate::output::term::width();
-    println!(
+    let head = format!(
         "{}: {} weights{}, {} naming",
         ck.location().display(),
         rows.len(),
@@ -428,6 +461,7 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
             .unwrap_or_default(),
         ck.naming().as_str()
     );
+    println!("{}", crate::output::term::fit(&head, width));
     if args.all || args.filter.is_some() {
         println!("{}", render_table(&rows, width));
     } else {

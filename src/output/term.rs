@@ -3,7 +3,7 @@
 //! prints a table or findings (run, lint, compare, inspect, bisect, gate) lays its lines out for
 //! [`width`].
 
-use comfy_table::{presets, ContentArrangement, Table};
+use comfy_table::{presets, ColumnConstraint, ContentArrangement, Table, Width};
 
 /// The width when stdout is not a terminal (a pipe, a file, CI logs).
 pub const DEFAULT_WIDTH: usize = 120;
@@ -30,6 +30,17 @@ pub fn table(width: usize) -> Table {
     t
 }
 
+/// Keep column `col` of `t` (once it has rows) at least `width` wide: the table's layout wraps
+/// other columns first. For cells without spaces (names, numbers), which would otherwise be split
+/// inside a word.
+pub fn keep(t: &mut Table, col: usize, width: usize) {
+    if let Some(c) = t.column_mut(col) {
+        c.set_constraint(ColumnConstraint::LowerBoundary(Width::Fixed(
+            width.min(u16::MAX as usize) as u16,
+        )));
+    }
+}
+
 fn chars(s: &str) -> usize {
     s.chars().count()
 }
@@ -40,7 +51,8 @@ fn is_table_line(l: &str) -> bool {
 }
 
 /// The indent of a line's continuation: its own leading spaces, and a list marker (`1. `,
-/// `- `) after them.
+/// `- `) after them; two spaces under a line that has neither, so that a continuation reads as
+/// one.
 fn hanging_indent(line: &str) -> usize {
     let lead = line.len() - line.trim_start_matches(' ').len();
     let rest = &line[lead..];
@@ -52,7 +64,10 @@ fn hanging_indent(line: &str) -> usize {
     } else {
         0
     };
-    lead + marker
+    match lead + marker {
+        0 => 2,
+        n => n,
+    }
 }
 
 /// One line broken at spaces into lines of at most `width` characters, continuation lines
