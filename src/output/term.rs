@@ -30,13 +30,15 @@ pub fn table(width: usize) -> Table {
     t
 }
 
-/// Keep column `col` of `t` (once it has rows) at least `width` wide: the table's layout wraps
-/// other columns first. For cells without spaces (names, numbers), which would otherwise be split
-/// inside a word.
+/// Keep column `col` of `t` (once it has rows) at least `width` characters of content wide: the
+/// table's layout wraps other columns first. For cells without spaces (names, numbers), which
+/// would otherwise be split inside a word.
 pub fn keep(t: &mut Table, col: usize, width: usize) {
     if let Some(c) = t.column_mut(col) {
+        // comfy-table's widths count the cell's padding (one space each side)
+        let w = width + c.padding_width() as usize;
         c.set_constraint(ColumnConstraint::LowerBoundary(Width::Fixed(
-            width.min(u16::MAX as usize) as u16,
+            w.min(u16::MAX as usize) as u16,
         )));
     }
 }
@@ -231,6 +233,20 @@ mod tests {
         let t = format!("┌{}┐\nshort\n", "─".repeat(200));
         assert_eq!(fit(&t, 80), t);
         assert_eq!(wrap("", 80), vec![String::new()]);
+    }
+
+    #[test]
+    fn a_kept_column_is_not_wrapped() {
+        let mut t = table(60);
+        t.set_header(vec!["name", "prose"]);
+        let name = "layers.0.ffn.experts.255.w2";
+        t.add_row(vec![name.to_string(), "some words to wrap ".repeat(5)]);
+        keep(&mut t, 0, name.len());
+        let s = t.to_string();
+        assert!(s.contains(name), "{s}");
+        for l in s.lines() {
+            assert!(chars(l) <= 60, "{l}");
+        }
     }
 
     #[test]
