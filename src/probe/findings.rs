@@ -245,22 +245,15 @@ pub fn lint_findings(
             .find(|g| g.kind == f.kind && g.ops == f.ops && g.impact == f.impact && g.fix == f.fix)
         {
             g.tensors.extend(f.tensors);
-            // a few tensors by name; more (every expert of a layer) as one pattern, as lint shows them
-            let names = if g.tensors.len() <= 3 {
+            g.summary = format!(
+                "lint {}: {}",
+                g.kind.as_deref().unwrap_or(""),
                 g.tensors
                     .iter()
                     .map(|t| format!("`{t}`"))
                     .collect::<Vec<_>>()
                     .join(", ")
-            } else {
-                let refs: Vec<&str> = g.tensors.iter().map(String::as_str).collect();
-                format!(
-                    "{} tensors: `{}`",
-                    g.tensors.len(),
-                    lint::group::pattern(&refs)
-                )
-            };
-            g.summary = format!("lint {}: {names}", g.kind.as_deref().unwrap_or(""));
+            );
             continue;
         }
         out.push(f);
