@@ -9,11 +9,13 @@ use std::path::PathBuf;
 #[command(
     name = "nvfp4-probe",
     version,
-    about = "Layer-by-layer numerical probe for quantized DeepSeek-V4 checkpoints (NVFP4, FP8 block, MXFP4, BF16)",
-    long_about = "Runs a DeepSeek-V4 checkpoint op by op in three numerics paths (FP32 oracle, BF16 oracle, the \
-serving stack's quantized numerics), reports amax / NaN / cosine per op, finds the first divergent op and the \
-scale responsible, lints checkpoints, and gates CI on numerical regressions.\n\nExit codes: 0 clean, 1 findings \
-(NaN, divergence, lint errors, regressions), 2 unusable input."
+    about = "Layer-by-layer numerical probe for quantized MoE checkpoints (NVFP4, FP8 block, MXFP4, BF16) of \
+DeepSeek-V4, Qwen3-MoE, DeepSeek-V3/R1 and gpt-oss",
+    long_about = "Runs a quantized checkpoint (DeepSeek-V4, Qwen3-MoE, DeepSeek-V3/R1 or gpt-oss; the family is \
+read from config.json) op by op in three numerics paths (FP32 oracle, BF16 oracle, the serving stack's quantized \
+numerics), reports amax / NaN / cosine per op, finds the first divergent op and the scale responsible, lints \
+checkpoints, and gates CI on numerical regressions.\n\nExit codes: 0 clean, 1 findings (NaN, divergence, lint \
+errors, regressions), 2 unusable input."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -26,7 +28,8 @@ pub enum Command {
     Run(RunArgs),
     /// List every weight of a checkpoint with its scheme, scales and health; or dequantize one tensor.
     Inspect(InspectArgs),
-    /// Write a synthetic DeepSeek-V4 checkpoint in a real on-disk format.
+    /// Write a synthetic checkpoint (DeepSeek-V4, or --family qwen3-moe, deepseek-v3, gpt-oss) in a
+    /// real on-disk format.
     Synth(SynthArgs),
     /// Find broken scales in a checkpoint before anything runs.
     Lint(LintArgs),
@@ -51,6 +54,19 @@ pub enum BackendChoice {
     Cpu,
     /// The CUDA backend; an error (exit 2) when no usable GPU or driver is found.
     Cuda,
+}
+
+/// `selftest`'s device: the CPU is what the GPU is checked against, so it is no choice here.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SelftestBackend {
+    /// The GPU when a usable one exists; an error (exit 2) naming why when none does.
+    #[default]
+    Auto,
+    /// The CUDA backend; an error (exit 2) when no usable GPU or driver is found.
+    Cuda,
+    /// Refused with the reason (selftest compares the GPU with the CPU reference).
+    #[value(hide = true)]
+    Cpu,
 }
 
 /// Where the tokens come from. Without any of these a fixed synthetic sequence is used.
@@ -134,8 +150,13 @@ pub struct RunArgs {
     /// (probes/default.toml) is built in.
     #[arg(long, value_name = "FILE")]
     pub probe: Option<PathBuf>,
-    /// Served-numerics profile: blackwell-w4a4, hopper-w4a16, emulation [default: the probe
-    /// spec's; blackwell-w4a4 in the built-in spec].
+    /// How the serving engine computes the quantized linears (the served path): blackwell-w4a4
+    /// (NVFP4 weights and activations, the activations quantized at run time with the
+    /// checkpoint's static scale, as Blackwell's W4A4 kernels do), hopper-w4a16 (NVFP4 weights,
+    /// BF16 activations: Marlin on Hopper) or emulation (vLLM's emulation backend: activations
+    /// quantized and dequantized, weights dequantized to BF16, a BF16 matmul). FP8-block and
+    /// MXFP4 weights take FP8 1×128 activations [default: the probe spec's; blackwell-w4a4 in the
+    /// built-in spec].
     #[arg(long, value_name = "PROFILE")]
     pub served: Option<String>,
     /// Where the ops run.
@@ -286,7 +307,10 @@ pub struct BisectArgs {
     pub layers: Option<LayerRange>,
     #[command(flatten)]
     pub tokens: TokenArgs,
-    /// Served-numerics profile: blackwell-w4a4, hopper-w4a16, emulation [default:
+    /// How the serving engine computes the quantized linears (the served path): blackwell-w4a4
+    /// (NVFP4 weights and activations, the activations quantized at run time with the
+    /// checkpoint's static scale), hopper-w4a16 (NVFP4 weights, BF16 activations: Marlin) or
+    /// emulation (vLLM's emulation backend: a BF16 matmul of dequantized operands) [default:
     /// blackwell-w4a4, the built-in probe spec's].
     #[arg(long, value_name = "PROFILE")]
     pub served: Option<String>,
@@ -385,9 +409,9 @@ pub struct CompareArgs {
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SelftestArgs {
-    /// Must find a GPU: `cpu` is refused (there is nothing to compare the CPU with).
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
+    /// The GPU to check against the CPU reference (a GPU is required).
+    #[arg(long, value_enum, default_value_t = SelftestBackend::Auto)]
+    pub backend: SelftestBackend,
     /// Size multiplier of the random test tensors.
     #[arg(long, default_value_t = 1)]
     pub scale: usize,
@@ -419,8 +443,9 @@ pub struct SelftestArgs {
     /// Write the results as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-    /// Write rcp.approx.ftz's deviation from the correctly rounded reciprocal (i8 ulps per
-    /// mantissa of [1, 2), 2^23 bytes) to FILE.
+    /// Write how far the GPU's fast approximate reciprocal (the instruction the kernels divide
+    /// with) is from the correctly rounded reciprocal to FILE: one signed byte per mantissa of
+    /// [1, 2), in units in the last place (2^23 bytes).
     #[arg(long, value_name = "FILE")]
     pub rcp_table: Option<PathBuf>,
 }

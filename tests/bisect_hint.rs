@@ -42,10 +42,18 @@ fn nan_block_scale_anomaly_names_the_tensor_lint_names() {
         d.path(),
     );
     assert_eq!(code, Some(1), "{out}");
-    let line = out
+    // the line with its continuations (terminal output wraps at 120 columns, indenting them)
+    let mut lines = out
         .lines()
-        .find(|l| l.starts_with("anomaly: L1.attn.q_b"))
-        .unwrap_or_else(|| panic!("no anomaly at L1.attn.q_b: {out}"));
+        .skip_while(|l| !l.starts_with("anomaly: L1.attn.q_b"));
+    let mut line = lines
+        .next()
+        .unwrap_or_else(|| panic!("no anomaly at L1.attn.q_b: {out}"))
+        .to_string();
+    for l in lines.take_while(|l| l.starts_with("  ")) {
+        line.push(' ');
+        line.push_str(l.trim_start());
+    }
     assert!(line.contains(&format!("`{tensor}`")), "{line}");
     assert!(line.contains("block scales are NaN"), "{line}");
     assert!(

@@ -52,3 +52,42 @@ fn every_config_limit_is_in_the_readme() {
         assert_eq!(r.max, n, "{field}: the README says {n}");
     }
 }
+
+/// The README's `run --dump` → `compare` example, run exactly as printed (in an empty directory):
+/// the dump carries the run's `input_ids`, so `compare` needs no token options and finds the
+/// served path clean.
+#[test]
+fn readme_dump_then_compare_runs_as_printed() {
+    let readme = read("README.md");
+    let block = readme
+        .split("```sh\n")
+        .skip(1)
+        .filter_map(|b| b.split("\n```").next())
+        .find(|b| b.contains("--dump dumps/") && b.contains("compare --trace dumps/"))
+        .expect("README has the dump → compare example");
+    let d = tempfile::tempdir().unwrap();
+    let mut outputs = Vec::new();
+    for line in block.lines() {
+        let cmd = line.split('#').next().unwrap().trim();
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        assert_eq!(words.first(), Some(&"nvfp4-probe"), "{line}");
+        let out = assert_cmd::Command::cargo_bin("nvfp4-probe")
+            .unwrap()
+            .current_dir(d.path())
+            .args(&words[1..])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        );
+        assert_eq!(out.status.code(), Some(0), "`{cmd}`:\n{stdout}\n{stderr}");
+        outputs.push(stdout);
+    }
+    assert_eq!(outputs.len(), 2, "{block}");
+    assert!(
+        outputs[1].contains("clean: all") && outputs[1].contains("L4.ffn.experts"),
+        "{}",
+        outputs[1]
+    );
+}

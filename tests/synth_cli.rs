@@ -12,10 +12,23 @@ fn list_faults_lists_every_kind() {
     let out = bin().args(["synth", "--list-faults"]).output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(text.lines().count(), FaultKind::every().count());
+    // one entry per kind; a long description wraps onto indented lines (120 columns when piped)
+    let mut entries: Vec<String> = Vec::new();
+    for l in text.lines() {
+        match (l.starts_with(' '), entries.last_mut()) {
+            (true, Some(e)) => {
+                e.push(' ');
+                e.push_str(l.trim_start());
+            }
+            _ => entries.push(l.to_string()),
+        }
+    }
+    assert!(text.lines().all(|l| l.chars().count() <= 120), "{text}");
+    assert_eq!(entries.len(), FaultKind::every().count());
     for k in FaultKind::every() {
         assert!(
-            text.lines()
+            entries
+                .iter()
                 .any(|l| l.starts_with(k.name()) && l.contains(k.describe())),
             "{} missing",
             k.name()

@@ -43,7 +43,7 @@ pub(super) fn hypotheses(
         }
     }
     let mut out = Vec::new();
-    for (unit, bases) in units(op, &fp8_act) {
+    for (unit, bases) in units(rp.ckpt(), op, &fp8_act) {
         out.push(override_hypothesis(
             "fp8-act-pow2-scale",
             unit,
@@ -56,7 +56,7 @@ pub(super) fn hypotheses(
             6,
         ));
     }
-    for (unit, bases) in units(op, &block) {
+    for (unit, bases) in units(rp.ckpt(), op, &block) {
         let tensors = rp
             .meta(&bases[0])?
             .tensors

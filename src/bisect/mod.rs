@@ -183,8 +183,9 @@ pub struct BisectResult {
 #[serde(rename_all = "kebab-case")]
 pub enum Search {
     /// `layers` when the run covers at least 8 layers and its largest layer holds at least
-    /// 256 MiB of weights, else `linear` (`search::AUTO_MIN_LAYERS`, `AUTO_LAYER_BYTES`; a
-    /// test keeps this text equal to them).
+    /// 256 MiB of weights, else `linear`.
+    // (the numbers are `search::AUTO_MIN_LAYERS` and `AUTO_LAYER_BYTES`; cli.rs's
+    // `search_help_matches_the_auto_thresholds` keeps them equal)
     #[default]
     Auto,
     /// One full run, then hypotheses at the first divergent op.
@@ -693,7 +694,7 @@ fn explain(
         rp.eval(&all)?.act_amax
     };
     let mut hyps = Vec::new();
-    for (unit, bases) in units(&rec.id, &nvfp4) {
+    for (unit, bases) in units(rp.ckpt(), &rec.id, &nvfp4) {
         hyps.extend(hypotheses(&mut rp, &unit, &bases, &clean_amax)?);
     }
     // gpt-oss's fused experts: gate/up row order, unread MXFP4 scales
@@ -840,10 +841,55 @@ fn explain(
     })
 }
 
+/// The checkpoint's own name of a weight: its stored tensor without the `.weight` /
+/// `.weight_packed` suffix (`model.layers.3.mlp.experts.0.gate_proj` for the canonical
+/// `layers.3.ffn.experts.0.w1` in HF naming); the canonical base when it has no stored tensor.
+pub(crate) fn own_name(ckpt: &crate::checkpoint::Checkpoint, base: &str) -> String {
+    let Ok(m) = ckpt.weight_meta(base) else {
+        return base.to_string();
+    };
+    let w = m.tensors.weight.split('[').next().unwrap_or("").trim();
+    for suf in [".weight_packed", ".weight"] {
+        if let Some(stem) = w.strip_suffix(suf) {
+            return stem.to_string();
+        }
+    }
+    if w.is_empty() {
+        base.to_string()
+    } else {
+        w.to_string()
+    }
+}
+
+/// The projection a weight is in the checkpoint's own names: the last component of
+/// [`own_name`] (`gate_proj` in HF naming, `w1` in DeepSeek's).
+fn own_role(ckpt: &crate::checkpoint::Checkpoint, base: &str) -> String {
+    let n = own_name(ckpt, base);
+    n.rsplit('.').next().unwrap_or(&n).to_string()
+}
+
+/// The distinct projections of these weights in the checkpoint's own names, in order.
+fn own_roles(ckpt: &crate::checkpoint::Checkpoint, bases: &[&String]) -> Vec<String> {
+    let mut roles: Vec<String> = Vec::new();
+    for b in bases {
+        let r = own_role(ckpt, b);
+        if !roles.contains(&r) {
+            roles.push(r);
+        }
+    }
+    roles
+}
+
 /// Groups of weights a hypothesis is applied to together: each weight of a plain op; for routed
 /// experts every expert at once (all projections, then each projection role), so one verdict can
 /// say "all experts of L1". The NVFP4 scale hypotheses and the FP8 ones (`fp8.rs`) share them.
-fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
+/// The labels name the weights as the checkpoint does (`gate_proj` in HF naming, `w1` in
+/// DeepSeek's).
+fn units(
+    ckpt: &crate::checkpoint::Checkpoint,
+    op: &str,
+    nvfp4: &[String],
+) -> Vec<(String, Vec<String>)> {
     let experts: Vec<&String> = nvfp4
         .iter()
         .filter(|b| b.contains(".ffn.experts."))
@@ -851,24 +897,37 @@ fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
     let mut out = Vec::new();
     if experts.len() > 1 {
         let layer = op.split('.').next().unwrap_or(op);
+        let by_role: Vec<Vec<&String>> = ["w1", "w3", "w2"]
+            .iter()
+            .map(|role| {
+                experts
+                    .iter()
+                    .copied()
+                    .filter(|b| b.ends_with(&format!(".{role}")))
+                    .collect()
+            })
+            .collect();
+        let firsts: Vec<&String> = by_role.iter().filter_map(|v| v.first().copied()).collect();
         out.push((
-            format!("all experts of {layer} (w1, w3, w2)"),
+            format!(
+                "all experts of {layer} ({})",
+                own_roles(ckpt, &firsts).join(", ")
+            ),
             experts.iter().map(|s| s.to_string()).collect(),
         ));
-        for role in ["w1", "w3", "w2"] {
-            let v: Vec<String> = experts
-                .iter()
-                .filter(|b| b.ends_with(&format!(".{role}")))
-                .map(|s| s.to_string())
-                .collect();
-            if !v.is_empty() {
-                out.push((format!("all experts of {layer} ({role})"), v));
-            }
+        for v in by_role.iter().filter(|v| !v.is_empty()) {
+            out.push((
+                format!(
+                    "all experts of {layer} ({})",
+                    own_roles(ckpt, &v[..1]).join(", ")
+                ),
+                v.iter().map(|s| s.to_string()).collect(),
+            ));
         }
     }
     for b in nvfp4 {
         if experts.len() <= 1 || !b.contains(".ffn.experts.") {
-            out.push((b.clone(), vec![b.clone()]));
+            out.push((own_name(ckpt, b), vec![b.clone()]));
         }
     }
     // an op of several weights (the shared expert's w1, w3, w2): all of them at once, then the
@@ -887,7 +946,11 @@ fn units(op: &str, nvfp4: &[String]) -> Vec<(String, Vec<String>)> {
             .cloned()
             .collect();
         if pair.len() == 2 && plain.len() > 2 {
-            out.push((format!("{op} (w1, w3)"), pair));
+            let refs: Vec<&String> = pair.iter().collect();
+            out.push((
+                format!("{op} ({})", own_roles(ckpt, &refs).join(", ")),
+                pair,
+            ));
         }
     }
     out
@@ -1193,7 +1256,7 @@ fn hypotheses(
             unit: if changed.len() == bases.len() {
                 unit.to_string()
             } else {
-                unit_label(unit, &changed)
+                unit_label(rp.ckpt(), unit, &changed)
             },
             what: what.into(),
             param: ParamRef {
@@ -1213,22 +1276,19 @@ fn hypotheses(
     Ok(out)
 }
 
-/// "all experts of L1 (w3)" when the changed weights are one projection of every expert in the unit.
-fn unit_label(unit: &str, changed: &[String]) -> String {
-    let roles: BTreeSet<&str> = changed
-        .iter()
-        .filter_map(|b| b.rsplit('.').next())
-        .collect();
+/// "all experts of L1 (w3)" when the changed weights are one projection of every expert in the
+/// unit (in the checkpoint's own names, as [`units`]).
+fn unit_label(ckpt: &crate::checkpoint::Checkpoint, unit: &str, changed: &[String]) -> String {
+    let refs: Vec<&String> = changed.iter().collect();
+    let mut roles = own_roles(ckpt, &refs);
+    roles.sort();
     if let Some((head, _)) = unit.split_once(" (") {
         if head.starts_with("all experts") && changed.iter().all(|b| is_moe(b)) {
-            return format!(
-                "{head} ({}; {} weights)",
-                roles.into_iter().collect::<Vec<_>>().join(", "),
-                changed.len()
-            );
+            return format!("{head} ({}; {} weights)", roles.join(", "), changed.len());
         }
     }
-    format!("{unit}: {}", short_list(changed))
+    let own: Vec<String> = changed.iter().map(|b| own_name(ckpt, b)).collect();
+    format!("{unit}: {}", short_list(&own))
 }
 
 fn short_list(v: &[String]) -> String {

@@ -50,9 +50,21 @@ const HEAD: [&str; 7] = [
     "restores",
 ];
 
+/// The terminal table's header: [`HEAD`] in two lines where that makes a column narrower.
+const HEAD_TERM: [&str; 7] = [
+    "hypothesis",
+    "weights",
+    "engine\nparameter",
+    "value",
+    "cos\nafter",
+    "rel-L2\nafter",
+    "restores",
+];
+
 /// Human-readable lines for the terminal: the findings ordered by consequence, then the first
-/// divergent op's detail (its hypotheses), the search and the cost.
-pub fn terminal(r: &BisectResult) -> String {
+/// divergent op's detail (its hypotheses), the search and the cost; the table is laid out within
+/// `width` columns (the command wraps the prose at the same width).
+pub fn terminal(r: &BisectResult, width: usize) -> String {
     let mut out = findings::terminal(&r.findings);
     match &r.divergence {
         Some(d) => {
@@ -101,9 +113,8 @@ pub fn terminal(r: &BisectResult) -> String {
                     .unwrap_or_default()
             ));
             if !d.ranked.is_empty() {
-                let mut t = comfy_table::Table::new();
-                t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
-                t.set_header(HEAD.to_vec());
+                let mut t = crate::output::term::table(width);
+                t.set_header(HEAD_TERM.to_vec());
                 for row in ranked_rows(&d.ranked) {
                     t.add_row(row.to_vec());
                 }

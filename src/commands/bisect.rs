@@ -49,7 +49,11 @@ pub fn main(args: &BisectArgs) -> Result<i32> {
     r.set_strict(args.strict);
     p.meta.seconds = r.seconds_run + r.seconds_bisect;
     p.meta.bytes_read = p.ckpt.bytes_read();
-    print!("{}", render::terminal(&r));
+    let width = crate::output::term::width();
+    print!(
+        "{}",
+        crate::output::term::fit(&render::terminal(&r, width), width)
+    );
     if let Some(j) = &args.json {
         outs.file(j, render::json(&p.meta, &r).as_bytes())?;
     }

@@ -1,6 +1,6 @@
 //! `compare`: an engine's dumped activations against the oracle on the same tokens.
 
-use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
+use comfy_table::{Cell, Color};
 use serde::Serialize;
 
 use crate::cli::{BackendChoice, CompareArgs, TokenArgs};
@@ -78,60 +78,119 @@ fn held(o: &OpCompare) -> String {
     }
 }
 
-pub fn terminal_table(r: &CompareReport) -> String {
-    let mut t = Table::new();
-    t.load_style(presets::UTF8_FULL_CONDENSED)
-        .set_content_arrangement(ContentArrangement::Disabled)
-        .set_header(vec![
-            "op",
-            "trace",
-            "dtype",
-            "amax",
-            "NaN",
-            "cos fp32",
-            "relL2 fp32",
-            "cos bf16",
-            "relL2 bf16",
-            "held at",
-            "tol",
-            "verdict",
-        ]);
-    for o in &r.ops {
-        let v = if o.diverges() {
-            Cell::new(&o.verdict).fg(Color::Red)
-        } else {
-            Cell::new(&o.verdict).fg(Color::Green)
-        };
-        let (c1, r1, c2, r2) = match &o.agreement {
-            Some(a) => (
-                format!("agree {:.3}", a.vs_fp32),
-                "".into(),
-                format!("agree {:.3}", a.vs_bf16),
-                "".into(),
-            ),
-            None => (
-                cos(o.vs_fp32.cos),
-                fmt(o.vs_fp32.rel_l2),
-                cos(o.vs_bf16.cos),
-                fmt(o.vs_bf16.rel_l2),
-            ),
-        };
-        t.add_row(vec![
-            Cell::new(&o.op),
-            Cell::new(&o.trace_name),
-            Cell::new(&o.dtype),
-            Cell::new(format!("{:.3e}", o.stats.amax)),
-            Cell::new(o.stats.nan + o.stats.inf),
-            Cell::new(c1),
-            Cell::new(r1),
-            Cell::new(c2),
-            Cell::new(r2),
-            Cell::new(held(o)),
-            Cell::new(format!("{:.1e}", o.tolerance)),
-            v,
-        ]);
+/// The oracle an op's verdict is judged against: the one with the smaller rel-L2 (the verdict
+/// holds the better of the two to the tolerance; `trace::compare`).
+fn judged(o: &OpCompare) -> (&'static str, &crate::metrics::Compare) {
+    match (o.vs_fp32.rel_l2, o.vs_bf16.rel_l2) {
+        (Some(a), Some(b)) if a < b => ("fp32", &o.vs_fp32),
+        (Some(_), None) => ("fp32", &o.vs_fp32),
+        _ => ("bf16", &o.vs_bf16),
+    }
+}
+
+/// `bf16`, `bf16*` when the values carry a finer precision than the op is held to (the legend
+/// says so; the markdown report spells it out).
+fn held_short(o: &OpCompare) -> String {
+    match (o.held_at, o.carried) {
+        (Some(h), Some(c)) if h != c => format!("{}*", h.name()),
+        (Some(h), _) => h.name().into(),
+        _ => "—".into(),
+    }
+}
+
+/// The terminal table within `width` columns: per op the engine's tensor (long names broken at
+/// their dots), amax, NaN/Inf (a column only when some op has them), cosine and rel-L2 against
+/// the oracle the verdict judges by (the closer one; both are in --json and --markdown), the
+/// tolerance, the precision the op is held to and the verdict. [`legend`] explains it.
+pub fn terminal_table(r: &CompareReport, width: usize) -> String {
+    use crate::output::term::{cell_width, spare, wrap_name};
+    let nan = r.ops.iter().any(|o| o.stats.nan + o.stats.inf > 0);
+    let rows: Vec<Vec<(String, Option<Color>)>> = r
+        .ops
+        .iter()
+        .map(|o| {
+            let (which, c) = judged(o);
+            let (cs, rl, vs) = match &o.agreement {
+                Some(a) => (
+                    format!("agree {:.3}", a.vs_fp32.max(a.vs_bf16)),
+                    String::new(),
+                    String::new(),
+                ),
+                None => (cos(c.cos), fmt(c.rel_l2), which.to_string()),
+            };
+            let mut row = vec![
+                (o.op.clone(), None),
+                (o.trace_name.clone(), None),
+                (format!("{:.2e}", o.stats.amax), None),
+            ];
+            if nan {
+                let n = o.stats.nan + o.stats.inf;
+                row.push((n.to_string(), (n > 0).then_some(Color::Red)));
+            }
+            row.extend([
+                (cs, None),
+                (rl, None),
+                (vs, None),
+                (format!("{:.1e}", o.tolerance), None),
+                (held_short(o), None),
+                (
+                    o.verdict.clone(),
+                    Some(if o.diverges() {
+                        Color::Red
+                    } else {
+                        Color::Green
+                    }),
+                ),
+            ]);
+            row
+        })
+        .collect();
+    let mut header = vec!["op", "engine tensor", "amax"];
+    if nan {
+        header.push("NaN");
+    }
+    header.extend(["cos", "rel-L2", "vs", "tol", "held\nat", "verdict"]);
+    // the engine's names take what the other columns leave (at least 16 characters)
+    let others: Vec<usize> = (0..header.len())
+        .filter(|&i| i != 1)
+        .map(|i| {
+            rows.iter()
+                .map(|r| cell_width(&r[i].0))
+                .chain([cell_width(header[i])])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let name_max = spare(width, &others).max(16);
+    let mut t = crate::output::term::table(width);
+    t.set_header(header);
+    for row in rows {
+        t.add_row(
+            row.into_iter()
+                .enumerate()
+                .map(|(i, (text, color))| {
+                    let text = if i == 1 {
+                        wrap_name(&text, name_max)
+                    } else {
+                        text
+                    };
+                    match color {
+                        Some(c) => Cell::new(text).fg(c),
+                        None => Cell::new(text),
+                    }
+                })
+                .collect::<Vec<_>>(),
+        );
     }
     t.to_string()
+}
+
+/// The line under the terminal table: what its columns say.
+pub fn legend() -> &'static str {
+    "cos, rel-L2: the engine's values against the oracle the verdict judges them by (vs: the closer of the FP32 and \
+BF16 oracles; both in --json and --markdown); agree: the fraction of selected indices equal to the oracle's; tol: \
+the op's tolerance for that rel-L2; held at: the precision the op is held to (* its values carry a finer one, \
+e.g. a BF16 run stored as F32)"
 }
 
 pub fn summary_lines(r: &CompareReport) -> Vec<String> {
@@ -274,7 +333,7 @@ pub fn compare(args: &CompareArgs) -> Result<CompareReport> {
                 return Err(Error::bad(
                     &args.trace,
                     Some("input_ids"),
-                    "the trace has no input_ids; give the tokens it ran (--tokens, --token-ids, --prompt)",
+                    "the trace has no input_ids; give the tokens it ran: --tokens FILE, --token-ids IDS, --prompt TEXT, or --seq-len N for the synthetic ids of a `run` without token options (--seq-len 64 by default)",
                 ));
             }
             p.meta.tokens.source.clone()
@@ -406,10 +465,16 @@ pub fn main(args: &CompareArgs) -> Result<i32> {
         outs.check(out)?;
     }
     let r = compare(args)?;
-    println!("{}", terminal_table(&r));
+    let width = crate::output::term::width();
+    let mut text = terminal_table(&r, width);
+    text.push('\n');
+    text.push_str(legend());
+    text.push('\n');
     for l in summary_lines(&r) {
-        println!("{l}");
+        text.push_str(&l);
+        text.push('\n');
     }
+    print!("{}", crate::output::term::fit(&text, width));
     if let Some(j) = &args.json {
         let s = serde_json::to_string_pretty(&r)
             .map_err(|e| Error::usage(format!("compare JSON: {e}")))?;

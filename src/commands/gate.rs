@@ -26,7 +26,8 @@ pub fn main(a: &GateArgs) -> Result<i32> {
         None => Tolerances::default(),
     };
     let rep = gate::compare_named(&base, &a.baseline, &cur, &a.current, &tol, a.force)?;
-    print!("{}", rep.terminal());
+    let width = crate::output::term::width();
+    print!("{}", crate::output::term::fit(&rep.terminal(), width));
     if let Some(p) = &a.summary {
         outs.file(p, rep.summary_markdown().as_bytes())?;
     }

@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 
-use comfy_table::{ContentArrangement, Table};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -158,7 +157,7 @@ fn range_cell(v: impl Iterator<Item = f32>) -> String {
 /// One line per layer: how many weights in which formats, the range of weight amaxes the
 /// tensor scales imply, input scales (and how many quantized weights lack one), and the worst
 /// block-scale health of the layer.
-pub fn render_summary(rows: &[InspectRow]) -> String {
+pub fn render_summary(rows: &[InspectRow], width: usize) -> String {
     let mut groups: Vec<(String, Vec<&InspectRow>)> = Vec::new();
     for r in rows {
         let l = layer_of(&r.canonical);
@@ -167,16 +166,14 @@ pub fn render_summary(rows: &[InspectRow]) -> String {
             None => groups.push((l, vec![r])),
         }
     }
-    let mut t = Table::new();
-    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
-    t.set_content_arrangement(ContentArrangement::Disabled);
+    let mut t = crate::output::term::table(width);
     t.set_header([
         "layer",
         "weights",
         "formats",
-        "weight amax (scales)",
-        "input amax (scales)",
-        "block scales (worst of the layer)",
+        "weight amax\n(from scales)",
+        "input amax\n(from scales)",
+        "block scales\n(worst of the layer)",
     ]);
     for (l, rs) in &groups {
         let mut formats: Vec<(&str, usize)> = Vec::new();
@@ -223,6 +220,11 @@ pub fn render_summary(rows: &[InspectRow]) -> String {
             },
         ]);
     }
+    // every column stays whole but the formats, which wrap after their commas
+    let max = t.column_max_content_widths();
+    for (i, w) in max.iter().enumerate().filter(|(i, _)| *i != 2) {
+        crate::output::term::keep(&mut t, i, *w as usize);
+    }
     t.to_string()
 }
 
@@ -259,52 +261,105 @@ fn scale_cell(s: &Option<ScaleSummary>) -> String {
     }
 }
 
+/// A number in five significant digits for a table cell (the JSON keeps every digit).
+fn short(x: f32) -> String {
+    let a = x.abs();
+    if x.is_nan() || x.is_infinite() || x == 0.0 {
+        format!("{x}")
+    } else if (1e-3..1e6).contains(&a) {
+        let decimals = (4 - a.log10().floor() as i32).max(0) as usize;
+        let t = format!("{x:.decimals$}");
+        if t.contains('.') {
+            t.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            t
+        }
+    } else {
+        format!("{x:.4e}")
+    }
+}
+
+/// A global scale as stored, then the amax it implies: `2060.3 → 1.3047`.
 fn global_cell(stored: Option<f32>, implied: Option<f32>) -> String {
     match (stored, implied) {
-        (Some(s), Some(a)) => format!("{} (amax {})", num(s), num(a)),
-        (Some(s), None) => num(s),
+        (Some(s), Some(a)) => format!("{} → {}", short(s), short(a)),
+        (Some(s), None) => short(s),
         _ => "-".into(),
     }
 }
 
-/// One row per weight (no separators between rows). The raw name is shown only when it is not
-/// the canonical name plus a suffix (HF naming).
-pub fn render_table(rows: &[InspectRow]) -> String {
-    let mut t = Table::new();
-    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
-    t.set_content_arrangement(ContentArrangement::Disabled);
+/// One row per weight (no separators between rows), within `width` columns: the canonical name
+/// with the raw name under it when that is not the canonical name plus a suffix (HF naming),
+/// long names broken at their dots; the tensor and activation global scales (stored, then the
+/// amax they imply) in one cell.
+pub fn render_table(rows: &[InspectRow], width: usize) -> String {
+    use crate::output::term::{cell_width, spare, wrap_name};
     let raw_differs = rows.iter().any(|r| !r.raw.starts_with(&r.canonical));
-    let mut header = vec!["weight"];
-    if raw_differs {
-        header.push("raw name");
-    }
-    header.extend([
-        "scheme",
-        "conv",
-        "shape",
-        "weight scale (→ amax)",
-        "input scale (→ amax)",
-        "block scales",
-        "amax from scales",
-    ]);
-    t.set_header(header);
-    for r in rows {
-        let mut cells = vec![r.canonical.clone()];
+    let header = vec![
         if raw_differs {
-            cells.push(r.raw.clone());
+            "weight\n(raw name)"
+        } else {
+            "weight"
+        },
+        "scheme\nconv",
+        "shape",
+        "global scales\n(→ amax)",
+        "block scales",
+        "amax from\nscales",
+    ];
+    let cells: Vec<[String; 5]> = rows
+        .iter()
+        .map(|r| {
+            let scales = match (r.weight_global_scale, r.input_global_scale) {
+                (None, None) => "-".to_string(),
+                (w, i) => format!(
+                    "w {}\nin {}",
+                    global_cell(w, r.weight_amax_implied),
+                    global_cell(i, r.input_amax_implied)
+                ),
+            };
+            [
+                format!("{}\n{}", r.scheme, r.convention.unwrap_or("-")),
+                format!("{}×{}", r.shape[0], r.shape[1]),
+                scales,
+                // two lines: the table fits 120 columns with every weight's name whole
+                scale_cell(&r.block_scale).replacen(" · NaN", "\n· NaN", 1),
+                r.weight_amax_from_scales
+                    .map(num)
+                    .unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let others: Vec<usize> = (0..5)
+        .map(|i| {
+            cells
+                .iter()
+                .map(|c| cell_width(&c[i]))
+                .chain([cell_width(header[i + 1])])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let name_max = spare(width, &others).max(30);
+    let mut t = crate::output::term::table(width);
+    t.set_header(header);
+    let mut name_w = 0;
+    for (r, c) in rows.iter().zip(cells) {
+        let mut name = wrap_name(&r.canonical, name_max);
+        if raw_differs && r.raw != r.canonical {
+            name.push('\n');
+            name.push_str(&wrap_name(&r.raw, name_max));
         }
-        cells.extend([
-            r.scheme.to_string(),
-            r.convention.unwrap_or("-").to_string(),
-            format!("{}×{}", r.shape[0], r.shape[1]),
-            global_cell(r.weight_global_scale, r.weight_amax_implied),
-            global_cell(r.input_global_scale, r.input_amax_implied),
-            scale_cell(&r.block_scale),
-            r.weight_amax_from_scales
-                .map(num)
-                .unwrap_or_else(|| "-".into()),
-        ]);
-        t.add_row(cells);
+        name_w = name_w.max(cell_width(&name));
+        let mut row = vec![name];
+        row.extend(c);
+        t.add_row(row);
+    }
+    // names, schemes, shapes, block scales and amaxes stay whole; the global scales wrap
+    use crate::output::term::keep;
+    keep(&mut t, 0, name_w);
+    for (i, w) in others.iter().enumerate().filter(|(i, _)| *i != 2) {
+        keep(&mut t, i + 1, *w);
     }
     t.to_string()
 }
@@ -403,7 +458,8 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
         outs.file(j, text.as_bytes())?;
     }
     outs.publish_and_report()?;
-    println!(
+    let width = crate::output::term::width();
+    let head = format!(
         "{}: {} weights{}, {} naming",
         ck.location().display(),
         rows.len(),
@@ -413,13 +469,18 @@ pub fn main(args: &InspectArgs) -> Result<i32> {
             .unwrap_or_default(),
         ck.naming().as_str()
     );
+    println!("{}", crate::output::term::fit(&head, width));
     if args.all || args.filter.is_some() {
-        println!("{}", render_table(&rows));
+        println!("{}", render_table(&rows, width));
     } else {
-        println!("{}", render_summary(&rows));
+        println!("{}", render_summary(&rows, width));
         println!(
-            "one line per layer; `--filter 'layers.3.*'` lists those weights, `--all` every weight, \
-             `lint` checks their scales"
+            "{}",
+            crate::output::term::fit(
+                "one line per layer; `--filter 'layers.3.*'` lists those weights, `--all` every weight, \
+                 `lint` checks their scales",
+                width
+            )
         );
     }
     if refused {

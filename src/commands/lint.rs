@@ -34,7 +34,7 @@ pub fn main(a: &LintArgs) -> Result<i32> {
     if let Some(p) = &a.markdown {
         outs.file(p, to_markdown(&rep).as_bytes())?;
     }
-    print!("{}", to_text(&rep, a.verbose));
+    print!("{}", to_text(&rep, a.verbose, crate::output::term::width()));
     outs.publish_and_report()?;
     Ok(rep.exit_code())
 }

@@ -454,23 +454,29 @@ pub fn main(args: &RunArgs) -> Result<i32> {
     res.summary.findings = Some(found);
     p.meta.seconds = res.seconds;
     p.meta.bytes_read = res.bytes_read;
+    // every line within the terminal's width (120 columns when stdout is not a terminal)
+    let width = crate::output::term::width();
+    let mut text = String::new();
     if !args.quiet {
-        println!("{}", report::terminal_table(&res));
-        println!("{}", report::legend(&p.opts.spec.thresholds));
+        text.push_str(&report::terminal_table(&res, width));
+        text.push('\n');
+        text.push_str(&report::legend(&p.opts.spec.thresholds));
+        text.push('\n');
     }
     for l in report::summary_lines(&res) {
-        println!("{l}");
+        text.push_str(&l);
+        text.push('\n');
     }
-    print!(
-        "{}",
-        probe::findings::terminal(res.summary.findings.as_deref().unwrap_or(&[]))
-    );
-    println!(
-        "{} ops, {:.2} s, {:.1} MB read from the checkpoint",
+    text.push_str(&probe::findings::terminal(
+        res.summary.findings.as_deref().unwrap_or(&[]),
+    ));
+    text.push_str(&format!(
+        "{} ops, {:.2} s, {:.1} MB read from the checkpoint\n",
         res.records.len(),
         res.seconds,
         res.bytes_read as f64 / 1e6
-    );
+    ));
+    print!("{}", crate::output::term::fit(&text, width));
     // outputs are written only after the run succeeded, all or none
     let json =
         (args.json.is_some() || args.plot.is_some()).then(|| report::run_json(&p.meta, &res));
@@ -478,15 +484,10 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         outs.file(j, text.as_bytes())?;
     }
     if let Some(md) = &args.markdown {
-        let mut m = report::markdown(&p.meta, &res);
-        m.push('\n');
-        m.push_str(&probe::findings::markdown(
-            res.summary.findings.as_deref().unwrap_or(&[]),
-        ));
-        outs.file(md, m.as_bytes())?;
+        outs.file(md, report::markdown(&p.meta, &res).as_bytes())?;
     }
     if let Some(d) = &args.dump {
-        report::dump(&mut outs, d, &res)?;
+        report::dump(&mut outs, d, &res, &p.opts.tokens)?;
     }
     if let (Some(pl), Some(text)) = (&args.plot, &json) {
         let run = crate::run_json::parse_run(text, "run JSON")?;

@@ -5,7 +5,7 @@ use std::time::Instant;
 use comfy_table::Table;
 
 use crate::backend::Backend;
-use crate::cli::{BackendChoice, SelftestArgs, TokenArgs};
+use crate::cli::{BackendChoice, SelftestArgs, SelftestBackend, TokenArgs};
 use crate::commands::run::prepare;
 use crate::output::Outputs;
 use crate::selftest::{compare_runs, differing_ops, kernels, Check};
@@ -16,7 +16,7 @@ pub fn main(args: &SelftestArgs) -> Result<i32> {
     for out in [&args.json, &args.rcp_table].into_iter().flatten() {
         outs.check(out)?;
     }
-    if args.backend == BackendChoice::Cpu {
+    if args.backend == SelftestBackend::Cpu {
         return Err(Error::usage(
             "selftest compares the CUDA backend with the CPU reference: run it with --backend cuda (or auto) on a machine with a GPU",
         ));

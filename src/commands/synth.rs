@@ -9,7 +9,16 @@ use crate::{Error, Result};
 
 pub fn main(a: &SynthArgs) -> Result<i32> {
     if a.list_faults {
-        print!("{}", synth::fault_catalogue());
+        // one fault a line: the name, then its description wrapped under the description column
+        let width = crate::output::term::width();
+        for line in synth::fault_catalogue().lines() {
+            let indent = line.find("  ").map_or(4, |i| {
+                i + line[i..].chars().take_while(|c| *c == ' ').count()
+            });
+            for l in crate::output::term::wrap_with(line, width, indent.clamp(4, 40)) {
+                println!("{l}");
+            }
+        }
         return Ok(0);
     }
     let out = a

@@ -221,9 +221,10 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             }
         }
     }
-    if prefixes {
-        // a module entry may name a module that is not a linear (the embedding): used when it
-        // covers any stored tensor
+    {
+        // an entry may name a module that is not a linear (the embedding, a norm; releases list
+        // `model.embed_tokens` and `lm_head`): used when it covers any stored tensor, in every
+        // producer's config
         let raw = cx.ck.tensor_names();
         for (k, e) in compiled.iter().enumerate() {
             if raw.iter().any(|n| {
@@ -243,7 +244,7 @@ pub(crate) fn check_config(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
             continue; // a regex lint cannot evaluate: say nothing rather than something wrong
         } else {
             (
-                format!("quantization_config.{label} entry `{e}` matches no linear weight of the checkpoint (naming {})", cx.ck.naming().as_str()),
+                format!("quantization_config.{label} entry `{e}` matches no module of the checkpoint (naming {})", cx.ck.naming().as_str()),
                 "Write ignore entries in the checkpoint's own module naming; a stale entry usually means another entry is missing.",
             )
         };

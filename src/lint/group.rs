@@ -49,7 +49,14 @@ pub fn group(findings: &[Finding]) -> Vec<Group<'_>> {
     }
     for g in &mut out {
         g.count = g.members.len();
-        let names: Vec<&str> = g.members.iter().map(|f| f.tensor.as_str()).collect();
+        // each tensor once (two findings on one tensor name it once)
+        let mut seen = std::collections::HashSet::new();
+        let names: Vec<&str> = g
+            .members
+            .iter()
+            .map(|f| f.tensor.as_str())
+            .filter(|t| seen.insert(*t))
+            .collect();
         g.tensors = pattern(&names);
     }
     out

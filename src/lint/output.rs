@@ -87,11 +87,7 @@ pub fn to_markdown(r: &Report) -> String {
             s.push_str(&format!(
                 "| `{}` | {}`{}` | {} | {}{} | {} |\n",
                 g.rule,
-                if g.count > 1 {
-                    format!("{} weights: ", g.count)
-                } else {
-                    String::new()
-                },
+                group_count(g).map(|c| format!("{c}: ")).unwrap_or_default(),
                 cell(&g.tensors),
                 g.op.map(|o| format!("`{o}`")).unwrap_or_default(),
                 cell(g.evidence),
@@ -126,40 +122,72 @@ pub fn to_markdown(r: &Report) -> String {
     s
 }
 
+/// How many a group covers: `24 weights`; the same tensor found more than once is counted once
+/// (`2 weights` always names two), `2 findings` on one tensor. None for a single finding.
+fn group_count(g: &Group) -> Option<String> {
+    let mut names: Vec<&str> = g.members.iter().map(|f| f.tensor.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    match (names.len(), g.count) {
+        (_, 1) => None,
+        (1, n) => Some(format!("{n} findings")),
+        (d, n) if d < n => Some(format!("{d} weights ({n} findings)")),
+        (d, _) => Some(format!("{d} weights")),
+    }
+}
+
+/// The head of a group: its count ([`group_count`]) and its tensors as one pattern.
+fn group_head(g: &Group) -> String {
+    match group_count(g) {
+        Some(c) => format!("{c}: {}", g.tensors),
+        None => g.tensors.clone(),
+    }
+}
+
 /// Terminal output: one block per root cause (findings of the same rule, op and fix over several
 /// tensors are one block, `verbose` lists each tensor with its own evidence), then the verdict.
-pub fn to_text(r: &Report, verbose: bool) -> String {
+/// Lines longer than `width` are wrapped, their continuations indented under the evidence.
+pub fn to_text(r: &Report, verbose: bool, width: usize) -> String {
+    use crate::output::term::wrap_with;
     let mut s = String::new();
+    let put = |s: &mut String, line: String| {
+        for l in wrap_with(&line, width, 8) {
+            s.push_str(&l);
+            s.push('\n');
+        }
+    };
     for g in group(&r.findings) {
-        let head = if g.count > 1 {
-            format!("{} weights: {}", g.count, g.tensors)
-        } else {
-            g.tensors.clone()
-        };
-        s.push_str(&format!(
-            "{:<7} {:<24} {}{}\n",
-            g.severity.as_str(),
-            g.rule,
-            head,
-            g.op.map(|o| format!("  [{o}]")).unwrap_or_default(),
-        ));
+        let head = group_head(&g);
+        put(
+            &mut s,
+            format!(
+                "{:<7} {:<24} {}{}",
+                g.severity.as_str(),
+                g.rule,
+                head,
+                g.op.map(|o| format!("  [{o}]")).unwrap_or_default(),
+            ),
+        );
         if verbose && g.count > 1 {
             for f in &g.members {
-                s.push_str(&format!("        {}: {}\n", f.tensor, f.evidence));
+                put(&mut s, format!("        {}: {}", f.tensor, f.evidence));
             }
         } else if g.count > 1 {
-            s.push_str(&format!(
-                "        {} (first of {}; --verbose lists each)\n",
-                g.evidence, g.count
-            ));
+            put(
+                &mut s,
+                format!(
+                    "        {} (first of {}; --verbose lists each)",
+                    g.evidence, g.count
+                ),
+            );
         } else {
-            s.push_str(&format!("        {}\n", g.evidence));
+            put(&mut s, format!("        {}", g.evidence));
         }
-        s.push_str(&format!("        fix: {}\n", g.fix));
+        put(&mut s, format!("        fix: {}", g.fix));
     }
     let groups = group(&r.findings).len();
-    s.push_str(&format!(
-        "lint: {} error(s), {} warning(s), {} note(s){} over {} weights of {} ({:.2} s, {:.1} MB read)\n",
+    let verdict = format!(
+        "lint: {} error(s), {} warning(s), {} note(s){} over {} weights of {} ({:.2} s, {:.1} MB read)",
         r.count(Severity::Error),
         r.count(Severity::Warning),
         r.count(Severity::Info),
@@ -172,6 +200,46 @@ pub fn to_text(r: &Report, verbose: bool) -> String {
         r.model.display(),
         r.seconds,
         r.bytes_read as f64 / 1e6
-    ));
+    );
+    for l in crate::output::term::wrap_with(&verdict, width, 6) {
+        s.push_str(&l);
+        s.push('\n');
+    }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(tensor: &str) -> Finding {
+        Finding {
+            rule: "config.ignore".into(),
+            severity: Severity::Warning,
+            tensor: tensor.into(),
+            file: "config.json".into(),
+            op: None,
+            evidence: format!("evidence of {tensor}"),
+            fix: "fix".into(),
+            absorbed_by: None,
+        }
+    }
+
+    /// `N weights:` counts the names it shows: one tensor found twice is named once, as two
+    /// findings, not as "2 weights".
+    #[test]
+    fn a_group_counts_distinct_weights() {
+        let twice = [f("model.norm"), f("model.norm")];
+        let g = &group(&twice)[0];
+        assert_eq!(group_head(g), "2 findings: model.norm");
+        let two = [f("model.norm"), f("lm_head"), f("lm_head")];
+        let g = &group(&two)[0];
+        assert!(
+            group_head(g).starts_with("2 weights (3 findings): "),
+            "{}",
+            group_head(g)
+        );
+        let one = [f("lm_head")];
+        assert_eq!(group_head(&group(&one)[0]), "lm_head");
+    }
 }

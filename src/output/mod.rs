@@ -19,6 +19,7 @@
 pub mod cleanup;
 pub mod fatal;
 pub mod resolve;
+pub mod term;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,5 +1,7 @@
 //! Plots of a run JSON, for issues and PR comments: amax per op, 1 − cos per op against the BF16
-//! oracle, and a layer × op-kind heatmap of the isolated rel-L2.
+//! oracle with each op's tolerance and its divergent ops marked, and a layer × op-kind heatmap of
+//! the isolated rel-L2 with its divergent cells outlined. Legends sit in a strip of their own, so
+//! they never cover data.
 //!
 //! Text is drawn with the DejaVu Sans font embedded in the binary (assets/fonts), registered with
 //! plotters under the `sans-serif` family, so the plots look the same on a bare CI runner with no
@@ -54,6 +56,10 @@ struct OpRow {
     floor_cos: Option<f64>,
     iso_non_finite: bool,
     iso_rel_l2: Option<f64>,
+    /// The op's tolerance for its isolated rel-L2.
+    tolerance: Option<f64>,
+    /// The op's isolated error is beyond its tolerance (`divergent` in the run JSON).
+    divergent: bool,
 }
 
 const PATHS: [&str; 3] = ["oracle_fp32", "oracle_bf16", "served"];
@@ -98,6 +104,8 @@ fn rows(run: &Value) -> Vec<OpRow> {
                 floor_cos: num(o, &["bf16_vs_fp32", "cos"]),
                 iso_non_finite: nf("served_isolated"),
                 iso_rel_l2: num(o, &["served_isolated_vs_bf16", "rel_l2"]),
+                tolerance: num(o, &["tolerance"]).filter(|t| *t > 0.0),
+                divergent: o.get("divergent").and_then(Value::as_bool) == Some(true),
                 id,
             })
         })
@@ -402,6 +410,95 @@ fn fmt_log_tick(v: &f64) -> String {
     }
 }
 
+/// How a legend entry is drawn.
+#[derive(Clone, Copy)]
+enum Mark {
+    /// A line, `dashed` or solid, with or without dots.
+    Line(RGBColor, bool, bool),
+    /// Dots only.
+    Dots(RGBColor),
+    /// A cross (non-finite values).
+    Cross(RGBColor),
+    /// A translucent band with a triangle (divergent ops).
+    Diverges,
+}
+
+/// Height of the legend strip under a chart.
+const LEGEND_STRIP: u32 = 64;
+
+/// The legend in a strip of its own (below the op labels), entries left to right, wrapping to a
+/// second row: it can never cover data.
+fn draw_legend_strip<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    items: &[(String, Mark)],
+) -> PResult {
+    let (w, _) = area.dim_in_pixel();
+    let (mut x, mut y) = (24i32, 12i32);
+    for (label, mark) in items {
+        let text_w = 8 * label.chars().count() as i32;
+        if x > 24 && x + 40 + text_w > w as i32 - 16 {
+            x = 24;
+            y += 26;
+        }
+        let mid = y + 8;
+        match *mark {
+            Mark::Line(c, dashed, dots) => {
+                if dashed {
+                    for k in 0..3 {
+                        area.draw(&PathElement::new(
+                            vec![(x + 10 * k, mid), (x + 10 * k + 6, mid)],
+                            c.stroke_width(3),
+                        ))
+                        .ctx()?;
+                    }
+                } else {
+                    area.draw(&PathElement::new(
+                        vec![(x, mid), (x + 26, mid)],
+                        c.stroke_width(3),
+                    ))
+                    .ctx()?;
+                }
+                if dots {
+                    area.draw(&Circle::new((x + 13, mid), 3, c.filled()))
+                        .ctx()?;
+                }
+            }
+            Mark::Dots(c) => {
+                for k in 0..3 {
+                    area.draw(&Circle::new((x + 3 + 10 * k, mid), 3, c.filled()))
+                        .ctx()?;
+                }
+            }
+            Mark::Cross(c) => {
+                area.draw(&Cross::new((x + 13, mid), 6, c.stroke_width(3)))
+                    .ctx()?;
+            }
+            Mark::Diverges => {
+                area.draw(&Rectangle::new(
+                    [(x + 8, mid - 10), (x + 18, mid + 10)],
+                    DIVERGES.mix(0.25).filled(),
+                ))
+                .ctx()?;
+                area.draw(&TriangleMarker::new((x + 13, mid), 7, DIVERGES.filled()))
+                    .ctx()?;
+            }
+        }
+        area.draw(&Text::new(
+            label.clone(),
+            (x + 34, mid),
+            font(15)
+                .color(&BLACK)
+                .pos(Pos::new(HPos::Left, VPos::Center)),
+        ))
+        .ctx()?;
+        x += 34 + text_w + 28;
+    }
+    Ok(())
+}
+
+/// The colour of divergent ops in every plot.
+const DIVERGES: RGBColor = RGBColor(200, 0, 0);
+
 struct AmaxPlot<'a> {
     ops: &'a [OpRow],
     suffix: &'a str,
@@ -409,9 +506,13 @@ struct AmaxPlot<'a> {
 
 impl Plot for AmaxPlot<'_> {
     fn size(&self) -> (u32, u32) {
-        (width_for(self.ops.len()), 820)
+        (width_for(self.ops.len()), 820 + LEGEND_STRIP)
     }
-    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult {
+    fn draw<DB: DrawingBackend>(&self, whole: &DrawingArea<DB, Shift>) -> PResult {
+        let (_, h) = whole.dim_in_pixel();
+        let (root, strip) = whole.split_vertically(h - LEGEND_STRIP);
+        let root = &root;
+        let mut legend: Vec<(String, Mark)> = Vec::new();
         let n = self.ops.len();
         let (lo, hi) = log_range(
             self.ops
@@ -454,41 +555,36 @@ impl Plot for AmaxPlot<'_> {
                     ))
                     .ctx()?;
                 if si == 0 {
-                    s.label(*path).legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(3))
-                    });
+                    legend.push((path.to_string(), Mark::Line(colour, false, true)));
                 }
+                let _ = s;
                 chart
                     .draw_series(seg.iter().map(|p| Circle::new(*p, 3, colour.filled())))
                     .ctx()?;
             }
         }
-        draw_non_finite_marks(
-            &mut chart,
-            self.ops.iter().map(|o| o.served_non_finite),
-            hi,
-            "served has NaN/Inf",
-        )?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font(font(15))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .ctx()?;
+        if draw_non_finite_marks(&mut chart, self.ops.iter().map(|o| o.served_non_finite), hi)? {
+            legend.push(("served has NaN/Inf".into(), Mark::Cross(DIVERGES)));
+        }
+        if draw_divergent(&mut chart, self.ops, |o| o.amax[2], lo, hi)? {
+            legend.push((
+                "diverges (isolated rel-L2 > its tolerance)".into(),
+                Mark::Diverges,
+            ));
+        }
         draw_x_labels(root, &op_label_positions(&chart, self.ops, lo), 12)?;
+        draw_legend_strip(&strip, &legend)?;
         Ok(())
     }
 }
 
-/// Red crosses along the top edge at ops whose values are non-finite (nothing to plot there).
+/// Red crosses along the top edge at ops whose values are non-finite (nothing to plot there);
+/// whether there were any (for the legend).
 fn draw_non_finite_marks<DB: DrawingBackend>(
     chart: &mut ChartContext<'_, DB, LogChart>,
     flags: impl Iterator<Item = bool>,
     top: f64,
-    label: &str,
-) -> PResult {
+) -> std::result::Result<bool, String> {
     let y = top / 1.25;
     let pts: Vec<(i32, f64)> = flags
         .enumerate()
@@ -496,18 +592,45 @@ fn draw_non_finite_marks<DB: DrawingBackend>(
         .map(|(i, _)| (i as i32, y))
         .collect();
     if pts.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
-    let red = RGBColor(200, 0, 0);
     chart
         .draw_series(
             pts.into_iter()
-                .map(|p| Cross::new(p, 7, red.stroke_width(3))),
+                .map(|p| Cross::new(p, 7, DIVERGES.stroke_width(3))),
         )
-        .ctx()?
-        .label(label)
-        .legend(move |(x, y)| Cross::new((x + 10, y), 6, red.stroke_width(3)));
-    Ok(())
+        .ctx()?;
+    Ok(true)
+}
+
+/// A translucent red band over the whole height at every divergent op, and a red triangle at
+/// the op's value (`at`; at the top when it has none); whether there were any.
+fn draw_divergent<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, LogChart>,
+    ops: &[OpRow],
+    at: impl Fn(&OpRow) -> Option<f64>,
+    lo: f64,
+    hi: f64,
+) -> std::result::Result<bool, String> {
+    let idx: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].divergent).collect();
+    if idx.is_empty() {
+        return Ok(false);
+    }
+    chart
+        .draw_series(idx.iter().map(|&i| {
+            PathElement::new(
+                vec![(i as i32, lo), (i as i32, hi)],
+                DIVERGES.mix(0.22).stroke_width(14),
+            )
+        }))
+        .ctx()?;
+    chart
+        .draw_series(idx.iter().map(|&i| {
+            let y = at(&ops[i]).map_or(hi / 1.6, |v| v.clamp(lo, hi));
+            TriangleMarker::new((i as i32, y), 9, DIVERGES.filled())
+        }))
+        .ctx()?;
+    Ok(true)
 }
 
 struct CosPlot<'a> {
@@ -515,53 +638,57 @@ struct CosPlot<'a> {
     suffix: &'a str,
 }
 
-/// 1 − cos below this is shown at this value: a log axis cannot reach an exact match.
-const COS_FLOOR: f64 = 1e-9;
-
+/// 1 − cos of an exact match (cos = 1) has no place on a log axis: such ops are left out of
+/// the series (a gap, not a tooth down to an arbitrary floor).
 fn one_minus(c: Option<f64>) -> Option<f64> {
-    c.map(|c| (1.0 - c).max(COS_FLOOR))
+    c.map(|c| 1.0 - c).filter(|v| *v > 0.0)
 }
+
+/// A rel-L2 tolerance on the 1 − cos axis: the 1 − cos of an error of that rel-L2 orthogonal to
+/// the values, 1 − 1/√(1 + tol²). (An error along the values, a scale factor, moves rel-L2 and
+/// not the cosine: such an op diverges below this line; its band marks it.)
+fn tol_as_one_minus_cos(t: f64) -> f64 {
+    1.0 - 1.0 / (1.0 + t * t).sqrt()
+}
+
+const ISO: RGBColor = RGBColor(255, 127, 14);
+const PROP: RGBColor = RGBColor(214, 39, 40);
+const FLOOR: RGBColor = RGBColor(110, 110, 110);
+const TOL: RGBColor = RGBColor(20, 20, 20);
 
 impl Plot for CosPlot<'_> {
     fn size(&self) -> (u32, u32) {
-        (width_for(self.ops.len()), 820)
+        (width_for(self.ops.len()), 820 + LEGEND_STRIP)
     }
-    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> PResult {
+    fn draw<DB: DrawingBackend>(&self, whole: &DrawingArea<DB, Shift>) -> PResult {
+        let (_, h) = whole.dim_in_pixel();
+        let (root, strip) = whole.split_vertically(h - LEGEND_STRIP);
+        let root = &root;
         let n = self.ops.len();
-        let series: [(&str, Vec<Option<f64>>, RGBColor); 3] = [
-            (
-                "served isolated vs BF16 oracle",
-                self.ops.iter().map(|o| one_minus(o.iso_cos)).collect(),
-                RGBColor(255, 127, 14),
-            ),
-            (
-                "served propagated vs BF16 oracle",
-                self.ops.iter().map(|o| one_minus(o.prop_cos)).collect(),
-                RGBColor(214, 39, 40),
-            ),
-            (
-                "noise floor: BF16 vs FP32 oracle",
-                self.ops.iter().map(|o| one_minus(o.floor_cos)).collect(),
-                RGBColor(110, 110, 110),
-            ),
-        ];
-        // exact matches sit at the floor; they should not stretch the axis over decades of nothing
+        let iso: Vec<Option<f64>> = self.ops.iter().map(|o| one_minus(o.iso_cos)).collect();
+        let prop: Vec<Option<f64>> = self.ops.iter().map(|o| one_minus(o.prop_cos)).collect();
+        let floor: Vec<Option<f64>> = self.ops.iter().map(|o| one_minus(o.floor_cos)).collect();
+        // the tolerance of ops that have a cosine (an indexer's is on its agreement)
+        let tol: Vec<Option<f64>> = self
+            .ops
+            .iter()
+            .map(|o| {
+                o.tolerance
+                    .filter(|_| o.iso_cos.is_some() || o.prop_cos.is_some())
+                    .map(tol_as_one_minus_cos)
+                    .filter(|v| *v > 0.0)
+            })
+            .collect();
         let (lo, hi) = log_range(
-            series
-                .iter()
-                .flat_map(|s| s.1.iter().flatten().copied())
-                .filter(|v| *v > COS_FLOOR),
+            [&iso, &prop, &floor, &tol]
+                .into_iter()
+                .flat_map(|s| s.iter().flatten().copied()),
         );
         let hi = hi.min(2.5).max(lo * 10.0);
-        let series = series.map(|(l, v, c)| {
-            (
-                l,
-                v.into_iter()
-                    .map(|x| x.map(|x| x.max(lo)))
-                    .collect::<Vec<_>>(),
-                c,
-            )
-        });
+        let clamp = |v: &Vec<Option<f64>>| -> Vec<Option<f64>> {
+            v.iter().map(|x| x.map(|x| x.clamp(lo, hi))).collect()
+        };
+        let (iso, prop, floor, tol) = (clamp(&iso), clamp(&prop), clamp(&floor), clamp(&tol));
         let mut chart = ChartBuilder::on(root)
             .caption(
                 format!("1 − cos vs the BF16 oracle per op — {}", self.suffix),
@@ -584,48 +711,79 @@ impl Plot for CosPlot<'_> {
             .light_line_style(RGBColor(235, 235, 235))
             .draw()
             .ctx()?;
-        for (k, (label, vals, colour)) in series.iter().enumerate() {
-            let colour = *colour;
-            for (si, seg) in segments(vals.iter().copied()).iter().enumerate() {
-                let s = if k == 2 {
-                    chart
-                        .draw_series(DashedLineSeries::new(
-                            seg.iter().copied(),
-                            6,
-                            4,
-                            colour.stroke_width(2),
-                        ))
-                        .ctx()?
-                } else {
-                    chart
-                        .draw_series(LineSeries::new(seg.iter().copied(), colour.stroke_width(2)))
-                        .ctx()?
-                };
-                if si == 0 {
-                    s.label(*label).legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(3))
-                    });
-                }
-                if k < 2 {
-                    chart
-                        .draw_series(seg.iter().map(|p| Circle::new(*p, 3, colour.filled())))
-                        .ctx()?;
-                }
-            }
+        let mut legend: Vec<(String, Mark)> = Vec::new();
+        let any = |v: &Vec<Option<f64>>| v.iter().any(Option::is_some);
+        if draw_divergent(&mut chart, self.ops, |o| one_minus(o.iso_cos), lo, hi)? {
+            legend.push((
+                "diverges (isolated rel-L2 > its tolerance)".into(),
+                Mark::Diverges,
+            ));
+        }
+        // the tolerance: a bar across each op's slot
+        let bar = (self.size().0 as f64 / (n as f64 + 2.0) * 0.4).clamp(2.0, 9.0) as i32;
+        chart
+            .draw_series(tol.iter().enumerate().filter_map(|(i, v)| {
+                v.map(|y| {
+                    EmptyElement::at((i as i32, y))
+                        + PathElement::new(vec![(-bar, 0), (bar, 0)], TOL.stroke_width(3))
+                })
+            }))
+            .ctx()?;
+        if any(&tol) {
+            legend.push((
+                "tolerance (its rel-L2 as the 1 − cos of an orthogonal error)".into(),
+                Mark::Line(TOL, false, false),
+            ));
+        }
+        for seg in segments(floor.iter().copied()) {
+            chart
+                .draw_series(DashedLineSeries::new(seg, 6, 4, FLOOR.stroke_width(2)))
+                .ctx()?;
+        }
+        if any(&floor) {
+            legend.push((
+                "noise floor: BF16 vs FP32 oracle".into(),
+                Mark::Line(FLOOR, true, false),
+            ));
+        }
+        for seg in segments(prop.iter().copied()) {
+            chart
+                .draw_series(LineSeries::new(seg.iter().copied(), PROP.stroke_width(2)))
+                .ctx()?;
+            chart
+                .draw_series(seg.iter().map(|p| Circle::new(*p, 3, PROP.filled())))
+                .ctx()?;
+        }
+        if any(&prop) {
+            legend.push((
+                "served propagated vs BF16 oracle".into(),
+                Mark::Line(PROP, false, true),
+            ));
+        }
+        // isolated: one dot per op (an op exact in isolation has none)
+        chart
+            .draw_series(
+                iso.iter()
+                    .enumerate()
+                    .filter_map(|(i, v)| v.map(|v| Circle::new((i as i32, v), 4, ISO.filled()))),
+            )
+            .ctx()?;
+        if any(&iso) {
+            legend.push((
+                "served isolated vs BF16 oracle (exact ops: no dot)".into(),
+                Mark::Dots(ISO),
+            ));
         }
         let undefined = self.ops.iter().map(|o| {
-            o.iso_cos.is_none() || o.prop_cos.is_none() || o.served_non_finite || o.iso_non_finite
+            o.iso_cos.is_none() && o.prop_cos.is_none() && o.tolerance.is_none()
+                || o.served_non_finite
+                || o.iso_non_finite
         });
-        draw_non_finite_marks(&mut chart, undefined, hi, "cosine undefined (NaN/Inf)")?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font(font(15))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .ctx()?;
+        if draw_non_finite_marks(&mut chart, undefined, hi)? {
+            legend.push(("cosine undefined (NaN/Inf)".into(), Mark::Cross(DIVERGES)));
+        }
         draw_x_labels(root, &op_label_positions(&chart, self.ops, lo), 12)?;
+        draw_legend_strip(&strip, &legend)?;
         Ok(())
     }
 }
@@ -636,6 +794,8 @@ struct Heatmap<'a> {
     kinds: Vec<String>,
     /// [layer index][kind index]
     cells: Vec<Vec<Cell>>,
+    /// [layer index][kind index]: an op of the cell diverges
+    divergent: Vec<Vec<bool>>,
     suffix: &'a str,
 }
 
@@ -666,6 +826,7 @@ impl<'a> Heatmap<'a> {
             }
         }
         let mut cells = vec![vec![Cell::Empty; kinds.len()]; layers.len()];
+        let mut divergent = vec![vec![false; kinds.len()]; layers.len()];
         for o in ops {
             let Some(l) = o.layer else { continue };
             let (Ok(li), Some(ki)) = (
@@ -683,6 +844,7 @@ impl<'a> Heatmap<'a> {
             } else {
                 Cell::Empty
             };
+            divergent[li][ki] |= o.divergent;
             let c = &mut cells[li][ki];
             *c = match (*c, new) {
                 (Cell::NonFinite, _) | (_, Cell::NonFinite) => Cell::NonFinite,
@@ -694,6 +856,7 @@ impl<'a> Heatmap<'a> {
             layers,
             kinds,
             cells,
+            divergent,
             suffix,
         }
     }
@@ -842,6 +1005,18 @@ impl Plot for Heatmap<'_> {
                     colour.filled(),
                 );
                 chart.draw_series(std::iter::once(rect)).ctx()?;
+                if self.divergent[li][ki] {
+                    // a divergent op's cell: a red frame, whatever its colour
+                    chart
+                        .draw_series(std::iter::once(Rectangle::new(
+                            [
+                                (SegmentValue::Exact(k), SegmentValue::Exact(r)),
+                                (SegmentValue::Exact(k + 1), SegmentValue::Exact(r + 1)),
+                            ],
+                            DIVERGES.stroke_width(4),
+                        )))
+                        .ctx()?;
+                }
                 if show_text {
                     let text = match cell {
                         Cell::Value(v) => format!("{v:.1e}"),
@@ -921,6 +1096,15 @@ impl Plot for Heatmap<'_> {
         };
         key(20, NON_FINITE, "NaN/Inf in served")?;
         key(46, EMPTY, "no such op")?;
+        if self.divergent.iter().flatten().any(|d| *d) {
+            keys.draw(&Rectangle::new(
+                [(20, 72), (40, 88)],
+                DIVERGES.stroke_width(4),
+            ))
+            .ctx()?;
+            keys.draw(&Text::new("diverges (> tolerance)", (48, 72), font(14)))
+                .ctx()?;
+        }
         Ok(())
     }
 }

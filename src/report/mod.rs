@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
+use comfy_table::{Cell, Color};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -165,36 +165,34 @@ fn health_cell(r: &OpRecord) -> String {
     }
 }
 
-/// The terminal table (comfy-table; red marks NaN and divergence). Cosine and rel-L2 columns
-/// are the served path against the BF16 oracle; ops that pick indices (the indexer) have no
-/// cosine: their `agree` column is the fraction of the served path's selections equal to the
-/// BF16 oracle's, isolated / propagated. [`legend`] explains the status column.
-pub fn terminal_table(res: &RunResult) -> String {
-    let mut t = Table::new();
+/// The terminal table (comfy-table; red marks NaN and divergence), laid out within `width`
+/// columns (`output::term`). Cosine and rel-L2 columns are the served path against the BF16
+/// oracle; ops that pick indices (the indexer) have no cosine: their `agree` column is the
+/// fraction of the served path's selections equal to the BF16 oracle's, isolated / propagated.
+/// The op's step is its row (the markdown report and the JSON carry it). [`legend`] explains the
+/// abbreviations and the status column.
+pub fn terminal_table(res: &RunResult, width: usize) -> String {
+    let mut t = crate::output::term::table(width);
     let agree = res.records.iter().any(|r| r.agreement.is_some());
     let mut header = vec![
-        "step",
         "op",
-        "amax fp32",
-        "amax served",
+        "amax\nfp32",
+        "amax\nserved",
         "NaN",
-        "cos iso",
-        "cos prop",
-        "rel-L2 iso",
+        "cos\niso",
+        "cos\nprop",
+        "rel-L2\niso",
         "tol",
     ];
     if agree {
-        header.push("agree iso/prop");
+        header.push("agree\niso/prop");
     }
     header.push("status");
-    t.load_style(presets::UTF8_FULL_CONDENSED)
-        .set_content_arrangement(ContentArrangement::Disabled)
-        .set_header(header);
+    t.set_header(header);
     for r in &res.records {
         let nan = nan_cell(r);
         let v = verdict(r);
         let mut row = vec![
-            Cell::new(r.step),
             Cell::new(&r.id),
             Cell::new(fmt_g(r.stats["oracle_fp32"].amax)),
             Cell::new(fmt_g(r.stats["served"].amax)),
@@ -234,12 +232,15 @@ pub fn terminal_table(res: &RunResult) -> String {
     t.to_string()
 }
 
-/// The line under the terminal table: what the status column says, with the run's thresholds
-/// (the decisions are made in `probe::record` from `probe::spec::Thresholds`).
+/// The line under the terminal table: its abbreviations and what the status column says, with
+/// the run's thresholds (the decisions are made in `probe::record` from
+/// `probe::spec::Thresholds`). One line; the terminal output wraps it at its width.
 pub fn legend(th: &Thresholds) -> String {
     format!(
-        "status: DIVERGES = this op alone is off (fed the BF16 oracle's inputs: rel-L2 vs the BF16 oracle > tol, amax off by more than {}x, or NaN/Inf the oracle has not); \
-shows = error carried in from earlier ops is visible here (propagated rel-L2 vs the BF16 oracle > {}, the probe's propagated_rel_l2)",
+        "iso = isolated (the served op fed the BF16 oracle's inputs: its own error), prop = propagated (fed its own inputs); \
+cos and rel-L2 against the BF16 oracle; tol = the op's tolerance for the isolated rel-L2; agree = the indexer's selections equal to the BF16 oracle's. \
+status: DIVERGES = this op alone is off (isolated rel-L2 > tol, amax off by more than {}x, or NaN/Inf the oracle has not); \
+shows = error carried in from earlier ops is visible here (propagated rel-L2 > {})",
         th.amax_ratio, th.propagated_rel_l2
     )
 }
@@ -295,26 +296,13 @@ pub fn head_line(h: &crate::probe::HeadMetrics) -> String {
 pub fn output_and_experts_markdown(res: &RunResult) -> String {
     let mut m = String::new();
     if let Some(h) = res.records.iter().rev().find_map(|r| r.head.as_ref()) {
-        m.push_str(
-            "
-## Model output
-
-",
-        );
-        m.push_str(&format!(
-            "{}
-
-",
-            head_line(h)
-        ));
-        m.push_str("| position | KL (nats) | top-1 agrees | top-5 overlap | served token | BF16 oracle token |
-|---:|---:|---|---:|---:|---:|
-");
+        m.push_str("\n## Model output\n\n");
+        m.push_str(&format!("{}\n\n", head_line(h)));
+        m.push_str("| position | KL (nats) | top-1 agrees | top-5 overlap | served token | BF16 oracle token |\n|---:|---:|---|---:|---:|---:|\n");
         const SHOWN: usize = 64;
         for (i, p) in h.head_positions.iter().enumerate().take(SHOWN) {
             m.push_str(&format!(
-                "| {i} | {} | {} | {:.2} | {} | {} |
-",
+                "| {i} | {} | {} | {:.2} | {} | {} |\n",
                 p.kl.map_or("NaN".into(), fmt_g),
                 if p.top1 { "yes" } else { "**no**" },
                 p.top5,
@@ -324,22 +312,14 @@ pub fn output_and_experts_markdown(res: &RunResult) -> String {
         }
         if h.head_positions.len() > SHOWN {
             m.push_str(&format!(
-                "
-({} more positions in the run JSON's `head_positions`)\n",
+                "\n({} more positions in the run JSON's `head_positions`)\n",
                 h.head_positions.len() - SHOWN
             ));
         }
     }
     let with_experts: Vec<&OpRecord> = res.records.iter().filter(|r| r.experts.is_some()).collect();
     if !with_experts.is_empty() {
-        m.push_str("
-## Routed experts, one by one
-
-Each expert's served output on the rows routed to it against the BF16 oracle's (both fed the oracle's inputs); its tolerance is the op's widened by 1/√rows.
-
-| Op | experts reached | divergent experts | worst expert (rel-L2 / tolerance, rows) | unreached |
-|---|---:|---|---|---|
-");
+        m.push_str("\n## Routed experts, one by one\n\nEach expert's served output on the rows routed to it against the BF16 oracle's (both fed the oracle's inputs); its tolerance is the op's widened by 1/√rows.\n\n| Op | experts reached | divergent experts | worst expert (rel-L2 / tolerance, rows) | unreached |\n|---|---:|---|---|---|\n");
         for r in with_experts {
             let ex = r.experts.as_deref().unwrap_or(&[]);
             let bad: Vec<String> = ex
@@ -367,8 +347,7 @@ Each expert's served output on the rows routed to it against the BF16 oracle's (
                 });
             let unreached = r.experts_unreached.as_deref().unwrap_or(&[]);
             m.push_str(&format!(
-                "| `{}` | {} | {} | {} | {} |
-",
+                "| `{}` | {} | {} | {} | {} |\n",
                 r.id,
                 ex.iter().filter(|e| e.rows > 0).count(),
                 if bad.is_empty() {
@@ -397,7 +376,9 @@ Each expert's served output on the rows routed to it against the BF16 oracle's (
     m
 }
 
-/// The markdown report. Its first table is the one people paste into issues.
+/// The markdown report: what was run, the summary (the first divergent op, where error shows,
+/// NaN/Inf), the findings (`res.summary.findings`, ordered by consequence), then the tables: the
+/// per-op table people paste into issues and the details.
 pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
     let mut m = String::new();
     m.push_str("# nvfp4-probe run\n\n");
@@ -419,7 +400,13 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
     for l in summary_lines(res) {
         m.push_str(&format!("- {l}\n"));
     }
-    m.push_str("\n| Step | Op | amax | NaN | cos vs BF16 oracle |\n|---:|---|---:|---:|---:|\n");
+    m.push('\n');
+    m.push_str(&crate::probe::findings::markdown(
+        res.summary.findings.as_deref().unwrap_or(&[]),
+    ));
+    m.push_str(
+        "\n## Ops\n\n| Step | Op | amax | NaN | cos vs BF16 oracle |\n|---:|---|---:|---:|---:|\n",
+    );
     for r in &res.records {
         let cos = match &r.agreement {
             Some(a) => format!("agree {:.3}", a.served_propagated),
@@ -465,9 +452,20 @@ pub fn markdown(meta: &RunMeta, res: &RunResult) -> String {
 }
 
 /// `--dump DIR`: one safetensors file per path with each reported op's output as F32 under its
-/// op id, staged in `outs` (DIR is created when the outputs are published).
-pub fn dump(outs: &mut Outputs, dir: &Path, res: &RunResult) -> Result<Vec<PathBuf>> {
+/// op id and the run's token ids as `input_ids` (I64, what `compare` reads from an engine's
+/// trace), staged in `outs` (DIR is created when the outputs are published). With `--dump-rows`
+/// the metadata `token_rows` (and `rows`, the name `compare` reads) lists the rows kept.
+pub fn dump(
+    outs: &mut Outputs,
+    dir: &Path,
+    res: &RunResult,
+    tokens: &[u32],
+) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
+    let ids: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| i64::from(t).to_le_bytes())
+        .collect();
     for (path, ops) in &res.outputs {
         let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = ops
             .iter()
@@ -479,7 +477,7 @@ pub fn dump(outs: &mut Outputs, dir: &Path, res: &RunResult) -> Result<Vec<PathB
                 )
             })
             .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> = bufs
             .iter()
             .map(|(id, shape, b)| {
                 (
@@ -489,10 +487,25 @@ pub fn dump(outs: &mut Outputs, dir: &Path, res: &RunResult) -> Result<Vec<PathB
                 )
             })
             .collect();
+        if !ops.iter().any(|(id, _)| id == "input_ids") {
+            views.push((
+                "input_ids".into(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::I64,
+                    vec![tokens.len()],
+                    &ids,
+                )
+                .expect("shape matches data"),
+            ));
+        }
         // which token rows the tensors hold (`--dump-rows`; `probe::runner::kept_rows`)
         let meta = res.kept_rows.as_ref().map(|rows| {
             let list: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
-            std::collections::HashMap::from([("token_rows".to_string(), list.join(","))])
+            let list = list.join(",");
+            std::collections::HashMap::from([
+                ("token_rows".to_string(), list.clone()),
+                ("rows".to_string(), list),
+            ])
         });
         let bytes = safetensors::serialize(views, meta)
             .map_err(|e| Error::usage(format!("dump {path}: {e}")))?;
@@ -520,7 +533,7 @@ mod tests {
             res.records.iter().any(|r| r.agreement.is_some()),
             "no indexer op"
         );
-        let t = terminal_table(&res);
+        let t = terminal_table(&res, 120);
         let rows: Vec<Vec<String>> = t
             .lines()
             .filter(|l| l.starts_with('│'))
@@ -531,12 +544,21 @@ mod tests {
                     .collect()
             })
             .collect();
-        let head = &rows[0];
+        for l in t.lines() {
+            assert!(l.chars().count() <= 120, "{l}");
+        }
+        // the header's two lines joined: `cos` over `iso` is `cos iso`
+        let head: Vec<String> = rows[0]
+            .iter()
+            .zip(&rows[1])
+            .map(|(a, b)| format!("{a} {b}").trim().to_string())
+            .collect();
         assert_eq!(head.last().map(String::as_str), Some("status"), "{head:?}");
         let col = |name: &str| head.iter().position(|h| h == name).expect(name);
         let (cos_iso, cos_prop, agree) = (col("cos iso"), col("cos prop"), col("agree iso/prop"));
-        for (row, r) in rows[1..].iter().zip(&res.records) {
-            assert_eq!(row[1], r.id);
+        assert_eq!(rows.len(), 2 + res.records.len(), "one line per op");
+        for (row, r) in rows[2..].iter().zip(&res.records) {
+            assert_eq!(row[0], r.id);
             match &r.agreement {
                 Some(a) => {
                     assert!(
