@@ -223,8 +223,12 @@ fn run_and_bisect_with_reference_name_v_proj_and_the_factor() {
         let summary = r["summary"].as_str().unwrap();
         assert!(summary.contains("×0.5"), "{summary}");
         assert!(out.contains(&format!("reference: `{v}`")), "{out}");
-        // the fused group's lint names v_proj too, never k_proj
-        assert!(!out.contains("k_norm"), "{out}");
+        // the fused group's lint names v_proj too, never k_proj (k_proj's own divergence under
+        // the engine's max rule, absorbed by its k_norm, is the engine's doing, not a blame)
+        assert!(
+            !out.contains("lint fused.mismatch: `model.layers.1.self_attn.k_proj"),
+            "{out}"
+        );
     }
     for cmd in [
         &["run", "--quiet"][..],

@@ -319,11 +319,10 @@ impl Acc {
         if let Some(h) = &mut self.head {
             h.add(fp, bf, sv);
         }
-        if let Some(p) = &ex.per_expert {
-            match &mut self.per_expert {
-                Some(a) => a.merge(p.clone()),
-                None => self.per_expert = Some(p.clone()),
-            }
+        if let Some(rows) = &ex.per_expert {
+            self.per_expert
+                .get_or_insert_with(Default::default)
+                .add_rows(rows);
         }
         match self.shape.first_mut() {
             Some(rows) => *rows += sv.shape.first().copied().unwrap_or(0),

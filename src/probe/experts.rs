@@ -180,6 +180,24 @@ pub struct ExpertRecord {
     pub reason: Option<String>,
 }
 
+/// One execution's rows of every expert (see [`measure`]): served and oracle outputs [s, d],
+/// each row's expert, how many leading rows were routed, and the layer's expert count.
+pub struct ExpertRows {
+    pub served: Tensor,
+    pub oracle: Tensor,
+    pub owner: Vec<usize>,
+    pub routed: usize,
+    pub experts: usize,
+}
+
+impl PerExpert {
+    /// Adds one execution's rows (a run in token chunks adds each chunk's in turn: the sums
+    /// then see the rows in the whole prompt's order, so they are the same bits).
+    pub fn add_rows(&mut self, r: &ExpertRows) {
+        self.add(&r.served, &r.oracle, &r.owner, r.routed, r.experts);
+    }
+}
+
 /// Each expert of routed-experts op `op` on the BF16 oracle's inputs `bf_inputs`, served and
 /// oracle (None for other ops or with [`ExpertMetrics::Off`]).
 pub(crate) fn measure(
@@ -187,7 +205,7 @@ pub(crate) fn measure(
     op: &Op,
     bf_inputs: &[&Tensor],
     mode: ExpertMetrics,
-) -> Result<Option<PerExpert>> {
+) -> Result<Option<ExpertRows>> {
     if !matches!(op.kind, OpKind::Experts | OpKind::GptOssExperts) || mode == ExpertMetrics::Off {
         return Ok(None);
     }
@@ -197,13 +215,15 @@ pub(crate) fn measure(
         let mut env = PathEnv { kind, shared };
         experts_by_expert(op, bf_inputs, &mut env, exercise)
     };
-    let (sv, owner, _) = run(PathKind::Served, shared)?;
-    let (or, _, _) = run(PathKind::OracleBf16, shared)?;
-    let e = shared.cfg.n_routed_experts;
-    let routed = bf_inputs[2].numel();
-    let mut p = PerExpert::default();
-    p.add(&sv, &or, &owner, routed, e);
-    Ok(Some(p))
+    let (served, owner, _) = run(PathKind::Served, shared)?;
+    let (oracle, _, _) = run(PathKind::OracleBf16, shared)?;
+    Ok(Some(ExpertRows {
+        served,
+        oracle,
+        owner,
+        routed: bf_inputs[2].numel(),
+        experts: shared.cfg.n_routed_experts,
+    }))
 }
 
 #[cfg(test)]

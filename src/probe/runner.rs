@@ -192,7 +192,11 @@ impl<'a> Stepper<'a> {
             let t_m = Instant::now();
             let mut p =
                 op_record_begin(opts, step, op, &outs, &iso, &fp_on_bf, &touched, &observed)?;
-            p.per_expert = per_expert;
+            p.per_expert = per_expert.map(|rows| {
+                let mut a = super::experts::PerExpert::default();
+                a.add_rows(&rows);
+                a
+            });
             // what bisect would start from, should this op diverge
             let cand =
                 (self.capture && self.captured.len() < MAX_CAPTURES).then(|| replay::Capture {
@@ -316,7 +320,7 @@ pub(super) struct Execs {
     pub touched: Vec<String>,
     pub observed: Vec<(String, crate::served::LinearObs)>,
     /// A routed-experts op's experts one by one (reported ops, unless switched off).
-    pub per_expert: Option<super::experts::PerExpert>,
+    pub per_expert: Option<super::experts::ExpertRows>,
 }
 
 /// Runs `op` on every path (inputs from `maps`, one per path), tells `routed` what the paths
