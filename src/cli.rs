@@ -202,6 +202,13 @@ pub struct RunArgs {
     /// naming the stored scale and the factor. Read only.
     #[arg(long, value_name = "DIR")]
     pub reference: Option<PathBuf>,
+    /// Also give every routed expert no token reached the prompt's first 8 rows, as calibration
+    /// does, and measure it there (beside the model: its output does not change).
+    #[arg(long)]
+    pub exercise_experts: bool,
+    /// Measure routed-experts ops only as a whole (skip each expert on its own rows).
+    #[arg(long, conflicts_with = "exercise_experts")]
+    pub no_expert_metrics: bool,
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -418,6 +418,13 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         &args.mem,
         &args.engine,
     )?;
+    p.opts.experts = if args.no_expert_metrics {
+        probe::experts::ExpertMetrics::Off
+    } else if args.exercise_experts {
+        probe::experts::ExpertMetrics::Exercise
+    } else {
+        probe::experts::ExpertMetrics::Routed
+    };
     let (rck, refs) = reference_check(&p.ckpt, args.reference.as_deref(), p.opts.layers.1)?;
     let g = guard(p.model_dir.as_deref(), Some(&p.ckpt), &inputs);
     let mut outs = Outputs::new(guard_reference(g, args.reference.as_deref(), rck.as_ref()));
