@@ -435,10 +435,22 @@ pub fn main(args: &RunArgs) -> Result<i32> {
         p.opts.keep_rows = Some(r.resolve(p.opts.tokens.len())?);
     }
     crate::profile::mark("prepared");
-    let mut res: RunResult = probe::run(&p.ckpt, &p.opts)?;
+    // the static lint of what the run reads (a broken scale the oracle shares never diverges),
+    // on its own thread beside the runner: it reads headers and scales only
+    let read0 = p.ckpt.bytes_read();
+    let (res, lint) = std::thread::scope(|s| {
+        let lint = s.spawn(|| {
+            crate::lint::lint_layers(&p.ckpt, &crate::lint::Rules::default(), p.opts.layers.1)
+        });
+        let res = probe::run(&p.ckpt, &p.opts);
+        let lint = lint.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        (res, lint)
+    });
+    let mut res: RunResult = res?;
     crate::profile::mark("runner done");
-    // the static lint of what the run read: a broken scale the oracle shares never diverges
-    let lint = crate::lint::lint_layers(&p.ckpt, &crate::lint::Rules::default(), p.opts.layers.1)?;
+    let lint = lint?;
+    // what the command read, the lint's headers and scales included (both have finished)
+    res.bytes_read = p.ckpt.bytes_read() - read0;
     let mut found = probe::findings::run_findings(&res, &lint.findings, args.strict);
     if !refs.is_empty() {
         let divergent = res

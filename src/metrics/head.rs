@@ -39,39 +39,39 @@ pub struct HeadCompare {
     pub positions: Vec<HeadPosition>,
 }
 
-/// Indices of the k largest finite values, largest first (ties: lower index first).
+/// Indices of the k largest finite values, largest first (ties: lower index first), in one pass.
 fn top_k(row: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..row.len()).filter(|&i| row[i].is_finite()).collect();
-    let k = k.min(idx.len());
-    if k == 0 {
-        return Vec::new();
+    let mut best: Vec<(f32, usize)> = Vec::with_capacity(k + 1);
+    for (i, &v) in row.iter().enumerate() {
+        if k == 0 || !v.is_finite() || (best.len() == k && v <= best[k - 1].0) {
+            continue;
+        }
+        // after every larger value, and after equal ones (lower index first)
+        let at = best.iter().position(|&(b, _)| v > b).unwrap_or(best.len());
+        best.insert(at, (v, i));
+        best.truncate(k);
     }
-    let cmp = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
-    idx.select_nth_unstable_by(k - 1, cmp);
-    idx.truncate(k);
-    idx.sort_by(cmp);
-    idx
+    best.into_iter().map(|(_, i)| i).collect()
 }
 
-/// log-sum-exp of a row in f64 (None when a value is not finite).
-fn log_sum_exp(row: &[f32]) -> Option<f64> {
-    if row.iter().any(|v| !v.is_finite()) {
+/// KL(p_ref ‖ p_x) of the softmaxes of two logit rows, in nats: with m the maxima and
+/// S = Σ e^(v − m), KL = Σ e^(r − m_r)(r − x) / S_r − (m_r + ln S_r) + (m_x + ln S_x), one pass
+/// after the maxima (None when a value is not finite).
+pub fn kl_row(x: &[f32], reference: &[f32]) -> Option<f64> {
+    if x.iter().chain(reference).any(|v| !v.is_finite()) {
         return None;
     }
-    let m = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
-    let s: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
-    Some(m + s.ln())
-}
-
-/// KL(p_ref ‖ p_x) of the softmaxes of two logit rows, in nats.
-pub fn kl_row(x: &[f32], reference: &[f32]) -> Option<f64> {
-    let (lx, lr) = (log_sum_exp(x)?, log_sum_exp(reference)?);
-    let mut kl = 0f64;
+    let mx = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let mr = reference.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let (mut sx, mut sr, mut t) = (0f64, 0f64, 0f64);
     for (&a, &b) in x.iter().zip(reference) {
-        let lp = b as f64 - lr;
-        let lq = a as f64 - lx;
-        kl += lp.exp() * (lp - lq);
+        let (a, b) = (a as f64, b as f64);
+        let er = (b - mr).exp();
+        sx += (a - mx).exp();
+        sr += er;
+        t += er * (b - a);
     }
+    let kl = t / sr - (mr + sr.ln()) + (mx + sx.ln());
     Some(kl.max(0.0))
 }
 
