@@ -70,6 +70,12 @@ pub trait OpEnv {
     fn swiglu_limit(&self, _weight: &str) -> f32 {
         self.cfg().swiglu_limit as f32
     }
+    /// The routed scaling factor the router of layer `layer` applies on this path: the config's
+    /// (the default), or what the served path's engine emulation uses (`routed-scaling-dropped`,
+    /// `routed-scaling-doubled`).
+    fn routed_scaling(&self, _layer: usize) -> f32 {
+        self.cfg().routed_scaling_factor as f32
+    }
     /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
     /// identity for the FP32 oracle.
     fn store(&self, t: &mut Tensor);

@@ -286,7 +286,7 @@ fn router(op: &Op, x: &Tensor, env: &mut dyn OpEnv, cfg: &ModelConfig) -> Result
             cfg.scoring_func
         ))
     })?;
-    let (norm, rs) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
+    let (norm, rs) = (cfg.norm_topk_prob, env.routed_scaling(layer));
     let route = kern::Routing {
         t,
         e,
