@@ -70,11 +70,11 @@ pub trait OpEnv {
     fn swiglu_limit(&self, _weight: &str) -> f32 {
         self.cfg().swiglu_limit as f32
     }
-    /// The routed scaling factor the router of layer `layer` applies on this path: the config's
-    /// (the default), or what the served path's engine emulation uses (`routed-scaling-dropped`,
-    /// `routed-scaling-doubled`).
-    fn routed_scaling(&self, _layer: usize) -> f32 {
-        self.cfg().routed_scaling_factor as f32
+    /// The factor the routed-experts op of layer `layer` applies to the routing weights it is
+    /// given (which carry the config's `routed_scaling_factor`): 1 (the default), or what the
+    /// served path's engine emulation uses (`routed-scaling-dropped` 1/rs, `-doubled` rs).
+    fn routed_weight_factor(&self, _layer: usize) -> f32 {
+        1.0
     }
     /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
     /// identity for the FP32 oracle.

@@ -460,8 +460,8 @@ impl OpEnv for PathEnv<'_, '_> {
         }
         Ok(t)
     }
-    fn routed_scaling(&self, layer: usize) -> f32 {
-        crate::served::faults::routed_scaling(
+    fn routed_weight_factor(&self, layer: usize) -> f32 {
+        crate::served::faults::routed_weight_factor(
             self.shared.cfg.routed_scaling_factor as f32,
             self.kind == PathKind::Served,
             &self.shared.faults,

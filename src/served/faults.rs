@@ -479,6 +479,17 @@ fn check_layer_target(ckpt: &crate::checkpoint::Checkpoint, f: &Fault) -> crate:
     }
 }
 
+/// Whether a layer kind (docs/CATALOGUE-2026.md) acts at op `op_id`'s layer: the served path then
+/// differs from the BF16 oracle there even where no weight is quantized (a router, an attention).
+pub fn layer_fault_at(faults: &[Fault], op_id: &str) -> bool {
+    let Some(l) = target_layer(op_id) else {
+        return false;
+    };
+    faults
+        .iter()
+        .any(|f| f.kind.is_layer_kind() && target_layer(&f.target) == Some(l))
+}
+
 /// A parameter as the served path reads it under the layer kinds among `faults`: the router's
 /// correction bias rounded to BF16 (`bf16-correction-bias`), the attention sinks dropped (a sink
 /// logit of -inf adds exp(-inf) = 0 to every softmax denominator: `sinks-dropped`). None when
@@ -514,11 +525,12 @@ pub fn param_reading(
     None
 }
 
-/// The routed scaling factor a path applies at layer `layer`: the config's `rs`, none (1) or
-/// twice (rs²) on the served path (`served`) under `routed-scaling-dropped` / `-doubled`.
-pub fn routed_scaling(rs: f32, served: bool, faults: &[Fault], layer: usize) -> f32 {
+/// The factor the routed experts of layer `layer` apply to routing weights that carry the
+/// config's scaling `rs`: 1 on the oracles, 1/rs (dropped) or rs (applied twice) on the served
+/// path (`served`) under `routed-scaling-dropped` / `-doubled`.
+pub fn routed_weight_factor(rs: f32, served: bool, faults: &[Fault], layer: usize) -> f32 {
     if !served {
-        return rs;
+        return 1.0;
     }
     let hit = |k: FaultKind| {
         faults
@@ -526,11 +538,11 @@ pub fn routed_scaling(rs: f32, served: bool, faults: &[Fault], layer: usize) -> 
             .any(|f| f.kind == k && target_layer(&f.target) == Some(layer))
     };
     if hit(FaultKind::RoutedScalingDropped) {
-        1.0
+        1.0 / rs
     } else if hit(FaultKind::RoutedScalingDoubled) {
-        rs * rs
-    } else {
         rs
+    } else {
+        1.0
     }
 }
 
