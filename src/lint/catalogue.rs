@@ -63,7 +63,7 @@ fn router_bias(cx: &Cx) -> Vec<Finding> {
         }
         out.extend(cx.finding(
             "router.bias.precision",
-            E,
+            W,
             &raw,
             &info.file,
             module(cx.ck.canonical_of(&raw).unwrap_or(&raw)),
@@ -78,17 +78,31 @@ fn router_bias(cx: &Cx) -> Vec<Finding> {
     out
 }
 
-/// Routed experts that share one activation scale per projection, bit for bit, in a layer of at
-/// least this many: a calibration that never ran per expert.
-const UNCALIBRATED_MIN_EXPERTS: usize = 4;
+/// The activation amax an NVFP4 activation scale implies (E4M3 max 448 × E2M1 max 6 = 2688):
+/// compressed-tensors stores g_x = 2688 / amax, ModelOpt d_x = amax / 2688.
+fn implied_amax(m: &WeightMeta, v: f32) -> Option<f64> {
+    use crate::numerics::nvfp4::Convention;
+    match m.convention? {
+        Convention::CompressedTensors => Some(2688.0 / v as f64),
+        Convention::ModelOpt => Some(v as f64 * 2688.0),
+    }
+}
 
-/// `scale.input.uncalibrated`.
+/// `scale.input.uncalibrated`: routed experts whose activation scale implies an amax of exactly
+/// 1.0, the value an observer that never saw a token holds (a calibrated amax is the largest
+/// |activation| the expert was routed, never 1.0 to the bit in several experts); a stored 1.0
+/// is `scale.global.sentinel`'s. Producers that share one calibrated scale across a layer's
+/// experts on purpose (llm-compressor's and ModelOpt's MoE exports) are not flagged.
 fn uncalibrated(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
     use std::collections::BTreeMap;
-    // (layer prefix, projection) → (expert meta, value)
-    let mut groups: BTreeMap<(String, String), Vec<(&WeightMeta, f32)>> = BTreeMap::new();
+    // (layer prefix, projection) → (expert, meta, implied amax)
+    type Group<'m> = Vec<(usize, &'m WeightMeta, f64)>;
+    let mut groups: BTreeMap<(String, String), Group> = BTreeMap::new();
     for m in metas {
         let Some(v) = m.input_global else {
+            continue;
+        };
+        let Some(amax) = implied_amax(m, v) else {
             continue;
         };
         let Some(i) = m.canonical.find(".ffn.experts.") else {
@@ -98,48 +112,54 @@ fn uncalibrated(cx: &Cx, metas: &[WeightMeta]) -> Vec<Finding> {
         let Some((e, proj)) = rest.split_once('.') else {
             continue;
         };
-        if e.parse::<usize>().is_err() {
+        let Ok(e) = e.parse::<usize>() else {
             continue;
-        }
+        };
         groups
             .entry((m.canonical[..i].to_string(), proj.to_string()))
             .or_default()
-            .push((m, v));
+            .push((e, m, amax));
     }
     let mut out = Vec::new();
     for ((layer, proj), v) in groups {
-        if v.len() < UNCALIBRATED_MIN_EXPERTS {
+        // f32 rounding of 2688 / 1 or 1 / 2688: within a few ulps of 1
+        let default: Vec<&(usize, &WeightMeta, f64)> = v
+            .iter()
+            .filter(|(_, _, a)| (a - 1.0).abs() < 1e-6)
+            .collect();
+        if default.is_empty() {
             continue;
         }
-        let first = v[0].1.to_bits();
-        if !v.iter().all(|(_, x)| x.to_bits() == first) {
-            continue;
+        let experts: Vec<String> = default.iter().map(|(e, _, _)| e.to_string()).collect();
+        for (_, m, _) in &default {
+            let tensor = m
+                .tensors
+                .input_scale
+                .clone()
+                .unwrap_or_else(|| m.canonical.clone());
+            let mut f = cx.finding(
+                "scale.input.uncalibrated",
+                W,
+                &tensor,
+                &m.file,
+                &m.canonical,
+                format!(
+                    "experts {} of {layer} ({} of {}) carry a {proj} activation scale {:e} that implies an amax of exactly 1.0: the default of an observer that never saw a token, not a calibration (their real activations are then quantized as if their largest value were 1)",
+                    experts.join(", "),
+                    default.len(),
+                    v.len(),
+                    m.input_global.unwrap_or(f32::NAN)
+                ),
+                "Calibrate every expert (route enough calibration tokens to each, or calibrate experts on all tokens) and re-export.",
+            );
+            if let Some(f) = f.as_mut() {
+                f.op = Some(format!(
+                    "L{}.ffn.experts",
+                    layer_of(&m.canonical).unwrap_or(0)
+                ));
+            }
+            out.extend(f);
         }
-        let (m, x) = v[0];
-        let tensor = m
-            .tensors
-            .input_scale
-            .clone()
-            .unwrap_or_else(|| m.canonical.clone());
-        let mut f = cx.finding(
-            "scale.input.uncalibrated",
-            W,
-            &tensor,
-            &m.file,
-            &m.canonical,
-            format!(
-                "all {} routed experts of {layer} carry the same {proj} activation scale {x:e}, bit for bit: a default copied into each expert, not a per-expert calibration (rarely routed experts then quantize their real activations with a scale that never saw them)",
-                v.len()
-            ),
-            "Calibrate every expert (route enough calibration tokens to each, or calibrate experts with all tokens) and re-export; where the producer shares one scale on purpose, switch this rule off in --rules.",
-        );
-        if let Some(f) = f.as_mut() {
-            f.op = Some(format!(
-                "L{}.ffn.experts",
-                layer_of(&m.canonical).unwrap_or(0)
-            ));
-        }
-        out.extend(f);
     }
     out
 }
