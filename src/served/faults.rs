@@ -940,6 +940,50 @@ mod tests {
         assert_eq!(deinterleave(&interleave(&v, 6), 6), v);
     }
 
+    /// The 2026 catalogue's kinds: each applies to the format it models, the layer kinds to no
+    /// weight (their target is a layer's op); the served path alone reads them.
+    #[test]
+    fn catalogue_2026_kinds_apply_where_they_model() {
+        use FaultKind as K;
+        assert!(loader_fault_applies(K::Ue8m0Requantized, "fp8-block"));
+        assert!(!loader_fault_applies(K::Ue8m0Requantized, "nvfp4-ct"));
+        assert!(loader_fault_applies(K::E8m0BiasOffByOne, "mxfp4"));
+        assert!(!loader_fault_applies(K::E8m0BiasOffByOne, "fp8-block"));
+        assert!(loader_fault_applies(K::E4m3ScaleUnbiased, "nvfp4-modelopt"));
+        assert!(!loader_fault_applies(K::E4m3ScaleUnbiased, "mxfp4"));
+        for k in FaultKind::CATALOGUE_2026 {
+            assert!(k.has_loader_form() && !FaultKind::ALL.contains(&k));
+            if k.is_layer_kind() {
+                assert!(!loader_fault_applies(k, "nvfp4-ct"));
+            }
+        }
+        let f = |s: &str| vec![Fault::parse(s).unwrap()];
+        let drop = f("routed-scaling-dropped@L1.ffn.experts");
+        assert_eq!(routed_weight_factor(2.5, true, &drop, 1), 0.4);
+        assert_eq!(routed_weight_factor(2.5, true, &drop, 2), 1.0);
+        assert_eq!(routed_weight_factor(2.5, false, &drop, 1), 1.0);
+        let twice = f("routed-scaling-doubled@L1.ffn.experts");
+        assert_eq!(routed_weight_factor(2.5, true, &twice, 1), 2.5);
+        let t = crate::Tensor::new(vec![2], vec![4.0155, -1.0]);
+        let b = param_reading(
+            &f("bf16-correction-bias@L1.ffn.router"),
+            "layers.1.ffn.gate.bias",
+            &t,
+        )
+        .unwrap();
+        assert_eq!(b.data, vec![4.0, -1.0]);
+        assert!(param_reading(
+            &f("bf16-correction-bias@L1.ffn.router"),
+            "layers.2.ffn.gate.bias",
+            &t
+        )
+        .is_none());
+        let s = param_reading(&f("sinks-dropped@L1.attn"), "layers.1.attn.attn_sink", &t).unwrap();
+        assert!(s.data.iter().all(|v| *v == f32::NEG_INFINITY));
+        assert!(layer_fault_at(&f("sinks-dropped@L1.attn"), "L1.attn.core"));
+        assert!(!layer_fault_at(&f("sinks-dropped@L1.attn"), "L2.attn.core"));
+    }
+
     #[test]
     fn every_kind_round_trips() {
         for k in FaultKind::every() {
