@@ -301,6 +301,10 @@ pub struct LintArgs {
     /// Findings whose effect is provably absorbed downstream are errors too.
     #[arg(long)]
     pub strict: bool,
+    /// Tensor-parallel size to check the shards of: every sharded dimension must split into
+    /// whole scale blocks per rank (rule tp.scale-block).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub tp: Option<u64>,
 }
 
 #[derive(Args, Debug, Clone, Default)]

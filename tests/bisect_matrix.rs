@@ -61,7 +61,16 @@ fn family(k: FaultKind) -> Option<&'static [Family]> {
         | FaultKind::MissingBlockScales
         | FaultKind::MissingExpertBias
         | FaultKind::ZeroedExpertBias
-        | FaultKind::SwigluUnclamped => return None,
+        | FaultKind::SwigluUnclamped
+        // the 2026 catalogue's loader and engine kinds (tests/catalogue_2026.rs: bisect stops at
+        // their op; no repair hypothesis names them yet)
+        | FaultKind::Ue8m0Requantized
+        | FaultKind::E8m0BiasOffByOne
+        | FaultKind::E4m3ScaleUnbiased
+        | FaultKind::Bf16CorrectionBias
+        | FaultKind::RoutedScalingDropped
+        | FaultKind::RoutedScalingDoubled
+        | FaultKind::SinksDropped => return None,
     })
 }
 

@@ -20,10 +20,11 @@ pub fn main(a: &LintArgs) -> Result<i32> {
     for p in [&a.json, &a.markdown].into_iter().flatten() {
         outs.check(p)?;
     }
-    let rules = match &a.rules {
+    let mut rules = match &a.rules {
         Some(p) => Rules::from_file(p)?,
         None => Rules::default(),
     };
+    rules.tp = a.tp.map(|n| n as usize);
     let mut rep = lint_dir(&a.model, a.reference.as_deref(), &rules)?;
     if a.strict {
         rep.strict();

@@ -7,6 +7,7 @@
 //! tensor) need a second opinion: `--reference` dequantises both checkpoints one tensor pair at
 //! a time and names the cause from the ratio pattern.
 
+mod catalogue;
 mod checks;
 mod config;
 mod degenerate;
@@ -186,6 +187,7 @@ fn lint_bases(ck: &Checkpoint, rules: &Rules, bases: Vec<String>) -> Result<Repo
     findings.extend(checks::completeness(&cx));
     findings.extend(config::check_config(&cx, &metas));
     findings.extend(degenerate::config_findings(&cx));
+    findings.extend(catalogue::findings(&cx, &metas));
     // plain tensors of the layers the weights belong to (and those outside any layer)
     let layers: std::collections::HashSet<usize> =
         bases.iter().filter_map(|b| layer_of(b)).collect();

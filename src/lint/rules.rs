@@ -44,7 +44,7 @@ const fn r(id: &'static str, severity: Severity, summary: &'static str) -> RuleI
     }
 }
 
-use Severity::{Error as E, Info as I};
+use Severity::{Error as E, Info as I, Warning as W};
 
 /// Every rule lint can report. Where a rule's severity depends on the size of the problem
 /// (fused.mismatch, scale.input.spread, scale.global.sentinel, scale.block.zero-row) the
@@ -73,6 +73,11 @@ pub const RULES: &[RuleInfo] = &[
     r("tensor.invalid", E, "a weight whose headers cannot be read as any supported scheme"),
     r("weight.missing", E, "a layer the checkpoint holds lacks a weight or parameter its config requires (a whole expert, a projection, a norm)"),
     r("config.model", E, "config.json's model fields are outside the family's limits, of the wrong type, contradict each other or the tensors' shapes (run refuses them)"),
+    r("router.bias.precision", W, "a router's e_score_correction_bias stored in BF16/F16: near ties in the top-k pick other experts"),
+    r("scale.input.uncalibrated", W, "routed experts whose activation scale implies an amax of exactly 1.0: an observer that never saw a token, not a calibration"),
+    r("kv.scale", E, "KV-cache k_scale/v_scale NaN, Inf, ≤ 0 or 1.0, or missing where the config declares a quantized KV cache"),
+    r("tensor.keep-high-precision", E, "a router, norm, embedding, lm_head or MTP layer stored quantized (producers keep them in BF16)"),
+    r("tp.scale-block", E, "lint --tp N: a tensor-parallel shard boundary falls inside a scale block"),
     r("reference.global-scale", E, "--reference: the tensor differs from the reference by a constant factor (a tensor scale)"),
     r("reference.block-scales", E, "--reference: per-row/per-block ratio pattern (scale rows shifted, swizzled, transposed)"),
     r("reference.packing", E, "--reference: right norm, cosine near 0 (nibble order, K order)"),
@@ -140,6 +145,8 @@ impl Default for Thresholds {
 pub struct Rules {
     pub overrides: HashMap<String, Option<Severity>>,
     pub thresholds: Thresholds,
+    /// `lint --tp N`: the tensor-parallel size whose shards `tp.scale-block` checks (None: off).
+    pub tp: Option<usize>,
 }
 
 impl Rules {

@@ -70,6 +70,12 @@ pub trait OpEnv {
     fn swiglu_limit(&self, _weight: &str) -> f32 {
         self.cfg().swiglu_limit as f32
     }
+    /// The factor the routed-experts op of layer `layer` applies to the routing weights it is
+    /// given (which carry the config's `routed_scaling_factor`): 1 (the default), or what the
+    /// served path's engine emulation uses (`routed-scaling-dropped` 1/rs, `-doubled` rs).
+    fn routed_weight_factor(&self, _layer: usize) -> f32 {
+        1.0
+    }
     /// The path's storage rounding ("bf()" in the spec): BF16 RNE for the BF16/served paths,
     /// identity for the FP32 oracle.
     fn store(&self, t: &mut Tensor);

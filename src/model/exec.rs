@@ -361,13 +361,16 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
     check_shape(op, "x", x, &[t, d])?;
     check_shape(op, "routing weights", wts, &[t, k])?;
     check_shape(op, "expert ids", idx, &[t, k])?;
+    // the served path's engine emulation: the routed scaling dropped or applied twice
+    let g = env.routed_weight_factor(layer_of(op)?);
     let mut per: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
     for ti in 0..t {
         for j in 0..k {
             let v = idx.data[ti * k + j];
             let ex = as_index(v, e)
                 .ok_or_else(|| internal(op, format!("expert id {v} is not an integer < {e}")))?;
-            per[ex].push((ti, wts.data[ti * k + j]));
+            let w = wts.data[ti * k + j];
+            per[ex].push((ti, if g == 1.0 { w } else { w * g }));
         }
     }
     experts_over(op, x, &per, k, env, cfg)

@@ -441,16 +441,40 @@ impl OpEnv for PathEnv<'_, '_> {
         &self.shared.tokens
     }
     fn param(&mut self, canonical: &str) -> Result<Tensor> {
-        if let Some(t) = self.shared.params.get(canonical) {
-            return Ok(t.clone());
+        let t = match self.shared.params.get(canonical) {
+            Some(t) => t.clone(),
+            None => {
+                let _s = crate::profile::span("host: param read");
+                let t = self.shared.ckpt.tensor_f32(canonical)?;
+                self.shared.params.insert(canonical.to_string(), t.clone());
+                t
+            }
+        };
+        if self.kind == PathKind::Served {
+            // the layer faults of docs/CATALOGUE-2026.md: the served path's reading only
+            if let Some(u) =
+                crate::served::faults::param_reading(&self.shared.faults, canonical, &t)
+            {
+                return Ok(u);
+            }
         }
-        let _s = crate::profile::span("host: param read");
-        let t = self.shared.ckpt.tensor_f32(canonical)?;
-        self.shared.params.insert(canonical.to_string(), t.clone());
         Ok(t)
     }
+    fn routed_weight_factor(&self, layer: usize) -> f32 {
+        crate::served::faults::routed_weight_factor(
+            self.shared.cfg.routed_scaling_factor as f32,
+            self.kind == PathKind::Served,
+            &self.shared.faults,
+            layer,
+        )
+    }
     fn param_dev(&mut self, canonical: &str) -> Result<Tensor> {
-        self.param(canonical)?;
+        let t = self.param(canonical)?;
+        if self.kind == PathKind::Served
+            && crate::served::faults::param_reading(&self.shared.faults, canonical, &t).is_some()
+        {
+            return Ok(t);
+        }
         let cached = &self.shared.params[canonical];
         // attached to the cached tensor: the op's other paths get it with their clones
         self.shared.backend.make_resident(&cached.data)?;

@@ -384,6 +384,7 @@ pub(super) fn execs(
     // the served numerics differ from the BF16 oracle's where a weight is quantized, and
     // where the engine's chunked prefill changes the op (`--served-chunk`)
     let quantized = touched.iter().any(|t| shared.is_quantized(t))
+        || crate::served::faults::layer_fault_at(&shared.faults, &op.id)
         || shared
             .prefill
             .as_ref()

@@ -30,6 +30,13 @@ pub enum FaultKind {
     MissingExpertBias,
     ZeroedExpertBias,
     SwigluUnclamped,
+    Ue8m0Requantized,
+    E8m0BiasOffByOne,
+    E4m3ScaleUnbiased,
+    Bf16CorrectionBias,
+    RoutedScalingDropped,
+    RoutedScalingDoubled,
+    SinksDropped,
 }
 
 impl FaultKind {
@@ -75,6 +82,31 @@ impl FaultKind {
     /// them on the served path, `synth` has no bytes to plant them in.
     pub const ENGINE_ONLY: [FaultKind; 1] = [FaultKind::SwigluUnclamped];
 
+    /// The loader and engine kinds of docs/CATALOGUE-2026.md (issue 43 item 7): emulated by
+    /// `--loader-fault` on the served path only; `synth` has no bytes to plant them in (the
+    /// checkpoint is right, the engine reads it wrong).
+    pub const CATALOGUE_2026: [FaultKind; 7] = [
+        FaultKind::Ue8m0Requantized,
+        FaultKind::E8m0BiasOffByOne,
+        FaultKind::E4m3ScaleUnbiased,
+        FaultKind::Bf16CorrectionBias,
+        FaultKind::RoutedScalingDropped,
+        FaultKind::RoutedScalingDoubled,
+        FaultKind::SinksDropped,
+    ];
+
+    /// Kinds that act on a plain parameter or a config constant of a layer, not on a weight's
+    /// reading: their target is a layer's op (`Ln.ffn.router`, `Ln.ffn.experts`, `Ln.attn`).
+    pub fn is_layer_kind(self) -> bool {
+        matches!(
+            self,
+            FaultKind::Bf16CorrectionBias
+                | FaultKind::RoutedScalingDropped
+                | FaultKind::RoutedScalingDoubled
+                | FaultKind::SinksDropped
+        )
+    }
+
     /// Every kind: [`FaultKind::ALL`], [`FaultKind::FUSED_EXPERTS`],
     /// [`FaultKind::CHECKPOINT_ONLY`], then [`FaultKind::ENGINE_ONLY`].
     pub fn every() -> impl Iterator<Item = FaultKind> {
@@ -83,6 +115,7 @@ impl FaultKind {
             .chain(FaultKind::FUSED_EXPERTS)
             .chain(FaultKind::CHECKPOINT_ONLY)
             .chain(FaultKind::ENGINE_ONLY)
+            .chain(FaultKind::CATALOGUE_2026)
     }
 
     /// Whether the kind belongs to gpt-oss's fused experts: [`FaultKind::FUSED_EXPERTS`] and the
@@ -133,6 +166,13 @@ impl FaultKind {
             FaultKind::MissingExpertBias => "missing-expert-bias",
             FaultKind::ZeroedExpertBias => "zeroed-expert-bias",
             FaultKind::SwigluUnclamped => "swiglu-unclamped",
+            FaultKind::Ue8m0Requantized => "ue8m0-requantized",
+            FaultKind::E8m0BiasOffByOne => "e8m0-bias-off-by-one",
+            FaultKind::E4m3ScaleUnbiased => "e4m3-scale-unbiased",
+            FaultKind::Bf16CorrectionBias => "bf16-correction-bias",
+            FaultKind::RoutedScalingDropped => "routed-scaling-dropped",
+            FaultKind::RoutedScalingDoubled => "routed-scaling-doubled",
+            FaultKind::SinksDropped => "sinks-dropped",
         }
     }
 
@@ -162,6 +202,13 @@ impl FaultKind {
             FaultKind::MissingExpertBias => "gpt-oss expert biases `*_bias` left out of the export (checkpoint only; lint: weight.missing)",
             FaultKind::ZeroedExpertBias => "gpt-oss expert biases exported as zeros, as a loader that never loaded them would hold them (checkpoint only; lint --reference finds it)",
             FaultKind::SwigluUnclamped => "the experts' SwiGLU run without the config's `swiglu_limit` (gpt-oss 7, DeepSeek-V4 10): an MoE kernel not given the clamp passes gate and up unclamped (engine only: run --loader-fault swiglu-unclamped@Ln.ffn.experts)",
+            FaultKind::Ue8m0Requantized => "FP8 block scales rounded up to powers of two (UE8M0) by a DeepGEMM-style loader although the checkpoint's scales are not UE8M0: every block off by up to 2× (sglang #39193, vLLM PR #51372; loader only)",
+            FaultKind::E8m0BiasOffByOne => "MXFP4 E8M0 block-scale exponents decoded with bias 128 instead of 127: every block halved (compressed-tensors PR #538, vLLM PR #43557; loader only)",
+            FaultKind::E4m3ScaleUnbiased => "NVFP4 E4M3 block scales widened to BF16 without the exponent re-bias (7 → 127): every block ×2^-120, the op's output ≈ 0 (vLLM PR #47315; loader only)",
+            FaultKind::Bf16CorrectionBias => "the router's e_score_correction_bias rounded to BF16 before the top-k: near ties pick other experts (sglang PR #31213, vLLM PR #50761; loader only, target Ln.ffn.router)",
+            FaultKind::RoutedScalingDropped => "routed_scaling_factor not applied to the routed experts' weights (vLLM PR #46816; engine only, target Ln.ffn.experts)",
+            FaultKind::RoutedScalingDoubled => "routed_scaling_factor applied twice, once folded into the routing weights and again on the output (flashinfer #3423; engine only, target Ln.ffn.experts)",
+            FaultKind::SinksDropped => "gpt-oss's attention sinks not passed to the attention kernel: softmax without the sink logit (engine only, target Ln.attn)",
         }
     }
 
@@ -239,6 +286,14 @@ pub fn loader_fault_applies(kind: FaultKind, scheme: &str) -> bool {
     if kind == FaultKind::MissingBlockScales {
         return matches!(s, Scheme::Mxfp4 | Scheme::Nvfp4ModelOpt);
     }
+    match kind {
+        FaultKind::Ue8m0Requantized => return s == Scheme::Fp8Block,
+        FaultKind::E8m0BiasOffByOne => return s == Scheme::Mxfp4,
+        FaultKind::E4m3ScaleUnbiased => return s.spec().served == Served::Nvfp4,
+        // a layer's parameter or constant, never a weight's reading (`check_layer_target`)
+        k if k.is_layer_kind() => return false,
+        _ => {}
+    }
     match s.spec().served {
         Served::Nvfp4 => kind != FaultKind::NonPow2Ue8m0,
         Served::Fp8Act => {
@@ -271,6 +326,10 @@ pub fn check_loader_faults(
         }
         if f.kind == FaultKind::SwigluUnclamped {
             check_swiglu_target(ckpt, f)?;
+        }
+        if f.kind.is_layer_kind() {
+            check_layer_target(ckpt, f)?;
+            continue;
         }
         let hits: Vec<&String> = bases.iter().filter(|b| f.hits(b)).collect();
         if hits.is_empty() {
@@ -365,6 +424,161 @@ pub fn swiglu_limit(
     }
 }
 
+/// The layer a fault target names: `L3.ffn.router`, `L3.attn`, `layers.3.…`.
+pub fn target_layer(target: &str) -> Option<usize> {
+    let rest = target
+        .strip_prefix('L')
+        .or_else(|| target.strip_prefix("layers."))?;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// A layer kind's target: a layer the checkpoint holds, with the parameter or constant the
+/// kind acts on (the router's correction bias, the attention sinks, a routed scaling ≠ 1).
+fn check_layer_target(ckpt: &crate::checkpoint::Checkpoint, f: &Fault) -> crate::Result<()> {
+    let refuse = |why: String| {
+        Err(Error::usage(format!(
+            "loader fault {}@{}: {why}",
+            f.kind.name(),
+            f.target
+        )))
+    };
+    let Some(n) = target_layer(&f.target) else {
+        return refuse(
+            "the target must be a layer's op (e.g. L1.ffn.router, L1.ffn.experts, L1.attn)".into(),
+        );
+    };
+    let names = ckpt.canonical_names();
+    let has = |suffix: &str| names.iter().any(|c| *c == format!("layers.{n}.{suffix}"));
+    match f.kind {
+        FaultKind::Bf16CorrectionBias if !has("ffn.gate.bias") => refuse(format!(
+            "layer {n} has no router correction bias (e_score_correction_bias)"
+        )),
+        FaultKind::SinksDropped if !has("attn.attn_sink") => {
+            refuse(format!("layer {n} has no attention sinks"))
+        }
+        FaultKind::RoutedScalingDropped | FaultKind::RoutedScalingDoubled => {
+            let rs = ckpt
+                .model_config()
+                .map(|c| c.routed_scaling_factor)
+                .unwrap_or(1.0);
+            let moe = names
+                .iter()
+                .any(|c| c.starts_with(&format!("layers.{n}.ffn.experts.")));
+            if !moe {
+                refuse(format!("layer {n} has no routed experts"))
+            } else if rs == 1.0 {
+                refuse(
+                    "the config's routed_scaling_factor is 1: nothing to drop or apply twice"
+                        .into(),
+                )
+            } else {
+                Ok(())
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether a layer kind (docs/CATALOGUE-2026.md) acts at op `op_id`'s layer: the served path then
+/// differs from the BF16 oracle there even where no weight is quantized (a router, an attention).
+pub fn layer_fault_at(faults: &[Fault], op_id: &str) -> bool {
+    let Some(l) = target_layer(op_id) else {
+        return false;
+    };
+    faults
+        .iter()
+        .any(|f| f.kind.is_layer_kind() && target_layer(&f.target) == Some(l))
+}
+
+/// A parameter as the served path reads it under the layer kinds among `faults`: the router's
+/// correction bias rounded to BF16 (`bf16-correction-bias`), the attention sinks dropped (a sink
+/// logit of -inf adds exp(-inf) = 0 to every softmax denominator: `sinks-dropped`). None when
+/// no fault touches `canonical`.
+pub fn param_reading(
+    faults: &[Fault],
+    canonical: &str,
+    t: &crate::Tensor,
+) -> Option<crate::Tensor> {
+    let layer = canonical
+        .strip_prefix("layers.")?
+        .split('.')
+        .next()?
+        .parse::<usize>()
+        .ok()?;
+    let hit = |k: FaultKind| {
+        faults
+            .iter()
+            .any(|f| f.kind == k && target_layer(&f.target) == Some(layer))
+    };
+    if canonical.ends_with(".ffn.gate.bias") && hit(FaultKind::Bf16CorrectionBias) {
+        let mut u = t.clone();
+        u.data
+            .iter_mut()
+            .for_each(|v| *v = crate::numerics::bf16::round(*v));
+        return Some(u);
+    }
+    if canonical.ends_with(".attn.attn_sink") && hit(FaultKind::SinksDropped) {
+        let mut u = t.clone();
+        u.data.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        return Some(u);
+    }
+    None
+}
+
+/// The factor the routed experts of layer `layer` apply to routing weights that carry the
+/// config's scaling `rs`: 1 on the oracles, 1/rs (dropped) or rs (applied twice) on the served
+/// path (`served`) under `routed-scaling-dropped` / `-doubled`.
+pub fn routed_weight_factor(rs: f32, served: bool, faults: &[Fault], layer: usize) -> f32 {
+    if !served {
+        return 1.0;
+    }
+    let hit = |k: FaultKind| {
+        faults
+            .iter()
+            .any(|f| f.kind == k && target_layer(&f.target) == Some(layer))
+    };
+    if hit(FaultKind::RoutedScalingDropped) {
+        1.0 / rs
+    } else if hit(FaultKind::RoutedScalingDoubled) {
+        rs
+    } else {
+        1.0
+    }
+}
+
+/// The values a loader with a scale-decoding fault serves for a non-NVFP4 weight: FP8 block
+/// scales rounded up to powers of two (`ue8m0-requantized`), MXFP4 exponents read with bias 128
+/// (`e8m0-bias-off-by-one`). None when neither applies.
+fn scale_decoding_reading(
+    qw: &crate::checkpoint::QuantWeight,
+    dequant: &[f32],
+    faults: &[&Fault],
+) -> Option<Vec<f32>> {
+    use crate::checkpoint::WeightFormat;
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    let (rows, cols) = (qw.out_features, qw.in_features);
+    match &qw.format {
+        WeightFormat::Mxfp4 { packed, scales } if has(FaultKind::E8m0BiasOffByOne) => {
+            let sc: Vec<u8> = scales.iter().map(|b| b.saturating_sub(1)).collect();
+            Some(crate::numerics::mxfp4::dequantize(packed, &sc, rows, cols))
+        }
+        WeightFormat::Fp8Block { scales, block, .. } if has(FaultKind::Ue8m0Requantized) => {
+            let sc = cols.div_ceil(block[1]);
+            let mut w = dequant.to_vec();
+            for r in 0..rows {
+                for c in 0..cols {
+                    let s = scales[(r / block[0]) * sc + c / block[1]];
+                    if s.is_finite() && s > 0.0 {
+                        w[r * cols + c] *= s.log2().ceil().exp2() / s;
+                    }
+                }
+            }
+            Some(w)
+        }
+        _ => None,
+    }
+}
+
 /// Whether `base` is gpt-oss's fused gate/up projection of a routed expert (`….experts.3.w13`).
 pub fn is_w13(base: &str) -> bool {
     base.contains(".ffn.experts.") && base.ends_with(".w13")
@@ -419,6 +633,9 @@ pub fn fused_expert_reading(
             ));
         }
     }
+    if w.is_none() {
+        w = scale_decoding_reading(qw, dequant, faults);
+    }
     let src = w.as_deref().unwrap_or(dequant);
     reorder_w13(&qw.canonical, rows, faults, overrides, src).or(w)
 }
@@ -466,7 +683,14 @@ pub fn needs_host_reading(
         }) || overrides
             .iter()
             .any(|o| matches!(o, Override::Unswizzle | Override::UnshiftRows)));
+    let decoding = faults.iter().any(|f| {
+        matches!(
+            f.kind,
+            FaultKind::E8m0BiasOffByOne | FaultKind::Ue8m0Requantized
+        )
+    });
     layout
+        || decoding
         || reorders_w13(base, faults, overrides)
         || reads_without_mxfp4_scales(scheme, faults, overrides)
 }
@@ -778,6 +1002,50 @@ mod tests {
         let twice: Vec<&str> = interleave(&v, 6).chunks(2).map(|c| c[0]).collect();
         assert_eq!(twice, ["g0", "u1", "u0", "g2", "g1", "u2"]);
         assert_eq!(deinterleave(&interleave(&v, 6), 6), v);
+    }
+
+    /// The 2026 catalogue's kinds: each applies to the format it models, the layer kinds to no
+    /// weight (their target is a layer's op); the served path alone reads them.
+    #[test]
+    fn catalogue_2026_kinds_apply_where_they_model() {
+        use FaultKind as K;
+        assert!(loader_fault_applies(K::Ue8m0Requantized, "fp8-block"));
+        assert!(!loader_fault_applies(K::Ue8m0Requantized, "nvfp4-ct"));
+        assert!(loader_fault_applies(K::E8m0BiasOffByOne, "mxfp4"));
+        assert!(!loader_fault_applies(K::E8m0BiasOffByOne, "fp8-block"));
+        assert!(loader_fault_applies(K::E4m3ScaleUnbiased, "nvfp4-modelopt"));
+        assert!(!loader_fault_applies(K::E4m3ScaleUnbiased, "mxfp4"));
+        for k in FaultKind::CATALOGUE_2026 {
+            assert!(k.has_loader_form() && !FaultKind::ALL.contains(&k));
+            if k.is_layer_kind() {
+                assert!(!loader_fault_applies(k, "nvfp4-ct"));
+            }
+        }
+        let f = |s: &str| vec![Fault::parse(s).unwrap()];
+        let drop = f("routed-scaling-dropped@L1.ffn.experts");
+        assert_eq!(routed_weight_factor(2.5, true, &drop, 1), 0.4);
+        assert_eq!(routed_weight_factor(2.5, true, &drop, 2), 1.0);
+        assert_eq!(routed_weight_factor(2.5, false, &drop, 1), 1.0);
+        let twice = f("routed-scaling-doubled@L1.ffn.experts");
+        assert_eq!(routed_weight_factor(2.5, true, &twice, 1), 2.5);
+        let t = crate::Tensor::new(vec![2], vec![4.0155, -1.0]);
+        let b = param_reading(
+            &f("bf16-correction-bias@L1.ffn.router"),
+            "layers.1.ffn.gate.bias",
+            &t,
+        )
+        .unwrap();
+        assert_eq!(b.data, vec![4.0, -1.0]);
+        assert!(param_reading(
+            &f("bf16-correction-bias@L1.ffn.router"),
+            "layers.2.ffn.gate.bias",
+            &t
+        )
+        .is_none());
+        let s = param_reading(&f("sinks-dropped@L1.attn"), "layers.1.attn.attn_sink", &t).unwrap();
+        assert!(s.data.iter().all(|v| *v == f32::NEG_INFINITY));
+        assert!(layer_fault_at(&f("sinks-dropped@L1.attn"), "L1.attn.core"));
+        assert!(!layer_fault_at(&f("sinks-dropped@L1.attn"), "L2.attn.core"));
     }
 
     #[test]

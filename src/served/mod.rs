@@ -218,6 +218,10 @@ pub fn resolve_nvfp4_named(
     if has(FaultKind::MissingAlpha) {
         alpha = 1.0;
     }
+    if has(FaultKind::E4m3ScaleUnbiased) {
+        // E4M3's exponent (bias 7) put in BF16's field (bias 127) as is: every block ×2^-120
+        alpha *= (-120f32).exp2();
+    }
     Nvfp4Params { g_x, d_w, alpha }
 }
 

@@ -81,6 +81,15 @@ pub fn applies(kind: FaultKind, base: &str, scheme: WScheme) -> Result<bool> {
                  use `run --loader-fault swiglu-unclamped@Ln.ffn.experts`",
             ))
         }
+        Ue8m0Requantized | E8m0BiasOffByOne | E4m3ScaleUnbiased | Bf16CorrectionBias
+        | RoutedScalingDropped | RoutedScalingDoubled | SinksDropped => {
+            return Err(Error::usage(format!(
+                "fault {} is a loader/engine fault (docs/CATALOGUE-2026.md): the checkpoint is right, \
+                 the engine reads it wrong; use `run --loader-fault {}@TARGET`",
+                kind.name(),
+                kind.name()
+            )))
+        }
         InvertedInputScale | InputAmaxX64 | ZeroInputScale | MissingInputScale | NanInputScale
         | InfInputScale | DoubleScale => nv,
         InvertedWeightScale => nv || matches!(scheme, WScheme::Fp8 | WScheme::Fp8F32),
