@@ -263,7 +263,7 @@ fn bisect_attributes_loader_faults_on_the_linear_experts() {
         let (ops, k, summary) = bisect_first(fault);
         assert_eq!(ops, vec![json!("L1.ffn.experts")], "{fault}: {summary}");
         assert!(
-            summary.contains(names) && summary.contains("w1, w3, w2"),
+            summary.contains(names) && summary.contains("gate_proj, up_proj, down_proj"),
             "{fault}: {summary}"
         );
         assert_eq!(k, kind, "{fault}: {summary}");

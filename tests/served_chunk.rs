@@ -219,7 +219,16 @@ fn engine_faults_diverge_after_a_boundary_and_bisect_names_the_chunk_state() {
             .arg(&jp)
             .output()
             .unwrap();
-        assert_eq!(out.status.code(), Some(1), "{fault}");
+        // exit 1, or 0 when the run measured the fault harmless at the model's output (the
+        // only other proof of absorption besides a factor before an RMSNorm)
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.code() == Some(1)
+                || (out.status.code() == Some(0)
+                    && text.contains("measured at the model's output")),
+            "{fault}: {:?}\n{text}",
+            out.status.code()
+        );
         let j: Value = serde_json::from_slice(&std::fs::read(&jp).unwrap()).unwrap();
         let v = &j["divergences"][0]["verdict"];
         assert_eq!(j["divergences"][0]["op"], op, "{fault}: {j}");

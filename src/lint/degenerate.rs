@@ -144,12 +144,23 @@ fn op_of_key(key: &str) -> Option<String> {
     }
 }
 
+/// A plain parameter, not a weight matrix (lint reads no weights): a vector (norm weight, bias,
+/// correction bias, sinks, V4's mHC bases and scales) or a router's gate matrix.
+fn is_parameter(raw: &str, canonical: Option<&str>, shape: &[usize]) -> bool {
+    let name = canonical.unwrap_or(raw);
+    shape.len() <= 1
+        || name.ends_with("ffn.gate.weight")
+        || raw.ends_with("mlp.gate.weight")
+        || raw.ends_with("mlp.router.weight")
+}
+
 fn is_scale(name: &str) -> bool {
     SCALE_SUFFIXES.iter().any(|s| name.ends_with(s))
 }
 
-/// `tensor.non-finite`: NaN/Inf in a plain float tensor of the layers in `layers` (None: every
-/// layer) and those outside any layer, up to [`PLAIN_MAX_ELEMENTS`] elements each.
+/// `tensor.non-finite`: NaN/Inf in a plain parameter ([`is_parameter`]) of the layers in
+/// `layers` (None: every layer) and those outside any layer, up to [`PLAIN_MAX_ELEMENTS`]
+/// elements each.
 pub(crate) fn tensor_findings(cx: &Cx, layers: Option<&HashSet<usize>>) -> Vec<Finding> {
     let mut out = Vec::new();
     for raw in cx.ck.tensor_names() {
@@ -168,7 +179,10 @@ pub(crate) fn tensor_findings(cx: &Cx, layers: Option<&HashSet<usize>>) -> Vec<F
             continue;
         }
         let n: usize = info.shape.iter().product();
-        if n == 0 || n > PLAIN_MAX_ELEMENTS {
+        if n == 0
+            || n > PLAIN_MAX_ELEMENTS
+            || !is_parameter(&raw, cx.ck.canonical_of(&raw), &info.shape)
+        {
             continue;
         }
         let Ok(bytes) = cx.ck.bytes(&raw) else {

@@ -517,6 +517,9 @@ pub fn classify(records: &mut [OpRecord], m: Measured, th: &Thresholds, unfollow
         if let Some(why) = broken {
             let why = match &at_out {
                 Some(h) => format!("{why}; at the model's output: {}", head_text(h)),
+                None if unfollowed == Unfollowed::Chunked && !scales.contains_key(&id) => format!(
+                    "{why} (not followed downstream: the run took the prompt in token chunks, which does not replay an op's consumers)"
+                ),
                 None => why,
             };
             records[i].consequence = Some(base(

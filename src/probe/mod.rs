@@ -202,7 +202,7 @@ impl HeadMetrics {
 /// Mean next-token KL (nats) the served path may add at the output over the oracle's own spread.
 pub const HEAD_KL_NOISE: f64 = 4.0;
 /// … and at least this much.
-pub const HEAD_KL_MIN: f64 = 1e-3;
+pub const HEAD_KL_MIN: f64 = 1e-4;
 
 /// Whether an op's output is the model's output (next-token logits).
 pub(crate) fn is_head(op: &Op) -> bool {

@@ -424,14 +424,6 @@ pub fn swiglu_limit(
     }
 }
 
-/// The layer a fault target names: `L3.ffn.router`, `L3.attn`, `layers.3.…`.
-pub fn target_layer(target: &str) -> Option<usize> {
-    let rest = target
-        .strip_prefix('L')
-        .or_else(|| target.strip_prefix("layers."))?;
-    rest.split('.').next()?.parse().ok()
-}
-
 /// A layer kind's target: a layer the checkpoint holds, with the parameter or constant the
 /// kind acts on (the router's correction bias, the attention sinks, a routed scaling ≠ 1).
 fn check_layer_target(ckpt: &crate::checkpoint::Checkpoint, f: &Fault) -> crate::Result<()> {
