@@ -251,3 +251,63 @@ fn head_kl_and_top_k_agreement_are_reported() {
             > 2.0 * clean["head_served_vs_bf16"]["kl"].as_f64().unwrap()
     );
 }
+
+/// `gate` holds the model's output: a rule on the head's top-1 agreement passes a clean run against
+/// itself and fails the zeroed MoE's run against the clean baseline; an agreement above 1 in a
+/// run JSON is refused as impossible.
+#[test]
+fn gate_holds_the_heads_next_token_agreement() {
+    let d = dir("qwen3_moe", "ct-nvfp4");
+    let tmp = tempfile::tempdir().unwrap();
+    let json = |name: &str, extra: &[&str]| -> PathBuf {
+        let p = tmp.path().join(name);
+        let mut a = vec!["--json", p.to_str().unwrap()];
+        a.extend(extra);
+        run(&d, &a);
+        p
+    };
+    let base = json("base.json", &[]);
+    let bad = json(
+        "bad.json",
+        &["--loader-fault", "inverted-input-scale@L1.ffn.experts"],
+    );
+    let rules = tmp.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "defaults = false\n[[rule]]\nops = \"head\"\nmetric = \"top1\"\nmax_drop = 0.05\n",
+    )
+    .unwrap();
+    let gate = |cur: &Path| -> (i32, String) {
+        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("nvfp4-probe"))
+            .args(["gate", "--force", "--baseline"])
+            .arg(&base)
+            .arg("--current")
+            .arg(cur)
+            .arg("--tolerances")
+            .arg(&rules)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (code, out) = gate(&base);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = gate(&bad);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("top1"), "{out}");
+    // an impossible agreement is refused
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    for op in v["ops"].as_array_mut().unwrap() {
+        if op["id"] == "head" {
+            op["head_served_vs_bf16"]["top1"] = serde_json::json!(1.5);
+        }
+    }
+    let broken = tmp.path().join("broken.json");
+    std::fs::write(&broken, serde_json::to_string(&v).unwrap()).unwrap();
+    let (code, out) = gate(&broken);
+    assert_eq!(code, 2, "{out}");
+}
