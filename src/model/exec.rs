@@ -363,17 +363,25 @@ fn experts(op: &Op, inputs: &[&Tensor], env: &mut dyn OpEnv, cfg: &ModelConfig) 
     check_shape(op, "expert ids", idx, &[t, k])?;
     // the served path's engine emulation: the routed scaling dropped or applied twice
     let g = env.routed_weight_factor(layer_of(op)?);
+    let ids = routed_ids(op, idx, e)?;
     let mut per: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
-    for ti in 0..t {
-        for j in 0..k {
-            let v = idx.data[ti * k + j];
-            let ex = as_index(v, e)
-                .ok_or_else(|| internal(op, format!("expert id {v} is not an integer < {e}")))?;
-            let w = wts.data[ti * k + j];
-            per[ex].push((ti, if g == 1.0 { w } else { w * g }));
-        }
+    for (s, &ex) in ids.iter().enumerate() {
+        let w = wts.data[s];
+        per[ex].push((s / k, if g == 1.0 { w } else { w * g }));
     }
     experts_over(op, x, &per, k, env, cfg)
+}
+
+/// The expert of every (token, slot) of a router's ids [t, k], token-major, each checked to be
+/// an integer < `e`.
+fn routed_ids(op: &Op, idx: &Tensor, e: usize) -> Result<Vec<usize>> {
+    idx.data
+        .iter()
+        .map(|&v| {
+            as_index(v, e)
+                .ok_or_else(|| internal(op, format!("expert id {v} is not an integer < {e}")))
+        })
+        .collect()
 }
 
 /// The routed experts over x [t, d] with `per[e]` = (row, routing weight) of expert e, `k` slots
@@ -444,17 +452,15 @@ pub fn experts_by_expert(
     let t = x.rows();
     check_shape(op, "x", x, &[t, d])?;
     check_shape(op, "expert ids", idx, &[t, k])?;
-    let mut slots: Vec<(usize, usize)> = Vec::with_capacity(t * k);
     let mut reached = vec![false; e];
-    for ti in 0..t {
-        for j in 0..k {
-            let v = idx.data[ti * k + j];
-            let ex = as_index(v, e)
-                .ok_or_else(|| internal(op, format!("expert id {v} is not an integer < {e}")))?;
+    let mut slots: Vec<(usize, usize)> = routed_ids(op, idx, e)?
+        .into_iter()
+        .enumerate()
+        .map(|(s, ex)| {
             reached[ex] = true;
-            slots.push((ex, ti));
-        }
-    }
+            (ex, s / k)
+        })
+        .collect();
     if exercise {
         for (ex, r) in reached.iter().enumerate() {
             if !r {
@@ -463,12 +469,11 @@ pub fn experts_by_expert(
         }
     }
     let mut per: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
-    let mut rows = Vec::with_capacity(slots.len() * d);
-    for (s, &(ex, ti)) in slots.iter().enumerate() {
+    for (s, &(ex, _)) in slots.iter().enumerate() {
         per[ex].push((s, 1.0));
-        rows.extend_from_slice(&x.data[ti * d..(ti + 1) * d]);
     }
-    let xs = Tensor::new(vec![slots.len(), d], rows);
+    let tokens: Vec<(usize, f32)> = slots.iter().map(|&(_, ti)| (ti, 1.0)).collect();
+    let xs = expert_rows(x, &tokens, d);
     let y = match op.kind {
         OpKind::GptOssExperts => {
             super::family::ops::gpt_oss::experts_over(op, &xs, &per, env, &cfg)?

@@ -185,7 +185,9 @@ impl HeadMetrics {
         self.head_served_vs_bf16.append(sv, bf, vocab);
         self.head_served_vs_fp32.append(sv, fp, vocab);
         self.head_bf16_vs_fp32.append(bf, fp, vocab);
-        self.head_positions = self.head_served_vs_bf16.positions.clone();
+        let n0 = self.head_positions.len();
+        self.head_positions
+            .extend_from_slice(&self.head_served_vs_bf16.positions[n0..]);
     }
 
     /// Whether the served path's next-token choices are as close to the BF16 oracle's as the
